@@ -1,0 +1,292 @@
+//! What a job may touch: file grants, environment, secrets, network, stdin, host tools.
+//!
+//! Everything is denied unless granted here. Each tier translates a `Capabilities` into its own enforcement in
+//! one place (DESIGN §3).
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::path::{Component, Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Whether a grant may be written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum GrantMode {
+    /// Read only: no file or directory in the grant can be created, changed, renamed or removed.
+    #[default]
+    Ro,
+    /// Read and write.
+    Rw,
+}
+
+/// A host directory made visible to the guest at `guest`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grant {
+    /// Directory on the host.
+    pub host: PathBuf,
+    /// Absolute, normalised path where the guest sees it.
+    pub guest: String,
+    /// Read only or read-write.
+    pub mode: GrantMode,
+}
+
+/// A capability that is malformed or contradicts another.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CapsError {
+    /// `--dir` text that is not `HOST:GUEST[:ro|:rw]`.
+    #[error("invalid grant {spec:?}: {reason}")]
+    GrantSpec {
+        /// The text as given.
+        spec: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A guest path that is relative, contains `..` or is otherwise unusable.
+    #[error("invalid guest path {path:?} for grant of {host}: {reason}")]
+    GuestPath {
+        /// The guest path.
+        path: String,
+        /// The host side of the grant.
+        host: PathBuf,
+        /// What was wrong.
+        reason: &'static str,
+    },
+    /// Two grants at the same guest path.
+    #[error("two grants at guest path {0}")]
+    DuplicateGuestPath(String),
+    /// The host side of a grant is missing.
+    #[error("grant host path {0} does not exist")]
+    GrantNotFound(PathBuf),
+    /// The host side of a grant is not a directory.
+    #[error("grant host path {0} is not a directory")]
+    GrantNotDirectory(PathBuf),
+    /// `K=V` text without `=`, or an unusable name.
+    #[error("invalid environment variable {spec:?}: {reason}")]
+    EnvSpec {
+        /// The text as given.
+        spec: String,
+        /// What was wrong.
+        reason: &'static str,
+    },
+}
+
+impl Grant {
+    /// A grant of `host` at `guest`; the guest path is checked and normalised (`/data/` → `/data`).
+    pub fn new(host: impl Into<PathBuf>, guest: &str, mode: GrantMode) -> Result<Grant, CapsError> {
+        let host = host.into();
+        let guest = normalise_guest_path(guest, &host)?;
+        Ok(Grant { host, guest, mode })
+    }
+
+    /// Checks that the host side exists and is a directory.
+    pub fn check_host(&self) -> Result<(), CapsError> {
+        match std::fs::metadata(&self.host) {
+            Ok(meta) if meta.is_dir() => Ok(()),
+            Ok(_) => Err(CapsError::GrantNotDirectory(self.host.clone())),
+            Err(_) => Err(CapsError::GrantNotFound(self.host.clone())),
+        }
+    }
+}
+
+fn normalise_guest_path(path: &str, host: &Path) -> Result<String, CapsError> {
+    let err = |reason| CapsError::GuestPath { path: path.to_owned(), host: host.to_owned(), reason };
+    if !path.starts_with('/') {
+        return Err(err("must be absolute"));
+    }
+    if path.contains('\0') {
+        return Err(err("contains a NUL byte"));
+    }
+    let mut parts = Vec::new();
+    for component in Path::new(path).components() {
+        match component {
+            Component::RootDir => {}
+            Component::Normal(part) => parts.push(part.to_string_lossy().into_owned()),
+            Component::CurDir => {}
+            Component::ParentDir => return Err(err("must not contain `..`")),
+            Component::Prefix(_) => return Err(err("must be a Unix path")),
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+/// Parses `HOST:GUEST[:ro|:rw]` (the CLI's `--dir`). The mode defaults to `ro` when omitted: nothing is writable
+/// unless it says so. The host path may itself contain `:`; the guest path and mode are taken from the right.
+impl FromStr for Grant {
+    type Err = CapsError;
+
+    fn from_str(spec: &str) -> Result<Self, Self::Err> {
+        let bad = |reason: &str| CapsError::GrantSpec { spec: spec.to_owned(), reason: reason.to_owned() };
+        let (rest, mode) = match spec.rsplit_once(':') {
+            Some((rest, "ro")) => (rest, GrantMode::Ro),
+            Some((rest, "rw")) => (rest, GrantMode::Rw),
+            _ => (spec, GrantMode::Ro),
+        };
+        let (host, guest) = rest.rsplit_once(':').ok_or_else(|| bad("expected HOST:GUEST[:ro|:rw]"))?;
+        if host.is_empty() {
+            return Err(bad("empty host path"));
+        }
+        if guest.is_empty() {
+            return Err(bad("empty guest path"));
+        }
+        Grant::new(host, guest, mode)
+    }
+}
+
+impl fmt::Display for Grant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mode = match self.mode {
+            GrantMode::Ro => "ro",
+            GrantMode::Rw => "rw",
+        };
+        write!(f, "{}:{}:{mode}", self.host.display(), self.guest)
+    }
+}
+
+/// Network access.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Net {
+    /// No network at all (the default).
+    #[default]
+    Deny,
+    /// Egress to these `host[:port]` patterns only (`*.example.com` allowed).
+    Allow(Vec<String>),
+}
+
+/// An environment variable `NAME=value`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnvVar {
+    /// Name; never empty, never contains `=` or NUL.
+    pub name: String,
+    /// Value; never contains NUL.
+    pub value: String,
+}
+
+impl FromStr for EnvVar {
+    type Err = CapsError;
+
+    fn from_str(spec: &str) -> Result<Self, Self::Err> {
+        let bad = |reason| CapsError::EnvSpec { spec: spec.to_owned(), reason };
+        let (name, value) = spec.split_once('=').ok_or_else(|| bad("expected NAME=VALUE"))?;
+        if name.is_empty() {
+            return Err(bad("empty name"));
+        }
+        if name.contains('\0') || value.contains('\0') {
+            return Err(bad("contains a NUL byte"));
+        }
+        Ok(EnvVar { name: name.to_owned(), value: value.to_owned() })
+    }
+}
+
+/// Everything a job may touch. `Capabilities::default()` grants nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Capabilities {
+    /// Host directories visible to the guest.
+    pub grants: Vec<Grant>,
+    /// Environment variables.
+    pub env: Vec<EnvVar>,
+    /// Environment variables whose values are redacted from captured output.
+    pub secrets: Vec<EnvVar>,
+    /// Network egress.
+    pub net: Net,
+    /// Bytes the guest reads on stdin (empty: stdin is at end of file).
+    #[serde(with = "stdin_bytes")]
+    pub stdin: Vec<u8>,
+    /// Host functions the guest may call, by name.
+    pub tools: Vec<String>,
+}
+
+mod stdin_bytes {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::STANDARD;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        STANDARD.decode(text).map_err(serde::de::Error::custom)
+    }
+}
+
+impl Capabilities {
+    /// Checks what can be checked without a tier: guest paths are unique and every grant's host directory
+    /// exists.
+    pub fn validate(&self) -> Result<(), CapsError> {
+        let mut seen = BTreeSet::new();
+        for grant in &self.grants {
+            if !seen.insert(grant.guest.as_str()) {
+                return Err(CapsError::DuplicateGuestPath(grant.guest.clone()));
+            }
+            grant.check_host()?;
+        }
+        Ok(())
+    }
+
+    /// Environment the guest sees: `env` then `secrets` (a later definition of a name wins).
+    pub fn guest_env(&self) -> impl Iterator<Item = &EnvVar> {
+        self.env.iter().chain(&self.secrets)
+    }
+
+    /// Secret values to redact from output (empty values are skipped: they would match everywhere).
+    pub fn secret_values(&self) -> Vec<Vec<u8>> {
+        self.secrets.iter().filter(|s| !s.value.is_empty()).map(|s| s.value.clone().into_bytes()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grant_spec_parses_host_guest_and_mode() {
+        let g: Grant = "/srv/data:/data:ro".parse().expect("parses");
+        assert_eq!((g.host.as_path(), g.guest.as_str(), g.mode), (Path::new("/srv/data"), "/data", GrantMode::Ro));
+        let g: Grant = "./out:/out/".parse().expect("parses");
+        assert_eq!((g.guest.as_str(), g.mode), ("/out", GrantMode::Ro));
+        let g: Grant = "/a:b:/x:rw".parse().expect("colon in host path");
+        assert_eq!(g.host, Path::new("/a:b"));
+    }
+
+    #[test]
+    fn grant_with_dotdot_is_refused() {
+        let err = "/tmp:/data/../etc".parse::<Grant>().expect_err("dotdot");
+        assert!(err.to_string().contains(".."), "{err}");
+    }
+
+    #[test]
+    fn grant_with_relative_guest_path_is_refused() {
+        assert!(matches!("/tmp:data".parse::<Grant>(), Err(CapsError::GuestPath { .. })));
+        assert!(matches!("/tmp".parse::<Grant>(), Err(CapsError::GrantSpec { .. })));
+        assert!(matches!(":/x".parse::<Grant>(), Err(CapsError::GrantSpec { .. })));
+    }
+
+    #[test]
+    fn missing_grant_host_is_reported_by_path() {
+        let caps = Capabilities {
+            grants: vec![Grant::new("/nonexistent/strata", "/x", GrantMode::Ro).expect("grant")],
+            ..Capabilities::default()
+        };
+        assert_eq!(caps.validate(), Err(CapsError::GrantNotFound("/nonexistent/strata".into())));
+    }
+
+    #[test]
+    fn duplicate_guest_paths_are_refused() {
+        let g = Grant::new("/tmp", "/x", GrantMode::Ro).expect("grant");
+        let caps = Capabilities { grants: vec![g.clone(), g], ..Capabilities::default() };
+        assert_eq!(caps.validate(), Err(CapsError::DuplicateGuestPath("/x".into())));
+    }
+
+    #[test]
+    fn env_spec_needs_a_name_and_equals() {
+        assert_eq!("A=b=c".parse::<EnvVar>().map(|e| (e.name, e.value)), Ok(("A".into(), "b=c".into())));
+        assert!("NOEQUALS".parse::<EnvVar>().is_err());
+        assert!("=v".parse::<EnvVar>().is_err());
+    }
+}

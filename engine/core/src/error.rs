@@ -1,0 +1,124 @@
+//! Why a tier could not run a job at all (as opposed to a job that ran and failed, which is an
+//! [`Outcome`](crate::Outcome)).
+
+use std::path::PathBuf;
+
+use crate::caps::CapsError;
+use crate::job::JobKind;
+use crate::outcome::TierKind;
+
+/// A job or sandbox request that a tier refused or could not carry out.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TierError {
+    /// The job's input file could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    ReadInput {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The input is not what the job says it is (e.g. a `.wasm` file without the wasm magic).
+    #[error("{what} is not {expected}")]
+    WrongFormat {
+        /// The input, as the user named it.
+        what: String,
+        /// What it should have been.
+        expected: &'static str,
+    },
+    /// A WebAssembly module that fails to validate or compile.
+    #[error("invalid WebAssembly module {name}: {reason}")]
+    InvalidModule {
+        /// The module's name.
+        name: String,
+        /// The validator's or compiler's message.
+        reason: String,
+    },
+    /// A module imports something the tier does not provide.
+    #[error("module {name} imports {import}, which Strata does not provide")]
+    UnknownImport {
+        /// The module's name.
+        name: String,
+        /// `module::field` of the import.
+        import: String,
+    },
+    /// A capability is malformed or its host side is missing.
+    #[error(transparent)]
+    Capability(#[from] CapsError),
+    /// The tier cannot do what the job asks (yet, or on this host).
+    #[error("the {tier} tier does not support {what}")]
+    Unsupported {
+        /// The tier.
+        tier: TierKind,
+        /// What it cannot do.
+        what: String,
+    },
+    /// The job kind is not one this tier runs.
+    #[error("the {tier} tier cannot run {job} jobs")]
+    WrongJob {
+        /// The tier.
+        tier: TierKind,
+        /// The job kind.
+        job: JobKind,
+    },
+    /// The job was cancelled through its [`CancelToken`](crate::CancelToken) before it finished.
+    #[error("job cancelled")]
+    Cancelled,
+    /// Every slot of the tier is busy; retry later or raise its capacity.
+    #[error("the {tier} tier is at capacity: {reason}")]
+    Capacity {
+        /// The tier.
+        tier: TierKind,
+        /// Which resource ran out.
+        reason: String,
+    },
+    /// A file of Strata's own cache or state could not be used.
+    #[error("{what} {}: {source}", path.display())]
+    Storage {
+        /// What the file is for.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A guest path for `read_file`/`write_file` outside every grant, or in a read-only one.
+    #[error("guest path {path}: {reason}")]
+    GuestPath {
+        /// The guest path.
+        path: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// The tier's runtime failed in a way that is not the guest's doing.
+    #[error("{tier} tier internal error: {message}")]
+    Internal {
+        /// The tier.
+        tier: TierKind,
+        /// What failed.
+        message: String,
+    },
+}
+
+impl TierError {
+    /// A stable, machine-readable code for this error (the `kind` of `{"error":{"kind":…}}`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            TierError::ReadInput { .. } => "input_unreadable",
+            TierError::WrongFormat { .. } => "wrong_format",
+            TierError::InvalidModule { .. } => "invalid_module",
+            TierError::UnknownImport { .. } => "unknown_import",
+            TierError::Capability(_) => "invalid_capability",
+            TierError::Unsupported { .. } => "unsupported",
+            TierError::WrongJob { .. } => "wrong_job",
+            TierError::Cancelled => "cancelled",
+            TierError::Capacity { .. } => "capacity",
+            TierError::Storage { .. } => "storage",
+            TierError::GuestPath { .. } => "guest_path",
+            TierError::Internal { .. } => "internal",
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! Strata's core model, shared by the engine and every tier (DESIGN §2): what to run ([`Job`]), what it may
+//! touch ([`Capabilities`]), what it may use ([`Limits`]), how it ended ([`Outcome`]), and the [`Tier`] and
+//! [`Sandbox`] traits that the tiers implement. No wasmtime, no KVM here.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod caps;
+pub mod error;
+pub mod job;
+pub mod limits;
+pub mod outcome;
+pub mod redact;
+pub mod tier;
+pub mod units;
+
+pub use caps::{Capabilities, CapsError, EnvVar, Grant, GrantMode, Net};
+pub use error::TierError;
+pub use job::{Job, JobKind, ModuleSource, PythonSource};
+pub use limits::{Fuel, LimitKind, Limits, LimitsError};
+pub use outcome::{Escalation, Outcome, Status, TierKind, Truncated, Usage};
+pub use redact::Redactor;
+pub use tier::{CancelToken, ExecOptions, OutputSink, Sandbox, Snapshot, Stream, Tier};
+pub use units::{ByteSize, UnitsError, format_duration, parse_duration};
