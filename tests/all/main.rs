@@ -1,1 +1,8 @@
-fn main() {}
+//! Strata's integration tests: one binary, a module per area.
+
+mod util;
+mod wasm_basics;
+mod wasm_cache;
+mod wasm_fs;
+mod wasm_limits;
+mod wasm_sandbox;

@@ -17,7 +17,7 @@ pub mod units;
 pub use caps::{Capabilities, CapsError, EnvVar, Grant, GrantMode, Net};
 pub use error::TierError;
 pub use job::{Job, JobKind, ModuleSource, PythonSource};
-pub use limits::{Fuel, LimitKind, Limits, LimitsError};
+pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
 pub use outcome::{Escalation, Outcome, Status, TierKind, Truncated, Usage};
 pub use redact::Redactor;
 pub use tier::{CancelToken, ExecOptions, OutputSink, Sandbox, Snapshot, Stream, Tier};

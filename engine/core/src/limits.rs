@@ -177,6 +177,71 @@ impl Limits {
     }
 }
 
+/// Some limits, each optional: a policy's `[limits]` table or the CLI's flags, applied over defaults.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsOverride {
+    /// See [`Limits::wall`].
+    #[serde(with = "opt_duration_text", skip_serializing_if = "Option::is_none")]
+    pub wall: Option<Duration>,
+    /// See [`Limits::cpu`].
+    #[serde(with = "opt_duration_text", skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<Duration>,
+    /// See [`Limits::fuel`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fuel: Option<Fuel>,
+    /// See [`Limits::memory`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<ByteSize>,
+    /// See [`Limits::output`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output: Option<ByteSize>,
+    /// See [`Limits::vcpus`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    /// See [`Limits::disk`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<ByteSize>,
+    /// See [`Limits::pids`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u32>,
+    /// See [`Limits::files`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub files: Option<u32>,
+}
+
+impl LimitsOverride {
+    /// `base` with every limit this override sets replaced.
+    pub fn apply(&self, base: &Limits) -> Limits {
+        Limits {
+            wall: self.wall.unwrap_or(base.wall),
+            cpu: self.cpu.unwrap_or(base.cpu),
+            fuel: self.fuel.unwrap_or(base.fuel),
+            memory: self.memory.unwrap_or(base.memory),
+            output: self.output.unwrap_or(base.output),
+            vcpus: self.vcpus.unwrap_or(base.vcpus),
+            disk: self.disk.unwrap_or(base.disk),
+            pids: self.pids.unwrap_or(base.pids),
+            files: self.files.unwrap_or(base.files),
+        }
+    }
+}
+
+mod opt_duration_text {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(value: &Option<Duration>, serializer: S) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(d) => duration_text::serialize(d, serializer),
+            None => serializer.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+        duration_text::deserialize(deserializer).map(Some)
+    }
+}
+
 static DEFAULT_LIMITS: LazyLock<Limits> = LazyLock::new(|| {
     // The file is part of the build and checked by `default_policy_parses`; a parse failure is a build defect.
     #[allow(clippy::expect_used)]
@@ -215,6 +280,15 @@ mod tests {
         let text = DEFAULT_POLICY_TOML.replace("wall = \"30s\"", "wall = \"30 parsecs\"");
         let err = Limits::from_policy_toml(&text, "p.toml").expect_err("bad unit");
         assert!(err.to_string().contains("parsecs"), "{err}");
+    }
+
+    #[test]
+    fn override_replaces_only_what_it_sets() {
+        let patch: LimitsOverride = toml::from_str("wall = \"2s\"\nmemory = \"64MiB\"").expect("parses");
+        let limits = patch.apply(&Limits::default());
+        assert_eq!(limits.wall, Duration::from_secs(2));
+        assert_eq!(limits.memory, ByteSize(64 << 20));
+        assert_eq!(limits.cpu, Limits::default().cpu);
     }
 
     #[test]

@@ -1,1 +1,6 @@
-//! placeholder
+//! Paths of the guest programs Strata's tests and benchmarks run. `build.rs` compiles `guests/` for
+//! wasm32-wasip1 and assembles `wat/`; each constant is the absolute path of one artifact.
+
+#![forbid(unsafe_code)]
+
+include!(concat!(env!("OUT_DIR"), "/programs.rs"));

