@@ -1,1 +1,129 @@
-fn main() {}
+//! The `strata` command. It parses arguments and prints; `strata-engine` decides and the tiers execute.
+//!
+//! Exit status (DESIGN §5): the guest's exit code when it exited; 124 when a limit stopped it; 125 when it
+//! trapped or crashed; 2 for a usage or input error (one line on stderr, or `{"error":{…}}` under `--json`).
+
+mod run;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exit status for usage and input errors.
+const USAGE_ERROR: u8 = 2;
+
+#[derive(Parser)]
+#[command(
+    name = "strata",
+    version,
+    about = "Run untrusted code fast, isolated and metered.",
+    long_about = "Run untrusted code fast, isolated and metered: WebAssembly modules today, on the wasm tier \
+                  (wasmtime), with file grants, limits and a usage report.",
+    disable_help_subcommand = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a job: `strata run [OPTIONS] FILE.wasm [-- ARGS...]`.
+    Run(run::RunArgs),
+}
+
+/// A usage or input error, reported as one line (or a JSON object) with exit status 2.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    kind: &'static str,
+    message: String,
+}
+
+impl Failure {
+    pub(crate) fn new(kind: &'static str, message: impl Into<String>) -> Failure {
+        Failure { kind, message: message.into() }
+    }
+}
+
+impl From<strata_engine::EngineError> for Failure {
+    fn from(err: strata_engine::EngineError) -> Failure {
+        Failure::new(err.code(), err.to_string())
+    }
+}
+
+/// Prints `strata: warning: …` for the library's warnings (e.g. an unwritable module cache).
+struct WarningLogger;
+
+impl log::Log for WarningLogger {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        metadata.level() <= log::Level::Warn
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if self.enabled(record.metadata()) {
+            let _ = writeln!(std::io::stderr(), "strata: warning: {}", record.args());
+        }
+    }
+
+    fn flush(&self) {}
+}
+
+fn main() -> ExitCode {
+    static LOGGER: WarningLogger = WarningLogger;
+    if log::set_logger(&LOGGER).is_ok() {
+        log::set_max_level(log::LevelFilter::Warn);
+    }
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // `--json` before any `--` asks for JSON errors too, even when parsing fails.
+    let json = args.iter().take_while(|a| *a != "--").any(|a| a == "--json");
+    let cli = match Cli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        Err(err) => {
+            use clap::error::ErrorKind;
+            if matches!(err.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = err.print();
+                return ExitCode::SUCCESS;
+            }
+            if err.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                let _ = err.print();
+                return ExitCode::from(USAGE_ERROR);
+            }
+            return fail(json, &Failure::new("usage", clap_message(&err)));
+        }
+    };
+    let result = match cli.command {
+        Command::Run(args) => {
+            let json = args.json;
+            run::run(args).map_err(|failure| (json, failure))
+        }
+    };
+    match result {
+        // Exit codes outside 0..=255 cannot be represented; WASI limits them to 0..126 anyway.
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err((json, failure)) => fail(json, &failure),
+    }
+}
+
+/// clap's message without its `error: ` prefix and usage hints, on one line:
+/// "invalid value '2x' for '--timeout <DURATION>': …".
+fn clap_message(err: &clap::Error) -> String {
+    let text = err.to_string();
+    let message: Vec<&str> = text
+        .lines()
+        .take_while(|line| !line.trim().is_empty() && !line.starts_with("Usage:"))
+        .map(str::trim)
+        .collect();
+    let message = message.join(" ");
+    message.strip_prefix("error: ").unwrap_or(&message).to_owned()
+}
+
+fn fail(json: bool, failure: &Failure) -> ExitCode {
+    if json {
+        let object = serde_json::json!({"error": {"kind": failure.kind, "message": failure.message}});
+        let _ = writeln!(std::io::stdout(), "{object}");
+    } else {
+        let _ = writeln!(std::io::stderr(), "strata: {}", failure.message);
+    }
+    ExitCode::from(USAGE_ERROR)
+}

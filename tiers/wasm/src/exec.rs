@@ -304,12 +304,15 @@ fn classify(err: &wasmtime::Error) -> Result<Status, TierError> {
     if let Some(limit) = err.downcast_ref::<wasmtime::PoolConcurrencyLimitError>() {
         return Err(TierError::Capacity { tier: TierKind::Wasm, reason: limit.to_string() });
     }
-    let mut message = describe(err);
+    // A trap reads best as its cause first ("wasm trap: wasm `unreachable` instruction executed"), then the
+    // guest's stack; other errors (a host function that failed) as their chain of causes.
+    let mut message = if err.downcast_ref::<Trap>().is_some() { err.root_cause().to_string() } else { describe(err) };
     if let Some(backtrace) = err.downcast_ref::<WasmBacktrace>() {
         let frames = backtrace.to_string();
-        if !frames.trim().is_empty() && !message.contains(frames.trim()) {
+        let frames = frames.trim_end().strip_prefix("error while executing at ").unwrap_or(frames.trim_end());
+        if !frames.trim().is_empty() {
             message.push('\n');
-            message.push_str(frames.trim_end());
+            message.push_str(frames);
         }
     }
     Ok(Status::Trapped { message })

@@ -1,0 +1,230 @@
+//! `strata run`.
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc::{Sender, channel};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use clap::Args;
+use strata_core::{
+    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, LimitsOverride, Net, Outcome, OutputSink, Status,
+    Stream, format_duration, parse_duration,
+};
+use strata_engine::{Engine, EngineConfig, Policy, TierChoice};
+
+use crate::Failure;
+
+/// The most stdin `strata run` reads from a pipe or file to hand to the guest.
+const MAX_STDIN: u64 = 64 << 20;
+
+#[derive(Args)]
+pub(crate) struct RunArgs {
+    /// The program: a WebAssembly module (`.wasm`, WASI preview1 command).
+    #[arg(value_name = "FILE")]
+    file: PathBuf,
+
+    /// Arguments passed to the program (after `--`).
+    #[arg(last = true, value_name = "ARGS")]
+    args: Vec<String>,
+
+    /// Tier to run on: auto, wasm, process or vm.
+    #[arg(long, value_name = "TIER", default_value = "auto", value_parser = parse_tier)]
+    tier: TierChoice,
+
+    /// Wall-clock limit, e.g. 2s, 500ms.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_arg)]
+    timeout: Option<Duration>,
+
+    /// CPU-time limit, e.g. 1s.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_arg)]
+    cpu: Option<Duration>,
+
+    /// WebAssembly fuel budget (runs fuel-metered code and reports fuel used), or "unlimited".
+    #[arg(long, value_name = "N", value_parser = parse_fuel)]
+    fuel: Option<Fuel>,
+
+    /// Memory limit, e.g. 256MiB.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    memory: Option<ByteSize>,
+
+    /// Captured output per stream; beyond it output is counted and dropped, e.g. 1MiB.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    output_limit: Option<ByteSize>,
+
+    /// Grant a host directory at a guest path; read-only unless `:rw` (repeatable).
+    #[arg(long = "dir", value_name = "HOST:GUEST[:ro|:rw]", value_parser = parse_grant)]
+    dirs: Vec<Grant>,
+
+    /// Set an environment variable in the guest (repeatable).
+    #[arg(long = "env", value_name = "K=V", value_parser = parse_env)]
+    env: Vec<EnvVar>,
+
+    /// Like --env, and the value is redacted from captured output (repeatable).
+    #[arg(long = "secret", value_name = "K=V", value_parser = parse_env)]
+    secrets: Vec<EnvVar>,
+
+    /// Allow network egress to HOST[:PORT] (repeatable; not available on the wasm tier yet).
+    #[arg(long = "allow-net", value_name = "HOST[:PORT]")]
+    allow_net: Vec<String>,
+
+    /// A policy file whose [limits] replace the defaults; flags override it.
+    #[arg(long, value_name = "FILE")]
+    policy: Option<PathBuf>,
+
+    /// Print exactly one JSON object, the outcome (or {"error":…}), instead of the guest's output.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+fn parse_tier(s: &str) -> Result<TierChoice, String> {
+    s.parse().map_err(|e: strata_engine::EngineError| e.to_string())
+}
+
+fn parse_duration_arg(s: &str) -> Result<Duration, String> {
+    parse_duration(s).map_err(|e| e.to_string())
+}
+
+fn parse_size(s: &str) -> Result<ByteSize, String> {
+    s.parse().map_err(|e: strata_core::UnitsError| e.to_string())
+}
+
+fn parse_fuel(s: &str) -> Result<Fuel, String> {
+    s.parse().map_err(|e: strata_core::limits::FuelParseError| e.to_string())
+}
+
+fn parse_grant(s: &str) -> Result<Grant, String> {
+    s.parse().map_err(|e: strata_core::CapsError| e.to_string())
+}
+
+fn parse_env(s: &str) -> Result<EnvVar, String> {
+    s.parse().map_err(|e: strata_core::CapsError| e.to_string())
+}
+
+/// Forwards guest output to this process's stdout/stderr from a thread of its own, so a slow or closed
+/// terminal or pipe never blocks the guest. Only the captured (capped) bytes pass through, so the queue is
+/// bounded by the output limit.
+struct TerminalSink {
+    queue: Sender<(Stream, Vec<u8>)>,
+}
+
+impl OutputSink for TerminalSink {
+    fn output(&self, stream: Stream, chunk: &[u8]) {
+        let _ = self.queue.send((stream, chunk.to_vec()));
+    }
+}
+
+fn spawn_writer() -> Result<(Arc<TerminalSink>, JoinHandle<()>), Failure> {
+    let (queue, chunks) = channel::<(Stream, Vec<u8>)>();
+    let writer = std::thread::Builder::new()
+        .name("strata-output".into())
+        .spawn(move || {
+            let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
+            let (mut out_ok, mut err_ok) = (true, true);
+            for (stream, chunk) in chunks {
+                // A reader that went away (EPIPE) stops that stream only; the guest is unaffected.
+                match stream {
+                    Stream::Stdout if out_ok => out_ok = out.write_all(&chunk).and_then(|()| out.flush()).is_ok(),
+                    Stream::Stderr if err_ok => err_ok = err.write_all(&chunk).is_ok(),
+                    _ => {}
+                }
+            }
+        })
+        .map_err(|e| Failure::new("internal", format!("cannot start the output thread: {e}")))?;
+    Ok((Arc::new(TerminalSink { queue }), writer))
+}
+
+/// Reads the guest's stdin: this process's stdin when it is a pipe or file, nothing when it is a terminal.
+fn read_stdin() -> Result<Vec<u8>, Failure> {
+    let stdin = std::io::stdin();
+    if stdin.is_terminal() {
+        return Ok(Vec::new());
+    }
+    let mut bytes = Vec::new();
+    stdin
+        .lock()
+        .take(MAX_STDIN + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Failure::new("input_unreadable", format!("cannot read stdin: {e}")))?;
+    if bytes.len() as u64 > MAX_STDIN {
+        return Err(Failure::new("input_too_large", format!("stdin is larger than {}", ByteSize(MAX_STDIN))));
+    }
+    Ok(bytes)
+}
+
+pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
+    let policy = match &args.policy {
+        Some(path) => Policy::from_file(path).map_err(strata_engine::EngineError::from)?,
+        None => Policy::default(),
+    };
+    let flags = LimitsOverride {
+        wall: args.timeout,
+        cpu: args.cpu,
+        fuel: args.fuel,
+        memory: args.memory,
+        output: args.output_limit,
+        ..LimitsOverride::default()
+    };
+    let limits = flags.apply(&policy.limits);
+    let caps = Capabilities {
+        grants: args.dirs,
+        env: args.env,
+        secrets: args.secrets,
+        net: if args.allow_net.is_empty() { Net::Deny } else { Net::Allow(args.allow_net) },
+        stdin: read_stdin()?,
+        tools: Vec::new(),
+    };
+    let config = EngineConfig { policy, max_wasm_instances: 4, ..EngineConfig::from_env()? };
+    let engine = Engine::new(config)?;
+    let job = Job::wasm_file(args.file, args.args);
+
+    if args.json {
+        let outcome = engine.run_on(args.tier, &job, &caps, &limits, ExecOptions::default())?;
+        let text = serde_json::to_string(&outcome)
+            .map_err(|e| Failure::new("internal", format!("cannot encode the outcome: {e}")))?;
+        let _ = writeln!(std::io::stdout(), "{text}");
+        return Ok(outcome.exit_code());
+    }
+
+    let (sink, writer) = spawn_writer()?;
+    let opts = ExecOptions { sink: Some(sink), ..ExecOptions::default() };
+    let result = engine.run_on(args.tier, &job, &caps, &limits, opts);
+    // The engine has dropped the sink with the job; the writer drains the queue and ends.
+    let _ = writer.join();
+    let outcome = result?;
+    report(&outcome, &limits);
+    Ok(outcome.exit_code())
+}
+
+/// One line on stderr for what the guest's own output cannot say: a limit, a trap, a truncation.
+fn report(outcome: &Outcome, limits: &strata_core::Limits) {
+    let mut err = std::io::stderr();
+    match &outcome.status {
+        Status::Exited { .. } => {}
+        Status::LimitExceeded { limit } => {
+            let value = match limit {
+                strata_core::LimitKind::Wall => format_duration(limits.wall),
+                strata_core::LimitKind::Cpu => format_duration(limits.cpu),
+                strata_core::LimitKind::Fuel => limits.fuel.to_string(),
+                strata_core::LimitKind::Memory => limits.memory.to_string(),
+                _ => String::new(),
+            };
+            let _ = writeln!(err, "strata: {limit} limit exceeded ({value})");
+        }
+        Status::Trapped { message } => {
+            let _ = writeln!(err, "strata: trapped: {message}");
+        }
+        Status::Crashed { message } => {
+            let _ = writeln!(err, "strata: crashed: {message}");
+        }
+    }
+    for (name, cut, written) in [
+        ("stdout", outcome.truncated.stdout, outcome.usage.stdout_bytes),
+        ("stderr", outcome.truncated.stderr, outcome.usage.stderr_bytes),
+    ] {
+        if cut {
+            let _ = writeln!(err, "strata: {name} truncated at {} ({written} bytes written)", limits.output);
+        }
+    }
+}
