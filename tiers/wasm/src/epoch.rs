@@ -17,6 +17,8 @@ pub const TICK: Duration = Duration::from_millis(2);
 struct State {
     active: usize,
     stop: bool,
+    /// The thread is waiting for a job (not between ticks), so a starting job must wake it.
+    parked: bool,
 }
 
 struct Shared {
@@ -67,7 +69,7 @@ impl EpochTicker {
         }
         let mut state = self.shared.lock();
         state.active += 1;
-        if state.active == 1 {
+        if state.parked {
             self.shared.wake.notify_one();
         }
         Ok(Running { ticker: self })
@@ -84,7 +86,7 @@ impl Drop for Running<'_> {
 impl Drop for EpochTicker {
     fn drop(&mut self) {
         self.shared.lock().stop = true;
-        self.shared.wake.notify_one();
+        self.shared.wake.notify_all();
         if let Some(thread) = self.thread.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = thread.join();
         }
@@ -94,15 +96,19 @@ impl Drop for EpochTicker {
 fn tick(engine: &Engine, shared: &Shared) {
     let mut state = shared.lock();
     loop {
-        while state.active == 0 && !state.stop {
-            state = shared.wake.wait(state).unwrap_or_else(|p| p.into_inner());
-        }
         if state.stop {
             return;
         }
-        drop(state);
-        std::thread::sleep(TICK);
-        engine.increment_epoch();
-        state = shared.lock();
+        if state.active == 0 {
+            state.parked = true;
+            state = shared.wake.wait(state).unwrap_or_else(|p| p.into_inner());
+            state.parked = false;
+            continue;
+        }
+        // A timed wait rather than a sleep, so that dropping the ticker wakes it at once.
+        state = shared.wake.wait_timeout(state, TICK).unwrap_or_else(|p| p.into_inner()).0;
+        if state.active > 0 && !state.stop {
+            engine.increment_epoch();
+        }
     }
 }
