@@ -16,7 +16,9 @@ pub struct Policy {
 impl Default for Policy {
     /// `policies/default.toml`, compiled in.
     fn default() -> Self {
-        Policy { limits: Limits::default() }
+        Policy {
+            limits: Limits::default(),
+        }
     }
 }
 
@@ -52,8 +54,10 @@ struct PolicyFile {
 impl Policy {
     /// Reads a policy file. Keys it leaves out keep the defaults of `policies/default.toml`.
     pub fn from_file(path: &Path) -> Result<Policy, PolicyError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| PolicyError::Read { path: path.to_owned(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         Policy::from_toml(&text, path)
     }
 
@@ -63,7 +67,9 @@ impl Policy {
             path: path.to_owned(),
             message: one_line(&err.to_string()),
         })?;
-        Ok(Policy { limits: file.limits.apply(&Limits::default()) })
+        Ok(Policy {
+            limits: file.limits.apply(&Limits::default()),
+        })
     }
 }
 
@@ -72,7 +78,12 @@ fn one_line(message: &str) -> String {
     message
         .lines()
         .map(str::trim)
-        .filter(|line| !line.is_empty() && !line.chars().all(|c| c == '|' || c == '^' || c.is_whitespace()))
+        .filter(|line| {
+            !line.is_empty()
+                && !line
+                    .chars()
+                    .all(|c| c == '|' || c == '^' || c.is_whitespace())
+        })
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -83,17 +94,24 @@ mod tests {
 
     #[test]
     fn partial_policy_keeps_other_defaults() {
-        let policy = Policy::from_toml("[limits]\nwall = \"5s\"\n", Path::new("p.toml")).expect("valid");
+        let policy =
+            Policy::from_toml("[limits]\nwall = \"5s\"\n", Path::new("p.toml")).expect("valid");
         assert_eq!(policy.limits.wall, std::time::Duration::from_secs(5));
         assert_eq!(policy.limits.memory, Limits::default().memory);
     }
 
     #[test]
     fn unknown_key_is_named_with_its_line() {
-        let err = Policy::from_toml("[limits]\nwall = \"5s\"\nmemroy = \"1GiB\"\n", Path::new("p.toml"))
-            .expect_err("typo");
+        let err = Policy::from_toml(
+            "[limits]\nwall = \"5s\"\nmemroy = \"1GiB\"\n",
+            Path::new("p.toml"),
+        )
+        .expect_err("typo");
         let message = err.to_string();
-        assert!(message.contains("p.toml") && message.contains("memroy") && message.contains("line 3"), "{message}");
+        assert!(
+            message.contains("p.toml") && message.contains("memroy") && message.contains("line 3"),
+            "{message}"
+        );
         assert!(!message.contains('\n'), "{message}");
     }
 

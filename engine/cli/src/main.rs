@@ -42,7 +42,10 @@ pub(crate) struct Failure {
 
 impl Failure {
     pub(crate) fn new(kind: &'static str, message: impl Into<String>) -> Failure {
-        Failure { kind, message: message.into() }
+        Failure {
+            kind,
+            message: message.into(),
+        }
     }
 }
 
@@ -76,12 +79,18 @@ fn main() -> ExitCode {
     }
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     // `--json` before any `--` asks for JSON errors too, even when parsing fails.
-    let json = args.iter().take_while(|a| *a != "--").any(|a| a == "--json");
+    let json = args
+        .iter()
+        .take_while(|a| *a != "--")
+        .any(|a| a == "--json");
     let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
         Err(err) => {
             use clap::error::ErrorKind;
-            if matches!(err.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+            if matches!(
+                err.kind(),
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
+            ) {
                 let _ = err.print();
                 return ExitCode::SUCCESS;
             }
@@ -115,12 +124,16 @@ fn clap_message(err: &clap::Error) -> String {
         .map(str::trim)
         .collect();
     let message = message.join(" ");
-    message.strip_prefix("error: ").unwrap_or(&message).to_owned()
+    message
+        .strip_prefix("error: ")
+        .unwrap_or(&message)
+        .to_owned()
 }
 
 fn fail(json: bool, failure: &Failure) -> ExitCode {
     if json {
-        let object = serde_json::json!({"error": {"kind": failure.kind, "message": failure.message}});
+        let object =
+            serde_json::json!({"error": {"kind": failure.kind, "message": failure.message}});
         let _ = writeln!(std::io::stdout(), "{object}");
     } else {
         let _ = writeln!(std::io::stderr(), "strata: {}", failure.message);

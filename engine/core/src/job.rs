@@ -38,7 +38,10 @@ pub enum Job {
 impl Job {
     /// A WebAssembly job from a file.
     pub fn wasm_file(path: impl Into<PathBuf>, args: Vec<String>) -> Job {
-        Job::Wasm { module: ModuleSource::File(path.into()), args }
+        Job::Wasm {
+            module: ModuleSource::File(path.into()),
+            args,
+        }
     }
 
     /// What kind of job this is, for messages.
@@ -107,9 +110,11 @@ impl fmt::Debug for ModuleSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ModuleSource::File(path) => f.debug_tuple("File").field(path).finish(),
-            ModuleSource::Bytes { name, bytes } => {
-                f.debug_struct("Bytes").field("name", name).field("len", &bytes.len()).finish()
-            }
+            ModuleSource::Bytes { name, bytes } => f
+                .debug_struct("Bytes")
+                .field("name", name)
+                .field("len", &bytes.len())
+                .finish(),
         }
     }
 }

@@ -30,7 +30,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use strata_core::{
-    Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Tier, TierError, TierKind,
+    Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Tier, TierError,
+    TierKind,
 };
 
 pub use cache::{CacheOutcome, ModuleCache};
@@ -52,7 +53,10 @@ pub struct WasmTierConfig {
 
 impl Default for WasmTierConfig {
     fn default() -> Self {
-        WasmTierConfig { cache_dir: None, max_instances: 64 }
+        WasmTierConfig {
+            cache_dir: None,
+            max_instances: 64,
+        }
     }
 }
 
@@ -64,7 +68,9 @@ pub struct WasmTier {
 
 impl std::fmt::Debug for WasmTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WasmTier").field("config", &self.inner.config).finish_non_exhaustive()
+        f.debug_struct("WasmTier")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -118,18 +124,31 @@ impl WasmTier {
 
     /// Compiles (or loads from the cache) the module a job would run, without running it, and says where it
     /// came from (`None`: it was already prepared in this process).
-    pub fn prepare(&self, module: &ModuleSource, limits: &Limits) -> Result<Option<CacheOutcome>, TierError> {
+    pub fn prepare(
+        &self,
+        module: &ModuleSource,
+        limits: &Limits,
+    ) -> Result<Option<CacheOutcome>, TierError> {
         let runtime = self.inner.runtime(limits.fuel.limit().is_some())?;
-        self.inner.prepare(runtime, module).map(|(_, outcome)| outcome)
+        self.inner
+            .prepare(runtime, module)
+            .map(|(_, outcome)| outcome)
     }
 }
 
 impl TierInner {
     fn runtime(&self, metered: bool) -> Result<&Runtime, TierError> {
-        let cell = if metered { &self.metered } else { &self.unmetered };
+        let cell = if metered {
+            &self.metered
+        } else {
+            &self.unmetered
+        };
         cell.get_or_init(|| Runtime::new(&self.config, metered).map_err(|e| e.to_string()))
             .as_ref()
-            .map_err(|message| TierError::Internal { tier: TierKind::Wasm, message: message.clone() })
+            .map_err(|message| TierError::Internal {
+                tier: TierKind::Wasm,
+                message: message.clone(),
+            })
     }
 
     fn prepare(
@@ -144,7 +163,10 @@ impl TierInner {
                 runtime.prepare(self.cache.as_ref(), &name, &hash, || Ok(bytes.clone()))
             }
             ModuleSource::File(path) => {
-                let unreadable = |source| TierError::ReadInput { path: path.clone(), source };
+                let unreadable = |source| TierError::ReadInput {
+                    path: path.clone(),
+                    source,
+                };
                 let meta = std::fs::metadata(path).map_err(unreadable)?;
                 if !meta.is_file() {
                     return Err(TierError::WrongFormat {
@@ -153,7 +175,11 @@ impl TierInner {
                     });
                 }
                 let stamp = FileStamp::of(&meta);
-                let known = self.lock_files().get(path).filter(|(s, _)| *s == stamp).map(|(_, hash)| *hash);
+                let known = self
+                    .lock_files()
+                    .get(path)
+                    .filter(|(s, _)| *s == stamp)
+                    .map(|(_, hash)| *hash);
                 if let Some(hash) = known {
                     return runtime.prepare(self.cache.as_ref(), &name, &hash, || {
                         std::fs::read(path).map(Arc::from).map_err(unreadable)
@@ -176,9 +202,18 @@ impl TierInner {
         self.files.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
+    fn run(
+        &self,
+        job: &Job,
+        caps: &Capabilities,
+        limits: &Limits,
+        opts: ExecOptions,
+    ) -> Result<Outcome, TierError> {
         let Job::Wasm { module, args } = job else {
-            return Err(TierError::WrongJob { tier: TierKind::Wasm, job: job.kind() });
+            return Err(TierError::WrongJob {
+                tier: TierKind::Wasm,
+                job: job.kind(),
+            });
         };
         exec::check_caps(caps)?;
         let runtime = self.runtime(limits.fuel.limit().is_some())?;
@@ -202,12 +237,22 @@ impl Tier for WasmTier {
         TierKind::Wasm
     }
 
-    fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
+    fn run(
+        &self,
+        job: &Job,
+        caps: &Capabilities,
+        limits: &Limits,
+        opts: ExecOptions,
+    ) -> Result<Outcome, TierError> {
         self.inner.run(job, caps, limits, opts)
     }
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         exec::check_caps(caps)?;
-        Ok(Box::new(WasmSandbox::new(self.inner.clone(), caps.clone(), limits.clone())))
+        Ok(Box::new(WasmSandbox::new(
+            self.inner.clone(),
+            caps.clone(),
+            limits.clone(),
+        )))
     }
 }

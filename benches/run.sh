@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs Strata's benchmarks beside their peers: builds the release `strata`, installs the wasmtime CLI of the
+# same wasmtime version into $STRATA_HOME/tools (once), then runs `cargo bench`. Pass --quick for a short run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export STRATA_HOME="${STRATA_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/strata}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STRATA_HOME/cargo-target}"
+wasmtime_version=$(cargo metadata --format-version 1 --locked 2>/dev/null \
+  | python3 -c 'import json,sys; print(next(p["version"] for p in json.load(sys.stdin)["packages"] if p["name"]=="wasmtime"))')
+
+if ! "$STRATA_HOME/tools/bin/wasmtime" --version 2>/dev/null | grep -q " $wasmtime_version"; then
+  echo "==> installing wasmtime-cli $wasmtime_version into $STRATA_HOME/tools (once; takes several minutes)"
+  cargo install --quiet --locked --root "$STRATA_HOME/tools" wasmtime-cli --version "$wasmtime_version"
+fi
+echo "==> building strata (release)"
+cargo build --release --quiet -p strata-cli
+echo "==> cargo bench"
+cargo bench --quiet -p strata-benches -- "$@"
