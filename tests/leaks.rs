@@ -3,9 +3,7 @@
 
 use std::time::Instant;
 
-use strata_core::{
-    Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, LimitsOverride, Status,
-};
+use strata_core::{Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, LimitsOverride, Status};
 use strata_engine::{Engine, EngineConfig};
 use strata_test_programs as programs;
 
@@ -14,9 +12,7 @@ fn count(dir: &str) -> usize {
 }
 
 fn mappings() -> usize {
-    std::fs::read_to_string("/proc/self/maps")
-        .map(|m| m.lines().count())
-        .unwrap_or(0)
+    std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0)
 }
 
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
@@ -27,21 +23,14 @@ struct Resources {
 }
 
 fn resources() -> Resources {
-    Resources {
-        fds: count("/proc/self/fd"),
-        threads: count("/proc/self/task"),
-        mappings: mappings(),
-    }
+    Resources { fds: count("/proc/self/fd"), threads: count("/proc/self/task"), mappings: mappings() }
 }
 
 fn main() -> anyhow::Result<()> {
     let home = tempfile::tempdir()?;
     let data = tempfile::tempdir()?;
     std::fs::write(data.path().join("f.txt"), "data")?;
-    let engine = Engine::new(EngineConfig {
-        home: Some(home.path().to_owned()),
-        ..EngineConfig::default()
-    })?;
+    let engine = Engine::new(EngineConfig { home: Some(home.path().to_owned()), ..EngineConfig::default() })?;
     let caps = Capabilities {
         grants: vec![Grant::new(data.path(), "/data", GrantMode::Rw)?],
         stdin: b"input".to_vec(),
@@ -51,44 +40,20 @@ fn main() -> anyhow::Result<()> {
     let small_memory: LimitsOverride = toml::from_str("memory = \"4MiB\"")?;
     let jobs: Vec<(Job, Limits)> = vec![
         (Job::wasm_file(programs::HELLO, vec![]), Limits::default()),
-        (
-            Job::wasm_file(programs::ECHO, vec!["x".into()]),
-            Limits::default(),
-        ),
-        (
-            Job::wasm_file(programs::FS, vec!["read".into(), "/data/f.txt".into()]),
-            Limits::default(),
-        ),
-        (
-            Job::wasm_file(
-                programs::FS,
-                vec!["write".into(), "/data/g.txt".into(), "y".into()],
-            ),
-            Limits::default(),
-        ),
+        (Job::wasm_file(programs::ECHO, vec!["x".into()]), Limits::default()),
+        (Job::wasm_file(programs::FS, vec!["read".into(), "/data/f.txt".into()]), Limits::default()),
+        (Job::wasm_file(programs::FS, vec!["write".into(), "/data/g.txt".into(), "y".into()]), Limits::default()),
         (Job::wasm_file(programs::PANIC, vec![]), Limits::default()),
-        (
-            Job::wasm_file(programs::SPIN, vec![]),
-            fuel.apply(&Limits::default()),
-        ),
-        (
-            Job::wasm_file(programs::ALLOC, vec!["16".into()]),
-            small_memory.apply(&Limits::default()),
-        ),
-        (
-            Job::wasm_file(programs::TRIVIAL_WAT, vec![]),
-            Limits::default(),
-        ),
+        (Job::wasm_file(programs::SPIN, vec![]), fuel.apply(&Limits::default())),
+        (Job::wasm_file(programs::ALLOC, vec!["16".into()]), small_memory.apply(&Limits::default())),
+        (Job::wasm_file(programs::TRIVIAL_WAT, vec![]), Limits::default()),
     ];
     let run_all = |rounds: usize| -> anyhow::Result<usize> {
         let mut done = 0;
         for _ in 0..rounds {
             for (job, limits) in &jobs {
                 let outcome = engine.run(job, &caps, limits, ExecOptions::default())?;
-                anyhow::ensure!(
-                    !matches!(outcome.status, Status::Crashed { .. }),
-                    "{outcome:?}"
-                );
+                anyhow::ensure!(!matches!(outcome.status, Status::Crashed { .. }), "{outcome:?}");
                 done += 1;
             }
         }
@@ -97,8 +62,7 @@ fn main() -> anyhow::Result<()> {
     // Warm up: engines, epoch threads, the executor, prepared modules, and a worker thread (whose stack and
     // malloc arena the C library keeps for the next thread).
     run_all(2)?;
-    std::thread::scope(|s| s.spawn(|| run_all(1)).join())
-        .map_err(|_| anyhow::anyhow!("worker panicked"))??;
+    std::thread::scope(|s| s.spawn(|| run_all(1)).join()).map_err(|_| anyhow::anyhow!("worker panicked"))??;
     let before = resources();
     let started = Instant::now();
     let rounds = 1000usize.div_ceil(jobs.len() * 2);
@@ -107,15 +71,9 @@ fn main() -> anyhow::Result<()> {
     done += std::thread::scope(|s| s.spawn(|| run_all(rounds)).join())
         .map_err(|_| anyhow::anyhow!("worker thread panicked"))??;
     let after = resources();
-    println!(
-        "{done} jobs in {:.2?}; before {before:?}, after {after:?}",
-        started.elapsed()
-    );
+    println!("{done} jobs in {:.2?}; before {before:?}, after {after:?}", started.elapsed());
     anyhow::ensure!(done >= 1000, "ran only {done} jobs");
-    anyhow::ensure!(
-        before == after,
-        "resources leaked: before {before:?}, after {after:?}"
-    );
+    anyhow::ensure!(before == after, "resources leaked: before {before:?}, after {after:?}");
     println!("leaks: ok");
     Ok(())
 }

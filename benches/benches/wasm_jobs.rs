@@ -33,11 +33,7 @@ struct Figures {
 
 impl Figures {
     fn new(name: &'static str, unit: &'static str) -> Figures {
-        Figures {
-            name,
-            unit,
-            hist: Histogram::new(3).expect("histogram"),
-        }
+        Figures { name, unit, hist: Histogram::new(3).expect("histogram") }
     }
 
     fn record(&mut self, d: Duration) {
@@ -58,11 +54,7 @@ impl Figures {
 
     fn print(&self, who: &str) {
         let scale = if self.unit == "ns→us" { 1_000.0 } else { 1.0 };
-        let unit = if self.unit == "ns→us" {
-            "us"
-        } else {
-            self.unit
-        };
+        let unit = if self.unit == "ns→us" { "us" } else { self.unit };
         println!(
             "{:<26} {:<34} n={:<6} p50={:>9.2}{unit} p90={:>9.2}{unit} p99={:>9.2}{unit} max={:>9.2}{unit}",
             self.name,
@@ -94,31 +86,19 @@ struct BareWasmtime {
 impl BareWasmtime {
     fn new(path: &str) -> anyhow::Result<BareWasmtime> {
         let engine = wasmtime::Engine::default();
-        let module =
-            wasmtime::Module::from_file(&engine, path).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let module = wasmtime::Module::from_file(&engine, path).map_err(|e| anyhow::anyhow!("{e}"))?;
         let mut linker = wasmtime::Linker::new(&engine);
-        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |ctx| ctx)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let pre = linker
-            .instantiate_pre(&module)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |ctx| ctx).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let pre = linker.instantiate_pre(&module).map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(BareWasmtime { pre, engine })
     }
 
     fn run(&self) -> anyhow::Result<()> {
         let stdout = MemoryOutputPipe::new(1 << 20);
-        let wasi = WasiCtxBuilder::new()
-            .arg("trivial")
-            .stdout(stdout.clone())
-            .build_p1();
+        let wasi = WasiCtxBuilder::new().arg("trivial").stdout(stdout.clone()).build_p1();
         let mut store = wasmtime::Store::new(&self.engine, wasi);
-        let instance = self
-            .pre
-            .instantiate(&mut store)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let start = instance
-            .get_typed_func::<(), ()>(&mut store, "_start")
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let instance = self.pre.instantiate(&mut store).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let start = instance.get_typed_func::<(), ()>(&mut store, "_start").map_err(|e| anyhow::anyhow!("{e}"))?;
         if let Err(err) = start.call(&mut store, ()) {
             match err.downcast_ref::<wasmtime_wasi::I32Exit>() {
                 Some(exit) if exit.0 == 0 => {}
@@ -131,24 +111,12 @@ impl BareWasmtime {
 }
 
 fn strata_job(engine: &Engine, job: &Job) -> anyhow::Result<()> {
-    let outcome = engine.run(
-        job,
-        &Capabilities::default(),
-        &Limits::default(),
-        ExecOptions::default(),
-    )?;
-    anyhow::ensure!(
-        outcome.status == Status::Exited { code: 0 } && !outcome.stdout.is_empty(),
-        "{outcome:?}"
-    );
+    let outcome = engine.run(job, &Capabilities::default(), &Limits::default(), ExecOptions::default())?;
+    anyhow::ensure!(outcome.status == Status::Exited { code: 0 } && !outcome.stdout.is_empty(), "{outcome:?}");
     Ok(())
 }
 
-fn latency(
-    name: &'static str,
-    iters: usize,
-    mut f: impl FnMut() -> anyhow::Result<()>,
-) -> anyhow::Result<Figures> {
+fn latency(name: &'static str, iters: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Figures> {
     for _ in 0..iters / 10 {
         f()?;
     }
@@ -161,11 +129,7 @@ fn latency(
     Ok(figures)
 }
 
-fn throughput(
-    threads: usize,
-    secs: f64,
-    f: impl Fn() -> anyhow::Result<()> + Sync,
-) -> anyhow::Result<f64> {
+fn throughput(threads: usize, secs: f64, f: impl Fn() -> anyhow::Result<()> + Sync) -> anyhow::Result<f64> {
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
     let started = Instant::now();
     let total: usize = std::thread::scope(|s| {
@@ -181,33 +145,19 @@ fn throughput(
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?)
-            .sum::<anyhow::Result<usize>>()
+        handles.into_iter().map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?).sum::<anyhow::Result<usize>>()
     })?;
     Ok(total as f64 / started.elapsed().as_secs_f64())
 }
 
-fn process(
-    name: &'static str,
-    iters: usize,
-    cmd: &mut dyn FnMut() -> Command,
-) -> anyhow::Result<Figures> {
+fn process(name: &'static str, iters: usize, cmd: &mut dyn FnMut() -> Command) -> anyhow::Result<Figures> {
     let mut figures = Figures::new(name, "us");
     for i in 0..iters + 5 {
         let t = Instant::now();
-        let out = cmd()
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .output()?;
+        let out = cmd().stdout(Stdio::piped()).stderr(Stdio::piped()).output()?;
         let elapsed = t.elapsed();
         if !out.status.success() || out.stdout != b"hello\n" {
-            bail!(
-                "{name}: {:?} {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            );
+            bail!("{name}: {:?} {}", out.status, String::from_utf8_lossy(&out.stderr));
         }
         if i >= 5 {
             figures.record(elapsed);
@@ -219,9 +169,7 @@ fn process(
 fn strata_home() -> PathBuf {
     std::env::var_os("STRATA_HOME")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/strata")
-        })
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/strata"))
 }
 
 fn find_wasmtime() -> Option<PathBuf> {
@@ -229,9 +177,7 @@ fn find_wasmtime() -> Option<PathBuf> {
     if installed.exists() {
         return Some(installed);
     }
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|d| d.join("wasmtime"))
-        .find(|p| p.exists())
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join("wasmtime")).find(|p| p.exists())
 }
 
 fn find_strata() -> Option<PathBuf> {
@@ -248,38 +194,25 @@ fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let scale = if quick { 10 } else { 1 };
     let home = tempfile::tempdir()?;
-    let engine = Arc::new(Engine::new(EngineConfig {
-        home: Some(home.path().into()),
-        ..EngineConfig::default()
-    })?);
+    let engine = Arc::new(Engine::new(EngineConfig { home: Some(home.path().into()), ..EngineConfig::default() })?);
     println!(
         "# Strata wasm-tier benchmarks ({} cores); p50/p90/p99/max per job",
         std::thread::available_parallelism()?
     );
 
     // In-process latency, warm cache.
-    let trivial = Job::Wasm {
-        module: ModuleSource::File(programs::TRIVIAL_WAT.into()),
-        args: vec![],
-    };
-    let hello = Job::Wasm {
-        module: ModuleSource::File(programs::HELLO.into()),
-        args: vec![],
-    };
+    let trivial = Job::Wasm { module: ModuleSource::File(programs::TRIVIAL_WAT.into()), args: vec![] };
+    let hello = Job::Wasm { module: ModuleSource::File(programs::HELLO.into()), args: vec![] };
     let bare_trivial = BareWasmtime::new(programs::TRIVIAL_WAT)?;
     let bare_hello = BareWasmtime::new(programs::HELLO)?;
 
-    let ours = latency("inproc_trivial_us", 20_000 / scale, || {
-        strata_job(&engine, &trivial)
-    })?;
+    let ours = latency("inproc_trivial_us", 20_000 / scale, || strata_job(&engine, &trivial))?;
     let peer = latency("inproc_trivial_us", 20_000 / scale, || bare_trivial.run())?;
     ours.print("strata Engine::run");
     peer.print("bare wasmtime+wasi p1");
     ratio("inproc_trivial_us", &ours, &peer, "bare");
 
-    let ours = latency("inproc_hello_us", 5_000 / scale, || {
-        strata_job(&engine, &hello)
-    })?;
+    let ours = latency("inproc_hello_us", 5_000 / scale, || strata_job(&engine, &hello))?;
     let peer = latency("inproc_hello_us", 5_000 / scale, || bare_hello.run())?;
     ours.print("strata Engine::run");
     peer.print("bare wasmtime+wasi p1");
@@ -289,19 +222,9 @@ fn main() -> anyhow::Result<()> {
     let secs = if quick { 0.5 } else { 3.0 };
     let ours = throughput(2, secs, || strata_job(&engine, &trivial))?;
     let peer = throughput(2, secs, || bare_trivial.run())?;
-    println!(
-        "{:<26} {:<34} {ours:>10.0} jobs/s",
-        "throughput_2t_jobs_per_s", "strata Engine::run"
-    );
-    println!(
-        "{:<26} {:<34} {peer:>10.0} jobs/s",
-        "throughput_2t_jobs_per_s", "bare wasmtime+wasi p1"
-    );
-    println!(
-        "{:<26} ratio strata/bare: {:.2}x",
-        "throughput_2t_jobs_per_s",
-        ours / peer
-    );
+    println!("{:<26} {:<34} {ours:>10.0} jobs/s", "throughput_2t_jobs_per_s", "strata Engine::run");
+    println!("{:<26} {:<34} {peer:>10.0} jobs/s", "throughput_2t_jobs_per_s", "bare wasmtime+wasi p1");
+    println!("{:<26} ratio strata/bare: {:.2}x", "throughput_2t_jobs_per_s", ours / peer);
 
     // Whole processes.
     let iters = 200 / scale;
@@ -312,36 +235,23 @@ fn main() -> anyhow::Result<()> {
         );
         return Ok(());
     };
-    let version = Command::new(&wasmtime)
-        .arg("--version")
-        .output()
-        .context("wasmtime --version")?;
-    println!(
-        "# peer: {}",
-        String::from_utf8_lossy(&version.stdout).trim()
-    );
+    let version = Command::new(&wasmtime).arg("--version").output().context("wasmtime --version")?;
+    println!("# peer: {}", String::from_utf8_lossy(&version.stdout).trim());
     let wasm_home = tempfile::tempdir()?;
     let cwasm = wasm_home.path().join("trivial.cwasm");
-    let status = Command::new(&wasmtime)
-        .arg("compile")
-        .arg(programs::TRIVIAL_WAT)
-        .arg("-o")
-        .arg(&cwasm)
-        .status()?;
+    let status = Command::new(&wasmtime).arg("compile").arg(programs::TRIVIAL_WAT).arg("-o").arg(&cwasm).status()?;
     anyhow::ensure!(status.success(), "wasmtime compile failed");
 
     let strata_home = home.path().to_owned();
     let ours = process("process_trivial_us", iters, &mut || {
         let mut c = Command::new(&strata);
-        c.env("STRATA_HOME", &strata_home)
-            .args(["run", programs::TRIVIAL_WAT]);
+        c.env("STRATA_HOME", &strata_home).args(["run", programs::TRIVIAL_WAT]);
         c
     })?;
     let wasm_cache_home = wasm_home.path().to_owned();
     let peer = process("process_trivial_us", iters, &mut || {
         let mut c = Command::new(&wasmtime);
-        c.env("HOME", &wasm_cache_home)
-            .env("XDG_CACHE_HOME", wasm_cache_home.join("cache"));
+        c.env("HOME", &wasm_cache_home).env("XDG_CACHE_HOME", wasm_cache_home.join("cache"));
         c.args(["run", programs::TRIVIAL_WAT]);
         c
     })?;
@@ -354,11 +264,6 @@ fn main() -> anyhow::Result<()> {
     peer.print("wasmtime run (cache on)");
     peer_pre.print("wasmtime run --allow-precompiled");
     ratio("process_trivial_us", &ours, &peer, "wasmtime");
-    ratio(
-        "process_trivial_us",
-        &ours,
-        &peer_pre,
-        "wasmtime-precompiled",
-    );
+    ratio("process_trivial_us", &ours, &peer_pre, "wasmtime-precompiled");
     Ok(())
 }

@@ -24,9 +24,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-use strata_core::{
-    Capabilities, ExecOptions, Job, JobKind, Limits, Outcome, Sandbox, Tier, TierError, TierKind,
-};
+use strata_core::{Capabilities, ExecOptions, Job, JobKind, Limits, Outcome, Sandbox, Tier, TierError, TierKind};
 use strata_tier_wasm::{WasmTier, WasmTierConfig};
 
 pub use policy::{Policy, PolicyError};
@@ -117,31 +115,20 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig {
-            home: None,
-            policy: Policy::default(),
-            max_wasm_instances: 64,
-        }
+        EngineConfig { home: None, policy: Policy::default(), max_wasm_instances: 64 }
     }
 }
 
 impl EngineConfig {
     /// The default configuration with `home` from the environment ([`strata_home`]).
     pub fn from_env() -> Result<EngineConfig, EngineError> {
-        Ok(EngineConfig {
-            home: strata_home(),
-            ..EngineConfig::default()
-        })
+        Ok(EngineConfig { home: strata_home(), ..EngineConfig::default() })
     }
 }
 
 /// `$STRATA_HOME`, else `$XDG_CACHE_HOME/strata`, else `$HOME/.cache/strata` (DESIGN §1); `None` without any.
 pub fn strata_home() -> Option<PathBuf> {
-    let var = |name| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
+    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
     var("STRATA_HOME")
         .or_else(|| var("XDG_CACHE_HOME").map(|p| p.join("strata")))
         .or_else(|| var("HOME").map(|p| p.join(".cache/strata")))
@@ -195,14 +182,8 @@ impl Engine {
     fn tier(&self, tier: TierKind) -> Result<&dyn Tier, EngineError> {
         match tier {
             TierKind::Wasm => Ok(&self.wasm),
-            TierKind::Process => Err(EngineError::TierUnavailable {
-                tier,
-                reason: "not part of this build yet",
-            }),
-            TierKind::Microvm => Err(EngineError::TierUnavailable {
-                tier,
-                reason: "not part of this build yet",
-            }),
+            TierKind::Process => Err(EngineError::TierUnavailable { tier, reason: "not part of this build yet" }),
+            TierKind::Microvm => Err(EngineError::TierUnavailable { tier, reason: "not part of this build yet" }),
         }
     }
 

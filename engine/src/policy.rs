@@ -16,9 +16,7 @@ pub struct Policy {
 impl Default for Policy {
     /// `policies/default.toml`, compiled in.
     fn default() -> Self {
-        Policy {
-            limits: Limits::default(),
-        }
+        Policy { limits: Limits::default() }
     }
 }
 
@@ -54,22 +52,16 @@ struct PolicyFile {
 impl Policy {
     /// Reads a policy file. Keys it leaves out keep the defaults of `policies/default.toml`.
     pub fn from_file(path: &Path) -> Result<Policy, PolicyError> {
-        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| PolicyError::Read { path: path.to_owned(), source })?;
         Policy::from_toml(&text, path)
     }
 
     /// Parses a policy's text; `path` names it in errors.
     pub fn from_toml(text: &str, path: &Path) -> Result<Policy, PolicyError> {
-        let file: PolicyFile = toml::from_str(text).map_err(|err| PolicyError::Invalid {
-            path: path.to_owned(),
-            message: one_line(&err.to_string()),
-        })?;
-        Ok(Policy {
-            limits: file.limits.apply(&Limits::default()),
-        })
+        let file: PolicyFile = toml::from_str(text)
+            .map_err(|err| PolicyError::Invalid { path: path.to_owned(), message: one_line(&err.to_string()) })?;
+        Ok(Policy { limits: file.limits.apply(&Limits::default()) })
     }
 }
 
@@ -78,12 +70,7 @@ fn one_line(message: &str) -> String {
     message
         .lines()
         .map(str::trim)
-        .filter(|line| {
-            !line.is_empty()
-                && !line
-                    .chars()
-                    .all(|c| c == '|' || c == '^' || c.is_whitespace())
-        })
+        .filter(|line| !line.is_empty() && !line.chars().all(|c| c == '|' || c == '^' || c.is_whitespace()))
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -94,24 +81,17 @@ mod tests {
 
     #[test]
     fn partial_policy_keeps_other_defaults() {
-        let policy =
-            Policy::from_toml("[limits]\nwall = \"5s\"\n", Path::new("p.toml")).expect("valid");
+        let policy = Policy::from_toml("[limits]\nwall = \"5s\"\n", Path::new("p.toml")).expect("valid");
         assert_eq!(policy.limits.wall, std::time::Duration::from_secs(5));
         assert_eq!(policy.limits.memory, Limits::default().memory);
     }
 
     #[test]
     fn unknown_key_is_named_with_its_line() {
-        let err = Policy::from_toml(
-            "[limits]\nwall = \"5s\"\nmemroy = \"1GiB\"\n",
-            Path::new("p.toml"),
-        )
-        .expect_err("typo");
+        let err =
+            Policy::from_toml("[limits]\nwall = \"5s\"\nmemroy = \"1GiB\"\n", Path::new("p.toml")).expect_err("typo");
         let message = err.to_string();
-        assert!(
-            message.contains("p.toml") && message.contains("memroy") && message.contains("line 3"),
-            "{message}"
-        );
+        assert!(message.contains("p.toml") && message.contains("memroy") && message.contains("line 3"), "{message}");
         assert!(!message.contains('\n'), "{message}");
     }
 

@@ -11,11 +11,8 @@ pub fn engine() -> &'static Engine {
     static ENGINE: OnceLock<(tempfile::TempDir, Engine)> = OnceLock::new();
     let (_, engine) = ENGINE.get_or_init(|| {
         let home = tempfile::tempdir().expect("tempdir");
-        let engine = Engine::new(EngineConfig {
-            home: Some(home.path().to_owned()),
-            ..EngineConfig::default()
-        })
-        .expect("engine");
+        let engine = Engine::new(EngineConfig { home: Some(home.path().to_owned()), ..EngineConfig::default() })
+            .expect("engine");
         (home, engine)
     });
     engine
@@ -31,12 +28,7 @@ pub fn job(program: &str, args: &[&str]) -> Job {
     Job::wasm_file(program, args.iter().map(|a| a.to_string()).collect())
 }
 
-pub fn try_run(
-    program: &str,
-    args: &[&str],
-    caps: &Capabilities,
-    limits: &Limits,
-) -> Result<Outcome, EngineError> {
+pub fn try_run(program: &str, args: &[&str], caps: &Capabilities, limits: &Limits) -> Result<Outcome, EngineError> {
     engine().run(&job(program, args), caps, limits, ExecOptions::default())
 }
 
@@ -60,24 +52,13 @@ fn walk(root: &Path, dir: &Path) -> Vec<(String, Vec<u8>)> {
     for entry in std::fs::read_dir(dir).expect("read_dir") {
         let entry = entry.expect("entry");
         let path = entry.path();
-        let name = path
-            .strip_prefix(root)
-            .expect("prefix")
-            .display()
-            .to_string();
+        let name = path.strip_prefix(root).expect("prefix").display().to_string();
         let meta = std::fs::symlink_metadata(&path).expect("meta");
         if meta.is_dir() {
             out.push((format!("{name}/"), Vec::new()));
             out.extend(walk(root, &path));
         } else if meta.file_type().is_symlink() {
-            out.push((
-                format!("{name}@"),
-                std::fs::read_link(&path)
-                    .expect("link")
-                    .display()
-                    .to_string()
-                    .into(),
-            ));
+            out.push((format!("{name}@"), std::fs::read_link(&path).expect("link").display().to_string().into()));
         } else {
             out.push((name, std::fs::read(&path).expect("read")));
         }

@@ -5,10 +5,7 @@ use strata_test_programs as programs;
 use strata_tier_wasm::{CacheOutcome, WasmTier, WasmTierConfig};
 
 fn tier(dir: &std::path::Path) -> WasmTier {
-    WasmTier::new(WasmTierConfig {
-        cache_dir: Some(dir.to_owned()),
-        ..WasmTierConfig::default()
-    })
+    WasmTier::new(WasmTierConfig { cache_dir: Some(dir.to_owned()), ..WasmTierConfig::default() })
 }
 
 #[test]
@@ -17,15 +14,9 @@ fn only_the_first_process_compiles_and_a_corrupt_entry_is_rebuilt() {
     let module = ModuleSource::File(programs::HELLO.into());
     let limits = Limits::default();
 
-    assert_eq!(
-        tier(dir.path()).prepare(&module, &limits).expect("compile"),
-        Some(CacheOutcome::Compiled)
-    );
+    assert_eq!(tier(dir.path()).prepare(&module, &limits).expect("compile"), Some(CacheOutcome::Compiled));
     // A new tier stands for a new process: it has nothing in memory and must map the entry.
-    assert_eq!(
-        tier(dir.path()).prepare(&module, &limits).expect("load"),
-        Some(CacheOutcome::Hit)
-    );
+    assert_eq!(tier(dir.path()).prepare(&module, &limits).expect("load"), Some(CacheOutcome::Hit));
     // The same tier does not touch the disk again.
     let warm = tier(dir.path());
     warm.prepare(&module, &limits).expect("load");
@@ -42,30 +33,12 @@ fn only_the_first_process_compiles_and_a_corrupt_entry_is_rebuilt() {
         }
     }
     let fresh = tier(dir.path());
-    assert_eq!(
-        fresh.prepare(&module, &limits).expect("rebuild"),
-        Some(CacheOutcome::Rebuilt)
-    );
-    let job = Job::Wasm {
-        module,
-        args: vec!["again".into()],
-    };
-    let outcome = fresh
-        .run(
-            &job,
-            &Capabilities::default(),
-            &limits,
-            ExecOptions::default(),
-        )
-        .expect("runs");
+    assert_eq!(fresh.prepare(&module, &limits).expect("rebuild"), Some(CacheOutcome::Rebuilt));
+    let job = Job::Wasm { module, args: vec!["again".into()] };
+    let outcome = fresh.run(&job, &Capabilities::default(), &limits, ExecOptions::default()).expect("runs");
     assert_eq!(outcome.status, Status::Exited { code: 0 });
     assert!(String::from_utf8_lossy(&outcome.stdout).starts_with("Hello, again!"));
-    assert_eq!(
-        tier(dir.path())
-            .prepare(&job_module(), &limits)
-            .expect("load"),
-        Some(CacheOutcome::Hit)
-    );
+    assert_eq!(tier(dir.path()).prepare(&job_module(), &limits).expect("load"), Some(CacheOutcome::Hit));
 }
 
 fn job_module() -> ModuleSource {
@@ -78,14 +51,8 @@ fn metered_and_unmetered_code_are_separate_entries() {
     let module = ModuleSource::File(programs::TRIVIAL_WAT.into());
     let metered: Limits = crate::util::limits("fuel = 1000000");
     let t = tier(dir.path());
-    assert_eq!(
-        t.prepare(&module, &Limits::default()).expect("compile"),
-        Some(CacheOutcome::Compiled)
-    );
-    assert_eq!(
-        t.prepare(&module, &metered).expect("compile"),
-        Some(CacheOutcome::Compiled)
-    );
+    assert_eq!(t.prepare(&module, &Limits::default()).expect("compile"), Some(CacheOutcome::Compiled));
+    assert_eq!(t.prepare(&module, &metered).expect("compile"), Some(CacheOutcome::Compiled));
     let entries = std::fs::read_dir(dir.path()).expect("ls").count();
     assert_eq!(entries, 4, "two .cwasm and two .sum files");
 }
@@ -94,28 +61,10 @@ fn metered_and_unmetered_code_are_separate_entries() {
 fn modules_given_as_bytes_run_and_are_cached_by_content() {
     let dir = tempfile::tempdir().expect("tempdir");
     let bytes = std::fs::read(programs::TRIVIAL_WAT).expect("read");
-    let module = ModuleSource::Bytes {
-        name: "trivial".into(),
-        bytes: bytes.into(),
-    };
+    let module = ModuleSource::Bytes { name: "trivial".into(), bytes: bytes.into() };
     let t = tier(dir.path());
-    let job = Job::Wasm {
-        module: module.clone(),
-        args: Vec::new(),
-    };
-    let outcome = t
-        .run(
-            &job,
-            &Capabilities::default(),
-            &Limits::default(),
-            ExecOptions::default(),
-        )
-        .expect("runs");
+    let job = Job::Wasm { module: module.clone(), args: Vec::new() };
+    let outcome = t.run(&job, &Capabilities::default(), &Limits::default(), ExecOptions::default()).expect("runs");
     assert_eq!(outcome.stdout, b"hello\n");
-    assert_eq!(
-        tier(dir.path())
-            .prepare(&module, &Limits::default())
-            .expect("load"),
-        Some(CacheOutcome::Hit)
-    );
+    assert_eq!(tier(dir.path()).prepare(&module, &Limits::default()).expect("load"), Some(CacheOutcome::Hit));
 }

@@ -8,42 +8,22 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
-    let manifest_dir =
-        PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
     let guests = manifest_dir.join("guests");
     let wat_dir = manifest_dir.join("wat");
-    println!(
-        "cargo:rerun-if-changed={}",
-        guests.join("Cargo.toml").display()
-    );
+    println!("cargo:rerun-if-changed={}", guests.join("Cargo.toml").display());
     println!("cargo:rerun-if-changed={}", guests.join("src").display());
     println!("cargo:rerun-if-changed={}", wat_dir.display());
 
     let mut consts = String::new();
     for (name, path) in build_guests(&guests, &out_dir) {
-        writeln!(
-            consts,
-            "/// `guests/src/bin/{name}.rs`, built for wasm32-wasip1."
-        )
-        .expect("fmt");
-        writeln!(
-            consts,
-            "pub const {}: &str = {:?};",
-            name.to_uppercase(),
-            path.display()
-        )
-        .expect("fmt");
+        writeln!(consts, "/// `guests/src/bin/{name}.rs`, built for wasm32-wasip1.").expect("fmt");
+        writeln!(consts, "pub const {}: &str = {:?};", name.to_uppercase(), path.display()).expect("fmt");
     }
     for (name, path) in build_wat(&wat_dir, &out_dir) {
         writeln!(consts, "/// `wat/{name}.wat`, assembled.").expect("fmt");
-        writeln!(
-            consts,
-            "pub const {}_WAT: &str = {:?};",
-            name.to_uppercase(),
-            path.display()
-        )
-        .expect("fmt");
+        writeln!(consts, "pub const {}_WAT: &str = {:?};", name.to_uppercase(), path.display()).expect("fmt");
     }
     fs::write(out_dir.join("programs.rs"), consts).expect("write programs.rs");
 }
@@ -52,18 +32,10 @@ fn build_guests(guests: &Path, out_dir: &Path) -> Vec<(String, PathBuf)> {
     let target_dir = out_dir.join("guest-target");
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.args([
-        "build",
-        "--release",
-        "--quiet",
-        "--target",
-        "wasm32-wasip1",
-        "--bins",
-        "--manifest-path",
-    ])
-    .arg(guests.join("Cargo.toml"))
-    .arg("--target-dir")
-    .arg(&target_dir);
+    cmd.args(["build", "--release", "--quiet", "--target", "wasm32-wasip1", "--bins", "--manifest-path"])
+        .arg(guests.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target_dir);
     // The outer build's flags are for the host; they must not leak into the guest build.
     for var in [
         "CARGO_ENCODED_RUSTFLAGS",
@@ -92,11 +64,7 @@ fn build_guests(guests: &Path, out_dir: &Path) -> Vec<(String, PathBuf)> {
             continue;
         };
         let wasm = bin_dir.join(format!("{stem}.wasm"));
-        assert!(
-            wasm.exists(),
-            "guest {stem} was not built at {}",
-            wasm.display()
-        );
+        assert!(wasm.exists(), "guest {stem} was not built at {}", wasm.display());
         built.push((stem.to_owned(), wasm));
     }
     built.sort();
@@ -110,11 +78,7 @@ fn build_wat(wat_dir: &Path, out_dir: &Path) -> Vec<(String, PathBuf)> {
         if path.extension().and_then(|e| e.to_str()) != Some("wat") {
             continue;
         }
-        let stem = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .expect("utf-8 name")
-            .to_owned();
+        let stem = path.file_stem().and_then(|s| s.to_str()).expect("utf-8 name").to_owned();
         let bytes = wat::parse_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let wasm = out_dir.join(format!("{stem}.wasm"));
         fs::write(&wasm, bytes).expect("write wasm");

@@ -60,12 +60,7 @@ impl std::fmt::Debug for OutputCapture {
 
 impl OutputCapture {
     /// A capture of `stream` that keeps at most `cap` bytes, redacting `secrets`, forwarding kept bytes to `sink`.
-    pub fn new(
-        stream: Stream,
-        cap: u64,
-        secrets: Vec<Vec<u8>>,
-        sink: Option<Arc<dyn OutputSink>>,
-    ) -> Self {
+    pub fn new(stream: Stream, cap: u64, secrets: Vec<Vec<u8>>, sink: Option<Arc<dyn OutputSink>>) -> Self {
         let cap = usize::try_from(cap).unwrap_or(usize::MAX);
         OutputCapture {
             state: Arc::new(Mutex::new(CaptureState {
@@ -83,9 +78,7 @@ impl OutputCapture {
     fn lock(&self) -> MutexGuard<'_, CaptureState> {
         // A panic while holding the lock cannot leave the state inconsistent beyond a partial append, which
         // is still valid captured output; keep going rather than propagate the poison.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Records a guest write.
@@ -98,11 +91,7 @@ impl OutputCapture {
         let mut state = self.lock();
         let tail = state.redactor.finish();
         state.keep(&tail);
-        Captured {
-            bytes: state.kept.clone(),
-            written: state.written,
-            truncated: state.truncated,
-        }
+        Captured { bytes: state.kept.clone(), written: state.written, truncated: state.truncated }
     }
 }
 
@@ -173,11 +162,7 @@ impl OutputStream for OutputCapture {
 }
 
 impl AsyncWrite for OutputCapture {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
+    fn poll_write(self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         OutputCapture::write(&self, buf);
         Poll::Ready(Ok(buf.len()))
     }
@@ -211,14 +196,7 @@ mod tests {
         capture.write(b"lo world");
         capture.write(b"!");
         let captured = capture.finish();
-        assert_eq!(
-            captured,
-            Captured {
-                bytes: b"hello".to_vec(),
-                written: 12,
-                truncated: true
-            }
-        );
+        assert_eq!(captured, Captured { bytes: b"hello".to_vec(), written: 12, truncated: true });
     }
 
     #[test]
@@ -231,12 +209,7 @@ mod tests {
     #[test]
     fn sink_sees_the_redacted_capped_bytes() {
         let sink = Arc::new(Collect::default());
-        let capture = OutputCapture::new(
-            Stream::Stderr,
-            64,
-            vec![b"s3cret".to_vec()],
-            Some(sink.clone()),
-        );
+        let capture = OutputCapture::new(Stream::Stderr, 64, vec![b"s3cret".to_vec()], Some(sink.clone()));
         capture.write(b"key=s3c");
         capture.write(b"ret end");
         let captured = capture.finish();

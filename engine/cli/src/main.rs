@@ -3,6 +3,8 @@
 //! Exit status (DESIGN §5): the guest's exit code when it exited; 124 when a limit stopped it; 125 when it
 //! trapped or crashed; 2 for a usage or input error (one line on stderr, or `{"error":{…}}` under `--json`).
 
+#![forbid(unsafe_code)]
+
 mod run;
 
 use std::io::Write;
@@ -42,10 +44,7 @@ pub(crate) struct Failure {
 
 impl Failure {
     pub(crate) fn new(kind: &'static str, message: impl Into<String>) -> Failure {
-        Failure {
-            kind,
-            message: message.into(),
-        }
+        Failure { kind, message: message.into() }
     }
 }
 
@@ -79,18 +78,12 @@ fn main() -> ExitCode {
     }
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     // `--json` before any `--` asks for JSON errors too, even when parsing fails.
-    let json = args
-        .iter()
-        .take_while(|a| *a != "--")
-        .any(|a| a == "--json");
+    let json = args.iter().take_while(|a| *a != "--").any(|a| a == "--json");
     let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
         Err(err) => {
             use clap::error::ErrorKind;
-            if matches!(
-                err.kind(),
-                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
-            ) {
+            if matches!(err.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 let _ = err.print();
                 return ExitCode::SUCCESS;
             }
@@ -118,22 +111,15 @@ fn main() -> ExitCode {
 /// "invalid value '2x' for '--timeout <DURATION>': …".
 fn clap_message(err: &clap::Error) -> String {
     let text = err.to_string();
-    let message: Vec<&str> = text
-        .lines()
-        .take_while(|line| !line.trim().is_empty() && !line.starts_with("Usage:"))
-        .map(str::trim)
-        .collect();
+    let message: Vec<&str> =
+        text.lines().take_while(|line| !line.trim().is_empty() && !line.starts_with("Usage:")).map(str::trim).collect();
     let message = message.join(" ");
-    message
-        .strip_prefix("error: ")
-        .unwrap_or(&message)
-        .to_owned()
+    message.strip_prefix("error: ").unwrap_or(&message).to_owned()
 }
 
 fn fail(json: bool, failure: &Failure) -> ExitCode {
     if json {
-        let object =
-            serde_json::json!({"error": {"kind": failure.kind, "message": failure.message}});
+        let object = serde_json::json!({"error": {"kind": failure.kind, "message": failure.message}});
         let _ = writeln!(std::io::stdout(), "{object}");
     } else {
         let _ = writeln!(std::io::stderr(), "strata: {}", failure.message);

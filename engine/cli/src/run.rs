@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use clap::Args;
 use strata_core::{
-    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, LimitsOverride, Net, Outcome,
-    OutputSink, Status, Stream, format_duration, parse_duration,
+    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, LimitsOverride, Net, Outcome, OutputSink, Status,
+    Stream, format_duration, parse_duration,
 };
 use strata_engine::{Engine, EngineConfig, Policy, TierChoice};
 
@@ -79,8 +79,7 @@ pub(crate) struct RunArgs {
 }
 
 fn parse_tier(s: &str) -> Result<TierChoice, String> {
-    s.parse()
-        .map_err(|e: strata_engine::EngineError| e.to_string())
+    s.parse().map_err(|e: strata_engine::EngineError| e.to_string())
 }
 
 fn parse_duration_arg(s: &str) -> Result<Duration, String> {
@@ -88,13 +87,11 @@ fn parse_duration_arg(s: &str) -> Result<Duration, String> {
 }
 
 fn parse_size(s: &str) -> Result<ByteSize, String> {
-    s.parse()
-        .map_err(|e: strata_core::UnitsError| e.to_string())
+    s.parse().map_err(|e: strata_core::UnitsError| e.to_string())
 }
 
 fn parse_fuel(s: &str) -> Result<Fuel, String> {
-    s.parse()
-        .map_err(|e: strata_core::limits::FuelParseError| e.to_string())
+    s.parse().map_err(|e: strata_core::limits::FuelParseError| e.to_string())
 }
 
 fn parse_grant(s: &str) -> Result<Grant, String> {
@@ -128,9 +125,7 @@ fn spawn_writer() -> Result<(Arc<TerminalSink>, JoinHandle<()>), Failure> {
             for (stream, chunk) in chunks {
                 // A reader that went away (EPIPE) stops that stream only; the guest is unaffected.
                 match stream {
-                    Stream::Stdout if out_ok => {
-                        out_ok = out.write_all(&chunk).and_then(|()| out.flush()).is_ok()
-                    }
+                    Stream::Stdout if out_ok => out_ok = out.write_all(&chunk).and_then(|()| out.flush()).is_ok(),
                     Stream::Stderr if err_ok => err_ok = err.write_all(&chunk).is_ok(),
                     _ => {}
                 }
@@ -153,10 +148,7 @@ fn read_stdin() -> Result<Vec<u8>, Failure> {
         .read_to_end(&mut bytes)
         .map_err(|e| Failure::new("input_unreadable", format!("cannot read stdin: {e}")))?;
     if bytes.len() as u64 > MAX_STDIN {
-        return Err(Failure::new(
-            "input_too_large",
-            format!("stdin is larger than {}", ByteSize(MAX_STDIN)),
-        ));
+        return Err(Failure::new("input_too_large", format!("stdin is larger than {}", ByteSize(MAX_STDIN))));
     }
     Ok(bytes)
 }
@@ -179,19 +171,11 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
         grants: args.dirs,
         env: args.env,
         secrets: args.secrets,
-        net: if args.allow_net.is_empty() {
-            Net::Deny
-        } else {
-            Net::Allow(args.allow_net)
-        },
+        net: if args.allow_net.is_empty() { Net::Deny } else { Net::Allow(args.allow_net) },
         stdin: read_stdin()?,
         tools: Vec::new(),
     };
-    let config = EngineConfig {
-        policy,
-        max_wasm_instances: 4,
-        ..EngineConfig::from_env()?
-    };
+    let config = EngineConfig { policy, max_wasm_instances: 4, ..EngineConfig::from_env()? };
     let engine = Engine::new(config)?;
     let job = Job::wasm_file(args.file, args.args);
 
@@ -204,10 +188,7 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
     }
 
     let (sink, writer) = spawn_writer()?;
-    let opts = ExecOptions {
-        sink: Some(sink),
-        ..ExecOptions::default()
-    };
+    let opts = ExecOptions { sink: Some(sink), ..ExecOptions::default() };
     let result = engine.run_on(args.tier, &job, &caps, &limits, opts);
     // The engine has dropped the sink with the job; the writer drains the queue and ends.
     let _ = writer.join();
@@ -239,23 +220,11 @@ fn report(outcome: &Outcome, limits: &strata_core::Limits) {
         }
     }
     for (name, cut, written) in [
-        (
-            "stdout",
-            outcome.truncated.stdout,
-            outcome.usage.stdout_bytes,
-        ),
-        (
-            "stderr",
-            outcome.truncated.stderr,
-            outcome.usage.stderr_bytes,
-        ),
+        ("stdout", outcome.truncated.stdout, outcome.usage.stdout_bytes),
+        ("stderr", outcome.truncated.stderr, outcome.usage.stderr_bytes),
     ] {
         if cut {
-            let _ = writeln!(
-                err,
-                "strata: {name} truncated at {} ({written} bytes written)",
-                limits.output
-            );
+            let _ = writeln!(err, "strata: {name} truncated at {} ({written} bytes written)", limits.output);
         }
     }
 }

@@ -22,17 +22,8 @@ fn strata(home: &Path, args: &[&str], stdin: &[u8]) -> Run {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn strata");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(stdin)
-        .expect("write stdin");
-    let Output {
-        status,
-        stdout,
-        stderr,
-    } = child.wait_with_output().expect("wait");
+    child.stdin.take().expect("stdin").write_all(stdin).expect("write stdin");
+    let Output { status, stdout, stderr } = child.wait_with_output().expect("wait");
     let run = Run {
         code: status.code().expect("exit code, not a signal"),
         stdout: String::from_utf8_lossy(&stdout).into_owned(),
@@ -43,11 +34,7 @@ fn strata(home: &Path, args: &[&str], stdin: &[u8]) -> Run {
         "strata panicked: {}",
         run.stderr
     );
-    assert!(
-        !run.stderr.contains("RUST_BACKTRACE") || run.stderr.contains("guest panicked"),
-        "{}",
-        run.stderr
-    );
+    assert!(!run.stderr.contains("RUST_BACKTRACE") || run.stderr.contains("guest panicked"), "{}", run.stderr);
     run
 }
 
@@ -56,86 +43,34 @@ fn home() -> tempfile::TempDir {
 }
 
 fn json(run: &Run) -> serde_json::Value {
-    assert_eq!(
-        run.stdout.lines().count(),
-        1,
-        "exactly one JSON line: {:?}",
-        run.stdout
-    );
+    assert_eq!(run.stdout.lines().count(), 1, "exactly one JSON line: {:?}", run.stdout);
     serde_json::from_str(&run.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", run.stdout))
 }
 
 #[test]
 fn the_demo_job_prints_and_exits_zero() {
     let home = home();
-    let run = strata(
-        home.path(),
-        &["run", programs::HELLO, "--", "newcomer"],
-        b"",
-    );
+    let run = strata(home.path(), &["run", programs::HELLO, "--", "newcomer"], b"");
     assert_eq!(run.code, 0, "{}", run.stderr);
-    assert_eq!(
-        run.stdout,
-        "Hello, newcomer! This line was printed by a WebAssembly guest inside Strata.\n"
-    );
+    assert_eq!(run.stdout, "Hello, newcomer! This line was printed by a WebAssembly guest inside Strata.\n");
     assert_eq!(run.stderr, "");
-    let cached = std::fs::read_dir(home.path().join("modules"))
-        .expect("module cache in STRATA_HOME")
-        .count();
+    let cached = std::fs::read_dir(home.path().join("modules")).expect("module cache in STRATA_HOME").count();
     assert_eq!(cached, 2, "one .cwasm and its .sum");
 }
 
 #[test]
 fn json_prints_exactly_the_outcome_object() {
-    let run = strata(
-        home().path(),
-        &["run", "--json", programs::EXIT, "--", "3"],
-        b"",
-    );
+    let run = strata(home().path(), &["run", "--json", programs::EXIT, "--", "3"], b"");
     assert_eq!(run.code, 3);
     let v = json(&run);
-    let keys: Vec<&str> = v
-        .as_object()
-        .expect("object")
-        .keys()
-        .map(String::as_str)
-        .collect();
-    assert_eq!(
-        keys,
-        [
-            "escalations",
-            "status",
-            "stderr",
-            "stdout",
-            "tier",
-            "truncated",
-            "usage"
-        ]
-    );
+    let keys: Vec<&str> = v.as_object().expect("object").keys().map(String::as_str).collect();
+    assert_eq!(keys, ["escalations", "status", "stderr", "stdout", "tier", "truncated", "usage"]);
     assert_eq!(v["tier"], "wasm");
-    assert_eq!(
-        v["status"],
-        serde_json::json!({"kind": "exited", "code": 3})
-    );
+    assert_eq!(v["status"], serde_json::json!({"kind": "exited", "code": 3}));
     assert_eq!(v["stdout"], "exiting with 3\n");
     assert_eq!(v["stderr"], "to stderr\n");
-    let usage: Vec<&str> = v["usage"]
-        .as_object()
-        .expect("usage")
-        .keys()
-        .map(String::as_str)
-        .collect();
-    assert_eq!(
-        usage,
-        [
-            "cpu_ms",
-            "fuel",
-            "peak_memory_bytes",
-            "stderr_bytes",
-            "stdout_bytes",
-            "wall_ms"
-        ]
-    );
+    let usage: Vec<&str> = v["usage"].as_object().expect("usage").keys().map(String::as_str).collect();
+    assert_eq!(usage, ["cpu_ms", "fuel", "peak_memory_bytes", "stderr_bytes", "stdout_bytes", "wall_ms"]);
     assert!(v["usage"]["fuel"].is_null());
     assert_eq!(run.stderr, "");
 }
@@ -147,29 +82,16 @@ fn each_limit_exits_124_with_its_kind() {
         (vec!["--timeout", "200ms", programs::SPIN], "wall"),
         (vec!["--cpu", "200ms", programs::SPIN], "cpu"),
         (vec!["--fuel", "1000000", programs::SPIN], "fuel"),
-        (
-            vec!["--memory", "8MiB", programs::ALLOC, "--", "32"],
-            "memory",
-        ),
+        (vec!["--memory", "8MiB", programs::ALLOC, "--", "32"], "memory"),
     ] {
         let mut all = vec!["run", "--json"];
         all.extend(&args);
         let run = strata(home.path(), &all, b"");
         assert_eq!(run.code, 124, "{args:?}: {}", run.stdout);
-        assert_eq!(
-            json(&run)["status"],
-            serde_json::json!({"kind": "limit_exceeded", "limit": limit})
-        );
+        assert_eq!(json(&run)["status"], serde_json::json!({"kind": "limit_exceeded", "limit": limit}));
     }
-    let run = strata(
-        home.path(),
-        &["run", "--timeout", "200ms", programs::SPIN],
-        b"",
-    );
-    assert_eq!(
-        (run.code, run.stderr.as_str()),
-        (124, "strata: wall limit exceeded (200ms)\n")
-    );
+    let run = strata(home.path(), &["run", "--timeout", "200ms", programs::SPIN], b"");
+    assert_eq!((run.code, run.stderr.as_str()), (124, "strata: wall limit exceeded (200ms)\n"));
 }
 
 #[test]
@@ -178,22 +100,13 @@ fn a_trap_exits_125() {
     assert_eq!(run.code, 125);
     let v = json(&run);
     assert_eq!(v["status"]["kind"], "trapped");
-    assert!(
-        v["status"]["message"]
-            .as_str()
-            .expect("message")
-            .starts_with("wasm trap: wasm `unreachable`")
-    );
+    assert!(v["status"]["message"].as_str().expect("message").starts_with("wasm trap: wasm `unreachable`"));
 }
 
 #[test]
 fn stdin_is_piped_to_the_guest() {
     let run = strata(home().path(), &["run", programs::ECHO], b"from a pipe");
-    assert!(
-        run.stdout.ends_with("stdin=from a pipe\n"),
-        "{}",
-        run.stdout
-    );
+    assert!(run.stdout.ends_with("stdin=from a pipe\n"), "{}", run.stdout);
 }
 
 #[test]
@@ -202,54 +115,18 @@ fn grants_env_and_secrets_from_flags() {
     std::fs::write(dir.path().join("f.txt"), "granted").expect("write");
     let grant = format!("{}:/data:ro", dir.path().display());
     let home = home();
-    let run = strata(
-        home.path(),
-        &[
-            "run",
-            "--dir",
-            &grant,
-            programs::FS,
-            "--",
-            "read",
-            "/data/f.txt",
-        ],
-        b"",
-    );
+    let run = strata(home.path(), &["run", "--dir", &grant, programs::FS, "--", "read", "/data/f.txt"], b"");
     assert_eq!((run.code, run.stdout.as_str()), (0, "granted"));
-    let run = strata(
-        home.path(),
-        &[
-            "run",
-            "--env",
-            "A=1",
-            "--secret",
-            "TOKEN=abc123xyz",
-            programs::ECHO,
-        ],
-        b"",
-    );
-    assert!(
-        run.stdout.contains("env A=1\nenv TOKEN=[REDACTED]\n"),
-        "{}",
-        run.stdout
-    );
+    let run = strata(home.path(), &["run", "--env", "A=1", "--secret", "TOKEN=abc123xyz", programs::ECHO], b"");
+    assert!(run.stdout.contains("env A=1\nenv TOKEN=[REDACTED]\n"), "{}", run.stdout);
 }
 
 #[test]
 fn truncation_is_reported_on_stderr() {
-    let run = strata(
-        home().path(),
-        &["run", "--output-limit", "16", programs::FLOOD, "--", "1000"],
-        b"",
-    );
+    let run = strata(home().path(), &["run", "--output-limit", "16", programs::FLOOD, "--", "1000"], b"");
     assert_eq!(run.code, 0);
     assert_eq!(run.stdout, "x".repeat(16));
-    assert!(
-        run.stderr
-            .ends_with("strata: stderr truncated at 16B (1000 bytes written)\n"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.stderr.ends_with("strata: stderr truncated at 16B (1000 bytes written)\n"), "{}", run.stderr);
 }
 
 #[test]
@@ -259,59 +136,20 @@ fn bad_input_exits_2_with_one_line_naming_the_problem() {
     std::fs::write(&text, "hello").expect("write");
     let malformed = dir.path().join("bad.wasm");
     std::fs::write(&malformed, b"\0asm\x01\0\0\0\x01\xff\xff").expect("write");
-    let (text, malformed) = (
-        text.to_str().expect("utf8"),
-        malformed.to_str().expect("utf8"),
-    );
+    let (text, malformed) = (text.to_str().expect("utf8"), malformed.to_str().expect("utf8"));
     let home = home();
     let cases: Vec<(Vec<&str>, &str, &str)> = vec![
-        (
-            vec!["/nonexistent/x.wasm"],
-            "input_unreadable",
-            "/nonexistent/x.wasm",
-        ),
+        (vec!["/nonexistent/x.wasm"], "input_unreadable", "/nonexistent/x.wasm"),
         (vec![text], "wrong_format", "not a WebAssembly module"),
         (vec![malformed], "invalid_module", "bad.wasm"),
-        (
-            vec![programs::UNKNOWN_IMPORT_WAT],
-            "unknown_import",
-            "env::launch_missiles",
-        ),
-        (
-            vec!["--dir", "/nonexistent/d:/d", programs::HELLO],
-            "invalid_capability",
-            "/nonexistent/d does not exist",
-        ),
-        (
-            vec!["--memory", "lots", programs::HELLO],
-            "usage",
-            "invalid size \"lots\"",
-        ),
-        (
-            vec!["--timeout", "5", programs::HELLO],
-            "usage",
-            "missing unit",
-        ),
-        (
-            vec!["--tier", "quantum", programs::HELLO],
-            "usage",
-            "unknown tier \"quantum\"",
-        ),
-        (
-            vec!["--tier", "process", programs::HELLO],
-            "tier_unavailable",
-            "process tier is not available",
-        ),
-        (
-            vec!["--dir", "relative", programs::HELLO],
-            "usage",
-            "expected HOST:GUEST",
-        ),
-        (
-            vec!["--allow-net", "example.com", programs::HELLO],
-            "unsupported",
-            "network egress",
-        ),
+        (vec![programs::UNKNOWN_IMPORT_WAT], "unknown_import", "env::launch_missiles"),
+        (vec!["--dir", "/nonexistent/d:/d", programs::HELLO], "invalid_capability", "/nonexistent/d does not exist"),
+        (vec!["--memory", "lots", programs::HELLO], "usage", "invalid size \"lots\""),
+        (vec!["--timeout", "5", programs::HELLO], "usage", "missing unit"),
+        (vec!["--tier", "quantum", programs::HELLO], "usage", "unknown tier \"quantum\""),
+        (vec!["--tier", "process", programs::HELLO], "tier_unavailable", "process tier is not available"),
+        (vec!["--dir", "relative", programs::HELLO], "usage", "expected HOST:GUEST"),
+        (vec!["--allow-net", "example.com", programs::HELLO], "unsupported", "network egress"),
     ];
     for (args, kind, needle) in cases {
         let mut plain = vec!["run"];
@@ -320,11 +158,7 @@ fn bad_input_exits_2_with_one_line_naming_the_problem() {
         assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
         assert_eq!(run.stdout, "", "{args:?}");
         assert_eq!(run.stderr.lines().count(), 1, "{args:?}: {}", run.stderr);
-        assert!(
-            run.stderr.starts_with("strata: ") && run.stderr.contains(needle),
-            "{args:?}: {}",
-            run.stderr
-        );
+        assert!(run.stderr.starts_with("strata: ") && run.stderr.contains(needle), "{args:?}: {}", run.stderr);
 
         let mut with_json = vec!["run", "--json"];
         with_json.extend(&args);
@@ -332,13 +166,7 @@ fn bad_input_exits_2_with_one_line_naming_the_problem() {
         assert_eq!(run.code, 2, "{args:?}");
         let v = json(&run);
         assert_eq!(v["error"]["kind"], kind, "{args:?}: {v}");
-        assert!(
-            v["error"]["message"]
-                .as_str()
-                .expect("message")
-                .contains(needle),
-            "{args:?}: {v}"
-        );
+        assert!(v["error"]["message"].as_str().expect("message").contains(needle), "{args:?}: {v}");
     }
 }
 
@@ -349,44 +177,17 @@ fn a_policy_file_sets_limits_and_flags_override_it() {
     std::fs::write(&policy, "[limits]\nwall = \"150ms\"\n").expect("write");
     let policy = policy.to_str().expect("utf8");
     let home = home();
-    let run = strata(
-        home.path(),
-        &["run", "--json", "--policy", policy, programs::SPIN],
-        b"",
-    );
+    let run = strata(home.path(), &["run", "--json", "--policy", policy, programs::SPIN], b"");
     assert_eq!(json(&run)["status"]["limit"], "wall");
-    let run = strata(
-        home.path(),
-        &[
-            "run",
-            "--json",
-            "--policy",
-            policy,
-            "--fuel",
-            "100000",
-            programs::SPIN,
-        ],
-        b"",
-    );
+    let run = strata(home.path(), &["run", "--json", "--policy", policy, "--fuel", "100000", programs::SPIN], b"");
     assert_eq!(json(&run)["status"]["limit"], "fuel");
 
     let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, "[limits]\nwall = \"1s\"\nmemroy = \"1GiB\"\n").expect("write");
-    let run = strata(
-        home.path(),
-        &[
-            "run",
-            "--policy",
-            bad.to_str().expect("utf8"),
-            programs::HELLO,
-        ],
-        b"",
-    );
+    let run = strata(home.path(), &["run", "--policy", bad.to_str().expect("utf8"), programs::HELLO], b"");
     assert_eq!(run.code, 2);
     assert!(
-        run.stderr.contains("bad.toml")
-            && run.stderr.contains("line 3")
-            && run.stderr.contains("memroy"),
+        run.stderr.contains("bad.toml") && run.stderr.contains("line 3") && run.stderr.contains("memroy"),
         "{}",
         run.stderr
     );
@@ -403,9 +204,5 @@ fn a_closed_stdout_does_not_disturb_the_job() {
         .expect("spawn");
     drop(child.stdout.take());
     let status = child.wait().expect("wait");
-    assert_eq!(
-        status.code(),
-        Some(0),
-        "the guest's exit status, not a broken pipe"
-    );
+    assert_eq!(status.code(), Some(0), "the guest's exit status, not a broken pipe");
 }

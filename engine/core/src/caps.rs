@@ -92,11 +92,7 @@ impl Grant {
 }
 
 fn normalise_guest_path(path: &str, host: &Path) -> Result<String, CapsError> {
-    let err = |reason| CapsError::GuestPath {
-        path: path.to_owned(),
-        host: host.to_owned(),
-        reason,
-    };
+    let err = |reason| CapsError::GuestPath { path: path.to_owned(), host: host.to_owned(), reason };
     if !path.starts_with('/') {
         return Err(err("must be absolute"));
     }
@@ -122,18 +118,13 @@ impl FromStr for Grant {
     type Err = CapsError;
 
     fn from_str(spec: &str) -> Result<Self, Self::Err> {
-        let bad = |reason: &str| CapsError::GrantSpec {
-            spec: spec.to_owned(),
-            reason: reason.to_owned(),
-        };
+        let bad = |reason: &str| CapsError::GrantSpec { spec: spec.to_owned(), reason: reason.to_owned() };
         let (rest, mode) = match spec.rsplit_once(':') {
             Some((rest, "ro")) => (rest, GrantMode::Ro),
             Some((rest, "rw")) => (rest, GrantMode::Rw),
             _ => (spec, GrantMode::Ro),
         };
-        let (host, guest) = rest
-            .rsplit_once(':')
-            .ok_or_else(|| bad("expected HOST:GUEST[:ro|:rw]"))?;
+        let (host, guest) = rest.rsplit_once(':').ok_or_else(|| bad("expected HOST:GUEST[:ro|:rw]"))?;
         if host.is_empty() {
             return Err(bad("empty host path"));
         }
@@ -178,23 +169,15 @@ impl FromStr for EnvVar {
     type Err = CapsError;
 
     fn from_str(spec: &str) -> Result<Self, Self::Err> {
-        let bad = |reason| CapsError::EnvSpec {
-            spec: spec.to_owned(),
-            reason,
-        };
-        let (name, value) = spec
-            .split_once('=')
-            .ok_or_else(|| bad("expected NAME=VALUE"))?;
+        let bad = |reason| CapsError::EnvSpec { spec: spec.to_owned(), reason };
+        let (name, value) = spec.split_once('=').ok_or_else(|| bad("expected NAME=VALUE"))?;
         if name.is_empty() {
             return Err(bad("empty name"));
         }
         if name.contains('\0') || value.contains('\0') {
             return Err(bad("contains a NUL byte"));
         }
-        Ok(EnvVar {
-            name: name.to_owned(),
-            value: value.to_owned(),
-        })
+        Ok(EnvVar { name: name.to_owned(), value: value.to_owned() })
     }
 }
 
@@ -253,11 +236,7 @@ impl Capabilities {
 
     /// Secret values to redact from output (empty values are skipped: they would match everywhere).
     pub fn secret_values(&self) -> Vec<Vec<u8>> {
-        self.secrets
-            .iter()
-            .filter(|s| !s.value.is_empty())
-            .map(|s| s.value.clone().into_bytes())
-            .collect()
+        self.secrets.iter().filter(|s| !s.value.is_empty()).map(|s| s.value.clone().into_bytes()).collect()
     }
 }
 
@@ -268,10 +247,7 @@ mod tests {
     #[test]
     fn grant_spec_parses_host_guest_and_mode() {
         let g: Grant = "/srv/data:/data:ro".parse().expect("parses");
-        assert_eq!(
-            (g.host.as_path(), g.guest.as_str(), g.mode),
-            (Path::new("/srv/data"), "/data", GrantMode::Ro)
-        );
+        assert_eq!((g.host.as_path(), g.guest.as_str(), g.mode), (Path::new("/srv/data"), "/data", GrantMode::Ro));
         let g: Grant = "./out:/out/".parse().expect("parses");
         assert_eq!((g.guest.as_str(), g.mode), ("/out", GrantMode::Ro));
         let g: Grant = "/a:b:/x:rw".parse().expect("colon in host path");
@@ -286,18 +262,9 @@ mod tests {
 
     #[test]
     fn grant_with_relative_guest_path_is_refused() {
-        assert!(matches!(
-            "/tmp:data".parse::<Grant>(),
-            Err(CapsError::GuestPath { .. })
-        ));
-        assert!(matches!(
-            "/tmp".parse::<Grant>(),
-            Err(CapsError::GrantSpec { .. })
-        ));
-        assert!(matches!(
-            ":/x".parse::<Grant>(),
-            Err(CapsError::GrantSpec { .. })
-        ));
+        assert!(matches!("/tmp:data".parse::<Grant>(), Err(CapsError::GuestPath { .. })));
+        assert!(matches!("/tmp".parse::<Grant>(), Err(CapsError::GrantSpec { .. })));
+        assert!(matches!(":/x".parse::<Grant>(), Err(CapsError::GrantSpec { .. })));
     }
 
     #[test]
@@ -306,31 +273,19 @@ mod tests {
             grants: vec![Grant::new("/nonexistent/strata", "/x", GrantMode::Ro).expect("grant")],
             ..Capabilities::default()
         };
-        assert_eq!(
-            caps.validate(),
-            Err(CapsError::GrantNotFound("/nonexistent/strata".into()))
-        );
+        assert_eq!(caps.validate(), Err(CapsError::GrantNotFound("/nonexistent/strata".into())));
     }
 
     #[test]
     fn duplicate_guest_paths_are_refused() {
         let g = Grant::new("/tmp", "/x", GrantMode::Ro).expect("grant");
-        let caps = Capabilities {
-            grants: vec![g.clone(), g],
-            ..Capabilities::default()
-        };
-        assert_eq!(
-            caps.validate(),
-            Err(CapsError::DuplicateGuestPath("/x".into()))
-        );
+        let caps = Capabilities { grants: vec![g.clone(), g], ..Capabilities::default() };
+        assert_eq!(caps.validate(), Err(CapsError::DuplicateGuestPath("/x".into())));
     }
 
     #[test]
     fn env_spec_needs_a_name_and_equals() {
-        assert_eq!(
-            "A=b=c".parse::<EnvVar>().map(|e| (e.name, e.value)),
-            Ok(("A".into(), "b=c".into()))
-        );
+        assert_eq!("A=b=c".parse::<EnvVar>().map(|e| (e.name, e.value)), Ok(("A".into(), "b=c".into())));
         assert!("NOEQUALS".parse::<EnvVar>().is_err());
         assert!("=v".parse::<EnvVar>().is_err());
     }

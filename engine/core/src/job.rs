@@ -38,10 +38,7 @@ pub enum Job {
 impl Job {
     /// A WebAssembly job from a file.
     pub fn wasm_file(path: impl Into<PathBuf>, args: Vec<String>) -> Job {
-        Job::Wasm {
-            module: ModuleSource::File(path.into()),
-            args,
-        }
+        Job::Wasm { module: ModuleSource::File(path.into()), args }
     }
 
     /// What kind of job this is, for messages.
@@ -97,10 +94,9 @@ impl ModuleSource {
     /// The name the guest sees as `argv[0]`: the file name, or the given name.
     pub fn program_name(&self) -> String {
         match self {
-            ModuleSource::File(path) => path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_else(|| path.display().to_string()),
+            ModuleSource::File(path) => {
+                path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| path.display().to_string())
+            }
             ModuleSource::Bytes { name, .. } => name.clone(),
         }
     }
@@ -110,11 +106,9 @@ impl fmt::Debug for ModuleSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ModuleSource::File(path) => f.debug_tuple("File").field(path).finish(),
-            ModuleSource::Bytes { name, bytes } => f
-                .debug_struct("Bytes")
-                .field("name", name)
-                .field("len", &bytes.len())
-                .finish(),
+            ModuleSource::Bytes { name, bytes } => {
+                f.debug_struct("Bytes").field("name", name).field("len", &bytes.len()).finish()
+            }
         }
     }
 }

@@ -81,10 +81,7 @@ impl FromStr for Fuel {
             return Ok(Fuel::Unlimited);
         }
         let digits: String = text.chars().filter(|c| *c != '_').collect();
-        digits
-            .parse()
-            .map(Fuel::Limited)
-            .map_err(|_| FuelParseError(s.to_owned()))
+        digits.parse().map(Fuel::Limited).map_err(|_| FuelParseError(s.to_owned()))
     }
 }
 
@@ -173,12 +170,10 @@ struct LimitsFile {
 impl Limits {
     /// Reads the `[limits]` table of a policy file's text; `origin` names the file in errors.
     pub fn from_policy_toml(text: &str, origin: &str) -> Result<Limits, LimitsError> {
-        toml::from_str::<LimitsFile>(text)
-            .map(|file| file.limits)
-            .map_err(|err| LimitsError {
-                origin: origin.to_owned(),
-                message: err.to_string().trim_end().replace('\n', " "),
-            })
+        toml::from_str::<LimitsFile>(text).map(|file| file.limits).map_err(|err| LimitsError {
+            origin: origin.to_owned(),
+            message: err.to_string().trim_end().replace('\n', " "),
+        })
     }
 }
 
@@ -235,19 +230,14 @@ impl LimitsOverride {
 mod opt_duration_text {
     use super::*;
 
-    pub fn serialize<S: Serializer>(
-        value: &Option<Duration>,
-        serializer: S,
-    ) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: Serializer>(value: &Option<Duration>, serializer: S) -> Result<S::Ok, S::Error> {
         match value {
             Some(d) => duration_text::serialize(d, serializer),
             None => serializer.serialize_none(),
         }
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(
-        deserializer: D,
-    ) -> Result<Option<Duration>, D::Error> {
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
         duration_text::deserialize(deserializer).map(Some)
     }
 }
@@ -255,8 +245,7 @@ mod opt_duration_text {
 static DEFAULT_LIMITS: LazyLock<Limits> = LazyLock::new(|| {
     // The file is part of the build and checked by `default_policy_parses`; a parse failure is a build defect.
     #[allow(clippy::expect_used)]
-    Limits::from_policy_toml(DEFAULT_POLICY_TOML, "policies/default.toml")
-        .expect("policies/default.toml is valid")
+    Limits::from_policy_toml(DEFAULT_POLICY_TOML, "policies/default.toml").expect("policies/default.toml is valid")
 });
 
 impl Default for Limits {
@@ -283,10 +272,7 @@ mod tests {
         let text = DEFAULT_POLICY_TOML.replace("pids = 256", "pids = 256\nmemroy = \"1GiB\"");
         let err = Limits::from_policy_toml(&text, "p.toml").expect_err("typo");
         let message = err.to_string();
-        assert!(
-            message.contains("memroy") && message.contains("p.toml"),
-            "{message}"
-        );
+        assert!(message.contains("memroy") && message.contains("p.toml"), "{message}");
     }
 
     #[test]
@@ -298,8 +284,7 @@ mod tests {
 
     #[test]
     fn override_replaces_only_what_it_sets() {
-        let patch: LimitsOverride =
-            toml::from_str("wall = \"2s\"\nmemory = \"64MiB\"").expect("parses");
+        let patch: LimitsOverride = toml::from_str("wall = \"2s\"\nmemory = \"64MiB\"").expect("parses");
         let limits = patch.apply(&Limits::default());
         assert_eq!(limits.wall, Duration::from_secs(2));
         assert_eq!(limits.memory, ByteSize(64 << 20));

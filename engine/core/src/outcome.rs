@@ -133,11 +133,7 @@ fn millis(d: Duration) -> f64 {
 }
 
 fn from_millis(ms: f64) -> Duration {
-    if ms.is_finite() && ms > 0.0 {
-        Duration::from_secs_f64(ms / 1_000.0)
-    } else {
-        Duration::ZERO
-    }
+    if ms.is_finite() && ms > 0.0 { Duration::from_secs_f64(ms / 1_000.0) } else { Duration::ZERO }
 }
 
 impl Serialize for Usage {
@@ -315,19 +311,11 @@ mod tests {
 
     #[test]
     fn limit_status_names_the_limit() {
-        let status = Status::LimitExceeded {
-            limit: LimitKind::Memory,
-        };
+        let status = Status::LimitExceeded { limit: LimitKind::Memory };
         let json = serde_json::to_string(&status).expect("serializes");
         assert_eq!(json, r#"{"kind":"limit_exceeded","limit":"memory"}"#);
         assert_eq!(status.exit_code(), 124);
-        assert_eq!(
-            Status::Trapped {
-                message: "x".into()
-            }
-            .exit_code(),
-            125
-        );
+        assert_eq!(Status::Trapped { message: "x".into() }.exit_code(), 125);
     }
 
     #[test]
@@ -345,8 +333,7 @@ mod tests {
     #[test]
     fn outcome_round_trips_through_json() {
         let outcome = sample();
-        let back: Outcome =
-            serde_json::from_str(&serde_json::to_string(&outcome).expect("ser")).expect("de");
+        let back: Outcome = serde_json::from_str(&serde_json::to_string(&outcome).expect("ser")).expect("de");
         assert_eq!(back, outcome);
     }
 }

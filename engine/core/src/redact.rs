@@ -21,11 +21,7 @@ impl Redactor {
         // Longest first, so a secret that contains another is replaced whole.
         secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
         let holdback = secrets.first().map_or(0, |s| s.len() - 1);
-        Redactor {
-            secrets,
-            holdback,
-            pending: Vec::new(),
-        }
+        Redactor { secrets, holdback, pending: Vec::new() }
     }
 
     /// True when there is nothing to redact, so callers may skip the copy.
@@ -86,10 +82,7 @@ mod tests {
 
     #[test]
     fn secret_split_across_writes_is_redacted() {
-        assert_eq!(
-            run(&["hunter2"], &["pw=hun", "te", "r2 ok"]),
-            "pw=[REDACTED] ok"
-        );
+        assert_eq!(run(&["hunter2"], &["pw=hun", "te", "r2 ok"]), "pw=[REDACTED] ok");
     }
 
     #[test]
@@ -99,10 +92,7 @@ mod tests {
 
     #[test]
     fn longest_secret_wins_and_empty_secrets_are_ignored() {
-        assert_eq!(
-            run(&["abc", "abcdef", ""], &["xabcdefx abc"]),
-            "x[REDACTED]x [REDACTED]"
-        );
+        assert_eq!(run(&["abc", "abcdef", ""], &["xabcdefx abc"]), "x[REDACTED]x [REDACTED]");
         assert_eq!(run(&[], &["plain"]), "plain");
     }
 }

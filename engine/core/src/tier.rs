@@ -98,13 +98,7 @@ pub trait Tier: Send + Sync {
     ///
     /// `Err` means the job could not be started (bad input, missing grant, unsupported request); a job that
     /// started and then failed, trapped or hit a limit is an `Ok` [`Outcome`] saying so.
-    fn run(
-        &self,
-        job: &Job,
-        caps: &Capabilities,
-        limits: &Limits,
-        opts: ExecOptions,
-    ) -> Result<Outcome, TierError>;
+    fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError>;
 
     /// Starts a sandbox that keeps its capabilities and state across several [`Sandbox::exec`] calls.
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError>;
@@ -112,10 +106,7 @@ pub trait Tier: Send + Sync {
     /// Starts a sandbox from a snapshot.
     fn fork(&self, snapshot: &Snapshot) -> Result<Box<dyn Sandbox>, TierError> {
         let _ = snapshot;
-        Err(TierError::Unsupported {
-            tier: self.kind(),
-            what: "forking snapshots".into(),
-        })
+        Err(TierError::Unsupported { tier: self.kind(), what: "forking snapshots".into() })
     }
 }
 
@@ -135,10 +126,7 @@ pub trait Sandbox: Send {
 
     /// Saves the sandbox's complete state.
     fn snapshot(&mut self) -> Result<Snapshot, TierError> {
-        Err(TierError::Unsupported {
-            tier: self.tier(),
-            what: "snapshots".into(),
-        })
+        Err(TierError::Unsupported { tier: self.tier(), what: "snapshots".into() })
     }
 
     /// Shuts the sandbox down and releases its resources.

@@ -27,19 +27,13 @@ pub enum UnitsError {
 
 impl UnitsError {
     fn invalid(what: &'static str, input: &str, reason: impl Into<String>) -> Self {
-        UnitsError::Invalid {
-            what,
-            input: input.to_owned(),
-            reason: reason.into(),
-        }
+        UnitsError::Invalid { what, input: input.to_owned(), reason: reason.into() }
     }
 }
 
 /// Splits `"1.5GiB"` into `("1.5", "GiB")`.
 fn split_number(input: &str) -> (&str, &str) {
-    let end = input
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(input.len());
+    let end = input.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(input.len());
     (&input[..end], input[end..].trim_start())
 }
 
@@ -54,30 +48,14 @@ fn scale(what: &'static str, input: &str, number: &str, unit: u128) -> Result<u1
         return Err(UnitsError::invalid(what, input, "expected a number"));
     }
     if frac.contains('.') {
-        return Err(UnitsError::invalid(
-            what,
-            input,
-            "more than one decimal point",
-        ));
+        return Err(UnitsError::invalid(what, input, "more than one decimal point"));
     }
     if frac.len() > 9 {
-        return Err(UnitsError::invalid(
-            what,
-            input,
-            "more than 9 decimal places",
-        ));
+        return Err(UnitsError::invalid(what, input, "more than 9 decimal places"));
     }
     let too_large = || UnitsError::invalid(what, input, "too large");
-    let whole: u128 = if whole.is_empty() {
-        0
-    } else {
-        whole.parse().map_err(|_| too_large())?
-    };
-    let frac_digits: u128 = if frac.is_empty() {
-        0
-    } else {
-        frac.parse().map_err(|_| too_large())?
-    };
+    let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| too_large())? };
+    let frac_digits: u128 = if frac.is_empty() { 0 } else { frac.parse().map_err(|_| too_large())? };
     let frac_scale = 10u128.pow(frac.len() as u32);
     let whole_part = whole.checked_mul(unit).ok_or_else(too_large)?;
     let frac_part = frac_digits.checked_mul(unit).ok_or_else(too_large)? / frac_scale;
@@ -109,27 +87,16 @@ impl FromStr for ByteSize {
             }
         };
         if unit.is_empty() && number.contains('.') {
-            return Err(UnitsError::invalid(
-                "size",
-                input,
-                "a fractional number of bytes",
-            ));
+            return Err(UnitsError::invalid("size", input, "a fractional number of bytes"));
         }
         let bytes = scale("size", input, number, multiplier)?;
-        u64::try_from(bytes)
-            .map(ByteSize)
-            .map_err(|_| UnitsError::invalid("size", input, "too large"))
+        u64::try_from(bytes).map(ByteSize).map_err(|_| UnitsError::invalid("size", input, "too large"))
     }
 }
 
 impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const UNITS: [(&str, u64); 4] = [
-            ("TiB", 1 << 40),
-            ("GiB", 1 << 30),
-            ("MiB", 1 << 20),
-            ("KiB", 1 << 10),
-        ];
+        const UNITS: [(&str, u64); 4] = [("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
         for (name, size) in UNITS {
             if self.0 >= size && self.0.is_multiple_of(size) {
                 return write!(f, "{}{name}", self.0 / size);
@@ -173,11 +140,7 @@ pub fn parse_duration(input: &str) -> Result<Duration, UnitsError> {
         "m" | "min" => 60_000_000_000,
         "h" => 3_600_000_000_000,
         "" => {
-            return Err(UnitsError::invalid(
-                "duration",
-                input,
-                "missing unit (use ns, us, ms, s, m or h)",
-            ));
+            return Err(UnitsError::invalid("duration", input, "missing unit (use ns, us, ms, s, m or h)"));
         }
         other => {
             return Err(UnitsError::invalid(
@@ -188,21 +151,15 @@ pub fn parse_duration(input: &str) -> Result<Duration, UnitsError> {
         }
     };
     let nanos = scale("duration", input, number, nanos_per_unit)?;
-    let secs = u64::try_from(nanos / 1_000_000_000)
-        .map_err(|_| UnitsError::invalid("duration", input, "too large"))?;
+    let secs = u64::try_from(nanos / 1_000_000_000).map_err(|_| UnitsError::invalid("duration", input, "too large"))?;
     Ok(Duration::new(secs, (nanos % 1_000_000_000) as u32))
 }
 
 /// Formats a duration the way [`parse_duration`] reads it back (`2s`, `1500ms`, `250us`).
 pub fn format_duration(duration: Duration) -> String {
     let nanos = duration.as_nanos();
-    const UNITS: [(&str, u128); 5] = [
-        ("h", 3_600_000_000_000),
-        ("m", 60_000_000_000),
-        ("s", 1_000_000_000),
-        ("ms", 1_000_000),
-        ("us", 1_000),
-    ];
+    const UNITS: [(&str, u128); 5] =
+        [("h", 3_600_000_000_000), ("m", 60_000_000_000), ("s", 1_000_000_000), ("ms", 1_000_000), ("us", 1_000)];
     for (name, size) in UNITS {
         if nanos >= size && nanos.is_multiple_of(size) {
             return format!("{}{name}", nanos / size);
@@ -238,24 +195,12 @@ mod tests {
         assert_eq!("100MB".parse::<ByteSize>(), Ok(ByteSize(100_000_000)));
         assert_eq!("4096".parse::<ByteSize>(), Ok(ByteSize(4096)));
         assert_eq!(" 1 KiB ".parse::<ByteSize>(), Ok(ByteSize(1024)));
-        assert_eq!(
-            "18446744073709551615".parse::<ByteSize>(),
-            Ok(ByteSize(u64::MAX))
-        );
+        assert_eq!("18446744073709551615".parse::<ByteSize>(), Ok(ByteSize(u64::MAX)));
     }
 
     #[test]
     fn bad_sizes_say_what_is_wrong() {
-        for bad in [
-            "",
-            "MiB",
-            "12XB",
-            "1.2.3MiB",
-            "1.5",
-            "-1MiB",
-            "99999999999TiB",
-            "18446744073709551616",
-        ] {
+        for bad in ["", "MiB", "12XB", "1.2.3MiB", "1.5", "-1MiB", "99999999999TiB", "18446744073709551616"] {
             let err = bad.parse::<ByteSize>().expect_err(bad);
             assert!(err.to_string().contains("invalid size"), "{bad}: {err}");
         }
@@ -287,12 +232,7 @@ mod tests {
 
     #[test]
     fn durations_round_trip_through_text() {
-        for d in [
-            Duration::from_secs(30),
-            Duration::from_millis(1500),
-            Duration::from_micros(7),
-            Duration::ZERO,
-        ] {
+        for d in [Duration::from_secs(30), Duration::from_millis(1500), Duration::from_micros(7), Duration::ZERO] {
             assert_eq!(parse_duration(&format_duration(d)), Ok(d));
         }
     }

@@ -70,10 +70,7 @@ impl ModuleCache {
     /// Paths of the entry for `key`: the serialized module and its checksum file.
     pub fn entry_paths(&self, key: &Digest) -> (PathBuf, PathBuf) {
         let name = hex(key);
-        (
-            self.dir.join(format!("{name}.cwasm")),
-            self.dir.join(format!("{name}.sum")),
-        )
+        (self.dir.join(format!("{name}.cwasm")), self.dir.join(format!("{name}.sum")))
     }
 
     /// Loads the module for `key`, or compiles it with `compile` and stores it.
@@ -90,19 +87,13 @@ impl ModuleCache {
             Ok(module) => return Ok((module, CacheOutcome::Hit)),
             Err(Invalid::Missing) => CacheOutcome::Compiled,
             Err(Invalid::Corrupt(why)) => {
-                log::warn!(
-                    "module cache entry {} is unusable ({why}); recompiling",
-                    hex(key)
-                );
+                log::warn!("module cache entry {} is unusable ({why}); recompiling", hex(key));
                 CacheOutcome::Rebuilt
             }
         };
         let module = compile()?;
         if let Err(err) = self.store(key, &module) {
-            log::warn!(
-                "cannot write module cache entry in {}: {err}",
-                self.dir.display()
-            );
+            log::warn!("cannot write module cache entry in {}: {err}", self.dir.display());
         }
         Ok((module, outcome))
     }
@@ -113,33 +104,23 @@ impl ModuleCache {
             Ok(sum) => sum,
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Err(Invalid::Missing),
             Err(err) => {
-                return Err(Invalid::Corrupt(format!(
-                    "reading {}: {err}",
-                    sum_path.display()
-                )));
+                return Err(Invalid::Corrupt(format!("reading {}: {err}", sum_path.display())));
             }
         };
-        let (want_hash, want_len) =
-            parse_sum(&sum).ok_or_else(|| Invalid::Corrupt("malformed .sum file".into()))?;
+        let (want_hash, want_len) = parse_sum(&sum).ok_or_else(|| Invalid::Corrupt("malformed .sum file".into()))?;
         let mut file = match File::open(&cwasm_path) {
             Ok(file) => file,
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
                 return Err(Invalid::Corrupt(".sum without .cwasm".into()));
             }
             Err(err) => {
-                return Err(Invalid::Corrupt(format!(
-                    "opening {}: {err}",
-                    cwasm_path.display()
-                )));
+                return Err(Invalid::Corrupt(format!("opening {}: {err}", cwasm_path.display())));
             }
         };
         let mut hasher = blake3::Hasher::new();
-        let len = io::copy(&mut file, &mut hasher)
-            .map_err(|e| Invalid::Corrupt(format!("reading: {e}")))?;
+        let len = io::copy(&mut file, &mut hasher).map_err(|e| Invalid::Corrupt(format!("reading: {e}")))?;
         if len != want_len {
-            return Err(Invalid::Corrupt(format!(
-                "length {len}, expected {want_len}"
-            )));
+            return Err(Invalid::Corrupt(format!("length {len}, expected {want_len}")));
         }
         if hasher.finalize().to_hex().as_str() != want_hash {
             return Err(Invalid::Corrupt("checksum mismatch".into()));
@@ -154,9 +135,7 @@ impl ModuleCache {
     }
 
     fn store(&self, key: &Digest, module: &Module) -> io::Result<()> {
-        let bytes = module
-            .serialize()
-            .map_err(|e| io::Error::other(e.to_string()))?;
+        let bytes = module.serialize().map_err(|e| io::Error::other(e.to_string()))?;
         fs::create_dir_all(&self.dir)?;
         let (cwasm_path, sum_path) = self.entry_paths(key);
         let digest = blake3::hash(&bytes);
@@ -171,9 +150,7 @@ impl ModuleCache {
 fn parse_sum(text: &str) -> Option<(&str, u64)> {
     let mut parts = text.split_whitespace();
     match (parts.next(), parts.next(), parts.next(), parts.next()) {
-        (Some("blake3"), Some(hash), Some(len), None) if hash.len() == 64 => {
-            Some((hash, len.parse().ok()?))
-        }
+        (Some("blake3"), Some(hash), Some(len), None) if hash.len() == 64 => Some((hash, len.parse().ok()?)),
         _ => None,
     }
 }
@@ -181,15 +158,8 @@ fn parse_sum(text: &str) -> Option<(&str, u64)> {
 /// Writes `bytes` to a unique temporary file beside `path` and renames it over `path`.
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(
-        ".{name}.{}.{}.tmp",
-        std::process::id(),
-        TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)));
     let result = (|| {
         let mut file = File::create(&tmp)?;
         file.write_all(bytes)?;
@@ -220,12 +190,8 @@ mod tests {
         let cache = ModuleCache::new(dir.path().join("modules"));
         let engine = engine();
         let key = [7u8; 32];
-        let (_, first) = cache
-            .load_or_compile(&engine, &key, || compile(&engine))
-            .expect("compile");
-        let (_, second) = cache
-            .load_or_compile(&engine, &key, || compile(&engine))
-            .expect("load");
+        let (_, first) = cache.load_or_compile(&engine, &key, || compile(&engine)).expect("compile");
+        let (_, second) = cache.load_or_compile(&engine, &key, || compile(&engine)).expect("load");
         assert_eq!((first, second), (CacheOutcome::Compiled, CacheOutcome::Hit));
     }
 
@@ -235,21 +201,15 @@ mod tests {
         let cache = ModuleCache::new(dir.path());
         let engine = engine();
         let key = [9u8; 32];
-        cache
-            .load_or_compile(&engine, &key, || compile(&engine))
-            .expect("compile");
+        cache.load_or_compile(&engine, &key, || compile(&engine)).expect("compile");
         let (cwasm, _) = cache.entry_paths(&key);
         let mut bytes = fs::read(&cwasm).expect("read");
         let middle = bytes.len() / 2;
         bytes[middle] ^= 0xff;
         fs::write(&cwasm, &bytes).expect("corrupt");
-        let (_, outcome) = cache
-            .load_or_compile(&engine, &key, || compile(&engine))
-            .expect("rebuild");
+        let (_, outcome) = cache.load_or_compile(&engine, &key, || compile(&engine)).expect("rebuild");
         assert_eq!(outcome, CacheOutcome::Rebuilt);
-        let (_, outcome) = cache
-            .load_or_compile(&engine, &key, || compile(&engine))
-            .expect("load");
+        let (_, outcome) = cache.load_or_compile(&engine, &key, || compile(&engine)).expect("load");
         assert_eq!(outcome, CacheOutcome::Hit);
     }
 
@@ -259,25 +219,14 @@ mod tests {
         let cache = ModuleCache::new(dir.path());
         let engine = engine();
         let key = [3u8; 32];
-        cache
-            .load_or_compile(&engine, &key, || compile(&engine))
-            .expect("compile");
+        cache.load_or_compile(&engine, &key, || compile(&engine)).expect("compile");
         let (cwasm, sum) = cache.entry_paths(&key);
         let len = fs::metadata(&cwasm).expect("meta").len();
-        File::options()
-            .write(true)
-            .open(&cwasm)
-            .expect("open")
-            .set_len(len / 3)
-            .expect("truncate");
-        let (_, outcome) = cache
-            .load_or_compile(&engine, &key, || compile(&engine))
-            .expect("rebuild");
+        File::options().write(true).open(&cwasm).expect("open").set_len(len / 3).expect("truncate");
+        let (_, outcome) = cache.load_or_compile(&engine, &key, || compile(&engine)).expect("rebuild");
         assert_eq!(outcome, CacheOutcome::Rebuilt);
         fs::write(&sum, "not a checksum").expect("garbage");
-        let (_, outcome) = cache
-            .load_or_compile(&engine, &key, || compile(&engine))
-            .expect("rebuild");
+        let (_, outcome) = cache.load_or_compile(&engine, &key, || compile(&engine)).expect("rebuild");
         assert_eq!(outcome, CacheOutcome::Rebuilt);
     }
 
@@ -286,9 +235,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let cache = ModuleCache::new(dir.path());
         let engine = engine();
-        cache
-            .load_or_compile(&engine, &[1u8; 32], || compile(&engine))
-            .expect("compile");
+        cache.load_or_compile(&engine, &[1u8; 32], || compile(&engine)).expect("compile");
         let names: Vec<String> = fs::read_dir(dir.path())
             .expect("ls")
             .map(|e| e.expect("entry").file_name().to_string_lossy().into())

@@ -50,10 +50,7 @@ impl EpochTicker {
     pub(crate) fn new(engine: Engine) -> EpochTicker {
         EpochTicker {
             engine,
-            shared: Arc::new(Shared {
-                state: Mutex::new(State::default()),
-                wake: Condvar::new(),
-            }),
+            shared: Arc::new(Shared { state: Mutex::new(State::default()), wake: Condvar::new() }),
             thread: Mutex::new(None),
         }
     }
@@ -66,9 +63,7 @@ impl EpochTicker {
                 let engine = self.engine.clone();
                 let shared = self.shared.clone();
                 *thread = Some(
-                    std::thread::Builder::new()
-                        .name("strata-epoch".into())
-                        .spawn(move || tick(&engine, &shared))?,
+                    std::thread::Builder::new().name("strata-epoch".into()).spawn(move || tick(&engine, &shared))?,
                 );
             }
         }
@@ -92,12 +87,7 @@ impl Drop for EpochTicker {
     fn drop(&mut self) {
         self.shared.lock().stop = true;
         self.shared.wake.notify_all();
-        if let Some(thread) = self
-            .thread
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
+        if let Some(thread) = self.thread.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = thread.join();
         }
     }
@@ -116,11 +106,7 @@ fn tick(engine: &Engine, shared: &Shared) {
             continue;
         }
         // A timed wait rather than a sleep, so that dropping the ticker wakes it at once.
-        state = shared
-            .wake
-            .wait_timeout(state, TICK)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        state = shared.wake.wait_timeout(state, TICK).unwrap_or_else(|p| p.into_inner()).0;
         if state.active > 0 && !state.stop {
             engine.increment_epoch();
         }

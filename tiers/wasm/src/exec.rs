@@ -6,8 +6,8 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use strata_core::{
-    CancelToken, Capabilities, GrantMode, LimitKind, Limits, Net, Outcome, Status, Stream,
-    TierError, TierKind, Truncated, Usage,
+    CancelToken, Capabilities, GrantMode, LimitKind, Limits, Net, Outcome, Status, Stream, TierError, TierKind,
+    Truncated, Usage,
 };
 use strata_wasi_shims::OutputCapture;
 use wasmtime::{ResourceLimiter, Store, Trap, UpdateDeadline, WasmBacktrace};
@@ -26,10 +26,7 @@ pub(crate) struct JobState {
 impl JobState {
     /// State with nothing granted and no limits armed; used to inspect the linker.
     pub(crate) fn empty() -> JobState {
-        JobState {
-            wasi: WasiCtxBuilder::new().build_p1(),
-            meter: Meter::new(&Limits::default(), None),
-        }
+        JobState { wasi: WasiCtxBuilder::new().build_p1(), meter: Meter::new(&Limits::default(), None) }
     }
 }
 
@@ -74,9 +71,7 @@ impl Meter {
             memory_cap: limits.memory.0.min(MAX_LINEAR_MEMORY),
             memory_now: 0,
             peak_memory: 0,
-            wall_deadline: now
-                .checked_add(limits.wall)
-                .unwrap_or(now + Duration::from_secs(86_400 * 365)),
+            wall_deadline: now.checked_add(limits.wall).unwrap_or(now + Duration::from_secs(86_400 * 365)),
             cpu_start: thread_cpu_time(),
             cpu_limit: limits.cpu,
             cancel,
@@ -105,16 +100,8 @@ impl Meter {
 }
 
 impl ResourceLimiter for Meter {
-    fn memory_growing(
-        &mut self,
-        current: usize,
-        desired: usize,
-        _maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
-        let total = self
-            .memory_now
-            .saturating_sub(current as u64)
-            .saturating_add(desired as u64);
+    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let total = self.memory_now.saturating_sub(current as u64).saturating_add(desired as u64);
         if total > self.memory_cap {
             // Past the cap the guest is stopped, as a cgroup OOM kill stops a process: the job reports
             // `limit_exceeded`/`memory` rather than whatever the guest's allocator does with a failed grow.
@@ -125,21 +112,14 @@ impl ResourceLimiter for Meter {
         Ok(true)
     }
 
-    fn table_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        _maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
         Ok(desired <= MAX_TABLE_ELEMENTS)
     }
 }
 
 /// CPU time of the calling thread, which is the thread the guest runs on.
 fn thread_cpu_time() -> Duration {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
-        .map(Duration::from)
-        .unwrap_or_default()
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).map(Duration::from).unwrap_or_default()
 }
 
 thread_local! {
@@ -152,27 +132,19 @@ fn block_on<F: Future>(future: F) -> Result<F::Output, TierError> {
     if tokio::runtime::Handle::try_current().is_ok() {
         return Err(TierError::Internal {
             tier: TierKind::Wasm,
-            message: "jobs block their thread; call them from outside an async runtime (e.g. spawn_blocking)"
-                .into(),
+            message: "a job was started on a thread inside an async runtime".into(),
         });
     }
-    EXECUTOR.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if slot.is_none() {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| TierError::Internal {
-                    tier: TierKind::Wasm,
-                    message: format!("cannot start the executor: {e}"),
-                })?;
-            *slot = Some(runtime);
-        }
-        match slot.as_ref() {
-            Some(runtime) => Ok(runtime.block_on(future)),
-            None => unreachable!("the executor was just created"),
-        }
-    })
+    // The runtime is taken out of its slot while it runs, so nothing borrowed is held across the job.
+    let runtime = match EXECUTOR.with(|cell| cell.borrow_mut().take()) {
+        Some(runtime) => runtime,
+        None => tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| {
+            TierError::Internal { tier: TierKind::Wasm, message: format!("cannot start the executor: {e}") }
+        })?,
+    };
+    let output = runtime.block_on(future);
+    EXECUTOR.with(|cell| *cell.borrow_mut() = Some(runtime));
+    Ok(output)
 }
 
 /// Everything one run needs besides the module.
@@ -192,27 +164,17 @@ pub(crate) fn check_caps(caps: &Capabilities) -> Result<(), TierError> {
     if let Net::Allow(hosts) = &caps.net {
         return Err(TierError::Unsupported {
             tier: TierKind::Wasm,
-            what: format!(
-                "network egress (--allow-net {}); jobs on this tier have no network",
-                hosts.join(",")
-            ),
+            what: format!("network egress (--allow-net {}); jobs on this tier have no network", hosts.join(",")),
         });
     }
     if let Some(tool) = caps.tools.first() {
-        return Err(TierError::Unsupported {
-            tier: TierKind::Wasm,
-            what: format!("host tool {tool:?}"),
-        });
+        return Err(TierError::Unsupported { tier: TierKind::Wasm, what: format!("host tool {tool:?}") });
     }
     Ok(())
 }
 
 /// The one place `Capabilities` become a WASI context: nothing is reachable that is not granted here.
-fn wasi_ctx(
-    spec: &JobSpec<'_>,
-    stdout: OutputCapture,
-    stderr: OutputCapture,
-) -> Result<WasiP1Ctx, TierError> {
+fn wasi_ctx(spec: &JobSpec<'_>, stdout: OutputCapture, stderr: OutputCapture) -> Result<WasiP1Ctx, TierError> {
     let mut builder = WasiCtxBuilder::new();
     // Must come before the preopens, which capture it: file I/O runs on the job's thread instead of a pool.
     builder.allow_blocking_current_thread(true);
@@ -246,19 +208,10 @@ enum Ended {
 }
 
 /// Runs a prepared module to completion.
-pub(crate) fn execute(
-    runtime: &Runtime,
-    prepared: &Prepared,
-    spec: JobSpec<'_>,
-) -> Result<Outcome, TierError> {
+pub(crate) fn execute(runtime: &Runtime, prepared: &Prepared, spec: JobSpec<'_>) -> Result<Outcome, TierError> {
     let limits = spec.limits;
     let secrets = spec.caps.secret_values();
-    let stdout = OutputCapture::new(
-        Stream::Stdout,
-        limits.output.0,
-        secrets.clone(),
-        spec.sink.clone(),
-    );
+    let stdout = OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), spec.sink.clone());
     let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, spec.sink.clone());
     let wasi = wasi_ctx(&spec, stdout.clone(), stderr.clone())?;
 
@@ -274,10 +227,7 @@ pub(crate) fn execute(
     store.limiter(|state| &mut state.meter);
     let fuel_budget = limits.fuel.limit().filter(|_| runtime.metered);
     if let Some(fuel) = fuel_budget {
-        store.set_fuel(fuel).map_err(|e| TierError::Internal {
-            tier: TierKind::Wasm,
-            message: e.to_string(),
-        })?;
+        store.set_fuel(fuel).map_err(|e| TierError::Internal { tier: TierKind::Wasm, message: e.to_string() })?;
     }
     store.set_epoch_deadline(1);
     store.epoch_deadline_callback(|mut ctx| {
@@ -313,9 +263,7 @@ pub(crate) fn execute(
     let cpu = thread_cpu_time().saturating_sub(cpu_start);
 
     let status = match ended {
-        Ended::WallTimeout => Status::LimitExceeded {
-            limit: LimitKind::Wall,
-        },
+        Ended::WallTimeout => Status::LimitExceeded { limit: LimitKind::Wall },
         Ended::Cancelled => return Err(TierError::Cancelled),
         Ended::Returned(Ok(())) => Status::Exited { code: 0 },
         Ended::Returned(Err(err)) => match store.data().meter.stop {
@@ -333,18 +281,8 @@ pub(crate) fn execute(
     Ok(Outcome {
         tier: TierKind::Wasm,
         status,
-        truncated: Truncated {
-            stdout: out.truncated,
-            stderr: err.truncated,
-        },
-        usage: Usage {
-            wall,
-            cpu,
-            fuel,
-            peak_memory,
-            stdout_bytes: out.written,
-            stderr_bytes: err.written,
-        },
+        truncated: Truncated { stdout: out.truncated, stderr: err.truncated },
+        usage: Usage { wall, cpu, fuel, peak_memory, stdout_bytes: out.written, stderr_bytes: err.written },
         stdout: out.bytes,
         stderr: err.bytes,
         escalations: Vec::new(),
@@ -357,29 +295,17 @@ fn classify(err: &wasmtime::Error) -> Result<Status, TierError> {
         return Ok(Status::Exited { code: exit.0 });
     }
     if let Some(Trap::OutOfFuel) = err.downcast_ref::<Trap>() {
-        return Ok(Status::LimitExceeded {
-            limit: LimitKind::Fuel,
-        });
+        return Ok(Status::LimitExceeded { limit: LimitKind::Fuel });
     }
     if let Some(limit) = err.downcast_ref::<wasmtime::PoolConcurrencyLimitError>() {
-        return Err(TierError::Capacity {
-            tier: TierKind::Wasm,
-            reason: limit.to_string(),
-        });
+        return Err(TierError::Capacity { tier: TierKind::Wasm, reason: limit.to_string() });
     }
     // A trap reads best as its cause first ("wasm trap: wasm `unreachable` instruction executed"), then the
     // guest's stack; other errors (a host function that failed) as their chain of causes.
-    let mut message = if err.downcast_ref::<Trap>().is_some() {
-        err.root_cause().to_string()
-    } else {
-        describe(err)
-    };
+    let mut message = if err.downcast_ref::<Trap>().is_some() { err.root_cause().to_string() } else { describe(err) };
     if let Some(backtrace) = err.downcast_ref::<WasmBacktrace>() {
         let frames = backtrace.to_string();
-        let frames = frames
-            .trim_end()
-            .strip_prefix("error while executing at ")
-            .unwrap_or(frames.trim_end());
+        let frames = frames.trim_end().strip_prefix("error while executing at ").unwrap_or(frames.trim_end());
         if !frames.trim().is_empty() {
             message.push('\n');
             message.push_str(frames);

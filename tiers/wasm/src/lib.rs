@@ -13,8 +13,9 @@
 //!   symlinks; read-only grants refuse every change), env and secrets become the environment, stdin is a byte
 //!   buffer, and there is no network.
 //!
-//! Jobs run on the caller's thread, which blocks until the job ends; call from a plain thread (or
-//! `spawn_blocking`), not from inside an async runtime.
+//! Jobs run on the caller's thread, which blocks until the job ends. Called from inside an async runtime, a
+//! job runs on a scoped thread of its own instead, so it never stalls the runtime's own machinery; servers
+//! should still call from `spawn_blocking` to keep their workers free.
 
 #![warn(missing_docs)]
 
@@ -29,10 +30,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use strata_core::{
-    Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Tier, TierError,
-    TierKind,
-};
+use strata_core::{Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Tier, TierError, TierKind};
 
 pub use cache::{CacheOutcome, ModuleCache};
 pub use sandbox::WasmSandbox;
@@ -53,10 +51,7 @@ pub struct WasmTierConfig {
 
 impl Default for WasmTierConfig {
     fn default() -> Self {
-        WasmTierConfig {
-            cache_dir: None,
-            max_instances: 64,
-        }
+        WasmTierConfig { cache_dir: None, max_instances: 64 }
     }
 }
 
@@ -68,9 +63,7 @@ pub struct WasmTier {
 
 impl std::fmt::Debug for WasmTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WasmTier")
-            .field("config", &self.inner.config)
-            .finish_non_exhaustive()
+        f.debug_struct("WasmTier").field("config", &self.inner.config).finish_non_exhaustive()
     }
 }
 
@@ -124,31 +117,18 @@ impl WasmTier {
 
     /// Compiles (or loads from the cache) the module a job would run, without running it, and says where it
     /// came from (`None`: it was already prepared in this process).
-    pub fn prepare(
-        &self,
-        module: &ModuleSource,
-        limits: &Limits,
-    ) -> Result<Option<CacheOutcome>, TierError> {
+    pub fn prepare(&self, module: &ModuleSource, limits: &Limits) -> Result<Option<CacheOutcome>, TierError> {
         let runtime = self.inner.runtime(limits.fuel.limit().is_some())?;
-        self.inner
-            .prepare(runtime, module)
-            .map(|(_, outcome)| outcome)
+        self.inner.prepare(runtime, module).map(|(_, outcome)| outcome)
     }
 }
 
 impl TierInner {
     fn runtime(&self, metered: bool) -> Result<&Runtime, TierError> {
-        let cell = if metered {
-            &self.metered
-        } else {
-            &self.unmetered
-        };
+        let cell = if metered { &self.metered } else { &self.unmetered };
         cell.get_or_init(|| Runtime::new(&self.config, metered).map_err(|e| e.to_string()))
             .as_ref()
-            .map_err(|message| TierError::Internal {
-                tier: TierKind::Wasm,
-                message: message.clone(),
-            })
+            .map_err(|message| TierError::Internal { tier: TierKind::Wasm, message: message.clone() })
     }
 
     fn prepare(
@@ -163,10 +143,7 @@ impl TierInner {
                 runtime.prepare(self.cache.as_ref(), &name, &hash, || Ok(bytes.clone()))
             }
             ModuleSource::File(path) => {
-                let unreadable = |source| TierError::ReadInput {
-                    path: path.clone(),
-                    source,
-                };
+                let unreadable = |source| TierError::ReadInput { path: path.clone(), source };
                 let meta = std::fs::metadata(path).map_err(unreadable)?;
                 if !meta.is_file() {
                     return Err(TierError::WrongFormat {
@@ -175,11 +152,7 @@ impl TierInner {
                     });
                 }
                 let stamp = FileStamp::of(&meta);
-                let known = self
-                    .lock_files()
-                    .get(path)
-                    .filter(|(s, _)| *s == stamp)
-                    .map(|(_, hash)| *hash);
+                let known = self.lock_files().get(path).filter(|(s, _)| *s == stamp).map(|(_, hash)| *hash);
                 if let Some(hash) = known {
                     return runtime.prepare(self.cache.as_ref(), &name, &hash, || {
                         std::fs::read(path).map(Arc::from).map_err(unreadable)
@@ -202,7 +175,24 @@ impl TierInner {
         self.files.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn run(
+    fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.run_here(job, caps, limits, opts);
+        }
+        // Called from inside an async runtime, where this thread must not block on a runtime of its own: run
+        // the job on a scoped thread of its own instead (its CPU time is measured there too).
+        let failed = |message: String| TierError::Internal { tier: TierKind::Wasm, message };
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("strata-job".into())
+                .spawn_scoped(scope, || self.run_here(job, caps, limits, opts))
+                .map_err(|e| failed(format!("cannot start a job thread: {e}")))?
+                .join()
+                .unwrap_or_else(|_| Err(failed("the job thread panicked".into())))
+        })
+    }
+
+    fn run_here(
         &self,
         job: &Job,
         caps: &Capabilities,
@@ -210,10 +200,7 @@ impl TierInner {
         opts: ExecOptions,
     ) -> Result<Outcome, TierError> {
         let Job::Wasm { module, args } = job else {
-            return Err(TierError::WrongJob {
-                tier: TierKind::Wasm,
-                job: job.kind(),
-            });
+            return Err(TierError::WrongJob { tier: TierKind::Wasm, job: job.kind() });
         };
         exec::check_caps(caps)?;
         let runtime = self.runtime(limits.fuel.limit().is_some())?;
@@ -237,22 +224,12 @@ impl Tier for WasmTier {
         TierKind::Wasm
     }
 
-    fn run(
-        &self,
-        job: &Job,
-        caps: &Capabilities,
-        limits: &Limits,
-        opts: ExecOptions,
-    ) -> Result<Outcome, TierError> {
+    fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
         self.inner.run(job, caps, limits, opts)
     }
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         exec::check_caps(caps)?;
-        Ok(Box::new(WasmSandbox::new(
-            self.inner.clone(),
-            caps.clone(),
-            limits.clone(),
-        )))
+        Ok(Box::new(WasmSandbox::new(self.inner.clone(), caps.clone(), limits.clone())))
     }
 }

@@ -43,10 +43,7 @@ pub(crate) struct Runtime {
 }
 
 fn internal(message: impl std::fmt::Display) -> TierError {
-    TierError::Internal {
-        tier: TierKind::Wasm,
-        message: message.to_string(),
-    }
+    TierError::Internal { tier: TierKind::Wasm, message: message.to_string() }
 }
 
 /// Feeds `Hash` output into BLAKE3, so an engine's compatibility hash becomes a stable digest.
@@ -103,10 +100,7 @@ impl Runtime {
         let fingerprint = *hasher.0.finalize().as_bytes();
 
         let mut store = Store::new(&engine, JobState::empty());
-        let provided = linker
-            .iter(&mut store)
-            .map(|(module, name, _)| (module.to_owned(), name.to_owned()))
-            .collect();
+        let provided = linker.iter(&mut store).map(|(module, name, _)| (module.to_owned(), name.to_owned())).collect();
         drop(store);
 
         Ok(Runtime {
@@ -134,10 +128,7 @@ impl Runtime {
         }
         let bytes = bytes()?;
         check_format(name, &bytes)?;
-        let invalid = |err: wasmtime::Error| TierError::InvalidModule {
-            name: name.to_owned(),
-            reason: describe(&err),
-        };
+        let invalid = |err: wasmtime::Error| TierError::InvalidModule { name: name.to_owned(), reason: describe(&err) };
         let compile = || Module::new(&self.engine, &bytes).map_err(invalid);
         let (module, outcome) = match cache {
             Some(cache) => {
@@ -165,10 +156,7 @@ impl Runtime {
     /// A WASI command imports only what the linker provides and exports `_start: () -> ()`.
     fn check_command(&self, name: &str, module: &Module) -> Result<(), TierError> {
         for import in module.imports() {
-            if !self
-                .provided
-                .contains(&(import.module().to_owned(), import.name().to_owned()))
-            {
+            if !self.provided.contains(&(import.module().to_owned(), import.name().to_owned())) {
                 return Err(TierError::UnknownImport {
                     name: name.to_owned(),
                     import: format!("{}::{}", import.module(), import.name()),
@@ -180,15 +168,9 @@ impl Runtime {
             reason: format!("{reason}; Strata runs WASI command modules"),
         };
         match module.get_export("_start") {
-            Some(ExternType::Func(ty)) if ty.params().len() == 0 && ty.results().len() == 0 => {
-                Ok(())
-            }
-            Some(_) => Err(not_command(
-                "its `_start` export is not a function of no arguments and no results",
-            )),
-            None => Err(not_command(
-                "it has no `_start` export (a reactor or library)",
-            )),
+            Some(ExternType::Func(ty)) if ty.params().len() == 0 && ty.results().len() == 0 => Ok(()),
+            Some(_) => Err(not_command("its `_start` export is not a function of no arguments and no results")),
+            None => Err(not_command("it has no `_start` export (a reactor or library)")),
         }
     }
 }
@@ -206,9 +188,7 @@ fn check_format(name: &str, bytes: &[u8]) -> Result<(), TierError> {
     if bytes.len() >= 8 && bytes[..8] != CORE_MODULE_HEADER {
         return Err(TierError::Unsupported {
             tier: TierKind::Wasm,
-            what: format!(
-                "{name}: WebAssembly components and binary versions other than 1 (core modules only)"
-            ),
+            what: format!("{name}: WebAssembly components and binary versions other than 1 (core modules only)"),
         });
     }
     Ok(())

@@ -6,9 +6,7 @@ use std::sync::Arc;
 
 use cap_std::ambient_authority;
 use cap_std::fs::Dir;
-use strata_core::{
-    Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, Outcome, Sandbox, TierError, TierKind,
-};
+use strata_core::{Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, Outcome, Sandbox, TierError, TierKind};
 
 use crate::TierInner;
 
@@ -21,10 +19,7 @@ pub struct WasmSandbox {
 
 impl std::fmt::Debug for WasmSandbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WasmSandbox")
-            .field("caps", &self.caps)
-            .field("limits", &self.limits)
-            .finish()
+        f.debug_struct("WasmSandbox").field("caps", &self.caps).field("limits", &self.limits).finish()
     }
 }
 
@@ -35,10 +30,7 @@ impl WasmSandbox {
 
     /// Finds the grant holding `guest_path` (the longest matching guest prefix) and the path inside it.
     fn resolve(&self, guest_path: &str) -> Result<(&Grant, PathBuf), TierError> {
-        let bad = |reason: &str| TierError::GuestPath {
-            path: guest_path.to_owned(),
-            reason: reason.to_owned(),
-        };
+        let bad = |reason: &str| TierError::GuestPath { path: guest_path.to_owned(), reason: reason.to_owned() };
         if !guest_path.starts_with('/') {
             return Err(bad("must be absolute"));
         }
@@ -57,15 +49,10 @@ impl WasmSandbox {
             .caps
             .grants
             .iter()
-            .filter(|g| {
-                g.guest == "/" || normal == g.guest || normal.starts_with(&format!("{}/", g.guest))
-            })
+            .filter(|g| g.guest == "/" || normal == g.guest || normal.starts_with(&format!("{}/", g.guest)))
             .max_by_key(|g| g.guest.len())
             .ok_or_else(|| bad("is not inside any grant"))?;
-        let relative = inner
-            .strip_prefix(grant.guest.trim_start_matches('/'))
-            .unwrap_or(&inner)
-            .to_path_buf();
+        let relative = inner.strip_prefix(grant.guest.trim_start_matches('/')).unwrap_or(&inner).to_path_buf();
         if relative.as_os_str().is_empty() {
             return Err(bad("names a grant's directory, not a file in it"));
         }
@@ -74,9 +61,8 @@ impl WasmSandbox {
 }
 
 fn open_grant(grant: &Grant) -> Result<Dir, TierError> {
-    Dir::open_ambient_dir(&grant.host, ambient_authority()).map_err(|_| {
-        TierError::Capability(strata_core::CapsError::GrantNotFound(grant.host.clone()))
-    })
+    Dir::open_ambient_dir(&grant.host, ambient_authority())
+        .map_err(|_| TierError::Capability(strata_core::CapsError::GrantNotFound(grant.host.clone())))
 }
 
 impl Sandbox for WasmSandbox {
@@ -92,27 +78,18 @@ impl Sandbox for WasmSandbox {
     fn write_file(&mut self, guest_path: &str, contents: &[u8]) -> Result<(), TierError> {
         let (grant, relative) = self.resolve(guest_path)?;
         if grant.mode == GrantMode::Ro {
-            return Err(TierError::GuestPath {
-                path: guest_path.to_owned(),
-                reason: "is in a read-only grant".into(),
-            });
+            return Err(TierError::GuestPath { path: guest_path.to_owned(), reason: "is in a read-only grant".into() });
         }
         open_grant(grant)?
             .write(&relative, contents)
-            .map_err(|e| TierError::GuestPath {
-                path: guest_path.to_owned(),
-                reason: format!("cannot write: {e}"),
-            })
+            .map_err(|e| TierError::GuestPath { path: guest_path.to_owned(), reason: format!("cannot write: {e}") })
     }
 
     fn read_file(&mut self, guest_path: &str) -> Result<Vec<u8>, TierError> {
         let (grant, relative) = self.resolve(guest_path)?;
         open_grant(grant)?
             .read(&relative)
-            .map_err(|e| TierError::GuestPath {
-                path: guest_path.to_owned(),
-                reason: format!("cannot read: {e}"),
-            })
+            .map_err(|e| TierError::GuestPath { path: guest_path.to_owned(), reason: format!("cannot read: {e}") })
     }
 
     fn close(self: Box<Self>) -> Result<(), TierError> {
