@@ -25,6 +25,10 @@ fn main() {
         writeln!(consts, "/// `wat/{name}.wat`, assembled.").expect("fmt");
         writeln!(consts, "pub const {}_WAT: &str = {:?};", name.to_uppercase(), path.display()).expect("fmt");
     }
+    let large = build_large(&out_dir);
+    writeln!(consts, "/// A WASI command with a 5 MB data segment: big enough for compile progress messages.")
+        .expect("fmt");
+    writeln!(consts, "pub const LARGE_WAT: &str = {:?};", large.display()).expect("fmt");
     fs::write(out_dir.join("programs.rs"), consts).expect("write programs.rs");
 }
 
@@ -86,4 +90,22 @@ fn build_wat(wat_dir: &Path, out_dir: &Path) -> Vec<(String, PathBuf)> {
     }
     built.sort();
     built
+}
+
+/// A module whose size comes from one large data segment, generated rather than checked in.
+fn build_large(out_dir: &Path) -> PathBuf {
+    let data = "s".repeat(5_000_000);
+    let text = format!(
+        r#"(module
+  (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 80)
+  (data (i32.const 64) "{data}")
+  (func (export "_start")
+    (i32.store (i32.const 0) (i32.const 64))
+    (i32.store (i32.const 4) (i32.const 5))
+    (drop (call $fd_write (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 8)))))"#
+    );
+    let wasm = out_dir.join("large.wasm");
+    fs::write(&wasm, wat::parse_str(&text).expect("large module")).expect("write large.wasm");
+    wasm
 }

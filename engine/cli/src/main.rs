@@ -54,27 +54,31 @@ impl From<strata_engine::EngineError> for Failure {
     }
 }
 
-/// Prints `strata: warning: …` for the library's warnings (e.g. an unwritable module cache).
-struct WarningLogger;
+/// Prints the library's progress (`strata: compiling …`) and warnings (`strata: warning: …`) on stderr.
+struct StderrLogger;
 
-impl log::Log for WarningLogger {
+impl log::Log for StderrLogger {
     fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
-        metadata.level() <= log::Level::Warn
+        metadata.level() <= log::Level::Info
     }
 
     fn log(&self, record: &log::Record<'_>) {
-        if self.enabled(record.metadata()) {
-            let _ = writeln!(std::io::stderr(), "strata: warning: {}", record.args());
+        if !self.enabled(record.metadata()) {
+            return;
         }
+        let _ = match record.level() {
+            log::Level::Error | log::Level::Warn => writeln!(std::io::stderr(), "strata: warning: {}", record.args()),
+            _ => writeln!(std::io::stderr(), "strata: {}", record.args()),
+        };
     }
 
     fn flush(&self) {}
 }
 
 fn main() -> ExitCode {
-    static LOGGER: WarningLogger = WarningLogger;
+    static LOGGER: StderrLogger = StderrLogger;
     if log::set_logger(&LOGGER).is_ok() {
-        log::set_max_level(log::LevelFilter::Warn);
+        log::set_max_level(log::LevelFilter::Info);
     }
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     // `--json` before any `--` asks for JSON errors too, even when parsing fails.

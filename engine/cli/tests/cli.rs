@@ -206,3 +206,14 @@ fn a_closed_stdout_does_not_disturb_the_job() {
     let status = child.wait().expect("wait");
     assert_eq!(status.code(), Some(0), "the guest's exit status, not a broken pipe");
 }
+
+#[test]
+fn a_large_module_shows_compile_progress_once() {
+    let home = home();
+    let run = strata(home.path(), &["run", programs::LARGE_WAT], b"");
+    assert_eq!((run.code, run.stdout.as_str()), (0, "sssss"));
+    assert!(run.stderr.starts_with("strata: compiling large.wasm (5.0 MB) once"), "{}", run.stderr);
+    assert!(run.stderr.contains("strata: compiled large.wasm in "), "{}", run.stderr);
+    let run = strata(home.path(), &["run", programs::LARGE_WAT], b"");
+    assert_eq!((run.code, run.stderr.as_str()), (0, ""), "the second process loads the cached code");
+}

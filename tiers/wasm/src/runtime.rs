@@ -22,6 +22,13 @@ pub(crate) const MAX_TABLE_ELEMENTS: usize = 1 << 17;
 /// Largest linear memory of a wasm32 module.
 pub(crate) const MAX_LINEAR_MEMORY: u64 = 4 << 30;
 
+/// Modules at least this large get progress messages while they compile.
+const PROGRESS_MODULE_SIZE: usize = 4 << 20;
+
+fn mb(bytes: usize) -> f64 {
+    bytes as f64 / 1e6
+}
+
 /// How many prepared modules each engine keeps in memory before it forgets them all and starts again. Each
 /// holds compiled code; the disk cache makes a re-prepare cheap.
 const MAX_PREPARED: usize = 256;
@@ -129,7 +136,19 @@ impl Runtime {
         let bytes = bytes()?;
         check_format(name, &bytes)?;
         let invalid = |err: wasmtime::Error| TierError::InvalidModule { name: name.to_owned(), reason: describe(&err) };
-        let compile = || Module::new(&self.engine, &bytes).map_err(invalid);
+        let compile = || {
+            // Large modules take seconds to minutes to compile; say so, since only the first run pays it.
+            let large = bytes.len() >= PROGRESS_MODULE_SIZE;
+            let started = std::time::Instant::now();
+            if large {
+                log::info!("compiling {name} ({:.1} MB) once; later runs load it from the cache", mb(bytes.len()));
+            }
+            let module = Module::new(&self.engine, &bytes).map_err(invalid)?;
+            if large {
+                log::info!("compiled {name} in {:.1}s", started.elapsed().as_secs_f64());
+            }
+            Ok::<Module, TierError>(module)
+        };
         let (module, outcome) = match cache {
             Some(cache) => {
                 let key = ModuleCache::key(&self.fingerprint, hash);
