@@ -5,8 +5,9 @@
 //! | `inproc_trivial_us`       | `Engine::run` of a trivial module        | a bare wasmtime + WASI p1 embedding     |
 //! | `inproc_hello_us`         | `Engine::run` of a Rust hello module     | the same bare embedding                 |
 //! | `throughput_2t_jobs_per_s`| `Engine::run` on 2 threads               | the bare embedding on 2 threads         |
-//! | `process_trivial_ms`      | `strata run trivial.wasm`                | `wasmtime run` (its cache on) and       |
+//! | `process_trivial_us`      | `strata run trivial.wasm`                | `wasmtime run` (its cache on) and       |
 //! |                           |                                          | `wasmtime run --allow-precompiled`      |
+//! | `process_2t_jobs_per_s`   | `strata run` processes on 2 threads      | `wasmtime run` processes on 2 threads   |
 //!
 //! Latencies are HDR-histogram percentiles; ratios are Strata / peer (below 1.0 means Strata is faster).
 //! Nothing here asserts a time: the figures are for reading.
@@ -206,11 +207,11 @@ fn main() -> anyhow::Result<()> {
     let bare_trivial = BareWasmtime::new(programs::TRIVIAL_WAT)?;
     let bare_hello = BareWasmtime::new(programs::HELLO)?;
 
-    let ours = latency("inproc_trivial_us", 20_000 / scale, || strata_job(&engine, &trivial))?;
+    let inproc = latency("inproc_trivial_us", 20_000 / scale, || strata_job(&engine, &trivial))?;
     let peer = latency("inproc_trivial_us", 20_000 / scale, || bare_trivial.run())?;
-    ours.print("strata Engine::run");
+    inproc.print("strata Engine::run");
     peer.print("bare wasmtime+wasi p1");
-    ratio("inproc_trivial_us", &ours, &peer, "bare");
+    ratio("inproc_trivial_us", &inproc, &peer, "bare");
 
     let ours = latency("inproc_hello_us", 5_000 / scale, || strata_job(&engine, &hello))?;
     let peer = latency("inproc_hello_us", 5_000 / scale, || bare_hello.run())?;
@@ -220,11 +221,11 @@ fn main() -> anyhow::Result<()> {
 
     // Throughput on 2 threads.
     let secs = if quick { 0.5 } else { 3.0 };
-    let ours = throughput(2, secs, || strata_job(&engine, &trivial))?;
+    let inproc_throughput = throughput(2, secs, || strata_job(&engine, &trivial))?;
     let peer = throughput(2, secs, || bare_trivial.run())?;
-    println!("{:<26} {:<34} {ours:>10.0} jobs/s", "throughput_2t_jobs_per_s", "strata Engine::run");
+    println!("{:<26} {:<34} {inproc_throughput:>10.0} jobs/s", "throughput_2t_jobs_per_s", "strata Engine::run");
     println!("{:<26} {:<34} {peer:>10.0} jobs/s", "throughput_2t_jobs_per_s", "bare wasmtime+wasi p1");
-    println!("{:<26} ratio strata/bare: {:.2}x", "throughput_2t_jobs_per_s", ours / peer);
+    println!("{:<26} ratio strata/bare: {:.2}x", "throughput_2t_jobs_per_s", inproc_throughput / peer);
 
     // Whole processes.
     let iters = 200 / scale;
@@ -265,5 +266,39 @@ fn main() -> anyhow::Result<()> {
     peer_pre.print("wasmtime run --allow-precompiled");
     ratio("process_trivial_us", &ours, &peer, "wasmtime");
     ratio("process_trivial_us", &ours, &peer_pre, "wasmtime-precompiled");
+    println!(
+        "{:<26} ratio strata Engine::run / wasmtime run process: p50 {:.4}x ({:.2}us vs {:.0}us)",
+        "inproc_vs_cli",
+        inproc.p(0.5) / 1_000.0 / peer.p(0.5),
+        inproc.p(0.5) / 1_000.0,
+        peer.p(0.5)
+    );
+
+    // Whole processes on 2 threads.
+    let run_ok = |mut c: Command| -> anyhow::Result<()> {
+        let out = c.stdout(Stdio::piped()).stderr(Stdio::piped()).output()?;
+        anyhow::ensure!(out.status.success() && out.stdout == b"hello\n", "{:?}", out.status);
+        Ok(())
+    };
+    let secs = if quick { 0.5 } else { 2.0 };
+    let ours = throughput(2, secs, || {
+        let mut c = Command::new(&strata);
+        c.env("STRATA_HOME", &strata_home).args(["run", programs::TRIVIAL_WAT]);
+        run_ok(c)
+    })?;
+    let peer = throughput(2, secs, || {
+        let mut c = Command::new(&wasmtime);
+        c.env("HOME", &wasm_cache_home).env("XDG_CACHE_HOME", wasm_cache_home.join("cache"));
+        c.args(["run", programs::TRIVIAL_WAT]);
+        run_ok(c)
+    })?;
+    println!("{:<26} {:<34} {ours:>10.0} jobs/s", "process_2t_jobs_per_s", "strata run");
+    println!("{:<26} {:<34} {peer:>10.0} jobs/s", "process_2t_jobs_per_s", "wasmtime run (cache on)");
+    println!("{:<26} ratio strata/wasmtime: {:.2}x", "process_2t_jobs_per_s", ours / peer);
+    println!(
+        "{:<26} ratio strata Engine::run / wasmtime run processes: {:.0}x",
+        "throughput_vs_cli",
+        inproc_throughput / peer
+    );
     Ok(())
 }
