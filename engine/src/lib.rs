@@ -12,8 +12,9 @@
 //! ```
 //!
 //! [`Engine::run`] routes each job to a tier ([`TierChoice::Auto`] picks the cheapest that can run it) and
-//! returns its [`Outcome`]; [`Engine::start`] opens a [`Sandbox`] that runs several jobs in turn. Today the
-//! wasm tier is built; asking for the process or microVM tier is a typed [`EngineError::TierUnavailable`].
+//! returns its [`Outcome`]; [`Engine::start`] opens a [`Sandbox`] that runs several jobs in turn (for Python,
+//! turns of one live interpreter). Today the wasm tier is built, running WebAssembly and Python; asking for the
+//! process or microVM tier is a typed [`EngineError::TierUnavailable`].
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -24,8 +25,14 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-use strata_core::{Capabilities, ExecOptions, Job, JobKind, Limits, Outcome, Sandbox, Tier, TierError, TierKind};
-use strata_tier_wasm::{WasmTier, WasmTierConfig};
+use std::sync::Arc;
+
+use strata_core::{
+    Capabilities, ExecOptions, Job, JobKind, Limits, Outcome, PythonSource, Sandbox, Tier, TierError, TierKind,
+    ToolRegistry,
+};
+use strata_python_image::PythonImage;
+use strata_tier_wasm::{PythonArtifacts, PythonProvider, WasmTier, WasmTierConfig};
 
 pub use policy::{Policy, PolicyError};
 pub use strata_core;
@@ -87,6 +94,15 @@ pub enum EngineError {
     /// A policy file could not be used.
     #[error(transparent)]
     Policy(#[from] PolicyError),
+    /// A file that is neither a WebAssembly module, a Python script nor a Linux executable.
+    #[error("{0} is not a WebAssembly module (no \\0asm magic), a Python script (.py) or an ELF executable")]
+    UnknownFileKind(String),
+    /// A guest image could not be built or checked.
+    #[error("{0}")]
+    Image(String),
+    /// The engine has no home directory (`$STRATA_HOME`) for what was asked.
+    #[error("no STRATA_HOME (nor HOME) to keep {0} in")]
+    NoHome(&'static str),
 }
 
 impl EngineError {
@@ -98,6 +114,9 @@ impl EngineError {
             EngineError::NoTierFor(_) => "no_tier",
             EngineError::UnknownTier(_) => "unknown_tier",
             EngineError::Policy(_) => "invalid_policy",
+            EngineError::UnknownFileKind(_) => "wrong_format",
+            EngineError::Image(_) => "artifact",
+            EngineError::NoHome(_) => "no_home",
         }
     }
 }
@@ -134,22 +153,96 @@ pub fn strata_home() -> Option<PathBuf> {
         .or_else(|| var("HOME").map(|p| p.join(".cache/strata")))
 }
 
+/// Supplies the wasm tier's Python runtime from the pinned image under `$STRATA_HOME/python`, installing it
+/// on first use (with progress lines through `log`).
+struct ImagePython {
+    image: PythonImage,
+}
+
+impl PythonProvider for ImagePython {
+    fn artifacts(&self) -> Result<PythonArtifacts, TierError> {
+        let (installed, _) = self
+            .image
+            .ensure(&|line| log::info!("python runtime: {line}"))
+            .map_err(|e| TierError::Artifact(e.to_string()))?;
+        Ok(PythonArtifacts {
+            snapshot: installed.snapshot,
+            snapshot_digest: installed.snapshot_sha256,
+            stdlib_dir: installed.stdlib_dir,
+            stdlib_zip_name: installed.stdlib_zip_name,
+            mpl_data_dir: Some(installed.mpl_data_dir),
+        })
+    }
+}
+
+/// What kind of job a file is, from its first bytes and its name: `\0asm` → WebAssembly, `\x7fELF` → a native
+/// binary, `.py` or a `#!...python` first line → Python.
+pub fn job_for_file(path: &Path, args: Vec<String>) -> Result<Job, EngineError> {
+    use std::io::Read;
+    let unreadable = |source| EngineError::Tier(TierError::ReadInput { path: path.to_owned(), source });
+    let mut head = [0u8; 128];
+    let mut file = std::fs::File::open(path).map_err(unreadable)?;
+    let mut len = 0;
+    while len < head.len() {
+        match file.read(&mut head[len..]).map_err(unreadable)? {
+            0 => break,
+            n => len += n,
+        }
+    }
+    let head = &head[..len];
+    if head.starts_with(b"\0asm") {
+        return Ok(Job::wasm_file(path, args));
+    }
+    if head.starts_with(b"\x7fELF") {
+        return Ok(Job::Native { program: path.to_owned(), args });
+    }
+    let first_line = head.split(|b| *b == b'\n').next().unwrap_or_default();
+    let python_shebang = first_line.starts_with(b"#!") && first_line.windows(6).any(|w| w == b"python");
+    if path.extension().is_some_and(|e| e == "py") || python_shebang {
+        return Ok(Job::Python { source: PythonSource::File(path.to_owned()), args });
+    }
+    Err(EngineError::UnknownFileKind(path.display().to_string()))
+}
+
 /// The engine: owns the tiers and routes jobs to them. Share one per process; it is `Send + Sync` and its
 /// methods take `&self`.
 #[derive(Debug)]
 pub struct Engine {
     config: EngineConfig,
     wasm: WasmTier,
+    tools: ToolRegistry,
 }
 
 impl Engine {
-    /// An engine with this configuration. Tiers start their runtimes on first use.
+    /// An engine with this configuration. Tiers start their runtimes on first use; the Python runtime is
+    /// installed into `$STRATA_HOME/python` by the first Python job (or `strata images build python`).
     pub fn new(config: EngineConfig) -> Result<Engine, EngineError> {
+        let tools = ToolRegistry::new();
+        let python = match &config.home {
+            Some(home) => {
+                let image = PythonImage::new(home).map_err(|e| EngineError::Image(e.to_string()))?;
+                Some(Arc::new(ImagePython { image }) as Arc<dyn PythonProvider>)
+            }
+            None => None,
+        };
         let wasm = WasmTier::new(WasmTierConfig {
             cache_dir: config.home.as_ref().map(|home| home.join("modules")),
             max_instances: config.max_wasm_instances,
+            python,
+            tools: tools.clone(),
         });
-        Ok(Engine { config, wasm })
+        Ok(Engine { config, wasm, tools })
+    }
+
+    /// The host tools jobs may call (`Capabilities::tools` picks them by name). Register tools here.
+    pub fn tools(&self) -> &ToolRegistry {
+        &self.tools
+    }
+
+    /// The pinned Python image under this engine's home.
+    pub fn python_image(&self) -> Result<PythonImage, EngineError> {
+        let home = self.config.home.as_ref().ok_or(EngineError::NoHome("the Python runtime"))?;
+        PythonImage::new(home).map_err(|e| EngineError::Image(e.to_string()))
     }
 
     /// The policy's limits, for jobs that do not bring their own.
@@ -172,7 +265,7 @@ impl Engine {
         let tier = match choice {
             TierChoice::Tier(tier) => tier,
             TierChoice::Auto => match job.kind() {
-                JobKind::Wasm => TierKind::Wasm,
+                JobKind::Wasm | JobKind::Python => TierKind::Wasm,
                 kind => return Err(EngineError::NoTierFor(kind)),
             },
         };

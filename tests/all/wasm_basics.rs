@@ -115,12 +115,13 @@ fn a_grant_whose_host_directory_is_missing_is_refused() {
 }
 
 #[test]
-fn network_and_host_tools_are_refused_on_the_wasm_tier() {
+fn network_and_unregistered_tools_are_refused() {
     let caps = Capabilities { net: Net::Allow(vec!["example.com:443".into()]), ..Default::default() };
     let err = try_run(programs::HELLO, &[], &caps, &Limits::default()).expect_err("net");
     assert_eq!(err.code(), "unsupported", "{err}");
     let caps = Capabilities { tools: vec!["search".into()], ..Default::default() };
-    assert_eq!(try_run(programs::HELLO, &[], &caps, &Limits::default()).expect_err("tool").code(), "unsupported");
+    let err = try_run(programs::HELLO, &[], &caps, &Limits::default()).expect_err("unregistered tool");
+    assert_eq!((err.code(), err.to_string().as_str()), ("invalid_tool", "no tool named search is registered"));
 }
 
 #[test]

@@ -86,6 +86,18 @@ impl OutputCapture {
         self.lock().write(bytes);
     }
 
+    /// Starts a fresh capture on the same stream (a new turn of a session): the kept bytes, counts and
+    /// truncation are cleared, and output goes to `sink` under a cap of `cap` bytes from now on.
+    pub fn restart(&self, cap: u64, sink: Option<Arc<dyn OutputSink>>) {
+        let mut state = self.lock();
+        state.cap = usize::try_from(cap).unwrap_or(usize::MAX);
+        state.kept = Vec::new();
+        state.written = 0;
+        state.truncated = false;
+        state.redactor.finish();
+        state.sink = sink;
+    }
+
     /// Flushes what the redactor held back and returns the capture. Further writes are still counted.
     pub fn finish(&self) -> Captured {
         let mut state = self.lock();
@@ -204,6 +216,16 @@ mod tests {
         let capture = OutputCapture::new(Stream::Stdout, 5, Vec::new(), None);
         capture.write(b"hello");
         assert!(!capture.finish().truncated);
+    }
+
+    #[test]
+    fn a_restarted_capture_starts_empty_with_its_new_cap() {
+        let capture = OutputCapture::new(Stream::Stdout, 4, Vec::new(), None);
+        capture.write(b"first turn");
+        assert!(capture.finish().truncated);
+        capture.restart(64, None);
+        capture.write(b"second");
+        assert_eq!(capture.finish(), Captured { bytes: b"second".to_vec(), written: 6, truncated: false });
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+mod images;
 mod run;
 
 use std::io::Write;
@@ -20,8 +21,8 @@ const USAGE_ERROR: u8 = 2;
     name = "strata",
     version,
     about = "Run untrusted code fast, isolated and metered.",
-    long_about = "Run untrusted code fast, isolated and metered: WebAssembly modules today, on the wasm tier \
-                  (wasmtime), with file grants, limits and a usage report.",
+    long_about = "Run untrusted code fast, isolated and metered: WebAssembly modules and Python today, on the \
+                  wasm tier (wasmtime), with file grants, limits and a usage report.",
     disable_help_subcommand = true
 )]
 struct Cli {
@@ -31,8 +32,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a job: `strata run [OPTIONS] FILE.wasm [-- ARGS...]`.
-    Run(run::RunArgs),
+    /// Run a job: `strata run [OPTIONS] FILE [-- ARGS...]`, or `strata run --python -c CODE | -m MODULE`.
+    Run(Box<run::RunArgs>),
+    /// Build, list or verify guest images (the Python runtime).
+    Images(images::ImagesArgs),
 }
 
 /// A usage or input error, reported as one line (or a JSON object) with exit status 2.
@@ -101,8 +104,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => {
             let json = args.json;
-            run::run(args).map_err(|failure| (json, failure))
+            run::run(*args).map_err(|failure| (json, failure))
         }
+        Command::Images(args) => images::images(args).map_err(|failure| (false, failure)),
     };
     match result {
         // Exit codes outside 0..=255 cannot be represented; WASI limits them to 0..126 anyway.

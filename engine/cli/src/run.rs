@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use clap::Args;
 use strata_core::{
-    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, LimitsOverride, Net, Outcome, OutputSink, Status,
-    Stream, format_duration, parse_duration,
+    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, LimitsOverride, Net, Outcome, OutputSink,
+    PythonSource, Status, Stream, format_duration, parse_duration,
 };
 use strata_engine::{Engine, EngineConfig, Policy, TierChoice};
 
@@ -21,9 +21,21 @@ const MAX_STDIN: u64 = 64 << 20;
 
 #[derive(Args)]
 pub(crate) struct RunArgs {
-    /// The program: a WebAssembly module (`.wasm`, WASI preview1 command).
-    #[arg(value_name = "FILE")]
-    file: PathBuf,
+    /// The program: a WebAssembly module (WASI preview1 command) or a Python script (.py).
+    #[arg(value_name = "FILE", required_unless_present_any = ["code", "module"])]
+    file: Option<PathBuf>,
+
+    /// Run Python (with FILE: treat it as a Python script whatever its name).
+    #[arg(long)]
+    python: bool,
+
+    /// Python source to run, as `python -c CODE`.
+    #[arg(short = 'c', value_name = "CODE", conflicts_with_all = ["file", "module"])]
+    code: Option<String>,
+
+    /// A Python module to run as `__main__`, as `python -m MODULE`.
+    #[arg(short = 'm', value_name = "MODULE", conflicts_with_all = ["file"])]
+    module: Option<String>,
 
     /// Arguments passed to the program (after `--`).
     #[arg(last = true, value_name = "ARGS")]
@@ -177,7 +189,13 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
     };
     let config = EngineConfig { policy, max_wasm_instances: 4, ..EngineConfig::from_env()? };
     let engine = Engine::new(config)?;
-    let job = Job::wasm_file(args.file, args.args);
+    let job = match (args.code, args.module, args.file) {
+        (Some(code), _, _) => Job::Python { source: PythonSource::Code(code), args: args.args },
+        (None, Some(module), _) => Job::Python { source: PythonSource::Module(module), args: args.args },
+        (None, None, Some(file)) if args.python => Job::Python { source: PythonSource::File(file), args: args.args },
+        (None, None, Some(file)) => strata_engine::job_for_file(&file, args.args)?,
+        (None, None, None) => return Err(Failure::new("usage", "nothing to run: give FILE, -c CODE or -m MODULE")),
+    };
 
     if args.json {
         let outcome = engine.run_on(args.tier, &job, &caps, &limits, ExecOptions::default())?;

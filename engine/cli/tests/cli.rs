@@ -54,8 +54,12 @@ fn the_demo_job_prints_and_exits_zero() {
     assert_eq!(run.code, 0, "{}", run.stderr);
     assert_eq!(run.stdout, "Hello, newcomer! This line was printed by a WebAssembly guest inside Strata.\n");
     assert_eq!(run.stderr, "");
-    let cached = std::fs::read_dir(home.path().join("modules")).expect("module cache in STRATA_HOME").count();
-    assert_eq!(cached, 2, "one .cwasm and its .sum");
+    let mut cached: Vec<String> = std::fs::read_dir(home.path().join("modules"))
+        .expect("module cache in STRATA_HOME")
+        .filter_map(|e| e.ok()?.path().extension().map(|x| x.to_string_lossy().into_owned()))
+        .collect();
+    cached.sort();
+    assert_eq!(cached, ["cwasm", "lock", "sum"], "one compiled module, its checksum and its compile lock");
 }
 
 #[test]
@@ -64,7 +68,7 @@ fn json_prints_exactly_the_outcome_object() {
     assert_eq!(run.code, 3);
     let v = json(&run);
     let keys: Vec<&str> = v.as_object().expect("object").keys().map(String::as_str).collect();
-    assert_eq!(keys, ["escalations", "status", "stderr", "stdout", "tier", "truncated", "usage"]);
+    assert_eq!(keys, ["escalations", "status", "stderr", "stdout", "tier", "tools", "truncated", "usage"]);
     assert_eq!(v["tier"], "wasm");
     assert_eq!(v["status"], serde_json::json!({"kind": "exited", "code": 3}));
     assert_eq!(v["stdout"], "exiting with 3\n");

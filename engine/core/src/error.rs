@@ -93,6 +93,18 @@ pub enum TierError {
         /// Why it cannot be used.
         reason: String,
     },
+    /// A sandbox session that ended (a trap, a limit, `exit()`, or `close`) was asked to run more.
+    #[error("the session has ended: {reason}")]
+    SessionEnded {
+        /// What ended it.
+        reason: String,
+    },
+    /// A runtime artifact (e.g. the Python runtime) could not be installed or verified.
+    #[error("{0}")]
+    Artifact(String),
+    /// A tool named in the capabilities is unknown, or a tool definition is invalid.
+    #[error(transparent)]
+    Tool(#[from] crate::tools::ToolDefinitionError),
     /// The tier's runtime failed in a way that is not the guest's doing.
     #[error("{tier} tier internal error: {message}")]
     Internal {
@@ -118,6 +130,9 @@ impl TierError {
             TierError::Capacity { .. } => "capacity",
             TierError::Storage { .. } => "storage",
             TierError::GuestPath { .. } => "guest_path",
+            TierError::SessionEnded { .. } => "session_ended",
+            TierError::Artifact(_) => "artifact",
+            TierError::Tool(_) => "invalid_tool",
             TierError::Internal { .. } => "internal",
         }
     }

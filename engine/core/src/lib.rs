@@ -12,6 +12,7 @@ pub mod limits;
 pub mod outcome;
 pub mod redact;
 pub mod tier;
+pub mod tools;
 pub mod units;
 
 pub use caps::{Capabilities, CapsError, EnvVar, Grant, GrantMode, Net};
@@ -21,4 +22,5 @@ pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
 pub use outcome::{Escalation, Outcome, Status, TierKind, Truncated, Usage};
 pub use redact::Redactor;
 pub use tier::{CancelToken, ExecOptions, OutputSink, Sandbox, Snapshot, Stream, Tier};
+pub use tools::{Tool, ToolCall, ToolDefinitionError, ToolFailure, ToolRegistry};
 pub use units::{ByteSize, UnitsError, format_duration, parse_duration};

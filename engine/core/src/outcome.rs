@@ -10,6 +10,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::limits::LimitKind;
+use crate::tools::ToolCall;
 
 /// The tiers, cheapest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -180,8 +181,9 @@ pub struct Escalation {
 ///
 /// Serialized, it is exactly DESIGN §5's object:
 /// `{"tier":"wasm","status":{"kind":"exited","code":0},"stdout":"...","stderr":"...",
-/// "truncated":{"stdout":false,"stderr":false},"usage":{...},"escalations":[]}`. Output that is not UTF-8 is
-/// base64 with `"stdout_encoding":"base64"` (or `stderr_encoding`) beside it.
+/// "truncated":{"stdout":false,"stderr":false},"usage":{...},"escalations":[],"tools":[]}`. Output that is not
+/// UTF-8 is base64 with `"stdout_encoding":"base64"` (or `stderr_encoding`) beside it. `tools` lists the
+/// tool-protocol frames the job exchanged (see [`ToolCall`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
     /// The tier that ran the job.
@@ -198,6 +200,8 @@ pub struct Outcome {
     pub usage: Usage,
     /// Tiers the job moved through before this one.
     pub escalations: Vec<Escalation>,
+    /// Every tool-protocol frame the job exchanged with the host, in order.
+    pub tools: Vec<ToolCall>,
 }
 
 impl Outcome {
@@ -221,6 +225,7 @@ struct OutcomeJson {
     truncated: Truncated,
     usage: Usage,
     escalations: Vec<Escalation>,
+    tools: Vec<ToolCall>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy)]
@@ -257,6 +262,7 @@ impl Serialize for Outcome {
             truncated: self.truncated,
             usage: self.usage.clone(),
             escalations: self.escalations.clone(),
+            tools: self.tools.clone(),
         }
         .serialize(serializer)
     }
@@ -273,6 +279,7 @@ impl<'de> Deserialize<'de> for Outcome {
             truncated: o.truncated,
             usage: o.usage,
             escalations: o.escalations,
+            tools: o.tools,
         })
     }
 }
@@ -297,6 +304,7 @@ mod tests {
                 stderr_bytes: 0,
             },
             escalations: Vec::new(),
+            tools: Vec::new(),
         }
     }
 
@@ -305,7 +313,7 @@ mod tests {
         let json = serde_json::to_string(&sample()).expect("serializes");
         assert_eq!(
             json,
-            r#"{"tier":"wasm","status":{"kind":"exited","code":0},"stdout":"hello\n","stderr":"","truncated":{"stdout":false,"stderr":false},"usage":{"wall_ms":1.2,"cpu_ms":1.0,"fuel":12345,"peak_memory_bytes":1114112,"stdout_bytes":6,"stderr_bytes":0},"escalations":[]}"#
+            r#"{"tier":"wasm","status":{"kind":"exited","code":0},"stdout":"hello\n","stderr":"","truncated":{"stdout":false,"stderr":false},"usage":{"wall_ms":1.2,"cpu_ms":1.0,"fuel":12345,"peak_memory_bytes":1114112,"stdout_bytes":6,"stderr_bytes":0},"escalations":[],"tools":[]}"#
         );
     }
 

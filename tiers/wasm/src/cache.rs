@@ -1,20 +1,26 @@
 //! The on-disk cache of precompiled modules.
 //!
-//! An entry is `<key>.cwasm` (wasmtime's serialized module) beside `<key>.sum` (its BLAKE3 digest and length).
-//! The key hashes the module's bytes with the engine's compatibility fingerprint, so a different wasmtime
-//! version or configuration (fuel on/off, features) never reads another's entry. Both files are written to
-//! temporary names and renamed into place. On load the `.cwasm` is hashed through the same open file
-//! descriptor that is then mapped, so a truncated, corrupted or swapped entry is detected, recompiled and
-//! replaced, never executed.
+//! An entry is `<key>.cwasm` (wasmtime's serialized module) beside `<key>.sum` (its BLAKE3 digest and length,
+//! and the stamp of the file that digest was last checked against). The key hashes the module's identity with
+//! the engine's compatibility fingerprint, so a different wasmtime version or configuration (fuel on/off,
+//! features) never reads another's entry. Both files are written to temporary names and renamed into place;
+//! one process compiles a given entry at a time (an `flock` on `<key>.lock`), the others wait and load it.
+//!
+//! On load the `.cwasm` is opened once and that descriptor is both checked and mapped. When its stamp (device,
+//! inode, size, modification and change times) matches the one recorded after its last full check, the digest
+//! is not recomputed: any write, truncation, `chmod` or `touch` changes the change time, which a user process
+//! cannot set back. Otherwise it is hashed in full. A truncated, corrupted or swapped entry is detected,
+//! recompiled and replaced, never executed.
 
 use std::fs::{self, File};
 use std::io::{self, Write};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use wasmtime::{Engine, Module};
 
-/// A 32-byte BLAKE3 digest.
+/// A 32-byte digest.
 pub type Digest = [u8; 32];
 
 /// Where a module came from on this call, for tests and progress reporting.
@@ -91,11 +97,28 @@ impl ModuleCache {
                 CacheOutcome::Rebuilt
             }
         };
+        // One compiler per entry across processes: whoever waited for the lock loads what the other wrote.
+        let lock = self.lock(key);
+        if lock.is_some()
+            && let Ok(module) = self.load(engine, key)
+        {
+            return Ok((module, CacheOutcome::Hit));
+        }
         let module = compile()?;
         if let Err(err) = self.store(key, &module) {
             log::warn!("cannot write module cache entry in {}: {err}", self.dir.display());
         }
+        drop(lock);
         Ok((module, outcome))
+    }
+
+    /// An exclusive lock on the entry's lock file, or `None` when the cache directory cannot hold one (the
+    /// compile then goes ahead unlocked).
+    fn lock(&self, key: &Digest) -> Option<nix::fcntl::Flock<File>> {
+        fs::create_dir_all(&self.dir).ok()?;
+        let path = self.dir.join(format!("{}.lock", hex(key)));
+        let file = File::options().create(true).truncate(false).write(true).open(path).ok()?;
+        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).ok()
     }
 
     fn load(&self, engine: &Engine, key: &Digest) -> Result<Module, Invalid> {
@@ -103,33 +126,36 @@ impl ModuleCache {
         let sum = match fs::read_to_string(&sum_path) {
             Ok(sum) => sum,
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Err(Invalid::Missing),
-            Err(err) => {
-                return Err(Invalid::Corrupt(format!("reading {}: {err}", sum_path.display())));
-            }
+            Err(err) => return Err(Invalid::Corrupt(format!("reading {}: {err}", sum_path.display()))),
         };
-        let (want_hash, want_len) = parse_sum(&sum).ok_or_else(|| Invalid::Corrupt("malformed .sum file".into()))?;
+        let sum = Sum::parse(&sum).ok_or_else(|| Invalid::Corrupt("malformed .sum file".into()))?;
         let mut file = match File::open(&cwasm_path) {
             Ok(file) => file,
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
                 return Err(Invalid::Corrupt(".sum without .cwasm".into()));
             }
-            Err(err) => {
-                return Err(Invalid::Corrupt(format!("opening {}: {err}", cwasm_path.display())));
-            }
+            Err(err) => return Err(Invalid::Corrupt(format!("opening {}: {err}", cwasm_path.display()))),
         };
-        let mut hasher = blake3::Hasher::new();
-        let len = io::copy(&mut file, &mut hasher).map_err(|e| Invalid::Corrupt(format!("reading: {e}")))?;
-        if len != want_len {
-            return Err(Invalid::Corrupt(format!("length {len}, expected {want_len}")));
-        }
-        if hasher.finalize().to_hex().as_str() != want_hash {
-            return Err(Invalid::Corrupt("checksum mismatch".into()));
+        let meta = file.metadata().map_err(|e| Invalid::Corrupt(format!("stat: {e}")))?;
+        let stamp = Stamp::of(&meta);
+        if sum.stamp != Some(stamp) {
+            let mut hasher = blake3::Hasher::new();
+            let len = io::copy(&mut file, &mut hasher).map_err(|e| Invalid::Corrupt(format!("reading: {e}")))?;
+            if len != sum.len {
+                return Err(Invalid::Corrupt(format!("length {len}, expected {}", sum.len)));
+            }
+            if hasher.finalize().to_hex().as_str() != sum.hash {
+                return Err(Invalid::Corrupt("checksum mismatch".into()));
+            }
+            // Checked in full: record the stamp so the next load need not hash again.
+            let checked = Sum { stamp: Some(stamp), ..sum };
+            let _ = write_atomically(&sum_path, checked.render().as_bytes());
         }
         // SAFETY: `deserialize_open_file` requires bytes produced by `Module::serialize` of a compatible
-        // engine. The bytes behind this descriptor were just hashed and match the digest recorded when this
-        // process's code serialized them under a key that includes the engine's compatibility fingerprint.
-        // The cache directory is private to Strata; a writer able to forge both files could equally replace
-        // the binary itself.
+        // engine. The bytes behind this descriptor match the digest recorded when this code serialized them,
+        // under a key that includes the engine's compatibility fingerprint: checked just now, or unchanged
+        // (same inode, size, mtime and ctime) since they were last checked. The cache directory is private to
+        // Strata; a writer able to forge both files could equally replace the binary itself.
         unsafe { Module::deserialize_open_file(engine, file) }
             .map_err(|err| Invalid::Corrupt(format!("wasmtime refused it: {err}")))
     }
@@ -138,20 +164,79 @@ impl ModuleCache {
         let bytes = module.serialize().map_err(|e| io::Error::other(e.to_string()))?;
         fs::create_dir_all(&self.dir)?;
         let (cwasm_path, sum_path) = self.entry_paths(key);
-        let digest = blake3::hash(&bytes);
-        let sum = format!("blake3 {} {}\n", digest.to_hex(), bytes.len());
+        let hash = blake3::hash(&bytes).to_hex().to_string();
         // The .cwasm goes first: a reader that sees the new .sum then finds the matching .cwasm. A crash in
         // between leaves a mismatch, which the next load detects and repairs.
         write_atomically(&cwasm_path, &bytes)?;
-        write_atomically(&sum_path, sum.as_bytes())
+        let stamp = fs::metadata(&cwasm_path).ok().map(|m| Stamp::of(&m));
+        write_atomically(&sum_path, Sum { hash, len: bytes.len() as u64, stamp }.render().as_bytes())
     }
 }
 
-fn parse_sum(text: &str) -> Option<(&str, u64)> {
-    let mut parts = text.split_whitespace();
-    match (parts.next(), parts.next(), parts.next(), parts.next()) {
-        (Some("blake3"), Some(hash), Some(len), None) if hash.len() == 64 => Some((hash, len.parse().ok()?)),
-        _ => None,
+/// What identifies a file's bytes without reading them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(meta: &fs::Metadata) -> Stamp {
+        Stamp {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+}
+
+/// A `.sum` file: `blake3 HASH LEN` and, once checked, `stamp DEV INO LEN MTIME.NS CTIME.NS`.
+#[derive(Debug, Clone)]
+struct Sum {
+    hash: String,
+    len: u64,
+    stamp: Option<Stamp>,
+}
+
+impl Sum {
+    fn parse(text: &str) -> Option<Sum> {
+        let mut lines = text.lines();
+        let mut first = lines.next()?.split_whitespace();
+        let (hash, len) = match (first.next(), first.next(), first.next(), first.next()) {
+            (Some("blake3"), Some(hash), Some(len), None) if hash.len() == 64 => (hash.to_owned(), len.parse().ok()?),
+            _ => return None,
+        };
+        let pair = |s: &str| -> Option<(i64, i64)> {
+            let (a, b) = s.split_once('.')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        };
+        let stamp = lines.next().and_then(|line| match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+            ["stamp", dev, ino, len, mtime, ctime] => Some(Stamp {
+                dev: dev.parse().ok()?,
+                ino: ino.parse().ok()?,
+                len: len.parse().ok()?,
+                mtime: pair(mtime)?,
+                ctime: pair(ctime)?,
+            }),
+            _ => None,
+        });
+        Some(Sum { hash, len, stamp })
+    }
+
+    fn render(&self) -> String {
+        let mut text = format!("blake3 {} {}\n", self.hash, self.len);
+        if let Some(s) = &self.stamp {
+            text.push_str(&format!(
+                "stamp {} {} {} {}.{} {}.{}\n",
+                s.dev, s.ino, s.len, s.mtime.0, s.mtime.1, s.ctime.0, s.ctime.1
+            ));
+        }
+        text
     }
 }
 
@@ -231,6 +316,24 @@ mod tests {
     }
 
     #[test]
+    fn a_checked_entry_loads_without_rehashing_until_it_changes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cache = ModuleCache::new(dir.path());
+        let engine = engine();
+        let key = [5u8; 32];
+        cache.load_or_compile(&engine, &key, || compile(&engine)).expect("compile");
+        let (cwasm, sum) = cache.entry_paths(&key);
+        let text = fs::read_to_string(&sum).expect("sum");
+        assert!(text.lines().nth(1).is_some_and(|l| l.starts_with("stamp ")), "{text}");
+        // Same length, same bytes rewritten in place: the stamp changes, so the file is hashed and passes.
+        let bytes = fs::read(&cwasm).expect("read");
+        fs::write(&cwasm, &bytes).expect("rewrite");
+        let (_, outcome) = cache.load_or_compile(&engine, &key, || compile(&engine)).expect("load");
+        assert_eq!(outcome, CacheOutcome::Hit);
+        assert_ne!(fs::read_to_string(&sum).expect("sum"), text, "the new stamp is recorded");
+    }
+
+    #[test]
     fn no_temporary_files_are_left_behind() {
         let dir = tempfile::tempdir().expect("tempdir");
         let cache = ModuleCache::new(dir.path());
@@ -240,7 +343,7 @@ mod tests {
             .expect("ls")
             .map(|e| e.expect("entry").file_name().to_string_lossy().into())
             .collect();
-        assert_eq!(names.len(), 2, "{names:?}");
+        assert_eq!(names.len(), 3, "the entry, its sum and its lock file: {names:?}");
         assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
     }
 }

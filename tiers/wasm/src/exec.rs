@@ -1,38 +1,51 @@
-//! Running one job: the WASI context built from `Capabilities`, the store with its limits, and the mapping of
-//! how the guest ended to an `Outcome`.
+//! Running guests: the WASI context built from `Capabilities`, the store with its limits, the guarded call,
+//! and the mapping of how the guest ended to an `Outcome`. Shared by WASI commands, one-shot Python and
+//! Python sessions.
 
 use std::cell::RefCell;
 use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use strata_core::{
-    CancelToken, Capabilities, GrantMode, LimitKind, Limits, Net, Outcome, Status, Stream, TierError, TierKind,
-    Truncated, Usage,
+    CancelToken, Capabilities, GrantMode, LimitKind, Limits, Net, Outcome, OutputSink, Status, Stream, TierError,
+    TierKind, ToolCall, ToolRegistry, Truncated, Usage,
 };
-use strata_wasi_shims::OutputCapture;
+use strata_wasi_shims::{Captured, OutputCapture};
 use wasmtime::{ResourceLimiter, Store, Trap, UpdateDeadline, WasmBacktrace};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 
 use crate::runtime::{MAX_LINEAR_MEMORY, MAX_TABLE_ELEMENTS, Prepared, Runtime, describe};
+use crate::tools::ToolHost;
 
-/// Per-store state: the guest's WASI context and the meter that enforces its limits.
+fn internal(message: impl std::fmt::Display) -> TierError {
+    TierError::Internal { tier: TierKind::Wasm, message: message.to_string() }
+}
+
+/// Per-store state: the guest's WASI context, the meter that enforces its limits, and its tools.
 pub(crate) struct JobState {
     pub(crate) wasi: WasiP1Ctx,
-    meter: Meter,
+    pub(crate) meter: Meter,
+    pub(crate) tools: ToolHost,
 }
 
 impl JobState {
     /// State with nothing granted and no limits armed; used to inspect the linker.
     pub(crate) fn empty() -> JobState {
-        JobState { wasi: WasiCtxBuilder::new().build_p1(), meter: Meter::new(&Limits::default(), None) }
+        JobState {
+            wasi: WasiCtxBuilder::new().build_p1(),
+            meter: Meter::new(&Limits::default(), None),
+            tools: ToolHost::default(),
+        }
     }
 }
 
 /// Why the host stopped a guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stop {
+pub(crate) enum Stop {
     Limit(LimitKind),
     Cancelled,
 }
@@ -53,30 +66,43 @@ impl std::fmt::Display for Stopped {
 impl std::error::Error for Stopped {}
 
 /// Enforces memory, wall, CPU and cancellation, and records peak memory.
-struct Meter {
+pub(crate) struct Meter {
     memory_cap: u64,
     memory_now: u64,
-    peak_memory: u64,
-    wall_deadline: Instant,
-    cpu_start: Duration,
+    pub(crate) peak_memory: u64,
+    pub(crate) wall_deadline: Instant,
+    pub(crate) cpu_start: Duration,
     cpu_limit: Duration,
     cancel: Option<CancelToken>,
-    stop: Option<Stop>,
+    pub(crate) stop: Option<Stop>,
 }
 
 impl Meter {
-    fn new(limits: &Limits, cancel: Option<CancelToken>) -> Meter {
-        let now = Instant::now();
-        Meter {
-            memory_cap: limits.memory.0.min(MAX_LINEAR_MEMORY),
+    pub(crate) fn new(limits: &Limits, cancel: Option<CancelToken>) -> Meter {
+        let mut meter = Meter {
+            memory_cap: 0,
             memory_now: 0,
             peak_memory: 0,
-            wall_deadline: now.checked_add(limits.wall).unwrap_or(now + Duration::from_secs(86_400 * 365)),
-            cpu_start: thread_cpu_time(),
-            cpu_limit: limits.cpu,
-            cancel,
+            wall_deadline: Instant::now(),
+            cpu_start: Duration::ZERO,
+            cpu_limit: Duration::ZERO,
+            cancel: None,
             stop: None,
-        }
+        };
+        meter.arm(limits, cancel);
+        meter
+    }
+
+    /// Arms the limits for a new job or turn; memory already in use stays counted.
+    pub(crate) fn arm(&mut self, limits: &Limits, cancel: Option<CancelToken>) {
+        let now = Instant::now();
+        self.memory_cap = limits.memory.0.min(MAX_LINEAR_MEMORY);
+        self.peak_memory = self.memory_now;
+        self.wall_deadline = now.checked_add(limits.wall).unwrap_or(now + Duration::from_secs(86_400 * 365));
+        self.cpu_start = thread_cpu_time();
+        self.cpu_limit = limits.cpu;
+        self.cancel = cancel;
+        self.stop = None;
     }
 
     /// Checked at every epoch tick while the guest runs.
@@ -118,7 +144,7 @@ impl ResourceLimiter for Meter {
 }
 
 /// CPU time of the calling thread, which is the thread the guest runs on.
-fn thread_cpu_time() -> Duration {
+pub(crate) fn thread_cpu_time() -> Duration {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).map(Duration::from).unwrap_or_default()
 }
 
@@ -130,36 +156,23 @@ thread_local! {
 
 fn block_on<F: Future>(future: F) -> Result<F::Output, TierError> {
     if tokio::runtime::Handle::try_current().is_ok() {
-        return Err(TierError::Internal {
-            tier: TierKind::Wasm,
-            message: "a job was started on a thread inside an async runtime".into(),
-        });
+        return Err(internal("a job was started on a thread inside an async runtime"));
     }
     // The runtime is taken out of its slot while it runs, so nothing borrowed is held across the job.
     let runtime = match EXECUTOR.with(|cell| cell.borrow_mut().take()) {
         Some(runtime) => runtime,
-        None => tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| {
-            TierError::Internal { tier: TierKind::Wasm, message: format!("cannot start the executor: {e}") }
-        })?,
+        None => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| internal(format!("cannot start the executor: {e}")))?,
     };
     let output = runtime.block_on(future);
     EXECUTOR.with(|cell| *cell.borrow_mut() = Some(runtime));
     Ok(output)
 }
 
-/// Everything one run needs besides the module.
-pub(crate) struct JobSpec<'a> {
-    pub(crate) program: &'a str,
-    pub(crate) args: &'a [String],
-    pub(crate) caps: &'a Capabilities,
-    pub(crate) limits: &'a Limits,
-    pub(crate) stdin: &'a [u8],
-    pub(crate) sink: Option<std::sync::Arc<dyn strata_core::OutputSink>>,
-    pub(crate) cancel: Option<CancelToken>,
-}
-
 /// Checks that the capabilities can be honoured on this tier, before anything is built.
-pub(crate) fn check_caps(caps: &Capabilities) -> Result<(), TierError> {
+pub(crate) fn check_caps(caps: &Capabilities, registry: &ToolRegistry) -> Result<(), TierError> {
     caps.validate()?;
     if let Net::Allow(hosts) = &caps.net {
         return Err(TierError::Unsupported {
@@ -167,28 +180,52 @@ pub(crate) fn check_caps(caps: &Capabilities) -> Result<(), TierError> {
             what: format!("network egress (--allow-net {}); jobs on this tier have no network", hosts.join(",")),
         });
     }
-    if let Some(tool) = caps.tools.first() {
-        return Err(TierError::Unsupported { tier: TierKind::Wasm, what: format!("host tool {tool:?}") });
-    }
+    registry.select(&caps.tools)?;
     Ok(())
 }
 
+/// A directory the guest sees besides the grants (the Python stdlib, a scratch `/tmp`).
+pub(crate) struct Preopen {
+    pub(crate) host: PathBuf,
+    pub(crate) guest: String,
+    pub(crate) writable: bool,
+}
+
+/// What a WASI context is built from.
+pub(crate) struct WasiSpec<'a> {
+    pub(crate) args: Vec<String>,
+    /// Set before the capabilities' env, which may override them.
+    pub(crate) base_env: Vec<(&'static str, String)>,
+    pub(crate) caps: &'a Capabilities,
+    pub(crate) stdin: &'a [u8],
+    pub(crate) preopens: Vec<Preopen>,
+}
+
 /// The one place `Capabilities` become a WASI context: nothing is reachable that is not granted here.
-fn wasi_ctx(spec: &JobSpec<'_>, stdout: OutputCapture, stderr: OutputCapture) -> Result<WasiP1Ctx, TierError> {
+pub(crate) fn wasi_ctx(spec: WasiSpec<'_>, captures: &Captures) -> Result<WasiP1Ctx, TierError> {
     let mut builder = WasiCtxBuilder::new();
     // Must come before the preopens, which capture it: file I/O runs on the job's thread instead of a pool.
     builder.allow_blocking_current_thread(true);
-    builder.arg(spec.program).args(spec.args);
+    builder.args(&spec.args);
+    for (name, value) in &spec.base_env {
+        builder.env(name, value);
+    }
     for var in spec.caps.guest_env() {
         builder.env(&var.name, &var.value);
     }
     builder
         .stdin(MemoryInputPipe::new(spec.stdin.to_vec()))
-        .stdout(stdout)
-        .stderr(stderr)
+        .stdout(captures.stdout.clone())
+        .stderr(captures.stderr.clone())
         .allow_tcp(false)
         .allow_udp(false)
         .allow_ip_name_lookup(false);
+    for preopen in &spec.preopens {
+        let perms = if preopen.writable { FsPerms::ReadWrite } else { FsPerms::ReadOnly };
+        builder
+            .preopened_dir(&preopen.host, &preopen.guest, perms)
+            .map_err(|e| internal(format!("cannot open {}: {e}", preopen.host.display())))?;
+    }
     for grant in &spec.caps.grants {
         let perms = match grant.mode {
             GrantMode::Ro => FsPerms::ReadOnly,
@@ -201,35 +238,35 @@ fn wasi_ctx(spec: &JobSpec<'_>, stdout: OutputCapture, stderr: OutputCapture) ->
     Ok(builder.build_p1())
 }
 
-enum Ended {
-    Returned(wasmtime::Result<()>),
-    WallTimeout,
-    Cancelled,
+/// A job's stdout and stderr captures.
+pub(crate) struct Captures {
+    pub(crate) stdout: OutputCapture,
+    pub(crate) stderr: OutputCapture,
 }
 
-/// Runs a prepared module to completion.
-pub(crate) fn execute(runtime: &Runtime, prepared: &Prepared, spec: JobSpec<'_>) -> Result<Outcome, TierError> {
-    let limits = spec.limits;
-    let secrets = spec.caps.secret_values();
-    let stdout = OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), spec.sink.clone());
-    let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, spec.sink.clone());
-    let wasi = wasi_ctx(&spec, stdout.clone(), stderr.clone())?;
-
-    let _running = runtime.ticker.enter().map_err(|e| TierError::Internal {
-        tier: TierKind::Wasm,
-        message: format!("cannot start the epoch thread: {e}"),
-    })?;
-    let started = Instant::now();
-    let meter = Meter::new(limits, spec.cancel.clone());
-    let wall_deadline = meter.wall_deadline;
-    let cpu_start = meter.cpu_start;
-    let mut store = Store::new(&runtime.engine, JobState { wasi, meter });
-    store.limiter(|state| &mut state.meter);
-    let fuel_budget = limits.fuel.limit().filter(|_| runtime.metered);
-    if let Some(fuel) = fuel_budget {
-        store.set_fuel(fuel).map_err(|e| TierError::Internal { tier: TierKind::Wasm, message: e.to_string() })?;
+impl Captures {
+    pub(crate) fn new(caps: &Capabilities, limits: &Limits, sink: Option<Arc<dyn OutputSink>>) -> Captures {
+        let secrets = caps.secret_values();
+        Captures {
+            stdout: OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), sink.clone()),
+            stderr: OutputCapture::new(Stream::Stderr, limits.output.0, secrets, sink),
+        }
     }
-    store.set_epoch_deadline(1);
+
+    pub(crate) fn restart(&self, limits: &Limits, sink: Option<Arc<dyn OutputSink>>) {
+        self.stdout.restart(limits.output.0, sink.clone());
+        self.stderr.restart(limits.output.0, sink);
+    }
+
+    fn finish(&self) -> (Captured, Captured) {
+        (self.stdout.finish(), self.stderr.finish())
+    }
+}
+
+/// A store with the meter as its limiter, fuel set when the engine is metered, and the epoch callback armed.
+pub(crate) fn new_store(runtime: &Runtime, state: JobState) -> Store<JobState> {
+    let mut store = Store::new(&runtime.engine, state);
+    store.limiter(|state| &mut state.meter);
     store.epoch_deadline_callback(|mut ctx| {
         let meter = &mut ctx.data_mut().meter;
         match meter.check() {
@@ -237,60 +274,155 @@ pub(crate) fn execute(runtime: &Runtime, prepared: &Prepared, spec: JobSpec<'_>)
             None => Ok(UpdateDeadline::Continue(1)),
         }
     });
+    store
+}
 
-    let cancel = spec.cancel.clone();
-    let ended = block_on(async {
-        let run = async {
-            let instance = prepared.pre.instantiate_async(&mut store).await?;
-            let start = instance.get_typed_func::<(), ()>(&mut store, "_start")?;
-            start.call_async(&mut store, ()).await
-        };
+/// Sets the fuel budget of the next call: the job's limit, or all there is when the engine is metered and the
+/// job set none (so fuel is still reported). Returns the budget.
+pub(crate) fn set_fuel(
+    runtime: &Runtime,
+    store: &mut Store<JobState>,
+    limits: &Limits,
+) -> Result<Option<u64>, TierError> {
+    if !runtime.metered {
+        return Ok(None);
+    }
+    let budget = limits.fuel.limit().unwrap_or(u64::MAX);
+    store.set_fuel(budget).map_err(internal)?;
+    Ok(Some(budget))
+}
+
+/// How a guarded call ended.
+pub(crate) enum Ended<T> {
+    Returned(wasmtime::Result<T>),
+    WallTimeout,
+    Cancelled,
+}
+
+/// Runs `future` (a guest call) until it returns, the wall deadline passes (also while the guest is blocked in
+/// a host call), or the job is cancelled.
+pub(crate) fn guarded<T, F: Future<Output = wasmtime::Result<T>>>(
+    future: F,
+    wall_deadline: Instant,
+    cancel: Option<&CancelToken>,
+) -> Result<Ended<T>, TierError> {
+    block_on(async {
         let cancelled = async {
-            match &cancel {
+            match cancel {
                 Some(token) => token.cancelled().await,
                 None => std::future::pending().await,
             }
         };
         tokio::select! {
-            result = tokio::time::timeout_at(wall_deadline.into(), run) => match result {
+            result = tokio::time::timeout_at(wall_deadline.into(), future) => match result {
                 Ok(returned) => Ended::Returned(returned),
                 Err(_) => Ended::WallTimeout,
             },
             () = cancelled => Ended::Cancelled,
         }
-    })?;
-    let wall = started.elapsed();
-    let cpu = thread_cpu_time().saturating_sub(cpu_start);
-
-    let status = match ended {
-        Ended::WallTimeout => Status::LimitExceeded { limit: LimitKind::Wall },
-        Ended::Cancelled => return Err(TierError::Cancelled),
-        Ended::Returned(Ok(())) => Status::Exited { code: 0 },
-        Ended::Returned(Err(err)) => match store.data().meter.stop {
-            Some(Stop::Limit(limit)) => Status::LimitExceeded { limit },
-            Some(Stop::Cancelled) => return Err(TierError::Cancelled),
-            None => classify(&err)?,
-        },
-    };
-    let fuel = fuel_budget.map(|budget| budget.saturating_sub(store.get_fuel().unwrap_or(0)));
-    let peak_memory = store.data().meter.peak_memory;
-    // Returns the instance's pool slot before the outcome is assembled.
-    drop(store);
-
-    let (out, err) = (stdout.finish(), stderr.finish());
-    Ok(Outcome {
-        tier: TierKind::Wasm,
-        status,
-        truncated: Truncated { stdout: out.truncated, stderr: err.truncated },
-        usage: Usage { wall, cpu, fuel, peak_memory, stdout_bytes: out.written, stderr_bytes: err.written },
-        stdout: out.bytes,
-        stderr: err.bytes,
-        escalations: Vec::new(),
     })
 }
 
+/// The status of a guarded call; `returned` maps a normal return.
+pub(crate) fn status_of<T>(
+    ended: Ended<T>,
+    stop: Option<Stop>,
+    returned: impl FnOnce(T) -> Status,
+) -> Result<Status, TierError> {
+    match ended {
+        Ended::WallTimeout => Ok(Status::LimitExceeded { limit: LimitKind::Wall }),
+        Ended::Cancelled => Err(TierError::Cancelled),
+        Ended::Returned(Ok(value)) => Ok(returned(value)),
+        Ended::Returned(Err(err)) => match stop {
+            Some(Stop::Limit(limit)) => Ok(Status::LimitExceeded { limit }),
+            Some(Stop::Cancelled) => Err(TierError::Cancelled),
+            None => classify(&err),
+        },
+    }
+}
+
+/// What a finished job or turn measured, besides its output.
+pub(crate) struct Measured {
+    pub(crate) started: Instant,
+    pub(crate) cpu_start: Duration,
+    pub(crate) fuel_budget: Option<u64>,
+}
+
+impl Measured {
+    pub(crate) fn start(store: &Store<JobState>, fuel_budget: Option<u64>) -> Measured {
+        Measured { started: Instant::now(), cpu_start: store.data().meter.cpu_start, fuel_budget }
+    }
+
+    /// Assembles the outcome; reads fuel and peak memory from `store`.
+    pub(crate) fn outcome(
+        &self,
+        status: Status,
+        store: &mut Store<JobState>,
+        captures: &Captures,
+        tools: Vec<ToolCall>,
+    ) -> Outcome {
+        let wall = self.started.elapsed();
+        let cpu = thread_cpu_time().saturating_sub(self.cpu_start);
+        let fuel = self.fuel_budget.map(|budget| budget.saturating_sub(store.get_fuel().unwrap_or(0)));
+        let peak_memory = store.data().meter.peak_memory;
+        let (out, err) = captures.finish();
+        Outcome {
+            tier: TierKind::Wasm,
+            status,
+            truncated: Truncated { stdout: out.truncated, stderr: err.truncated },
+            usage: Usage { wall, cpu, fuel, peak_memory, stdout_bytes: out.written, stderr_bytes: err.written },
+            stdout: out.bytes,
+            stderr: err.bytes,
+            escalations: Vec::new(),
+            tools,
+        }
+    }
+}
+
+/// Everything one WASI command run needs besides the module.
+pub(crate) struct JobSpec<'a> {
+    pub(crate) program: &'a str,
+    pub(crate) args: &'a [String],
+    pub(crate) caps: &'a Capabilities,
+    pub(crate) limits: &'a Limits,
+    pub(crate) stdin: &'a [u8],
+    pub(crate) sink: Option<Arc<dyn OutputSink>>,
+    pub(crate) cancel: Option<CancelToken>,
+    pub(crate) tools: ToolHost,
+}
+
+/// Runs a prepared WASI command to completion.
+pub(crate) fn execute(runtime: &Runtime, prepared: &Prepared, spec: JobSpec<'_>) -> Result<Outcome, TierError> {
+    let captures = Captures::new(spec.caps, spec.limits, spec.sink.clone());
+    let mut args = vec![spec.program.to_owned()];
+    args.extend(spec.args.iter().cloned());
+    let wasi_spec = WasiSpec { args, base_env: Vec::new(), caps: spec.caps, stdin: spec.stdin, preopens: Vec::new() };
+    let wasi = wasi_ctx(wasi_spec, &captures)?;
+
+    let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
+    let meter = Meter::new(spec.limits, spec.cancel.clone());
+    let mut store = new_store(runtime, JobState { wasi, meter, tools: spec.tools });
+    let fuel_budget = set_fuel(runtime, &mut store, spec.limits)?;
+    store.set_epoch_deadline(1);
+    let measured = Measured::start(&store, fuel_budget);
+    let wall_deadline = store.data().meter.wall_deadline;
+
+    let ended = guarded(
+        async {
+            let instance = prepared.pre.instantiate_async(&mut store).await?;
+            let start = instance.get_typed_func::<(), ()>(&mut store, "_start")?;
+            start.call_async(&mut store, ()).await
+        },
+        wall_deadline,
+        spec.cancel.as_ref(),
+    )?;
+    let status = status_of(ended, store.data().meter.stop, |()| Status::Exited { code: 0 })?;
+    let tools = store.data_mut().tools.take_records();
+    Ok(measured.outcome(status, &mut store, &captures, tools))
+}
+
 /// How a guest that ended with an error (and was not stopped by the meter) ended.
-fn classify(err: &wasmtime::Error) -> Result<Status, TierError> {
+pub(crate) fn classify(err: &wasmtime::Error) -> Result<Status, TierError> {
     if let Some(exit) = err.downcast_ref::<I32Exit>() {
         return Ok(Status::Exited { code: exit.0 });
     }

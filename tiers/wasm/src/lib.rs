@@ -1,4 +1,4 @@
-//! Strata's WebAssembly tier: WASI preview1 command modules on wasmtime.
+//! Strata's WebAssembly tier: WASI preview1 command modules, and Python ([`python`]), on wasmtime.
 //!
 //! - One wasmtime [`Engine`](wasmtime::Engine) per fuel mode (unmetered, the default, and fuel-metered, whose
 //!   compiled code differs), each shared by every job, with the pooling allocator and copy-on-write memory
@@ -22,36 +22,58 @@
 pub mod cache;
 mod epoch;
 mod exec;
+pub mod python;
 mod runtime;
 mod sandbox;
+mod tools;
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use strata_core::{Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Tier, TierError, TierKind};
+use strata_core::{
+    Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Tier, TierError, TierKind, ToolRegistry,
+};
 
 pub use cache::{CacheOutcome, ModuleCache};
+pub use python::{PythonArtifacts, PythonProvider};
 pub use sandbox::WasmSandbox;
 
 use crate::cache::Digest;
 use crate::exec::JobSpec;
-use crate::runtime::{Prepared, Runtime};
+use crate::python::PythonJob;
+use crate::runtime::{Expect, Prepared, Runtime};
+use crate::tools::ToolHost;
 
 /// Settings of the wasm tier.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct WasmTierConfig {
     /// Directory of the precompiled-module cache; `None` compiles in memory only.
     pub cache_dir: Option<PathBuf>,
     /// How many instances may exist at once per engine (the pooling allocator's slot count). A job beyond it
     /// fails with `TierError::Capacity`.
     pub max_instances: u32,
+    /// Supplies the Python runtime; without one, Python jobs are refused as unsupported.
+    pub python: Option<Arc<dyn PythonProvider>>,
+    /// Host tools jobs may call, chosen per job by `Capabilities::tools`.
+    pub tools: ToolRegistry,
+}
+
+impl std::fmt::Debug for WasmTierConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmTierConfig")
+            .field("cache_dir", &self.cache_dir)
+            .field("max_instances", &self.max_instances)
+            .field("python", &self.python.is_some())
+            .field("tools", &self.tools)
+            .finish()
+    }
 }
 
 impl Default for WasmTierConfig {
     fn default() -> Self {
-        WasmTierConfig { cache_dir: None, max_instances: 64 }
+        WasmTierConfig { cache_dir: None, max_instances: 64, python: None, tools: ToolRegistry::new() }
     }
 }
 
@@ -121,6 +143,13 @@ impl WasmTier {
         let runtime = self.inner.runtime(limits.fuel.limit().is_some())?;
         self.inner.prepare(runtime, module).map(|(_, outcome)| outcome)
     }
+
+    /// Installs (if needed) and compiles or loads the Python runtime for these limits' fuel mode, as the first
+    /// Python job would; says where the compiled code came from.
+    pub fn prepare_python(&self, limits: &Limits) -> Result<Option<CacheOutcome>, TierError> {
+        let runtime = self.inner.runtime(limits.fuel.limit().is_some())?;
+        self.inner.python(runtime).map(|(_, _, outcome)| outcome)
+    }
 }
 
 impl TierInner {
@@ -140,7 +169,7 @@ impl TierInner {
         match module {
             ModuleSource::Bytes { bytes, .. } => {
                 let hash = *blake3::hash(bytes).as_bytes();
-                runtime.prepare(self.cache.as_ref(), &name, &hash, || Ok(bytes.clone()))
+                runtime.prepare(self.cache.as_ref(), &name, &hash, Expect::Command, || Ok(bytes.clone()))
             }
             ModuleSource::File(path) => {
                 let unreadable = |source| TierError::ReadInput { path: path.clone(), source };
@@ -154,13 +183,13 @@ impl TierInner {
                 let stamp = FileStamp::of(&meta);
                 let known = self.lock_files().get(path).filter(|(s, _)| *s == stamp).map(|(_, hash)| *hash);
                 if let Some(hash) = known {
-                    return runtime.prepare(self.cache.as_ref(), &name, &hash, || {
+                    return runtime.prepare(self.cache.as_ref(), &name, &hash, Expect::Command, || {
                         std::fs::read(path).map(Arc::from).map_err(unreadable)
                     });
                 }
                 let bytes: Arc<[u8]> = std::fs::read(path).map_err(unreadable)?.into();
                 let hash = *blake3::hash(&bytes).as_bytes();
-                let prepared = runtime.prepare(self.cache.as_ref(), &name, &hash, || Ok(bytes))?;
+                let prepared = runtime.prepare(self.cache.as_ref(), &name, &hash, Expect::Command, || Ok(bytes))?;
                 let mut files = self.lock_files();
                 if files.len() >= MAX_REMEMBERED_FILES {
                     files.clear();
@@ -192,6 +221,33 @@ impl TierInner {
         })
     }
 
+    /// The Python runtime's files and its prepared snapshot for `runtime`'s fuel mode.
+    fn python(&self, runtime: &Runtime) -> Result<(PythonArtifacts, Arc<Prepared>, Option<CacheOutcome>), TierError> {
+        let provider = self.config.python.as_ref().ok_or_else(|| TierError::Unsupported {
+            tier: TierKind::Wasm,
+            what: "Python jobs (this engine has no Python runtime configured)".into(),
+        })?;
+        let artifacts = provider.artifacts()?;
+        let snapshot = artifacts.snapshot.clone();
+        let (prepared, outcome) = runtime.prepare(
+            self.cache.as_ref(),
+            "the Python runtime",
+            &artifacts.snapshot_digest,
+            Expect::PythonReactor,
+            || {
+                std::fs::read(&snapshot)
+                    .map(Arc::from)
+                    .map_err(|source| TierError::ReadInput { path: snapshot.clone(), source })
+            },
+        )?;
+        Ok((artifacts, prepared, outcome))
+    }
+
+    /// The host tools a job's capabilities name.
+    fn tools(&self, caps: &Capabilities) -> Result<ToolHost, TierError> {
+        Ok(ToolHost::new(self.config.tools.select(&caps.tools)?))
+    }
+
     fn run_here(
         &self,
         job: &Job,
@@ -199,23 +255,41 @@ impl TierInner {
         limits: &Limits,
         opts: ExecOptions,
     ) -> Result<Outcome, TierError> {
-        let Job::Wasm { module, args } = job else {
-            return Err(TierError::WrongJob { tier: TierKind::Wasm, job: job.kind() });
-        };
-        exec::check_caps(caps)?;
+        exec::check_caps(caps, &self.config.tools)?;
         let runtime = self.runtime(limits.fuel.limit().is_some())?;
-        let (prepared, _) = self.prepare(runtime, module)?;
-        let program = module.program_name();
-        let spec = JobSpec {
-            program: &program,
-            args,
-            caps,
-            limits,
-            stdin: opts.stdin.as_deref().unwrap_or(&caps.stdin),
-            sink: opts.sink,
-            cancel: opts.cancel,
-        };
-        exec::execute(runtime, &prepared, spec)
+        let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
+        match job {
+            Job::Wasm { module, args } => {
+                let (prepared, _) = self.prepare(runtime, module)?;
+                let program = module.program_name();
+                let spec = JobSpec {
+                    program: &program,
+                    args,
+                    caps,
+                    limits,
+                    stdin,
+                    sink: opts.sink,
+                    cancel: opts.cancel,
+                    tools: self.tools(caps)?,
+                };
+                exec::execute(runtime, &prepared, spec)
+            }
+            Job::Python { source, args } => {
+                let (artifacts, prepared, _) = self.python(runtime)?;
+                let job = PythonJob {
+                    source,
+                    args,
+                    caps,
+                    limits,
+                    stdin,
+                    sink: opts.sink,
+                    cancel: opts.cancel,
+                    tools: self.tools(caps)?,
+                };
+                python::run_once(runtime, &prepared, &artifacts, job)
+            }
+            other => Err(TierError::WrongJob { tier: TierKind::Wasm, job: other.kind() }),
+        }
     }
 }
 
@@ -229,7 +303,7 @@ impl Tier for WasmTier {
     }
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
-        exec::check_caps(caps)?;
+        exec::check_caps(caps, &self.inner.config.tools)?;
         Ok(Box::new(WasmSandbox::new(self.inner.clone(), caps.clone(), limits.clone())))
     }
 }

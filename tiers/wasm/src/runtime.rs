@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use strata_core::{TierError, TierKind};
 use wasmtime::{
-    Config, Engine, ExternType, InstanceAllocationStrategy, InstancePre, Linker, Module, OptLevel,
+    Caller, Config, Engine, ExternType, InstanceAllocationStrategy, InstancePre, Linker, Module, OptLevel,
     PoolingAllocationConfig, Store,
 };
 
@@ -19,14 +19,50 @@ use crate::exec::JobState;
 pub(crate) const MAX_WASM_STACK: usize = 8 << 20;
 /// Largest table a module may have or grow to (CPython's function table has 47,157 entries).
 pub(crate) const MAX_TABLE_ELEMENTS: usize = 1 << 17;
+/// Largest instance metadata (vmctx) a module may need.
+const MAX_INSTANCE_SIZE: usize = 8 << 20;
 /// Largest linear memory of a wasm32 module.
 pub(crate) const MAX_LINEAR_MEMORY: u64 = 4 << 30;
 
 /// Modules at least this large get progress messages while they compile.
 const PROGRESS_MODULE_SIZE: usize = 4 << 20;
+/// How often a long compile says it is still going.
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(15);
 
-fn mb(bytes: usize) -> f64 {
-    bytes as f64 / 1e6
+/// Progress lines for a long compile: one at the start, one every [`PROGRESS_EVERY`], one at the end.
+struct CompileProgress {
+    name: String,
+    started: std::time::Instant,
+    done: Option<std::sync::mpsc::Sender<()>>,
+    ticker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CompileProgress {
+    fn start(name: &str, size: usize) -> CompileProgress {
+        log::info!("compiling {name} ({:.1} MB) once; later runs load it from the cache", size as f64 / 1e6);
+        let started = std::time::Instant::now();
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let label = name.to_owned();
+        let ticker = std::thread::Builder::new()
+            .name("strata-progress".into())
+            .spawn(move || {
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(PROGRESS_EVERY) {
+                    log::info!("still compiling {label} ({}s)", started.elapsed().as_secs());
+                }
+            })
+            .ok();
+        CompileProgress { name: name.to_owned(), started, done: Some(done), ticker }
+    }
+}
+
+impl Drop for CompileProgress {
+    fn drop(&mut self) {
+        drop(self.done.take());
+        if let Some(ticker) = self.ticker.take() {
+            let _ = ticker.join();
+        }
+        log::info!("compiled {} in {:.1}s", self.name, self.started.elapsed().as_secs_f64());
+    }
 }
 
 /// How many prepared modules each engine keeps in memory before it forgets them all and starts again. Each
@@ -77,6 +113,8 @@ fn engine_config(settings: &WasmTierConfig, metered: bool) -> Config {
         .total_stacks(slots)
         .max_memory_size(MAX_LINEAR_MEMORY as usize)
         .table_elements(MAX_TABLE_ELEMENTS)
+        // CPython's vmctx holds 89,060 function references: 1.5 MB, over the 1 MiB default.
+        .max_core_instance_size(MAX_INSTANCE_SIZE)
         // Reset small memories and tables with memset instead of madvise: cheaper for short jobs.
         .linear_memory_keep_resident(1 << 20)
         .table_keep_resident(64 << 10);
@@ -101,6 +139,15 @@ impl Runtime {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p1::add_to_linker_async(&mut linker, |state: &mut JobState| &mut state.wasi)
             .map_err(|e| internal(format!("cannot link WASI: {e}")))?;
+        linker
+            .func_wrap_async(
+                "host",
+                "call",
+                |mut caller: Caller<'_, JobState>, (req, len, out_ptr, out_len): (i32, i32, i32, i32)| {
+                    Box::new(async move { Ok(crate::tools::host_call(&mut caller, req, len, out_ptr, out_len).await) })
+                },
+            )
+            .map_err(|e| internal(format!("cannot link host.call: {e}")))?;
 
         let mut hasher = DigestHasher(blake3::Hasher::new());
         std::hash::Hash::hash(&engine.precompile_compatibility_hash(), &mut hasher);
@@ -128,26 +175,20 @@ impl Runtime {
         cache: Option<&ModuleCache>,
         name: &str,
         hash: &Digest,
+        expect: Expect,
         bytes: impl FnOnce() -> Result<Arc<[u8]>, TierError>,
     ) -> Result<(Arc<Prepared>, Option<CacheOutcome>), TierError> {
         if let Some(prepared) = self.lock_prepared().get(hash) {
             return Ok((prepared.clone(), None));
         }
-        let bytes = bytes()?;
-        check_format(name, &bytes)?;
         let invalid = |err: wasmtime::Error| TierError::InvalidModule { name: name.to_owned(), reason: describe(&err) };
+        // The bytes are only needed to compile: a module in the disk cache is mapped without reading them.
         let compile = || {
+            let bytes = bytes()?;
+            check_format(name, &bytes)?;
             // Large modules take seconds to minutes to compile; say so, since only the first run pays it.
-            let large = bytes.len() >= PROGRESS_MODULE_SIZE;
-            let started = std::time::Instant::now();
-            if large {
-                log::info!("compiling {name} ({:.1} MB) once; later runs load it from the cache", mb(bytes.len()));
-            }
-            let module = Module::new(&self.engine, &bytes).map_err(invalid)?;
-            if large {
-                log::info!("compiled {name} in {:.1}s", started.elapsed().as_secs_f64());
-            }
-            Ok::<Module, TierError>(module)
+            let _progress = (bytes.len() >= PROGRESS_MODULE_SIZE).then(|| CompileProgress::start(name, bytes.len()));
+            Module::new(&self.engine, &bytes).map_err(invalid)
         };
         let (module, outcome) = match cache {
             Some(cache) => {
@@ -157,7 +198,8 @@ impl Runtime {
             }
             None => (compile()?, None),
         };
-        self.check_command(name, &module)?;
+        self.check_imports(name, &module)?;
+        expect.check(name, &module)?;
         let pre = self.linker.instantiate_pre(&module).map_err(invalid)?;
         let prepared = Arc::new(Prepared { pre });
         let mut map = self.lock_prepared();
@@ -172,8 +214,8 @@ impl Runtime {
         self.prepared.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A WASI command imports only what the linker provides and exports `_start: () -> ()`.
-    fn check_command(&self, name: &str, module: &Module) -> Result<(), TierError> {
+    /// A module imports only what the linker provides.
+    fn check_imports(&self, name: &str, module: &Module) -> Result<(), TierError> {
         for import in module.imports() {
             if !self.provided.contains(&(import.module().to_owned(), import.name().to_owned())) {
                 return Err(TierError::UnknownImport {
@@ -182,14 +224,38 @@ impl Runtime {
                 });
             }
         }
-        let not_command = |reason: &str| TierError::InvalidModule {
-            name: name.to_owned(),
-            reason: format!("{reason}; Strata runs WASI command modules"),
-        };
-        match module.get_export("_start") {
-            Some(ExternType::Func(ty)) if ty.params().len() == 0 && ty.results().len() == 0 => Ok(()),
-            Some(_) => Err(not_command("its `_start` export is not a function of no arguments and no results")),
-            None => Err(not_command("it has no `_start` export (a reactor or library)")),
+        Ok(())
+    }
+}
+
+/// What kind of module a job needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Expect {
+    /// A WASI command: `_start: () -> ()`.
+    Command,
+    /// The Python runtime: a reactor exporting `turn`, `host_alloc`, `shutdown` and `memory`.
+    PythonReactor,
+}
+
+impl Expect {
+    fn check(self, name: &str, module: &Module) -> Result<(), TierError> {
+        let invalid = |reason: String| TierError::InvalidModule { name: name.to_owned(), reason };
+        match self {
+            Expect::Command => match module.get_export("_start") {
+                Some(ExternType::Func(ty)) if ty.params().len() == 0 && ty.results().len() == 0 => Ok(()),
+                Some(_) => Err(invalid(
+                    "its `_start` export is not a function of no arguments and no results; Strata runs WASI command modules".into(),
+                )),
+                None => Err(invalid("it has no `_start` export (a reactor or library); Strata runs WASI command modules".into())),
+            },
+            Expect::PythonReactor => {
+                for export in ["turn", "host_alloc", "shutdown", "memory"] {
+                    if module.get_export(export).is_none() {
+                        return Err(invalid(format!("the Python runtime lacks its `{export}` export")));
+                    }
+                }
+                Ok(())
+            }
         }
     }
 }

