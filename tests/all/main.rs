@@ -1,5 +1,7 @@
 //! Strata's integration tests: one binary, a module per area.
 
+mod python;
+mod python_image;
 mod util;
 mod wasm_basics;
 mod wasm_cache;

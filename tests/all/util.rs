@@ -18,6 +18,54 @@ pub fn engine() -> &'static Engine {
     engine
 }
 
+/// An engine whose home is the real `$STRATA_HOME` (tests/run sets it), so the Python runtime is fetched and
+/// compiled once across test runs rather than once per run.
+pub fn python_engine() -> &'static Engine {
+    static ENGINE: OnceLock<Engine> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        let home = strata_engine::strata_home().expect("STRATA_HOME or HOME");
+        let engine = Engine::new(EngineConfig { home: Some(home), ..EngineConfig::default() }).expect("engine");
+        register_test_tools(engine.tools());
+        engine
+    })
+}
+
+/// Tools the Python tests call: `add(a, b=2)` and `fail(reason)`.
+fn register_test_tools(registry: &strata_core::ToolRegistry) {
+    use serde_json::json;
+    use strata_core::{Tool, ToolFailure};
+    let add = Tool::new(
+        "add",
+        "Adds two integers.",
+        json!({
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer", "default": 2}},
+            "required": ["a"],
+            "additionalProperties": false
+        }),
+        |args| Ok(json!(args["a"].as_i64().unwrap_or(0) + args.get("b").and_then(|b| b.as_i64()).unwrap_or(2))),
+    )
+    .expect("add");
+    let fail = Tool::new(
+        "fail",
+        "Always fails.",
+        json!({"type": "object", "properties": {"reason": {"type": "string"}}, "required": ["reason"]}),
+        |args| Err(ToolFailure::Error(format!("cannot: {}", args["reason"].as_str().unwrap_or("?")))),
+    )
+    .expect("fail");
+    registry.register(add).expect("register add");
+    registry.register(fail).expect("register fail");
+}
+
+pub fn python(code: &str, caps: &Capabilities, limits: &Limits) -> Outcome {
+    let job = Job::Python { source: strata_core::PythonSource::Code(code.into()), args: Vec::new() };
+    python_engine().run(&job, caps, limits, ExecOptions::default()).unwrap_or_else(|e| panic!("{code}: {e}"))
+}
+
+pub fn stderr(outcome: &Outcome) -> String {
+    String::from_utf8_lossy(&outcome.stderr).into_owned()
+}
+
 /// Default limits with some replaced, e.g. `limits("wall = \"200ms\"")`.
 pub fn limits(toml_overrides: &str) -> Limits {
     let patch: LimitsOverride = toml::from_str(toml_overrides).expect("valid limits");

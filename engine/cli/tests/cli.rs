@@ -221,3 +221,55 @@ fn a_large_module_shows_compile_progress_once() {
     let run = strata(home.path(), &["run", programs::LARGE_WAT], b"");
     assert_eq!((run.code, run.stderr.as_str()), (0, ""), "the second process loads the cached code");
 }
+
+/// The real `$STRATA_HOME`, where the Python runtime is installed and compiled once across runs.
+fn shared_home() -> std::path::PathBuf {
+    std::env::var_os("STRATA_HOME")
+        .map(Into::into)
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/strata"))
+}
+
+#[test]
+fn python_code_scripts_and_modules_run() {
+    let home = shared_home();
+    let run = strata(&home, &["run", "--python", "-c", "import sys; print(sys.argv[1:])", "--", "a", "b"], b"");
+    assert_eq!((run.code, run.stdout.as_str()), (0, "['a', 'b']\n"), "{}", run.stderr);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("job.py");
+    std::fs::write(&script, "import sys\ndata = sys.stdin.read()\nprint(len(data))\nsys.exit(4)\n").expect("write");
+    let run = strata(&home, &["run", script.to_str().expect("utf8"), "--", "x"], b"12345");
+    assert_eq!((run.code, run.stdout.as_str()), (4, "5\n"), "{}", run.stderr);
+
+    let run = strata(&home, &["run", "--python", "-m", "json.tool"], b"[1]");
+    assert_eq!((run.code, run.stdout.as_str()), (0, "[\n    1\n]\n"), "{}", run.stderr);
+
+    let run = strata(&home, &["run", "--json", "--python", "-c", "raise KeyError('k')"], b"");
+    assert_eq!(run.code, 1);
+    let v = json(&run);
+    assert_eq!(v["status"], serde_json::json!({"kind": "exited", "code": 1}));
+    assert!(v["stderr"].as_str().expect("stderr").ends_with("KeyError: 'k'\n"), "{v}");
+}
+
+#[test]
+fn python_limits_exit_124() {
+    let run =
+        strata(&shared_home(), &["run", "--json", "--timeout", "300ms", "--python", "-c", "while True: pass"], b"");
+    assert_eq!(run.code, 124);
+    assert_eq!(json(&run)["status"]["limit"], "wall");
+}
+
+#[test]
+fn python_usage_errors_exit_2() {
+    let home = shared_home();
+    let run = strata(&home, &["run", "--python", "-c", "1", "file.py"], b"");
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    let run = strata(&home, &["run", "--python"], b"");
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let odd = dir.path().join("data.bin");
+    std::fs::write(&odd, b"\x01\x02\x03").expect("write");
+    let run = strata(&home, &["run", odd.to_str().expect("utf8")], b"");
+    assert_eq!(run.code, 2);
+    assert!(run.stderr.contains("not a WebAssembly module (no \\0asm magic), a Python script"), "{}", run.stderr);
+}

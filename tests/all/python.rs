@@ -1,0 +1,293 @@
+//! Python on the wasm tier: CPython 3.15 with numpy and pandas, one-shot jobs, sessions, limits, grants, tools.
+
+use strata_core::{
+    Capabilities, ExecOptions, Grant, GrantMode, Job, LimitKind, Limits, PythonSource, Status, TierError,
+};
+use strata_engine::{EngineError, TierChoice};
+
+use crate::util::{limits, python, python_engine, stderr, stdout};
+
+fn code(text: &str) -> Job {
+    Job::Python { source: PythonSource::Code(text.into()), args: Vec::new() }
+}
+
+#[test]
+fn print_reaches_stdout() {
+    let outcome = python("print(1)", &Capabilities::default(), &Limits::default());
+    assert_eq!(outcome.status, Status::Exited { code: 0 });
+    assert_eq!(stdout(&outcome), "1\n");
+    assert_eq!(outcome.usage.fuel, None);
+    assert!(outcome.usage.peak_memory >= 40 << 20, "CPython's memory starts at 40 MiB: {:?}", outcome.usage);
+}
+
+#[test]
+fn numpy_and_pandas_compute_the_right_values() {
+    let outcome = python(
+        "import numpy as np, pandas as pd\n\
+         a = np.arange(1, 101, dtype=np.int64)\n\
+         print(int(a.sum()), float(np.linalg.det(np.array([[2.0, 1.0], [1.0, 3.0]]))))\n\
+         df = pd.DataFrame({'city': ['a', 'b', 'a', 'c'], 'sales': [10, 20, 30, 40]})\n\
+         print(df.groupby('city')['sales'].sum().to_dict())\n\
+         print(pd.Series([1.5, 2.5, None]).mean())",
+        &Capabilities::default(),
+        &Limits::default(),
+    );
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", stderr(&outcome));
+    assert_eq!(stdout(&outcome), "5050 5.000000000000001\n{'a': 40, 'b': 20, 'c': 40}\n2.0\n");
+}
+
+#[test]
+fn an_uncaught_exception_prints_its_traceback_and_exits_1() {
+    let outcome = python("def f():\n    return 1 / 0\nf()", &Capabilities::default(), &Limits::default());
+    assert_eq!(outcome.status, Status::Exited { code: 1 });
+    let err = stderr(&outcome);
+    assert!(err.starts_with("Traceback (most recent call last):\n  File \"<string>\", line 3, in <module>"), "{err}");
+    assert!(
+        err.contains("  File \"<string>\", line 2, in f\n") && err.ends_with("ZeroDivisionError: division by zero\n"),
+        "{err}"
+    );
+    assert!(!err.contains("__strata"), "the wrapper's frames are hidden: {err}");
+}
+
+#[test]
+fn sys_exit_sets_the_exit_status() {
+    let outcome = python("import sys\nprint('before')\nsys.exit(3)", &Capabilities::default(), &Limits::default());
+    assert_eq!((&outcome.status, stdout(&outcome).as_str()), (&Status::Exited { code: 3 }, "before\n"));
+    let outcome = python("raise SystemExit('fatal')", &Capabilities::default(), &Limits::default());
+    assert_eq!((&outcome.status, stderr(&outcome).as_str()), (&Status::Exited { code: 1 }, "fatal\n"));
+}
+
+#[test]
+fn argv_stdin_and_main_reach_the_program() {
+    let caps = Capabilities { stdin: b"line one\nline two\n".to_vec(), ..Capabilities::default() };
+    let job = Job::Python {
+        source: PythonSource::Code(
+            "import sys\nprint(sys.argv, __name__)\nprint(sys.stdin.read().splitlines())".into(),
+        ),
+        args: vec!["a b".into(), "--flag".into()],
+    };
+    let outcome = python_engine().run(&job, &caps, &Limits::default(), ExecOptions::default()).expect("runs");
+    assert_eq!(stdout(&outcome), "['-c', 'a b', '--flag'] __main__\n['line one', 'line two']\n");
+}
+
+#[test]
+fn scripts_and_modules_run_as_main() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("report.py");
+    std::fs::write(&script, "import sys\nprint(__name__, __file__ == sys.argv[0], sys.argv[1:])\n").expect("write");
+    let job = Job::Python { source: PythonSource::File(script.clone()), args: vec!["x".into()] };
+    let outcome = python_engine().run(&job, &Capabilities::default(), &Limits::default(), ExecOptions::default());
+    assert_eq!(stdout(&outcome.expect("script")), "__main__ True ['x']\n");
+
+    let caps = Capabilities { stdin: br#"{"b": 1, "a": [1, 2]}"#.to_vec(), ..Capabilities::default() };
+    let job = Job::Python { source: PythonSource::Module("json.tool".into()), args: vec!["--sort-keys".into()] };
+    let outcome = python_engine().run(&job, &caps, &Limits::default(), ExecOptions::default()).expect("module");
+    assert_eq!(stdout(&outcome), "{\n    \"a\": [\n        1,\n        2\n    ],\n    \"b\": 1\n}\n");
+}
+
+#[test]
+fn atexit_handlers_run_and_buffered_output_is_flushed() {
+    let outcome = python(
+        "import atexit, sys\natexit.register(lambda: print('bye'))\nsys.stdout.write('no newline')",
+        &Capabilities::default(),
+        &Limits::default(),
+    );
+    assert_eq!(stdout(&outcome), "no newlinebye\n");
+}
+
+#[test]
+fn a_session_keeps_state_across_five_turns() {
+    let mut sandbox =
+        python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
+    let turns = [
+        ("import math\ntotal = 0", ""),
+        ("total += 10", ""),
+        ("def double(x):\n    return 2 * x", ""),
+        ("total = double(total) + int(math.sqrt(16))", ""),
+        ("total", "24\n"),
+    ];
+    for (source, expected) in turns {
+        let outcome = sandbox.exec(&code(source), ExecOptions::default()).expect("turn");
+        assert_eq!(outcome.status, Status::Exited { code: 0 }, "{source}: {}", stderr(&outcome));
+        assert_eq!(stdout(&outcome), expected, "{source}");
+    }
+    // An exception ends the turn, not the session.
+    let outcome = sandbox.exec(&code("undefined_name"), ExecOptions::default()).expect("turn");
+    assert_eq!(outcome.status, Status::Exited { code: 1 });
+    assert!(stderr(&outcome).contains("NameError"));
+    let outcome = sandbox.exec(&code("print(total + 1)"), ExecOptions::default()).expect("turn");
+    assert_eq!(stdout(&outcome), "25\n");
+    sandbox.close().expect("close");
+}
+
+#[test]
+fn a_limit_ends_the_session_with_a_typed_outcome() {
+    let mut sandbox =
+        python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
+    sandbox.exec(&code("x = 1"), ExecOptions::default()).expect("turn");
+    let opts = ExecOptions { limits: Some(limits("wall = \"300ms\"")), ..ExecOptions::default() };
+    let outcome = sandbox.exec(&code("while True: pass"), opts).expect("turn");
+    assert_eq!(outcome.status, Status::LimitExceeded { limit: LimitKind::Wall });
+    let err = sandbox.exec(&code("x"), ExecOptions::default()).expect_err("ended");
+    assert!(matches!(err, TierError::SessionEnded { .. }), "{err}");
+    assert!(err.to_string().contains("wall limit exceeded"), "{err}");
+}
+
+#[test]
+fn exit_in_a_session_ends_it() {
+    let mut sandbox =
+        python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
+    let outcome = sandbox.exec(&code("exit(2)"), ExecOptions::default()).expect("turn");
+    assert_eq!(outcome.status, Status::Exited { code: 2 });
+    assert!(matches!(sandbox.exec(&code("1"), ExecOptions::default()), Err(TierError::SessionEnded { .. })));
+}
+
+#[test]
+fn an_infinite_loop_hits_the_wall_limit() {
+    let outcome = python("while True: pass", &Capabilities::default(), &limits("wall = \"500ms\""));
+    assert_eq!(outcome.status, Status::LimitExceeded { limit: LimitKind::Wall });
+}
+
+#[test]
+fn an_infinite_loop_runs_out_of_fuel() {
+    let outcome = python("while True: pass", &Capabilities::default(), &limits("fuel = 200000000"));
+    assert_eq!(outcome.status, Status::LimitExceeded { limit: LimitKind::Fuel });
+    assert_eq!(outcome.usage.fuel, Some(200_000_000));
+    let outcome = python("print(sum(range(1000)))", &Capabilities::default(), &limits("fuel = 1000000000"));
+    assert_eq!(stdout(&outcome), "499500\n");
+    assert!(outcome.usage.fuel.is_some_and(|f| f > 0 && f < 1_000_000_000), "{:?}", outcome.usage);
+}
+
+#[test]
+fn a_gigabyte_bytearray_hits_the_memory_limit() {
+    let outcome =
+        python("b = bytearray(1 << 30)\nprint('allocated')", &Capabilities::default(), &limits("memory = \"256MiB\""));
+    assert_eq!(outcome.status, Status::LimitExceeded { limit: LimitKind::Memory }, "{}", stderr(&outcome));
+    assert!(!stdout(&outcome).contains("allocated"));
+    assert!(outcome.usage.peak_memory <= 256 << 20);
+}
+
+#[test]
+fn a_ten_megabyte_print_is_truncated_at_the_output_limit() {
+    let outcome = python("print('x' * 10_000_000)", &Capabilities::default(), &limits("output = \"1MiB\""));
+    assert_eq!(outcome.status, Status::Exited { code: 0 });
+    assert!(outcome.truncated.stdout && !outcome.truncated.stderr);
+    assert_eq!(outcome.stdout.len(), 1 << 20);
+    assert_eq!(outcome.usage.stdout_bytes, 10_000_001);
+}
+
+#[test]
+fn grants_are_readable_and_read_only_ones_refuse_writes() {
+    let data = tempfile::tempdir().expect("tempdir");
+    std::fs::write(data.path().join("input.csv"), "a,b\n1,2\n3,4\n").expect("write");
+    let out = tempfile::tempdir().expect("tempdir");
+    let caps = Capabilities {
+        grants: vec![
+            Grant::new(data.path(), "/data", GrantMode::Ro).expect("grant"),
+            Grant::new(out.path(), "/out", GrantMode::Rw).expect("grant"),
+        ],
+        ..Capabilities::default()
+    };
+    let outcome = python(
+        "import pandas as pd\n\
+         df = pd.read_csv('/data/input.csv')\n\
+         df.sum().to_csv('/out/sums.csv')\n\
+         try:\n    open('/data/new.txt', 'w')\nexcept OSError as e:\n    print('ro refused:', type(e).__name__)\n\
+         try:\n    open('/etc/passwd')\nexcept OSError as e:\n    print('outside refused:', type(e).__name__)",
+        &caps,
+        &Limits::default(),
+    );
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", stderr(&outcome));
+    assert_eq!(stdout(&outcome), "ro refused: PermissionError\noutside refused: FileNotFoundError\n");
+    assert_eq!(std::fs::read_to_string(out.path().join("sums.csv")).expect("written"), ",0\na,4\nb,6\n");
+    assert!(!data.path().join("new.txt").exists());
+}
+
+#[test]
+fn the_scratch_tmp_is_private_and_removed_after_the_job() {
+    let outcome = python(
+        "import os\nopen('/tmp/scratch.txt', 'w').write('hi')\nprint(os.listdir('/tmp'), os.environ['TMPDIR'])",
+        &Capabilities::default(),
+        &Limits::default(),
+    );
+    assert_eq!(stdout(&outcome), "['scratch.txt'] /tmp\n");
+    let outcome = python("import os\nprint(os.listdir('/tmp'))", &Capabilities::default(), &Limits::default());
+    assert_eq!(stdout(&outcome), "[]\n", "each job gets a fresh /tmp");
+}
+
+#[test]
+fn sockets_and_subprocesses_fail_inside_the_guest() {
+    let outcome = python(
+        "import socket, subprocess\n\
+         try:\n    socket.socket().connect(('1.1.1.1', 80))\nexcept OSError as e:\n    print('socket:', e)\n\
+         try:\n    subprocess.run(['ls'])\nexcept OSError as e:\n    print('subprocess:', e)",
+        &Capabilities::default(),
+        &Limits::default(),
+    );
+    assert_eq!(
+        stdout(&outcome),
+        "socket: [Errno 58] Not supported\nsubprocess: [Errno 58] wasi does not support processes.\n"
+    );
+}
+
+#[test]
+fn the_standard_library_cannot_be_shadowed_by_a_grant() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let caps = Capabilities {
+        grants: vec![Grant::new(dir.path(), "/usr/local/lib", GrantMode::Ro).expect("grant")],
+        ..Default::default()
+    };
+    let err = python_engine()
+        .run(&code("print(1)"), &caps, &Limits::default(), ExecOptions::default())
+        .expect_err("reserved");
+    assert!(matches!(err, EngineError::Tier(TierError::GuestPath { .. })), "{err}");
+}
+
+#[test]
+fn tools_round_trip_and_failures_reach_the_guest() {
+    let caps = Capabilities { tools: vec!["add".into(), "fail".into()], ..Capabilities::default() };
+    let outcome = python(
+        "from host import tools, ToolError, ToolArgumentError\n\
+         print(tools.add(40), tools.add(a=1, b=1))\n\
+         try:\n    tools.fail('no region')\nexcept ToolError as e:\n    print('failed:', e)\n\
+         try:\n    tools.add('x')\nexcept ToolArgumentError as e:\n    print('refused:', e)",
+        &caps,
+        &Limits::default(),
+    );
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", stderr(&outcome));
+    assert_eq!(
+        stdout(&outcome),
+        "42 2\nfailed: cannot: no region\nrefused: add: argument a: expected integer, got string\n"
+    );
+    let record: Vec<(Option<&str>, Option<&str>, &str)> =
+        outcome.tools.iter().map(|c| (c.op.as_deref(), c.tool.as_deref(), c.outcome.as_str())).collect();
+    assert_eq!(
+        record,
+        [
+            (Some("list"), None, "ok"),
+            (Some("call"), Some("add"), "ok"),
+            (Some("call"), Some("add"), "ok"),
+            (Some("call"), Some("fail"), "tool_error"),
+            (Some("call"), Some("add"), "invalid_arguments"),
+        ]
+    );
+}
+
+#[test]
+fn a_job_without_tools_has_no_host() {
+    let outcome = python("from host import tools", &Capabilities::default(), &Limits::default());
+    assert_eq!(outcome.status, Status::Exited { code: 1 });
+    assert!(stderr(&outcome).contains("ImportError: this run has no tools"), "{}", stderr(&outcome));
+    assert!(outcome.tools.is_empty());
+}
+
+#[test]
+fn matplotlib_renders_with_its_data_files() {
+    let outcome = python(
+        "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt, os\n\
+         plt.plot([1, 2, 3], [4, 5, 6])\nplt.savefig('/tmp/p.png')\nprint(open('/tmp/p.png', 'rb').read(4))",
+        &Capabilities::default(),
+        &Limits::default(),
+    );
+    assert_eq!(stdout(&outcome), "b'\\x89PNG'\n", "{}", stderr(&outcome));
+}
