@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use strata_core::{TierError, TierKind};
 use wasmtime::{
-    Caller, Config, Engine, ExternType, InstanceAllocationStrategy, InstancePre, Linker, Module, OptLevel,
+    Caller, Config, Enabled, Engine, ExternType, InstanceAllocationStrategy, InstancePre, Linker, Module, OptLevel,
     PoolingAllocationConfig, Store,
 };
 
@@ -115,9 +115,14 @@ fn engine_config(settings: &WasmTierConfig, metered: bool) -> Config {
         .table_elements(MAX_TABLE_ELEMENTS)
         // CPython's vmctx holds 89,060 function references: 1.5 MB, over the 1 MiB default.
         .max_core_instance_size(MAX_INSTANCE_SIZE)
-        // Reset small memories and tables with memset instead of madvise: cheaper for short jobs.
-        .linear_memory_keep_resident(1 << 20)
-        .table_keep_resident(64 << 10);
+        .pagemap_scan(Enabled::Auto);
+    // Where the kernel can say which pages a job dirtied (PAGEMAP_SCAN, Linux 6.7+), a used slot is reset by
+    // copying back just those pages and keeps them mapped, so the next job on it takes no page faults: for
+    // CPython, whose heap starts at 40 MiB, that halves a one-shot job. Otherwise only the first MiB is reset in
+    // place (a memset of that whole MiB) and the rest is returned to the kernel.
+    let (memory_resident, table_resident) =
+        if PoolingAllocationConfig::is_pagemap_scan_available() { (64 << 20, 1 << 20) } else { (1 << 20, 64 << 10) };
+    pool.linear_memory_keep_resident(memory_resident).table_keep_resident(table_resident);
 
     let mut config = Config::new();
     config
