@@ -108,7 +108,9 @@ fn engine_config(settings: &WasmTierConfig, metered: bool) -> Config {
     let mut pool = PoolingAllocationConfig::new();
     pool.total_core_instances(slots)
         .total_component_instances(slots)
-        .total_memories(slots)
+        // A module that uses exceptions (CPython) also takes a GC heap, which lives in a memory slot.
+        .total_memories(slots.saturating_mul(2))
+        .total_gc_heaps(slots)
         .total_tables(slots)
         .total_stacks(slots)
         .max_memory_size(MAX_LINEAR_MEMORY as usize)
