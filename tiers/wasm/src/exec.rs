@@ -379,10 +379,9 @@ impl Measured {
     }
 }
 
-/// Everything one WASI command run needs besides the module.
-pub(crate) struct JobSpec<'a> {
-    pub(crate) program: &'a str,
-    pub(crate) args: &'a [String],
+/// What every one-shot job brings besides its program: capabilities, limits, stdin, output sink, cancel
+/// token and tools.
+pub(crate) struct JobContext<'a> {
     pub(crate) caps: &'a Capabilities,
     pub(crate) limits: &'a Limits,
     pub(crate) stdin: &'a [u8],
@@ -391,21 +390,48 @@ pub(crate) struct JobSpec<'a> {
     pub(crate) tools: ToolHost,
 }
 
-/// Runs a prepared WASI command to completion.
-pub(crate) fn execute(runtime: &Runtime, prepared: &Prepared, spec: JobSpec<'_>) -> Result<Outcome, TierError> {
-    let captures = Captures::new(spec.caps, spec.limits, spec.sink.clone());
-    let mut args = vec![spec.program.to_owned()];
-    args.extend(spec.args.iter().cloned());
-    let wasi_spec = WasiSpec { args, base_env: Vec::new(), caps: spec.caps, stdin: spec.stdin, preopens: Vec::new() };
-    let wasi = wasi_ctx(wasi_spec, &captures)?;
+/// A store ready for a one-shot job: limits armed, fuel set, the epoch ticker running while it lives.
+pub(crate) struct ArmedStore<'r> {
+    pub(crate) store: Store<JobState>,
+    pub(crate) measured: Measured,
+    pub(crate) wall_deadline: Instant,
+    pub(crate) _running: crate::epoch::Running<'r>,
+}
 
-    let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
-    let meter = Meter::new(spec.limits, spec.cancel.clone());
-    let mut store = new_store(runtime, JobState { wasi, meter, tools: spec.tools });
-    let fuel_budget = set_fuel(runtime, &mut store, spec.limits)?;
+/// Builds the store of a one-shot job around its WASI context.
+pub(crate) fn arm_store<'r>(
+    runtime: &'r Runtime,
+    wasi: WasiP1Ctx,
+    limits: &Limits,
+    cancel: Option<CancelToken>,
+    tools: ToolHost,
+) -> Result<ArmedStore<'r>, TierError> {
+    let running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
+    let meter = Meter::new(limits, cancel);
+    let mut store = new_store(runtime, JobState { wasi, meter, tools });
+    let fuel_budget = set_fuel(runtime, &mut store, limits)?;
     store.set_epoch_deadline(1);
     let measured = Measured::start(&store, fuel_budget);
     let wall_deadline = store.data().meter.wall_deadline;
+    Ok(ArmedStore { store, measured, wall_deadline, _running: running })
+}
+
+/// Runs a prepared WASI command to completion.
+pub(crate) fn execute(
+    runtime: &Runtime,
+    prepared: &Prepared,
+    program: &str,
+    args: &[String],
+    job: JobContext<'_>,
+) -> Result<Outcome, TierError> {
+    let captures = Captures::new(job.caps, job.limits, job.sink.clone());
+    let mut argv = vec![program.to_owned()];
+    argv.extend(args.iter().cloned());
+    let wasi_spec =
+        WasiSpec { args: argv, base_env: Vec::new(), caps: job.caps, stdin: job.stdin, preopens: Vec::new() };
+    let wasi = wasi_ctx(wasi_spec, &captures)?;
+    let ArmedStore { mut store, measured, wall_deadline, _running } =
+        arm_store(runtime, wasi, job.limits, job.cancel.clone(), job.tools)?;
 
     let ended = guarded(
         async {
@@ -414,7 +440,7 @@ pub(crate) fn execute(runtime: &Runtime, prepared: &Prepared, spec: JobSpec<'_>)
             start.call_async(&mut store, ()).await
         },
         wall_deadline,
-        spec.cancel.as_ref(),
+        job.cancel.as_ref(),
     )?;
     let status = status_of(ended, store.data().meter.stop, |()| Status::Exited { code: 0 })?;
     let tools = store.data_mut().tools.take_records();

@@ -41,8 +41,6 @@ pub use python::{PythonArtifacts, PythonProvider};
 pub use sandbox::WasmSandbox;
 
 use crate::cache::Digest;
-use crate::exec::JobSpec;
-use crate::python::PythonJob;
 use crate::runtime::{Expect, Prepared, Runtime};
 use crate::tools::ToolHost;
 
@@ -257,36 +255,23 @@ impl TierInner {
     ) -> Result<Outcome, TierError> {
         exec::check_caps(caps, &self.config.tools)?;
         let runtime = self.runtime(limits.fuel.limit().is_some())?;
-        let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
+        let context = |tools| exec::JobContext {
+            caps,
+            limits,
+            stdin: opts.stdin.as_deref().unwrap_or(&caps.stdin),
+            sink: opts.sink.clone(),
+            cancel: opts.cancel.clone(),
+            tools,
+        };
         match job {
             Job::Wasm { module, args } => {
                 let (prepared, _) = self.prepare(runtime, module)?;
                 let program = module.program_name();
-                let spec = JobSpec {
-                    program: &program,
-                    args,
-                    caps,
-                    limits,
-                    stdin,
-                    sink: opts.sink,
-                    cancel: opts.cancel,
-                    tools: self.tools(caps)?,
-                };
-                exec::execute(runtime, &prepared, spec)
+                exec::execute(runtime, &prepared, &program, args, context(self.tools(caps)?))
             }
             Job::Python { source, args } => {
                 let (artifacts, prepared, _) = self.python(runtime)?;
-                let job = PythonJob {
-                    source,
-                    args,
-                    caps,
-                    limits,
-                    stdin,
-                    sink: opts.sink,
-                    cancel: opts.cancel,
-                    tools: self.tools(caps)?,
-                };
-                python::run_once(runtime, &prepared, &artifacts, job)
+                python::run_once(runtime, &prepared, &artifacts, source, args, context(self.tools(caps)?))
             }
             other => Err(TierError::WrongJob { tier: TierKind::Wasm, job: other.kind() }),
         }

@@ -16,15 +16,13 @@
 //! `/tmp` (removed with the job or session), and its grants; nothing else of the host.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use strata_core::{
-    CancelToken, Capabilities, ExecOptions, Limits, Outcome, OutputSink, PythonSource, Status, TierError, TierKind,
-};
+use strata_core::{Capabilities, ExecOptions, Limits, Outcome, PythonSource, Status, TierError, TierKind};
 use wasmtime::{Extern, Store, TypedFunc};
 
 use crate::exec::{
-    self, Captures, JobState, Measured, Meter, Preopen, WasiSpec, guarded, new_store, set_fuel, status_of,
+    self, ArmedStore, Captures, JobContext, JobState, Measured, Meter, Preopen, WasiSpec, arm_store, guarded,
+    new_store, set_fuel, status_of,
 };
 use crate::runtime::{Prepared, Runtime};
 use crate::tools::ToolHost;
@@ -261,26 +259,16 @@ fn base_env() -> Vec<(&'static str, String)> {
     vec![("TMPDIR", "/tmp".into()), ("HOME", "/tmp".into()), ("PYTHONTZPATH", String::new())]
 }
 
-/// Everything a one-shot Python job needs besides the runtime.
-pub(crate) struct PythonJob<'a> {
-    pub(crate) source: &'a PythonSource,
-    pub(crate) args: &'a [String],
-    pub(crate) caps: &'a Capabilities,
-    pub(crate) limits: &'a Limits,
-    pub(crate) stdin: &'a [u8],
-    pub(crate) sink: Option<Arc<dyn OutputSink>>,
-    pub(crate) cancel: Option<CancelToken>,
-    pub(crate) tools: ToolHost,
-}
-
 /// Runs a one-shot Python job in a fresh instance of the snapshot.
 pub(crate) fn run_once(
     runtime: &Runtime,
     prepared: &Prepared,
     artifacts: &PythonArtifacts,
-    job: PythonJob<'_>,
+    source: &PythonSource,
+    args: &[String],
+    job: JobContext<'_>,
 ) -> Result<Outcome, TierError> {
-    let code = one_shot_code(job.source, read_source(job.source)?.as_deref(), job.args);
+    let code = one_shot_code(source, read_source(source)?.as_deref(), args);
     let scratch = scratch(job.caps)?;
     let captures = Captures::new(job.caps, job.limits, job.sink.clone());
     let spec = WasiSpec {
@@ -291,14 +279,8 @@ pub(crate) fn run_once(
         preopens: preopens(artifacts, job.caps, scratch.as_ref().map(|d| d.path()))?,
     };
     let wasi = exec::wasi_ctx(spec, &captures)?;
-
-    let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
-    let meter = Meter::new(job.limits, job.cancel.clone());
-    let mut store = new_store(runtime, JobState { wasi, meter, tools: job.tools });
-    let fuel_budget = set_fuel(runtime, &mut store, job.limits)?;
-    store.set_epoch_deadline(1);
-    let measured = Measured::start(&store, fuel_budget);
-    let wall_deadline = store.data().meter.wall_deadline;
+    let ArmedStore { mut store, measured, wall_deadline, _running } =
+        arm_store(runtime, wasi, job.limits, job.cancel.clone(), job.tools)?;
 
     let ended = guarded(
         async {
