@@ -5,6 +5,7 @@ use std::io::Write;
 use clap::{Args, Subcommand, ValueEnum};
 use strata_core::{Fuel, Limits};
 use strata_engine::{Engine, EngineConfig, EngineError};
+use strata_rootfs_image::{DebianImage, EnsureOutcome, RootfsError};
 
 use crate::Failure;
 
@@ -16,18 +17,18 @@ pub(crate) struct ImagesArgs {
 
 #[derive(Subcommand)]
 enum Action {
-    /// Fetch, verify and install an image, and compile it for this machine (minutes, once).
+    /// Build an image: fetch, verify and install it (and for python, compile it for this machine). Minutes, once.
     Build {
         /// The image.
         #[arg(value_enum, default_value = "python")]
         image: Image,
-        /// Also compile the fuel-metered variant (used by jobs with --fuel).
+        /// Also compile the fuel-metered variant (used by jobs with --fuel); python only.
         #[arg(long)]
         metered: bool,
     },
-    /// Show what is installed.
+    /// Show each image: whether it is installed, its size and where.
     List,
-    /// Check every installed file against its pinned sha256.
+    /// Check every installed image against its pinned sha256 sums or its build stamp.
     Verify,
 }
 
@@ -35,44 +36,116 @@ enum Action {
 enum Image {
     /// CPython 3.15 for wasm32-wasip1 with numpy and pandas (the wasm tier's Python).
     Python,
+    /// Debian bookworm minbase with python3 and pip (the process tier's root filesystem).
+    Debian,
 }
 
 fn say(line: &str) {
     let _ = writeln!(std::io::stderr(), "strata: {line}");
 }
 
+fn image_error(err: impl std::fmt::Display) -> EngineError {
+    EngineError::Image(err.to_string())
+}
+
+fn debian_image(engine: &Engine) -> Result<DebianImage, EngineError> {
+    let home = engine.home().ok_or(EngineError::NoHome("the Debian image"))?;
+    DebianImage::new(home).map_err(image_error)
+}
+
+fn megabytes(bytes: u64) -> String {
+    format!("{} MB", bytes.div_ceil(1_000_000))
+}
+
 pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
     let engine = Engine::new(EngineConfig::from_env()?)?;
-    let image = engine.python_image()?;
     match args.action {
-        Action::Build { image: Image::Python, metered } => {
-            let (installed, _) = image.ensure(&say).map_err(|e| EngineError::Image(e.to_string()))?;
-            say(&format!("python runtime installed in {}", installed.dir.display()));
-            let mut variants = vec![Limits::default()];
-            if metered {
-                variants.push(Limits { fuel: Fuel::Limited(u64::MAX), ..Limits::default() });
-            }
-            for limits in variants {
-                let label = if limits.fuel.limit().is_some() { "fuel-metered" } else { "unmetered" };
-                let outcome = engine.wasm().prepare_python(&limits).map_err(EngineError::from)?;
-                say(&format!("python runtime ({label}) compiled code: {outcome:?}"));
-            }
+        Action::Build { image: Image::Python, metered } => build_python(&engine, metered),
+        Action::Build { image: Image::Debian, metered: true } => {
+            Err(Failure::new("usage", "--metered applies to the python image only"))
+        }
+        Action::Build { image: Image::Debian, metered: false } => {
+            let (installed, outcome) = debian_image(&engine)?.ensure(&say).map_err(image_error)?;
+            let verb = match outcome {
+                EnsureOutcome::AlreadyInstalled => "already installed",
+                EnsureOutcome::Built => "installed",
+            };
+            say(&format!("debian image {verb} in {} ({})", installed.dir.display(), megabytes(installed.size_bytes)));
             Ok(0)
         }
-        Action::List => {
-            let dir = image.install_dir();
-            let package = &image.manifest().package;
-            let state = if image.is_installed() { "installed" } else { "not installed" };
-            let _ =
-                writeln!(std::io::stdout(), "python  {} {}  {state}  {}", package.name, package.version, dir.display());
-            Ok(0)
-        }
-        Action::Verify => match image.verify() {
-            Ok(installed) => {
-                let _ = writeln!(std::io::stdout(), "python  ok  {}", installed.dir.display());
-                Ok(0)
-            }
-            Err(err) => Err(Failure::new("artifact", format!("python image: {err}"))),
-        },
+        Action::List => list(&engine),
+        Action::Verify => verify(&engine),
     }
+}
+
+fn build_python(engine: &Engine, metered: bool) -> Result<i32, Failure> {
+    let image = engine.python_image()?;
+    let (installed, _) = image.ensure(&say).map_err(image_error)?;
+    say(&format!("python runtime installed in {}", installed.dir.display()));
+    let mut variants = vec![Limits::default()];
+    if metered {
+        variants.push(Limits { fuel: Fuel::Limited(u64::MAX), ..Limits::default() });
+    }
+    for limits in variants {
+        let label = if limits.fuel.limit().is_some() { "fuel-metered" } else { "unmetered" };
+        let outcome = engine.wasm().prepare_python(&limits).map_err(EngineError::from)?;
+        say(&format!("python runtime ({label}) compiled code: {outcome:?}"));
+    }
+    Ok(0)
+}
+
+/// One line per image: name, version or recipe hash, state, size, path.
+fn list(engine: &Engine) -> Result<i32, Failure> {
+    let mut out = std::io::stdout().lock();
+    let row = |out: &mut std::io::StdoutLock<'_>, name: &str, id: &str, state: &str, size: &str, path: &str| {
+        let _ = writeln!(out, "{name:<7} {id:<24} {state:<14} {size:>8}  {path}");
+    };
+    let python = engine.python_image()?;
+    let package = &python.manifest().package;
+    let size: u64 = python.manifest().artifacts.iter().map(|a| a.size).sum();
+    let state = if python.is_installed() { "installed" } else { "not installed" };
+    let id = format!("{} {}", package.name, package.version);
+    row(&mut out, "python", &id, state, &megabytes(size), &python.install_dir().display().to_string());
+    let debian = debian_image(engine)?;
+    let id = format!("recipe {}", debian.recipe_hash().get(..16).unwrap_or_default());
+    let dir = debian.install_dir().display().to_string();
+    match debian.installed() {
+        Ok(installed) => row(&mut out, "debian", &id, "installed", &megabytes(installed.size_bytes), &dir),
+        Err(RootfsError::NotInstalled { .. }) => row(&mut out, "debian", &id, "not installed", "-", &dir),
+        Err(err) => row(&mut out, "debian", &id, "broken", "-", &format!("{dir} ({err})")),
+    }
+    for old in debian.other_installs() {
+        row(&mut out, "debian", "(an older recipe)", "kept", "-", &old.display().to_string());
+    }
+    Ok(0)
+}
+
+/// Verifies each installed image; an image that is not installed is reported, not a failure.
+fn verify(engine: &Engine) -> Result<i32, Failure> {
+    let mut out = std::io::stdout().lock();
+    let mut failures = Vec::new();
+    let python = engine.python_image()?;
+    let dir = python.install_dir();
+    if !dir.exists() {
+        let _ = writeln!(out, "python  not installed  {}", dir.display());
+    } else {
+        match python.verify() {
+            Ok(installed) => {
+                let _ = writeln!(out, "python  ok  {}", installed.dir.display());
+            }
+            Err(err) => failures.push(format!("python image: {err}")),
+        }
+    }
+    let debian = debian_image(engine)?;
+    match debian.verify() {
+        Ok(installed) => {
+            let tree = installed.tree_hash.get(..16).unwrap_or_default();
+            let _ = writeln!(out, "debian  ok  tree {tree}  {}", installed.dir.display());
+        }
+        Err(RootfsError::NotInstalled { dir }) => {
+            let _ = writeln!(out, "debian  not installed  {}", dir.display());
+        }
+        Err(err) => failures.push(format!("debian image: {err}")),
+    }
+    if failures.is_empty() { Ok(0) } else { Err(Failure::new("artifact", failures.join("; "))) }
 }

@@ -1,0 +1,305 @@
+//! What is done to the tree after debootstrap, before it is hashed: make it a neutral, identity-free lower
+//! layer. debootstrap copies the build host's `/etc/resolv.conf` and `/etc/hostname` into the tree, and the
+//! package caches and logs say when and from where it was built; none of that belongs in a guest.
+//!
+//! Every write replaces what is there without following symlinks, so a link in the tree can never make a step
+//! write outside it; files and directories written are owned by root (the build runs as root).
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use crate::{RootfsError, io_err, mounts};
+
+/// The version of the steps below: part of the recipe hash. Bump it whenever a step changes.
+pub const POST_BUILD_VERSION: u32 = 1;
+
+/// One post-build step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PostBuildStep {
+    /// Remove downloaded packages (`/var/cache/apt/archives/*.deb`), apt's binary caches
+    /// (`/var/cache/apt/*.bin`) and package lists (`/var/lib/apt/lists/*`): `apt-get update` brings them back.
+    /// Also ldconfig's auxiliary cache (`/var/cache/ldconfig/aux-cache`), which records inode numbers and
+    /// times of the build: without it two builds from the same mirror state give the same tree hash.
+    EmptyCaches,
+    /// Empty the build logs under `/var/log` (dpkg, apt, alternatives): they record the build, not the image.
+    EmptyLogs,
+    /// `/etc/hostname` is `strata`.
+    Hostname,
+    /// `/etc/hosts` maps `localhost` and `strata` to the loopback addresses.
+    Hosts,
+    /// `/etc/resolv.conf` is empty (the host's was copied in); a job allowed on the network gets one.
+    EmptyResolvConf,
+    /// `/etc/machine-id` is empty: each guest gets its own identity, none is baked in.
+    EmptyMachineId,
+    /// `/etc/ssh/ssh_host_*` keys, if a package generated any, are removed: no two guests share a key.
+    RemoveSshHostKeys,
+    /// `/run/strata` exists (mode 0755): where the jail and the agent put their sockets.
+    RunStrata,
+    /// `/tmp` and `/var/tmp` are world-writable and sticky (mode 1777).
+    StickyTmp,
+}
+
+/// The steps, in the order they run.
+pub const POST_BUILD_STEPS: &[PostBuildStep] = &[
+    PostBuildStep::EmptyCaches,
+    PostBuildStep::EmptyLogs,
+    PostBuildStep::Hostname,
+    PostBuildStep::Hosts,
+    PostBuildStep::EmptyResolvConf,
+    PostBuildStep::EmptyMachineId,
+    PostBuildStep::RemoveSshHostKeys,
+    PostBuildStep::RunStrata,
+    PostBuildStep::StickyTmp,
+];
+
+const HOSTS: &str = "127.0.0.1\tlocalhost strata\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+
+impl PostBuildStep {
+    /// A few words for progress lines.
+    pub fn describe(self) -> &'static str {
+        match self {
+            PostBuildStep::EmptyCaches => "removing apt's downloaded packages and lists, and ldconfig's aux-cache",
+            PostBuildStep::EmptyLogs => "emptying the build logs",
+            PostBuildStep::Hostname => "writing /etc/hostname",
+            PostBuildStep::Hosts => "writing /etc/hosts",
+            PostBuildStep::EmptyResolvConf => "emptying /etc/resolv.conf",
+            PostBuildStep::EmptyMachineId => "emptying /etc/machine-id",
+            PostBuildStep::RemoveSshHostKeys => "removing ssh host keys",
+            PostBuildStep::RunStrata => "creating /run/strata",
+            PostBuildStep::StickyTmp => "making /tmp and /var/tmp 1777",
+        }
+    }
+
+    /// Applies the step to the tree at `rootfs`.
+    pub(crate) fn apply(self, rootfs: &Path) -> Result<(), RootfsError> {
+        match self {
+            PostBuildStep::EmptyCaches => {
+                remove_matching(rootfs, "var/cache/apt/archives", |n| n.ends_with(".deb"))?;
+                remove_matching(rootfs, "var/cache/apt", |n| n.ends_with(".bin"))?;
+                remove_matching(rootfs, "var/lib/apt/lists", |_| true)?;
+                remove_matching(rootfs, "var/cache/ldconfig", |n| n == "aux-cache")
+            }
+            PostBuildStep::EmptyLogs => empty_files_under(&inside(rootfs, "var/log")?),
+            PostBuildStep::Hostname => replace_file(rootfs, "etc/hostname", b"strata\n", 0o644),
+            PostBuildStep::Hosts => replace_file(rootfs, "etc/hosts", HOSTS.as_bytes(), 0o644),
+            PostBuildStep::EmptyResolvConf => replace_file(rootfs, "etc/resolv.conf", b"", 0o644),
+            PostBuildStep::EmptyMachineId => replace_file(rootfs, "etc/machine-id", b"", 0o444),
+            PostBuildStep::RemoveSshHostKeys => remove_matching(rootfs, "etc/ssh", |n| n.starts_with("ssh_host_")),
+            PostBuildStep::RunStrata => ensure_dir(rootfs, "run/strata", 0o755),
+            PostBuildStep::StickyTmp => {
+                ensure_dir(rootfs, "tmp", 0o1777)?;
+                ensure_dir(rootfs, "var/tmp", 0o1777)
+            }
+        }
+    }
+}
+
+/// Runs every step, reporting each.
+pub(crate) fn apply_all(rootfs: &Path, progress: &dyn Fn(&str)) -> Result<(), RootfsError> {
+    for step in POST_BUILD_STEPS {
+        progress(&format!("debian image: {}", step.describe()));
+        step.apply(rootfs)?;
+    }
+    Ok(())
+}
+
+/// `rootfs/relative`, after checking that every directory on the way is a real directory (not a symlink that
+/// could lead out of the tree). The last component itself is not checked.
+fn inside(rootfs: &Path, relative: &str) -> Result<PathBuf, RootfsError> {
+    let mut path = rootfs.to_owned();
+    let components: Vec<Component<'_>> = Path::new(relative).components().collect();
+    for (i, component) in components.iter().enumerate() {
+        let Component::Normal(name) = component else {
+            return Err(RootfsError::Recipe(format!("post-build path {relative:?} is not plain")));
+        };
+        path.push(name);
+        if i + 1 < components.len() {
+            let meta = fs::symlink_metadata(&path).map_err(io_err("cannot stat", &path))?;
+            if !meta.is_dir() {
+                return Err(RootfsError::Io {
+                    what: "cannot use",
+                    path,
+                    source: io::Error::other("not a directory (a symlink is not followed)"),
+                });
+            }
+        }
+    }
+    Ok(path)
+}
+
+/// Removes the file, symlink or other non-directory at `path`, if any; a directory is an error.
+fn remove_non_dir(path: &Path) -> Result<(), RootfsError> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => Err(RootfsError::Io {
+            what: "cannot replace",
+            path: path.to_owned(),
+            source: io::Error::other("it is a directory"),
+        }),
+        Ok(_) => fs::remove_file(path).map_err(io_err("cannot remove", path)),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(err) => Err(io_err("cannot stat", path)(err)),
+    }
+}
+
+/// Replaces `rootfs/relative` with a new root-owned file holding `contents`, mode `mode`.
+fn replace_file(rootfs: &Path, relative: &str, contents: &[u8], mode: u32) -> Result<(), RootfsError> {
+    use std::io::Write;
+    let path = inside(rootfs, relative)?;
+    remove_non_dir(&path)?;
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(&path)
+        .map_err(io_err("cannot create", &path))?;
+    file.write_all(contents).map_err(io_err("cannot write", &path))?;
+    // The mode given to open is filtered by the umask.
+    file.set_permissions(fs::Permissions::from_mode(mode)).map_err(io_err("cannot chmod", &path))?;
+    if nix::unistd::geteuid().is_root() {
+        std::os::unix::fs::fchown(&file, Some(0), Some(0)).map_err(io_err("cannot chown", &path))?;
+    }
+    Ok(())
+}
+
+/// Makes `rootfs/relative` a root-owned directory with mode `mode`, creating it (or replacing a non-directory).
+fn ensure_dir(rootfs: &Path, relative: &str, mode: u32) -> Result<(), RootfsError> {
+    let path = inside(rootfs, relative)?;
+    if !fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
+        remove_non_dir(&path)?;
+        fs::create_dir(&path).map_err(io_err("cannot create", &path))?;
+    }
+    fs::set_permissions(&path, fs::Permissions::from_mode(mode)).map_err(io_err("cannot chmod", &path))?;
+    if nix::unistd::geteuid().is_root() {
+        std::os::unix::fs::lchown(&path, Some(0), Some(0)).map_err(io_err("cannot chown", &path))?;
+    }
+    Ok(())
+}
+
+/// Removes the entries of `rootfs/relative` whose name matches (directories with their contents); nothing when
+/// the directory does not exist.
+fn remove_matching(rootfs: &Path, relative: &str, matches: impl Fn(&str) -> bool) -> Result<(), RootfsError> {
+    let dir = inside(rootfs, relative)?;
+    match fs::symlink_metadata(&dir) {
+        Ok(meta) if meta.is_dir() => {}
+        Ok(_) => return Ok(()),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(io_err("cannot stat", &dir)(err)),
+    }
+    for entry in fs::read_dir(&dir).map_err(io_err("cannot read", &dir))? {
+        let entry = entry.map_err(io_err("cannot read", &dir))?;
+        if !entry.file_name().to_str().is_some_and(&matches) {
+            continue;
+        }
+        let path = entry.path();
+        if entry.file_type().map_err(io_err("cannot stat", &path))?.is_dir() {
+            mounts::remove_build_tree(&path)?;
+        } else {
+            fs::remove_file(&path).map_err(io_err("cannot remove", &path))?;
+        }
+    }
+    Ok(())
+}
+
+/// Truncates every regular file under `dir` (recursively, not following symlinks).
+fn empty_files_under(dir: &Path) -> Result<(), RootfsError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(io_err("cannot read", dir)(err)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(io_err("cannot read", dir))?;
+        let path = entry.path();
+        let kind = entry.file_type().map_err(io_err("cannot stat", &path))?;
+        if kind.is_dir() {
+            empty_files_under(&path)?;
+        } else if kind.is_file() {
+            fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+                .open(&path)
+                .and_then(|f| f.set_len(0))
+                .map_err(io_err("cannot truncate", &path))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    /// The parts of a debootstrap tree the steps touch, including a symlink pointing out of the tree.
+    fn sample(root: &Path, outside: &Path) {
+        for dir in [
+            "etc/ssh",
+            "var/cache/apt/archives/partial",
+            "var/lib/apt/lists/partial",
+            "var/log/apt",
+            "var/cache/ldconfig",
+            "tmp",
+            "run",
+        ] {
+            fs::create_dir_all(root.join(dir)).expect("mkdir");
+        }
+        fs::write(root.join("var/cache/apt/archives/python3_3.11.2-1_amd64.deb"), "deb").expect("write");
+        fs::write(root.join("var/cache/apt/pkgcache.bin"), "bin").expect("write");
+        fs::write(root.join("var/cache/ldconfig/aux-cache"), "inodes").expect("write");
+        fs::write(root.join("var/lib/apt/lists/x_InRelease"), "list").expect("write");
+        fs::write(root.join("var/log/dpkg.log"), "2025-01-01 install").expect("write");
+        fs::write(root.join("var/log/apt/history.log"), "Start-Date").expect("write");
+        fs::write(root.join("etc/ssh/ssh_host_ed25519_key"), "key").expect("write");
+        fs::write(root.join("etc/ssh/ssh_config"), "config").expect("write");
+        fs::write(root.join("etc/hostname"), "buildhost\n").expect("write");
+        fs::write(root.join("etc/machine-id"), "0123\n").expect("write");
+        fs::write(outside, "host resolver\n").expect("write");
+        std::os::unix::fs::symlink(outside, root.join("etc/resolv.conf")).expect("symlink");
+        fs::set_permissions(root.join("tmp"), fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+
+    #[test]
+    fn the_steps_neutralise_the_tree_and_never_write_through_a_symlink() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("rootfs");
+        let outside = dir.path().join("host-resolv.conf");
+        sample(&root, &outside);
+        apply_all(&root, &|_| {}).expect("post-build");
+        assert_eq!(fs::read_to_string(&outside).expect("read"), "host resolver\n", "the link was not followed");
+        let meta = fs::symlink_metadata(root.join("etc/resolv.conf")).expect("stat");
+        assert!(meta.is_file() && meta.len() == 0);
+        assert_eq!(fs::read_to_string(root.join("etc/hostname")).expect("read"), "strata\n");
+        assert!(fs::read_to_string(root.join("etc/hosts")).expect("read").starts_with("127.0.0.1\tlocalhost strata\n"));
+        let machine_id = fs::metadata(root.join("etc/machine-id")).expect("stat");
+        assert_eq!((machine_id.len(), machine_id.mode() & 0o7777), (0, 0o444));
+        assert!(!root.join("etc/ssh/ssh_host_ed25519_key").exists());
+        assert!(root.join("etc/ssh/ssh_config").exists());
+        assert!(!root.join("var/cache/apt/archives/python3_3.11.2-1_amd64.deb").exists());
+        assert!(root.join("var/cache/apt/archives/partial").is_dir());
+        assert!(!root.join("var/cache/apt/pkgcache.bin").exists());
+        assert!(!root.join("var/cache/ldconfig/aux-cache").exists());
+        assert_eq!(fs::read_dir(root.join("var/lib/apt/lists")).expect("read").count(), 0);
+        assert_eq!(fs::metadata(root.join("var/log/dpkg.log")).expect("stat").len(), 0);
+        assert_eq!(fs::metadata(root.join("var/log/apt/history.log")).expect("stat").len(), 0);
+        assert_eq!(fs::metadata(root.join("tmp")).expect("stat").mode() & 0o7777, 0o1777);
+        assert_eq!(fs::metadata(root.join("var/tmp")).expect("stat").mode() & 0o7777, 0o1777);
+        assert_eq!(fs::metadata(root.join("run/strata")).expect("stat").mode() & 0o7777, 0o755);
+    }
+
+    #[test]
+    fn a_symlinked_parent_directory_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("rootfs");
+        let elsewhere = dir.path().join("elsewhere");
+        fs::create_dir_all(&root).expect("mkdir");
+        fs::create_dir_all(&elsewhere).expect("mkdir");
+        std::os::unix::fs::symlink(&elsewhere, root.join("etc")).expect("symlink");
+        let err = PostBuildStep::Hostname.apply(&root).expect_err("etc is a link");
+        assert!(matches!(err, RootfsError::Io { .. }), "{err}");
+        assert!(!elsewhere.join("hostname").exists());
+    }
+}
