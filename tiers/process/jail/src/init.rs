@@ -1,0 +1,601 @@
+//! The jail's own processes: the keeper that the host spawns, and the PID 1 it forks into the new namespaces.
+//!
+//! The host starts `strata-jail` with the control socket as fd [`CONTROL_FD`], puts it in the sandbox's cgroup,
+//! and sends [`HostFrame::Setup`]. The keeper then unshares the mount, UTS, IPC, network, cgroup and PID
+//! namespaces and forks; its child is PID 1 of the new PID namespace. PID 1 builds the filesystem (a private
+//! tmpfs holding the overlay's upper layer over the read-only image, `/proc`, a minimal `/dev`, the grants),
+//! `pivot_root`s into it, brings up loopback in an otherwise empty network namespace and answers
+//! [`JailFrame::Ready`]. Then it serves frames: each job is a child that drops every capability, sets
+//! `no_new_privs`, installs the seccomp filter and `execve`s. PID 1 reaps every process in the namespace. When the
+//! host closes the socket (or dies), PID 1 exits, and the kernel kills everything left in the namespace.
+//!
+//! Everything here runs single-threaded, so allocating after `fork` is sound.
+
+use std::ffi::CString;
+use std::fs;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sched::{CloneFlags, unshare};
+use nix::sys::resource::{Resource, setrlimit};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{ForkResult, Pid, chdir, execve, fork, pivot_root, sethostname, setsid};
+
+use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
+use crate::seccomp::{self, JailFilters};
+
+/// Where the old root is kept between `pivot_root` and its detachment.
+const OLD_ROOT: &str = "/.strata-oldroot";
+
+/// Device nodes bound from the host into the jail's `/dev`.
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+
+/// `/proc` entries hidden behind `/dev/null` (kernel addresses, keys, timers, the sysrq trigger).
+const PROC_MASKED: &[&str] = &["kcore", "keys", "timer_list", "sysrq-trigger", "kallsyms", "latency_stats"];
+
+/// `/proc` trees made read-only (kernel tunables and hardware knobs).
+const PROC_READ_ONLY: &[&str] = &["sys", "irq", "bus", "fs", "acpi", "scsi"];
+
+/// The `PATH` used to find a job's program when its environment has none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The entry point of the `strata-jail` binary. Returns the process exit code.
+pub fn main() -> i32 {
+    // SAFETY: the host starts this program with the control socket installed at CONTROL_FD and nothing else owns
+    // that descriptor in this process.
+    let ctl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
+    if nix::fcntl::fcntl(ctl.as_fd(), nix::fcntl::FcntlArg::F_GETFD).is_err() {
+        eprintln!("strata-jail: no control socket on fd {CONTROL_FD}; this program is started by Strata");
+        std::mem::forget(ctl);
+        return 2;
+    }
+    let setup = match proto::recv::<HostFrame>(ctl.as_fd()) {
+        Ok(Some((HostFrame::Setup(setup), _))) => setup,
+        // The host went away before the jail existed: nothing to clean up.
+        Ok(None) => return 0,
+        Ok(Some((other, _))) => return fail(&ctl, "protocol", format!("expected Setup, got {other:?}")),
+        Err(err) => return fail(&ctl, "protocol", err.to_string()),
+    };
+    if setup.version != PROTOCOL_VERSION {
+        return fail(&ctl, "protocol", format!("version {} (this jail speaks {PROTOCOL_VERSION})", setup.version));
+    }
+    let namespaces = CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWCGROUP
+        | CloneFlags::CLONE_NEWPID;
+    if let Err(errno) = unshare(namespaces) {
+        return fail(&ctl, "unshare", errno.desc().to_owned());
+    }
+    // SAFETY: this process is single-threaded (main has spawned no threads), so the child may run arbitrary code.
+    match unsafe { fork() } {
+        Err(errno) => fail(&ctl, "fork", errno.desc().to_owned()),
+        Ok(ForkResult::Child) => pid1(ctl, setup),
+        Ok(ForkResult::Parent { child }) => {
+            drop(ctl);
+            keep(child)
+        }
+    }
+}
+
+/// The keeper: waits for PID 1 and exits with its status, so the host has one direct child to reap.
+fn keep(pid1: Pid) -> i32 {
+    loop {
+        match waitpid(pid1, None) {
+            Ok(WaitStatus::Exited(_, code)) => return code,
+            Ok(WaitStatus::Signaled(_, signal, _)) => return 128 + signal as i32,
+            Ok(_) | Err(Errno::EINTR) => continue,
+            Err(_) => return 1,
+        }
+    }
+}
+
+fn fail(ctl: &OwnedFd, stage: &str, message: String) -> i32 {
+    let _ = proto::send(ctl.as_fd(), &JailFrame::SetupFailed { stage: stage.to_owned(), message }, &[]);
+    1
+}
+
+/// A setup step that failed.
+struct StepError {
+    stage: String,
+    message: String,
+}
+
+fn step<T>(stage: impl Into<String>, result: Result<T, impl std::fmt::Display>) -> Result<T, StepError> {
+    result.map_err(|e| StepError { stage: stage.into(), message: e.to_string() })
+}
+
+fn pid1(ctl: OwnedFd, setup: Setup) -> i32 {
+    // SAFETY: prctl with PR_SET_PDEATHSIG and a valid signal number only changes this process's attributes.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    // The host's /proc is still mounted: its /proc/self names this process by its PID outside the namespace.
+    let host_pid =
+        fs::read_link("/proc/self").ok().and_then(|p| p.to_str().and_then(|s| s.parse::<i32>().ok())).unwrap_or(0);
+    let filters = match build(&setup).and_then(|()| step("seccomp", seccomp::filters())) {
+        Ok(filters) => filters,
+        Err(StepError { stage, message }) => return fail(&ctl, &stage, message),
+    };
+    // Nobody in the jail may read this process's memory or descriptors through /proc (it holds the control
+    // socket and full capabilities).
+    // SAFETY: prctl with PR_SET_DUMPABLE only changes this process's attributes.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) };
+    if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid }, &[]).is_err() {
+        return 1;
+    }
+    Init { ctl, filters, one_shot: setup.one_shot, job: None }.serve()
+}
+
+/// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
+fn build(setup: &Setup) -> Result<(), StepError> {
+    step(
+        "mount propagation",
+        mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>),
+    )?;
+    let scratch = &setup.scratch_mount;
+    let options = format!("size={},mode=0755", setup.scratch_bytes.max(1 << 20));
+    step(
+        "scratch tmpfs",
+        mount(Some("strata"), scratch, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str())),
+    )?;
+    let (upper, work, root) = (scratch.join("upper"), scratch.join("work"), scratch.join("root"));
+    for dir in [&upper, &work, &root] {
+        step("scratch dirs", fs::DirBuilder::new().mode(0o755).create(dir))?;
+    }
+    let overlay = format!("lowerdir={},upperdir={},workdir={}", setup.lower.display(), upper.display(), work.display());
+    step("overlay", mount(Some("strata-root"), &root, Some("overlay"), MsFlags::empty(), Some(overlay.as_str())))?;
+    step("hostname", sethostname(&setup.hostname))?;
+    step("loopback", loopback_up())?;
+
+    let old_root = root.join(OLD_ROOT.trim_start_matches('/'));
+    step("pivot_root", fs::DirBuilder::new().mode(0o700).create(&old_root))?;
+    step("pivot_root", pivot_root(&root, &old_root))?;
+    step("pivot_root", chdir("/"))?;
+
+    mount_proc()?;
+    mount_dev()?;
+    for bind in &setup.binds {
+        mount_grant(bind)?;
+    }
+    step("/run/strata", fs::DirBuilder::new().recursive(true).mode(0o755).create("/run/strata"))?;
+    step("detach host root", umount2(OLD_ROOT, MntFlags::MNT_DETACH))?;
+    step("detach host root", fs::remove_dir(OLD_ROOT))?;
+    Ok(())
+}
+
+fn mount_proc() -> Result<(), StepError> {
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    step("/proc", fs::DirBuilder::new().recursive(true).mode(0o555).create("/proc"))?;
+    step("/proc", mount(Some("proc"), "/proc", Some("proc"), flags, None::<&str>))?;
+    for entry in PROC_MASKED {
+        let path = format!("/proc/{entry}");
+        if Path::new(&path).exists() {
+            step(format!("mask {path}"), bind_onto(Path::new(&format!("{OLD_ROOT}/dev/null")), &path, true))?;
+        }
+    }
+    for entry in PROC_READ_ONLY {
+        let path = format!("/proc/{entry}");
+        if Path::new(&path).is_dir() {
+            step(format!("read-only {path}"), bind_onto(Path::new(&path), &path, true))?;
+        }
+    }
+    Ok(())
+}
+
+fn mount_dev() -> Result<(), StepError> {
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
+    step("/dev", fs::DirBuilder::new().recursive(true).mode(0o755).create("/dev"))?;
+    step("/dev", mount(Some("strata-dev"), "/dev", Some("tmpfs"), flags, Some("size=64k,mode=0755")))?;
+    for dev in DEVICES {
+        let path = format!("/dev/{dev}");
+        step(
+            format!("/dev/{dev}"),
+            fs::OpenOptions::new().create(true).truncate(true).write(true).mode(0o666).open(&path),
+        )?;
+        // A device node works only on a mount without `nodev`.
+        step(format!("/dev/{dev}"), bind_with(Path::new(&format!("{OLD_ROOT}/dev/{dev}")), &path, MsFlags::MS_NOEXEC))?;
+    }
+    for (link, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        step(format!("/dev/{link}"), std::os::unix::fs::symlink(target, format!("/dev/{link}")))?;
+    }
+    step("/dev/shm", fs::DirBuilder::new().mode(0o1777).create("/dev/shm"))?;
+    step("/dev/shm", mount(Some("shm"), "/dev/shm", Some("tmpfs"), flags | MsFlags::MS_NODEV, Some("mode=1777")))?;
+    Ok(())
+}
+
+fn mount_grant(bind: &Bind) -> Result<(), StepError> {
+    let stage = format!("grant {}", bind.guest);
+    let source = PathBuf::from(format!("{OLD_ROOT}{}", bind.host.display()));
+    let meta = step(&stage, fs::metadata(&source))?;
+    if meta.is_dir() {
+        step(&stage, fs::DirBuilder::new().recursive(true).mode(0o755).create(&bind.guest))?;
+    } else {
+        if let Some(parent) = Path::new(&bind.guest).parent() {
+            step(&stage, fs::DirBuilder::new().recursive(true).mode(0o755).create(parent))?;
+        }
+        step(&stage, fs::OpenOptions::new().create(true).append(true).mode(0o644).open(&bind.guest))?;
+    }
+    step(&stage, bind_onto(&source, &bind.guest, bind.read_only))
+}
+
+/// Bind-mounts `source` at `target`, then remounts it `nosuid,nodev` (and read-only when asked): a bind mount
+/// takes its flags only from a remount.
+fn bind_onto(source: &Path, target: &str, read_only: bool) -> Result<(), Errno> {
+    bind_with(source, target, if read_only { MsFlags::MS_RDONLY | MsFlags::MS_NODEV } else { MsFlags::MS_NODEV })
+}
+
+/// Bind-mounts `source` at `target` and remounts it `nosuid` plus `extra`.
+fn bind_with(source: &Path, target: &str, extra: MsFlags) -> Result<(), Errno> {
+    mount(Some(source), target, None::<&str>, MsFlags::MS_BIND, None::<&str>)?;
+    let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | extra;
+    mount(None::<&str>, target, None::<&str>, flags, None::<&str>)
+}
+
+/// Brings the loopback interface of the new network namespace up: the only interface it has.
+fn loopback_up() -> Result<(), Errno> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+    let sock = socket(AddressFamily::Inet, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
+    // SAFETY: ifreq is plain old data; all-zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS reads the flags of the named interface into `req`, which outlives the call.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: the union member ifru_flags is the one SIOCGIFFLAGS filled in.
+    unsafe { req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
+    // SAFETY: SIOCSIFFLAGS reads `req`, which outlives the call.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// PID 1's state while serving.
+struct Init {
+    ctl: OwnedFd,
+    filters: JailFilters,
+    one_shot: bool,
+    job: Option<Pid>,
+}
+
+impl Init {
+    fn serve(mut self) -> i32 {
+        let mut mask = SigSet::empty();
+        mask.add(Signal::SIGCHLD);
+        if sigprocmask(SigmaskHow::SIG_BLOCK, Some(&mask), None).is_err() {
+            return 1;
+        }
+        let Ok(signals) = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK) else {
+            return 1;
+        };
+        loop {
+            let mut fds =
+                [PollFd::new(self.ctl.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(_) => return 1,
+            }
+            let ctl_ready = fds[0].revents().is_some_and(|r| !r.is_empty());
+            let child_ready = fds[1].revents().is_some_and(|r| !r.is_empty());
+            if child_ready {
+                while let Ok(Some(_)) = signals.read_signal() {}
+                if self.reap() {
+                    return 0;
+                }
+            }
+            if ctl_ready {
+                match proto::recv::<HostFrame>(self.ctl.as_fd()) {
+                    // The host closed the socket or died: end the jail.
+                    Ok(None) | Err(_) => return 0,
+                    Ok(Some((HostFrame::Shutdown, _))) => return 0,
+                    Ok(Some((frame, fds))) => self.handle(frame, fds),
+                }
+            }
+        }
+    }
+
+    /// Reaps every exited process; reports the job's end. Returns whether PID 1 should exit.
+    fn reap(&mut self) -> bool {
+        loop {
+            let status = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) | Err(_) => return false,
+                Ok(status) => status,
+            };
+            let (pid, code, signal) = match status {
+                WaitStatus::Exited(pid, code) => (pid, Some(code), None),
+                WaitStatus::Signaled(pid, signal, _) => (pid, None, Some(signal as i32)),
+                _ => continue,
+            };
+            if self.job == Some(pid) {
+                self.job = None;
+                let _ = proto::send(self.ctl.as_fd(), &JailFrame::Exited { code, signal }, &[]);
+                if self.one_shot {
+                    return true;
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, frame: HostFrame, fds: Vec<OwnedFd>) {
+        let reply = match frame {
+            HostFrame::Setup(_) => exec_failed("protocol", 0, "the jail is already set up".into()),
+            HostFrame::Shutdown => return,
+            HostFrame::Kill => {
+                // As PID 1, kill(-1) reaches every other process of the namespace.
+                let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
+                return;
+            }
+            HostFrame::Exec(exec) => {
+                if self.job.is_some() {
+                    exec_failed("busy", libc::EBUSY, "a job is already running".into())
+                } else {
+                    match self.spawn(&exec, fds) {
+                        Ok(pid) => {
+                            self.job = Some(pid);
+                            JailFrame::Started { pid: pid.as_raw() }
+                        }
+                        Err(failed) => failed,
+                    }
+                }
+            }
+            HostFrame::WriteFile { path, mode } => write_file(&path, mode, fds),
+            HostFrame::ReadFile { path } => match open_for_read(&path) {
+                Ok((file, size)) => {
+                    let _ = proto::send(self.ctl.as_fd(), &JailFrame::FileOpened { size }, &[file.as_fd()]);
+                    return;
+                }
+                Err(reply) => reply,
+            },
+        };
+        let _ = proto::send(self.ctl.as_fd(), &reply, &[]);
+    }
+
+    fn spawn(&self, exec: &Exec, mut fds: Vec<OwnedFd>) -> Result<Pid, JailFrame> {
+        if exec.argv.is_empty() {
+            return Err(exec_failed("argv", libc::EINVAL, "empty argument vector".into()));
+        }
+        let expected = 3 + usize::from(exec.program_copy.is_some());
+        if fds.len() != expected {
+            return Err(exec_failed(
+                "protocol",
+                libc::EINVAL,
+                format!("{} descriptors, expected {expected}", fds.len()),
+            ));
+        }
+        if let Some(target) = &exec.program_copy {
+            let program = fds.pop().expect("counted above");
+            copy_in(program, target, 0o755).map_err(|e| io_failed("copy", &e))?;
+        }
+        let path = resolve(&exec.argv[0], &exec.env)
+            .ok_or_else(|| exec_failed("lookup", libc::ENOENT, format!("{}: command not found", exec.argv[0])))?;
+        let argv = cstrings(exec.argv.iter().map(String::as_str))?;
+        let env =
+            cstrings(exec.env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().iter().map(String::as_str))?;
+        let path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| nul_error())?;
+        let (report_r, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| exec_failed("pipe", e as i32, e.desc().into()))?;
+        // SAFETY: PID 1 is single-threaded, so the child may allocate and run arbitrary code.
+        match unsafe { fork() } {
+            Err(errno) => Err(exec_failed("fork", errno as i32, errno.desc().into())),
+            Ok(ForkResult::Child) => {
+                drop(report_r);
+                let (stage, errno) = self.become_job(exec, &fds, &path, &argv, &env);
+                let mut report = fs::File::from(report_w);
+                let _ = report.write_all(format!("{stage}\0{}", errno as i32).as_bytes());
+                // SAFETY: _exit ends this forked child without running the parent's atexit handlers.
+                unsafe { libc::_exit(127) }
+            }
+            Ok(ForkResult::Parent { child }) => {
+                drop(report_w);
+                drop(fds);
+                let mut text = String::new();
+                let _ = fs::File::from(report_r).read_to_string(&mut text);
+                if text.is_empty() {
+                    return Ok(child);
+                }
+                let _ = waitpid(child, None);
+                let (stage, errno) = text.split_once('\0').unwrap_or((text.as_str(), "0"));
+                let errno = errno.parse().unwrap_or(0);
+                let message = format!("{}: {stage}: {}", exec.argv[0], Errno::from_raw(errno).desc());
+                Err(exec_failed(stage, errno, message))
+            }
+        }
+    }
+
+    /// Turns the forked child into the job. Returns only on failure, with the step and the error.
+    fn become_job(
+        &self,
+        exec: &Exec,
+        fds: &[OwnedFd],
+        path: &CString,
+        argv: &[CString],
+        env: &[CString],
+    ) -> (&'static str, Errno) {
+        macro_rules! check {
+            ($stage:expr, $e:expr) => {
+                if let Err(errno) = $e {
+                    return ($stage, errno);
+                }
+            };
+        }
+        check!("setsid", setsid());
+        for (target, fd) in fds.iter().enumerate() {
+            // SAFETY: dup2 onto 0..=2 replaces this child's standard streams with descriptors it owns; the sources
+            // are numbered 3 and up (PID 1's own 0..=2 are open), so no source is overwritten before it is used.
+            if unsafe { libc::dup2(fd.as_raw_fd(), target as RawFd) } < 0 {
+                return ("stdio", Errno::last());
+            }
+        }
+        // Everything else but the CLOEXEC report pipe goes; the pipe closes itself on exec.
+        check!("close fds", close_from_3_except_cloexec());
+        check!("signals", sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None));
+        check!("rlimits", set_limits(exec));
+        check!("chdir", chdir(exec.cwd.as_str()));
+        check!("capabilities", drop_capabilities());
+        if seccomp::install(&self.filters).is_err() {
+            return ("seccomp", Errno::last());
+        }
+        match execve(path, argv, env) {
+            Err(errno) => ("exec", errno),
+            Ok(never) => match never {},
+        }
+    }
+}
+
+fn exec_failed(stage: &str, errno: i32, message: String) -> JailFrame {
+    JailFrame::ExecFailed { stage: stage.to_owned(), errno, message }
+}
+
+fn io_failed(stage: &str, err: &std::io::Error) -> JailFrame {
+    exec_failed(stage, err.raw_os_error().unwrap_or(0), err.to_string())
+}
+
+fn nul_error() -> JailFrame {
+    exec_failed("argv", libc::EINVAL, "an argument or environment entry contains a NUL byte".into())
+}
+
+fn cstrings<'a>(items: impl Iterator<Item = &'a str>) -> Result<Vec<CString>, JailFrame> {
+    items.map(|s| CString::new(s).map_err(|_| nul_error())).collect()
+}
+
+/// Finds a program the way `execvp` does, with the job's `PATH` (not PID 1's).
+fn resolve(program: &str, env: &[(String, String)]) -> Option<PathBuf> {
+    if program.contains('/') {
+        return Some(PathBuf::from(program));
+    }
+    if program.is_empty() {
+        return None;
+    }
+    let path = env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str()).unwrap_or(DEFAULT_PATH);
+    path.split(':')
+        .filter(|dir| !dir.is_empty())
+        .map(|dir| Path::new(dir).join(program))
+        .find(|candidate| fs::metadata(candidate).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
+/// Closes every descriptor from 3 up that is not close-on-exec (those close themselves at `execve`).
+fn close_from_3_except_cloexec() -> Result<(), Errno> {
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only marks descriptors close-on-exec; nothing is closed here.
+    let rc = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
+    if rc < 0 { Err(Errno::last()) } else { Ok(()) }
+}
+
+fn set_limits(exec: &Exec) -> Result<(), Errno> {
+    setrlimit(Resource::RLIMIT_NOFILE, exec.nofile, exec.nofile)?;
+    setrlimit(Resource::RLIMIT_CORE, 0, 0)?;
+    setrlimit(Resource::RLIMIT_CPU, exec.cpu_seconds, exec.cpu_seconds.saturating_add(1))?;
+    Ok(())
+}
+
+/// Drops every capability for good: the bounding and ambient sets, then effective/permitted/inheritable, with
+/// the securebits that stop a root `execve` from regaining them, all locked.
+fn drop_capabilities() -> Result<(), Errno> {
+    const SECBIT_NOROOT: libc::c_ulong = 1 << 0;
+    const SECBIT_NOROOT_LOCKED: libc::c_ulong = 1 << 1;
+    const SECBIT_NO_SETUID_FIXUP: libc::c_ulong = 1 << 2;
+    const SECBIT_NO_SETUID_FIXUP_LOCKED: libc::c_ulong = 1 << 3;
+    const SECBIT_KEEP_CAPS_LOCKED: libc::c_ulong = 1 << 5;
+    const SECBIT_NO_CAP_AMBIENT_RAISE: libc::c_ulong = 1 << 6;
+    const SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED: libc::c_ulong = 1 << 7;
+    let last_cap = fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse::<libc::c_ulong>().ok())
+        .unwrap_or(40);
+    let bits = SECBIT_NOROOT
+        | SECBIT_NOROOT_LOCKED
+        | SECBIT_NO_SETUID_FIXUP
+        | SECBIT_NO_SETUID_FIXUP_LOCKED
+        | SECBIT_KEEP_CAPS_LOCKED
+        | SECBIT_NO_CAP_AMBIENT_RAISE
+        | SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED;
+    // SAFETY: prctl(PR_SET_SECUREBITS) takes an integer argument and only changes this process's attributes.
+    if unsafe { libc::prctl(libc::PR_SET_SECUREBITS, bits, 0, 0, 0) } < 0 {
+        return Err(Errno::last());
+    }
+    for cap in 0..=last_cap {
+        // SAFETY: PR_CAPBSET_DROP takes a capability number; an unknown one fails with EINVAL, which we ignore.
+        unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
+    }
+    // SAFETY: PR_CAP_AMBIENT_CLEAR_ALL takes no pointers.
+    if unsafe { libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) } < 0 {
+        return Err(Errno::last());
+    }
+    #[repr(C)]
+    struct CapHeader {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct CapData {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+    let header = CapHeader { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
+    let data = [CapData { effective: 0, permitted: 0, inheritable: 0 }; 2];
+    // SAFETY: capset reads a version-3 header and two data structs, both alive and correctly laid out (repr(C)).
+    if unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) } < 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// Copies a descriptor's contents to a new file at `target`, creating its parent directories.
+fn copy_in(source: OwnedFd, target: &str, mode: u32) -> std::io::Result<()> {
+    if let Some(parent) = Path::new(target).parent() {
+        fs::DirBuilder::new().recursive(true).mode(0o755).create(parent)?;
+    }
+    let mut src = fs::File::from(source);
+    let mut dst = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(target)?;
+    std::io::copy(&mut src, &mut dst)?;
+    dst.set_permissions(fs::Permissions::from_mode(mode))
+}
+
+fn write_file(path: &str, mode: u32, mut fds: Vec<OwnedFd>) -> JailFrame {
+    let Some(source) = fds.pop().filter(|_| fds.is_empty()) else {
+        return JailFrame::FileError { errno: libc::EINVAL, message: "expected one descriptor".into() };
+    };
+    let mut src = fs::File::from(source);
+    if let Err(err) = std::io::Seek::rewind(&mut src) {
+        return file_error(&err);
+    }
+    match copy_in(src.into(), path, mode & 0o7777) {
+        Ok(()) => JailFrame::FileWritten,
+        Err(err) => file_error(&err),
+    }
+}
+
+fn open_for_read(path: &str) -> Result<(fs::File, u64), JailFrame> {
+    // O_NONBLOCK: a FIFO planted by the job must not block PID 1.
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| file_error(&e))?;
+    let meta = file.metadata().map_err(|e| file_error(&e))?;
+    if !meta.is_file() {
+        return Err(JailFrame::FileError { errno: libc::EISDIR, message: format!("{path} is not a regular file") });
+    }
+    Ok((file, meta.len()))
+}
+
+fn file_error(err: &std::io::Error) -> JailFrame {
+    JailFrame::FileError { errno: err.raw_os_error().unwrap_or(0), message: err.to_string() }
+}

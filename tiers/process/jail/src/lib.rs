@@ -1,0 +1,12 @@
+//! The inside of Strata's process jail.
+//!
+//! [`proto`] is the control protocol the host (crate `strata-tier-process`) speaks with the jail; [`init`] is
+//! the jail's own code (the `strata-jail` binary: the keeper and PID 1); [`seccomp`] is the job's system-call
+//! allowlist. The host side, which spawns the jail, sets up its cgroup and runs jobs, lives in
+//! `strata-tier-process`'s `jail` module.
+
+#![warn(missing_docs)]
+
+pub mod init;
+pub mod proto;
+pub mod seccomp;

@@ -1,0 +1,339 @@
+//! The control protocol between the host (the process tier) and the jail's PID 1.
+//!
+//! One `SOCK_SEQPACKET` Unix socket, fd [`CONTROL_FD`] in the jail. Each message is one JSON document; file
+//! descriptors (the job's stdin/stdout/stderr pipes, a program to copy in, a file being read or written) travel
+//! beside it as `SCM_RIGHTS`. A document larger than [`MAX_INLINE`] is sent as the message [`SPILL`] with a
+//! sealed memfd holding the document as its last descriptor, so argv and env are not bounded by the socket buffer.
+//!
+//! The host writes [`HostFrame`]s and reads [`JailFrame`]s. Neither side trusts the other's sizes: a message is
+//! read into a bounded buffer, a truncated one is an error, and a spilled document is capped at [`MAX_SPILL`].
+
+use std::io::{IoSlice, IoSliceMut, Read, Seek, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+
+use nix::errno::Errno;
+use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+/// The protocol version; [`Setup::version`] must equal it.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The control socket's descriptor number in the jail process.
+pub const CONTROL_FD: RawFd = 3;
+
+/// The largest document sent inline.
+pub const MAX_INLINE: usize = 48 * 1024;
+
+/// The largest spilled document (argv + env of one exec are bounded by the kernel at a few MiB anyway).
+pub const MAX_SPILL: u64 = 16 * 1024 * 1024;
+
+/// The message that stands for a document carried in a memfd.
+pub const SPILL: &[u8] = b"@spill";
+
+/// The most descriptors one message carries.
+pub const MAX_FDS: usize = 4;
+
+/// What the host asks of the jail.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub enum HostFrame {
+    /// Build the jail. The first frame, exactly once.
+    Setup(Setup),
+    /// Run a job. Descriptors: stdin, stdout, stderr, then the program when [`Exec::program_copy`] is set.
+    Exec(Exec),
+    /// Kill every process in the jail but PID 1 (the running job and anything it left behind).
+    Kill,
+    /// Write a file from the descriptor (a memfd) passed along. Answered by `FileWritten` or `FileError`.
+    WriteFile {
+        /// Absolute path in the jail.
+        path: String,
+        /// Permission bits.
+        mode: u32,
+    },
+    /// Open a regular file for reading. Answered by `FileOpened` (with the descriptor) or `FileError`.
+    ReadFile {
+        /// Absolute path in the jail.
+        path: String,
+    },
+    /// End the jail: PID 1 exits and the kernel kills everything in its PID namespace.
+    Shutdown,
+}
+
+/// How to build the jail.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Setup {
+    /// Must be [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The read-only lower layer (the Debian rootfs tree) on the host.
+    pub lower: PathBuf,
+    /// An existing, empty host directory over which the jail mounts its private tmpfs (in its own mount
+    /// namespace, so the host never sees it).
+    pub scratch_mount: PathBuf,
+    /// Size of that tmpfs: the overlay's upper layer, `/dev/shm` and the jail's writes together.
+    pub scratch_bytes: u64,
+    /// Host paths bind-mounted into the jail.
+    pub binds: Vec<Bind>,
+    /// The jail's hostname.
+    pub hostname: String,
+    /// PID 1 exits as soon as the first job ends (a one-shot run).
+    pub one_shot: bool,
+}
+
+/// A host path bind-mounted at a jail path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bind {
+    /// Canonical host path.
+    pub host: PathBuf,
+    /// Absolute, normalised jail path.
+    pub guest: String,
+    /// Remounted read-only.
+    pub read_only: bool,
+}
+
+/// One job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Exec {
+    /// The argument vector; `argv[0]` is looked up in `PATH` unless it contains a `/`.
+    pub argv: Vec<String>,
+    /// The complete environment.
+    pub env: Vec<(String, String)>,
+    /// Working directory in the jail.
+    pub cwd: String,
+    /// Copy the fourth descriptor to this jail path (mode 0755) before running: a host program.
+    pub program_copy: Option<String>,
+    /// Limit on open files (`RLIMIT_NOFILE`).
+    pub nofile: u64,
+    /// CPU seconds per process (`RLIMIT_CPU`), a backstop to the cgroup's accounting.
+    pub cpu_seconds: u64,
+}
+
+/// What the jail tells the host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub enum JailFrame {
+    /// The jail is built and waits for jobs.
+    Ready {
+        /// PID 1 as the host sees it (killing it ends the whole PID namespace).
+        host_pid: i32,
+    },
+    /// Building the jail failed; PID 1 exits after sending this.
+    SetupFailed {
+        /// Which step.
+        stage: String,
+        /// The error.
+        message: String,
+    },
+    /// The job's program is running.
+    Started {
+        /// Its PID inside the jail.
+        pid: i32,
+    },
+    /// The job could not be started.
+    ExecFailed {
+        /// Which step (`lookup`, `copy`, `chdir`, `exec`, ...).
+        stage: String,
+        /// The OS error number, when there is one.
+        errno: i32,
+        /// The error.
+        message: String,
+    },
+    /// The job's main process ended.
+    Exited {
+        /// Exit code, when it exited.
+        code: Option<i32>,
+        /// The signal that killed it, when one did.
+        signal: Option<i32>,
+    },
+    /// A `WriteFile` completed.
+    FileWritten,
+    /// A `ReadFile` opened the file; the descriptor is attached.
+    FileOpened {
+        /// Its size when opened.
+        size: u64,
+    },
+    /// A file operation failed.
+    FileError {
+        /// The OS error number.
+        errno: i32,
+        /// The error.
+        message: String,
+    },
+}
+
+/// A control message that could not be sent or received.
+#[derive(Debug)]
+pub enum ProtoError {
+    /// The socket failed.
+    Io(std::io::Error),
+    /// The peer sent something that is not a valid frame.
+    Malformed(String),
+}
+
+impl std::fmt::Display for ProtoError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProtoError::Io(err) => write!(f, "control socket: {err}"),
+            ProtoError::Malformed(what) => write!(f, "malformed control message: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for ProtoError {}
+
+impl From<Errno> for ProtoError {
+    fn from(errno: Errno) -> Self {
+        ProtoError::Io(errno.into())
+    }
+}
+
+impl From<std::io::Error> for ProtoError {
+    fn from(err: std::io::Error) -> Self {
+        ProtoError::Io(err)
+    }
+}
+
+/// Sends one frame with `fds` attached.
+pub fn send<T: Serialize>(socket: BorrowedFd<'_>, frame: &T, fds: &[BorrowedFd<'_>]) -> Result<(), ProtoError> {
+    let doc = serde_json::to_vec(frame).map_err(|e| ProtoError::Malformed(e.to_string()))?;
+    let mut raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+    let spill;
+    let payload: &[u8] = if doc.len() > MAX_INLINE {
+        spill = spill_to_memfd(&doc)?;
+        raw.push(spill.as_raw_fd());
+        SPILL
+    } else {
+        &doc
+    };
+    if raw.len() > MAX_FDS + 1 {
+        return Err(ProtoError::Malformed(format!("{} descriptors in one message", raw.len())));
+    }
+    let iov = [IoSlice::new(payload)];
+    let cmsgs = [ControlMessage::ScmRights(&raw)];
+    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
+    loop {
+        match sendmsg::<()>(socket.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(_) => return Ok(()),
+            Err(Errno::EINTR) => continue,
+            Err(errno) => return Err(errno.into()),
+        }
+    }
+}
+
+fn spill_to_memfd(doc: &[u8]) -> Result<OwnedFd, ProtoError> {
+    let fd = memfd_create("strata-frame", MFdFlags::MFD_CLOEXEC)?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(doc)?;
+    Ok(file.into())
+}
+
+/// Receives one frame and the descriptors beside it; `Ok(None)` when the peer closed the socket.
+pub fn recv<T: DeserializeOwned>(socket: BorrowedFd<'_>) -> Result<Option<(T, Vec<OwnedFd>)>, ProtoError> {
+    let mut buf = vec![0u8; MAX_INLINE + 1];
+    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS + 1]);
+    let (len, flags, mut fds) = loop {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        match recvmsg::<()>(socket.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
+            Ok(msg) => {
+                let mut fds = Vec::new();
+                for c in msg.cmsgs().map_err(|e| ProtoError::Malformed(e.to_string()))? {
+                    if let ControlMessageOwned::ScmRights(list) = c {
+                        for fd in list {
+                            // SAFETY: SCM_RIGHTS installed these descriptors in our table just now; nothing
+                            // else owns them.
+                            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                        }
+                    }
+                }
+                break (msg.bytes, msg.flags, fds);
+            }
+            Err(Errno::EINTR) => continue,
+            Err(errno) => return Err(errno.into()),
+        }
+    };
+    if flags.contains(MsgFlags::MSG_TRUNC) || flags.contains(MsgFlags::MSG_CTRUNC) || len > MAX_INLINE {
+        return Err(ProtoError::Malformed("message too large".into()));
+    }
+    if len == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    let doc = if &buf[..len] == SPILL {
+        let fd = fds.pop().ok_or_else(|| ProtoError::Malformed("spilled frame without its memfd".into()))?;
+        read_spill(fd)?
+    } else {
+        buf.truncate(len);
+        buf
+    };
+    let frame = serde_json::from_slice(&doc).map_err(|e| ProtoError::Malformed(e.to_string()))?;
+    Ok(Some((frame, fds)))
+}
+
+fn read_spill(fd: OwnedFd) -> Result<Vec<u8>, ProtoError> {
+    let mut file = std::fs::File::from(fd);
+    let size = file.metadata()?.len();
+    if size > MAX_SPILL {
+        return Err(ProtoError::Malformed(format!("spilled frame of {size} bytes")));
+    }
+    file.rewind()?;
+    let mut doc = Vec::with_capacity(size as usize);
+    file.take(MAX_SPILL).read_to_end(&mut doc)?;
+    Ok(doc)
+}
+
+/// Borrows every descriptor of a list, for [`send`].
+pub fn borrow_all(fds: &[OwnedFd]) -> Vec<BorrowedFd<'_>> {
+    fds.iter().map(|fd| fd.as_fd()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+
+    fn pair() -> (OwnedFd, OwnedFd) {
+        socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).expect("socketpair")
+    }
+
+    #[test]
+    fn small_and_spilled_frames_round_trip() {
+        let (a, b) = pair();
+        send(a.as_fd(), &HostFrame::Kill, &[]).expect("send");
+        let (frame, fds): (HostFrame, _) = recv(b.as_fd()).expect("recv").expect("frame");
+        assert!(matches!(frame, HostFrame::Kill));
+        assert!(fds.is_empty());
+
+        let big = "x".repeat(300_000);
+        let exec = Exec {
+            argv: vec!["python3".into(), "-c".into(), big.clone()],
+            env: vec![],
+            cwd: "/".into(),
+            program_copy: None,
+            nofile: 64,
+            cpu_seconds: 1,
+        };
+        let (r, w) = nix::unistd::pipe().expect("pipe");
+        send(a.as_fd(), &HostFrame::Exec(exec), &[r.as_fd(), w.as_fd()]).expect("send");
+        let (frame, fds): (HostFrame, _) = recv(b.as_fd()).expect("recv").expect("frame");
+        let HostFrame::Exec(exec) = frame else { panic!("not exec") };
+        assert_eq!(exec.argv[2], big);
+        assert_eq!(fds.len(), 2);
+    }
+
+    #[test]
+    fn closed_peer_is_none() {
+        let (a, b) = pair();
+        drop(a);
+        assert!(recv::<HostFrame>(b.as_fd()).expect("recv").is_none());
+    }
+
+    #[test]
+    fn garbage_is_malformed() {
+        let (a, b) = pair();
+        nix::sys::socket::send(a.as_raw_fd(), b"{not json", MsgFlags::empty()).expect("send");
+        assert!(matches!(recv::<HostFrame>(b.as_fd()), Err(ProtoError::Malformed(_))));
+    }
+}

@@ -1,0 +1,411 @@
+//! The jail's seccomp-bpf policy: an allowlist of the system calls ordinary Linux programs make.
+//!
+//! Everything not listed fails with `EPERM`. Left out on purpose: `mount` and the new mount API, `pivot_root`,
+//! `chroot`, `ptrace` and `process_vm_*`, `kexec_*`, `bpf`, `perf_event_open`, module loading, the keyring calls,
+//! `setns`, `userfaultfd`, `io_uring_*`, `open_by_handle_at`, swap, reboot, clock setting, `iopl`/`ioperm`,
+//! `acct`, `quotactl`, `syslog`, `personality`. `unshare` and `clone` are allowed only without namespace flags.
+//! `clone3` answers `ENOSYS` (its flags live in memory a filter cannot read), so the C library falls back to
+//! `clone`, whose flags the filter checks. Calls made through another ABI (i386 `int 0x80`) kill the process:
+//! seccompiler checks the architecture first.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch,
+};
+
+/// Every namespace flag `unshare` accepts.
+const NAMESPACE_FLAGS: u64 = (libc::CLONE_NEWNS
+    | libc::CLONE_NEWCGROUP
+    | libc::CLONE_NEWUTS
+    | libc::CLONE_NEWIPC
+    | libc::CLONE_NEWUSER
+    | libc::CLONE_NEWPID
+    | libc::CLONE_NEWNET
+    | 0x80/* CLONE_NEWTIME */) as u64;
+
+/// The namespace flags of `clone` (whose low byte is the exit signal, so `CLONE_NEWTIME` cannot appear).
+const CLONE_NAMESPACE_FLAGS: u64 = NAMESPACE_FLAGS & !0xff;
+
+/// System calls allowed without conditions.
+const ALLOWED: &[libc::c_long] = &[
+    libc::SYS_read,
+    libc::SYS_write,
+    libc::SYS_open,
+    libc::SYS_close,
+    libc::SYS_stat,
+    libc::SYS_fstat,
+    libc::SYS_lstat,
+    libc::SYS_poll,
+    libc::SYS_lseek,
+    libc::SYS_mmap,
+    libc::SYS_mprotect,
+    libc::SYS_munmap,
+    libc::SYS_brk,
+    libc::SYS_rt_sigaction,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_ioctl,
+    libc::SYS_pread64,
+    libc::SYS_pwrite64,
+    libc::SYS_readv,
+    libc::SYS_writev,
+    libc::SYS_access,
+    libc::SYS_pipe,
+    libc::SYS_select,
+    libc::SYS_sched_yield,
+    libc::SYS_mremap,
+    libc::SYS_msync,
+    libc::SYS_mincore,
+    libc::SYS_madvise,
+    libc::SYS_shmget,
+    libc::SYS_shmat,
+    libc::SYS_shmctl,
+    libc::SYS_dup,
+    libc::SYS_dup2,
+    libc::SYS_pause,
+    libc::SYS_nanosleep,
+    libc::SYS_getitimer,
+    libc::SYS_alarm,
+    libc::SYS_setitimer,
+    libc::SYS_getpid,
+    libc::SYS_sendfile,
+    libc::SYS_socket,
+    libc::SYS_connect,
+    libc::SYS_accept,
+    libc::SYS_sendto,
+    libc::SYS_recvfrom,
+    libc::SYS_sendmsg,
+    libc::SYS_recvmsg,
+    libc::SYS_shutdown,
+    libc::SYS_bind,
+    libc::SYS_listen,
+    libc::SYS_getsockname,
+    libc::SYS_getpeername,
+    libc::SYS_socketpair,
+    libc::SYS_setsockopt,
+    libc::SYS_getsockopt,
+    libc::SYS_fork,
+    libc::SYS_vfork,
+    libc::SYS_execve,
+    libc::SYS_exit,
+    libc::SYS_wait4,
+    libc::SYS_kill,
+    libc::SYS_uname,
+    libc::SYS_semget,
+    libc::SYS_semop,
+    libc::SYS_semctl,
+    libc::SYS_shmdt,
+    libc::SYS_msgget,
+    libc::SYS_msgsnd,
+    libc::SYS_msgrcv,
+    libc::SYS_msgctl,
+    libc::SYS_fcntl,
+    libc::SYS_flock,
+    libc::SYS_fsync,
+    libc::SYS_fdatasync,
+    libc::SYS_truncate,
+    libc::SYS_ftruncate,
+    libc::SYS_getdents,
+    libc::SYS_getcwd,
+    libc::SYS_chdir,
+    libc::SYS_fchdir,
+    libc::SYS_rename,
+    libc::SYS_mkdir,
+    libc::SYS_rmdir,
+    libc::SYS_creat,
+    libc::SYS_link,
+    libc::SYS_unlink,
+    libc::SYS_symlink,
+    libc::SYS_readlink,
+    libc::SYS_chmod,
+    libc::SYS_fchmod,
+    libc::SYS_chown,
+    libc::SYS_fchown,
+    libc::SYS_lchown,
+    libc::SYS_umask,
+    libc::SYS_gettimeofday,
+    libc::SYS_getrlimit,
+    libc::SYS_getrusage,
+    libc::SYS_sysinfo,
+    libc::SYS_times,
+    libc::SYS_getuid,
+    libc::SYS_getgid,
+    libc::SYS_setuid,
+    libc::SYS_setgid,
+    libc::SYS_geteuid,
+    libc::SYS_getegid,
+    libc::SYS_setpgid,
+    libc::SYS_getppid,
+    libc::SYS_getpgrp,
+    libc::SYS_setsid,
+    libc::SYS_setreuid,
+    libc::SYS_setregid,
+    libc::SYS_getgroups,
+    libc::SYS_setgroups,
+    libc::SYS_setresuid,
+    libc::SYS_getresuid,
+    libc::SYS_setresgid,
+    libc::SYS_getresgid,
+    libc::SYS_getpgid,
+    libc::SYS_setfsuid,
+    libc::SYS_setfsgid,
+    libc::SYS_getsid,
+    libc::SYS_capget,
+    libc::SYS_capset,
+    libc::SYS_rt_sigpending,
+    libc::SYS_rt_sigtimedwait,
+    libc::SYS_rt_sigqueueinfo,
+    libc::SYS_rt_sigsuspend,
+    libc::SYS_sigaltstack,
+    libc::SYS_utime,
+    libc::SYS_mknod,
+    libc::SYS_statfs,
+    libc::SYS_fstatfs,
+    libc::SYS_getpriority,
+    libc::SYS_setpriority,
+    libc::SYS_sched_setparam,
+    libc::SYS_sched_getparam,
+    libc::SYS_sched_setscheduler,
+    libc::SYS_sched_getscheduler,
+    libc::SYS_sched_get_priority_max,
+    libc::SYS_sched_get_priority_min,
+    libc::SYS_sched_rr_get_interval,
+    libc::SYS_mlock,
+    libc::SYS_munlock,
+    libc::SYS_mlockall,
+    libc::SYS_munlockall,
+    libc::SYS_prctl,
+    libc::SYS_arch_prctl,
+    libc::SYS_setrlimit,
+    libc::SYS_sync,
+    libc::SYS_gettid,
+    libc::SYS_readahead,
+    libc::SYS_setxattr,
+    libc::SYS_lsetxattr,
+    libc::SYS_fsetxattr,
+    libc::SYS_getxattr,
+    libc::SYS_lgetxattr,
+    libc::SYS_fgetxattr,
+    libc::SYS_listxattr,
+    libc::SYS_llistxattr,
+    libc::SYS_flistxattr,
+    libc::SYS_removexattr,
+    libc::SYS_lremovexattr,
+    libc::SYS_fremovexattr,
+    libc::SYS_tkill,
+    libc::SYS_time,
+    libc::SYS_futex,
+    libc::SYS_sched_setaffinity,
+    libc::SYS_sched_getaffinity,
+    libc::SYS_io_setup,
+    libc::SYS_io_destroy,
+    libc::SYS_io_getevents,
+    libc::SYS_io_submit,
+    libc::SYS_io_cancel,
+    libc::SYS_epoll_create,
+    libc::SYS_getdents64,
+    libc::SYS_set_tid_address,
+    libc::SYS_restart_syscall,
+    libc::SYS_semtimedop,
+    libc::SYS_fadvise64,
+    libc::SYS_timer_create,
+    libc::SYS_timer_settime,
+    libc::SYS_timer_gettime,
+    libc::SYS_timer_getoverrun,
+    libc::SYS_timer_delete,
+    libc::SYS_clock_gettime,
+    libc::SYS_clock_getres,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_exit_group,
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_ctl,
+    libc::SYS_tgkill,
+    libc::SYS_utimes,
+    libc::SYS_mbind,
+    libc::SYS_set_mempolicy,
+    libc::SYS_get_mempolicy,
+    libc::SYS_mq_open,
+    libc::SYS_mq_unlink,
+    libc::SYS_mq_timedsend,
+    libc::SYS_mq_timedreceive,
+    libc::SYS_mq_notify,
+    libc::SYS_mq_getsetattr,
+    libc::SYS_waitid,
+    libc::SYS_ioprio_set,
+    libc::SYS_ioprio_get,
+    libc::SYS_inotify_init,
+    libc::SYS_inotify_add_watch,
+    libc::SYS_inotify_rm_watch,
+    libc::SYS_openat,
+    libc::SYS_mkdirat,
+    libc::SYS_mknodat,
+    libc::SYS_fchownat,
+    libc::SYS_futimesat,
+    libc::SYS_newfstatat,
+    libc::SYS_unlinkat,
+    libc::SYS_renameat,
+    libc::SYS_linkat,
+    libc::SYS_symlinkat,
+    libc::SYS_readlinkat,
+    libc::SYS_fchmodat,
+    libc::SYS_faccessat,
+    libc::SYS_pselect6,
+    libc::SYS_ppoll,
+    libc::SYS_set_robust_list,
+    libc::SYS_get_robust_list,
+    libc::SYS_splice,
+    libc::SYS_tee,
+    libc::SYS_sync_file_range,
+    libc::SYS_vmsplice,
+    libc::SYS_move_pages,
+    libc::SYS_utimensat,
+    libc::SYS_epoll_pwait,
+    libc::SYS_signalfd,
+    libc::SYS_timerfd_create,
+    libc::SYS_eventfd,
+    libc::SYS_fallocate,
+    libc::SYS_timerfd_settime,
+    libc::SYS_timerfd_gettime,
+    libc::SYS_accept4,
+    libc::SYS_signalfd4,
+    libc::SYS_eventfd2,
+    libc::SYS_epoll_create1,
+    libc::SYS_dup3,
+    libc::SYS_pipe2,
+    libc::SYS_inotify_init1,
+    libc::SYS_preadv,
+    libc::SYS_pwritev,
+    libc::SYS_rt_tgsigqueueinfo,
+    libc::SYS_recvmmsg,
+    libc::SYS_prlimit64,
+    libc::SYS_syncfs,
+    libc::SYS_sendmmsg,
+    libc::SYS_getcpu,
+    libc::SYS_sched_setattr,
+    libc::SYS_sched_getattr,
+    libc::SYS_renameat2,
+    libc::SYS_getrandom,
+    libc::SYS_memfd_create,
+    libc::SYS_execveat,
+    libc::SYS_membarrier,
+    libc::SYS_mlock2,
+    libc::SYS_copy_file_range,
+    libc::SYS_preadv2,
+    libc::SYS_pwritev2,
+    libc::SYS_pkey_mprotect,
+    libc::SYS_pkey_alloc,
+    libc::SYS_pkey_free,
+    libc::SYS_statx,
+    libc::SYS_rseq,
+    libc::SYS_pidfd_send_signal,
+    libc::SYS_pidfd_open,
+    libc::SYS_close_range,
+    libc::SYS_openat2,
+    libc::SYS_faccessat2,
+    libc::SYS_process_madvise,
+    libc::SYS_epoll_pwait2,
+    libc::SYS_futex_waitv,
+    libc::SYS_fchmodat2,
+];
+
+/// System calls that must answer `ENOSYS` rather than `EPERM`, so callers fall back to an older call.
+const NOT_IMPLEMENTED: &[libc::c_long] = &[libc::SYS_clone3];
+
+/// Why the filter could not be built (a bug in this module, not the job's doing).
+#[derive(Debug)]
+pub struct SeccompBuildError(pub String);
+
+impl std::fmt::Display for SeccompBuildError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "seccomp filter: {}", self.0)
+    }
+}
+
+impl std::error::Error for SeccompBuildError {}
+
+fn err(e: impl std::fmt::Display) -> SeccompBuildError {
+    SeccompBuildError(e.to_string())
+}
+
+/// The compiled filters, in the order they must be installed.
+#[derive(Debug, Clone)]
+pub struct JailFilters {
+    /// The allowlist.
+    pub allow: BpfProgram,
+    /// `ENOSYS` for calls whose fallback the filter can check.
+    pub enosys: BpfProgram,
+}
+
+/// Compiles the jail's filters for this machine's architecture.
+pub fn filters() -> Result<JailFilters, SeccompBuildError> {
+    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    for &call in ALLOWED.iter().chain(NOT_IMPLEMENTED) {
+        rules.insert(call, Vec::new());
+    }
+    let no_namespaces = |mask: u64| -> Result<Vec<SeccompRule>, SeccompBuildError> {
+        let cond = SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(mask), 0).map_err(err)?;
+        Ok(vec![SeccompRule::new(vec![cond]).map_err(err)?])
+    };
+    rules.insert(libc::SYS_clone, no_namespaces(CLONE_NAMESPACE_FLAGS)?);
+    rules.insert(libc::SYS_unshare, no_namespaces(NAMESPACE_FLAGS)?);
+    let allow = SeccompFilter::new(rules, SeccompAction::Errno(libc::EPERM as u32), SeccompAction::Allow, arch)
+        .map_err(err)?
+        .try_into()
+        .map_err(err)?;
+
+    let enosys_rules = NOT_IMPLEMENTED.iter().map(|&call| (call, Vec::new())).collect();
+    let enosys =
+        SeccompFilter::new(enosys_rules, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch)
+            .map_err(err)?
+            .try_into()
+            .map_err(err)?;
+    Ok(JailFilters { allow, enosys })
+}
+
+/// Installs the filters on the calling thread (which also sets `no_new_privs`). The `ENOSYS` filter goes first:
+/// once the allowlist is in, `seccomp` itself is refused.
+pub fn install(filters: &JailFilters) -> Result<(), SeccompBuildError> {
+    seccompiler::apply_filter(&filters.enosys).map_err(err)?;
+    seccompiler::apply_filter(&filters.allow).map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_compile() {
+        let f = filters().expect("filters");
+        assert!(f.allow.len() > ALLOWED.len());
+        assert!(!f.enosys.is_empty());
+    }
+
+    #[test]
+    fn dangerous_calls_are_not_allowed() {
+        for call in [
+            libc::SYS_mount,
+            libc::SYS_umount2,
+            libc::SYS_pivot_root,
+            libc::SYS_ptrace,
+            libc::SYS_kexec_load,
+            libc::SYS_bpf,
+            libc::SYS_perf_event_open,
+            libc::SYS_init_module,
+            libc::SYS_finit_module,
+            libc::SYS_keyctl,
+            libc::SYS_add_key,
+            libc::SYS_setns,
+            libc::SYS_userfaultfd,
+            libc::SYS_io_uring_setup,
+            libc::SYS_open_by_handle_at,
+            libc::SYS_process_vm_readv,
+            libc::SYS_fsopen,
+            libc::SYS_move_mount,
+            libc::SYS_chroot,
+        ] {
+            assert!(!ALLOWED.contains(&call), "syscall {call} is allowed");
+        }
+    }
+}
