@@ -105,6 +105,18 @@ pub enum TierError {
     /// A tool named in the capabilities is unknown, or a tool definition is invalid.
     #[error(transparent)]
     Tool(#[from] crate::tools::ToolDefinitionError),
+    /// The program of a native job or command does not exist in the guest (`command not found`).
+    #[error("{program}")]
+    ProgramNotFound {
+        /// The program and why it was not found.
+        program: String,
+    },
+    /// The program exists but could not be executed (not executable, wrong format).
+    #[error("cannot execute {message}")]
+    ExecFailed {
+        /// The program and the error.
+        message: String,
+    },
     /// The tier's runtime failed in a way that is not the guest's doing.
     #[error("{tier} tier internal error: {message}")]
     Internal {
@@ -133,6 +145,8 @@ impl TierError {
             TierError::SessionEnded { .. } => "session_ended",
             TierError::Artifact(_) => "artifact",
             TierError::Tool(_) => "invalid_tool",
+            TierError::ProgramNotFound { .. } => "program_not_found",
+            TierError::ExecFailed { .. } => "exec_failed",
             TierError::Internal { .. } => "internal",
         }
     }

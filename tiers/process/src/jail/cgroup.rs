@@ -1,0 +1,428 @@
+//! One cgroup per jail, under whichever hierarchy the host has.
+//!
+//! The host may mount cgroup v2 with the controllers (pure v2), or v1 controllers with a controller-less v2
+//! `unified` tree beside them (this machine). [`CgroupRoot::detect`] prefers v2 when it has the memory, pids and cpu
+//! controllers, else uses v1's memory, pids, cpu and cpuacct hierarchies. Each jail's cgroup is created under the
+//! engine's own cgroup, in a `strata` directory, and named `<engine pid>-<engine start time>-<seq>`, so a later
+//! engine can tell the cgroups of a dead engine (to remove) from those of a live one (to leave alone).
+//!
+//! Limits: memory (swap off: v1 `memsw` equal to the limit, v2 `memory.swap.max = 0`), pids, CPU bandwidth.
+//! Readings: CPU time, peak memory, OOM kills, and how often the pids limit refused a fork.
+
+use std::fs;
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Which cgroup hierarchy a jail's cgroup lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupVersion {
+    /// Separate v1 hierarchies per controller.
+    V1,
+    /// The unified v2 hierarchy.
+    V2,
+}
+
+/// Why a cgroup could not be set up or read.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    /// Neither hierarchy has the controllers the jail needs.
+    #[error("no usable cgroup hierarchy: {0}")]
+    Unavailable(String),
+    /// A cgroup file could not be written or read.
+    #[error("cgroup {}: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError + '_ {
+    move |source| CgroupError::Io { path: path.to_owned(), source }
+}
+
+/// The limits a jail's cgroup enforces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CgroupLimits {
+    /// Memory in bytes (swap off).
+    pub memory: u64,
+    /// Processes and threads.
+    pub pids: u64,
+    /// CPU bandwidth in whole CPUs.
+    pub cpus: u32,
+}
+
+/// Where jail cgroups are created.
+#[derive(Debug, Clone)]
+pub struct CgroupRoot {
+    version: CgroupVersion,
+    /// v1: (controller, `<mount>/<engine's cgroup>/strata`); v2: one entry with an empty controller name.
+    parents: Vec<(&'static str, PathBuf)>,
+    owner: String,
+}
+
+const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "cpuacct"];
+
+static SEQUENCE: AtomicU64 = AtomicU64::new(0);
+
+impl CgroupRoot {
+    /// Finds the hierarchy to use from `/proc/self/mountinfo` and `/proc/self/cgroup`.
+    pub fn detect() -> Result<CgroupRoot, CgroupError> {
+        let mountinfo =
+            fs::read_to_string("/proc/self/mountinfo").map_err(io_err(Path::new("/proc/self/mountinfo")))?;
+        let membership = fs::read_to_string("/proc/self/cgroup").map_err(io_err(Path::new("/proc/self/cgroup")))?;
+        let owner = owner_tag(std::process::id()).unwrap_or_else(|| format!("{}-0", std::process::id()));
+        let mounts = parse_mounts(&mountinfo);
+
+        let mut v2_problem = "no cgroup2 mount".to_owned();
+        if let Some((mount, _)) = mounts.iter().find(|(_, kind)| kind.is_none()) {
+            let own = membership.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("/");
+            let own_dir = mount.join(own.trim_start_matches('/'));
+            let controllers = fs::read_to_string(own_dir.join("cgroup.controllers")).unwrap_or_default();
+            let have: Vec<&str> = controllers.split_whitespace().collect();
+            if ["memory", "pids", "cpu"].iter().all(|c| have.contains(c)) {
+                return Ok(CgroupRoot {
+                    version: CgroupVersion::V2,
+                    parents: vec![("", own_dir.join("strata"))],
+                    owner,
+                });
+            }
+            v2_problem = format!("the cgroup2 tree at {} has controllers [{}]", mount.display(), controllers.trim());
+        }
+        let mut parents = Vec::new();
+        for controller in V1_CONTROLLERS {
+            let Some((mount, _)) = mounts.iter().find(|(_, kind)| kind.as_deref().is_some_and(|k| has(k, controller)))
+            else {
+                return Err(CgroupError::Unavailable(format!(
+                    "{v2_problem}, and no cgroup v1 hierarchy has the {controller} controller"
+                )));
+            };
+            let own = membership
+                .lines()
+                .filter_map(|l| l.split_once(':').and_then(|(_, rest)| rest.split_once(':')))
+                .find(|(list, _)| has(list, controller))
+                .map(|(_, path)| path)
+                .unwrap_or("/");
+            parents.push((controller, mount.join(own.trim_start_matches('/')).join("strata")));
+        }
+        Ok(CgroupRoot { version: CgroupVersion::V1, parents, owner })
+    }
+
+    /// The hierarchy in use.
+    pub fn version(&self) -> CgroupVersion {
+        self.version
+    }
+
+    /// One line for logs and `strata doctor`: which hierarchy and where.
+    pub fn describe(&self) -> String {
+        match self.version {
+            CgroupVersion::V2 => format!("cgroup v2 at {}", self.parents[0].1.display()),
+            CgroupVersion::V1 => {
+                let list: Vec<String> = self.parents.iter().map(|(c, p)| format!("{c}={}", p.display())).collect();
+                format!("cgroup v1 ({})", list.join(", "))
+            }
+        }
+    }
+
+    /// Creates a jail's cgroup with its limits.
+    pub fn create(&self, limits: &CgroupLimits) -> Result<Cgroup, CgroupError> {
+        let name = format!("{}-{}", self.owner, SEQUENCE.fetch_add(1, Ordering::Relaxed));
+        let mut dirs = Vec::new();
+        for (controller, parent) in &self.parents {
+            if self.version == CgroupVersion::V2 {
+                prepare_v2_parent(parent)?;
+            } else {
+                fs::create_dir_all(parent).map_err(io_err(parent))?;
+            }
+            let dir = parent.join(&name);
+            fs::create_dir(&dir).map_err(io_err(&dir))?;
+            dirs.push((*controller, dir));
+        }
+        let cgroup = Cgroup { version: self.version, dirs };
+        if let Err(err) = cgroup.apply(limits) {
+            cgroup.remove();
+            return Err(err);
+        }
+        Ok(cgroup)
+    }
+
+    /// Removes the cgroups left by engines that are no longer running (killed mid-job), killing any process
+    /// still in them. Returns how many were removed.
+    pub fn remove_stale(&self) -> usize {
+        let mut removed = 0;
+        for (controller, parent) in &self.parents {
+            let Ok(entries) = fs::read_dir(parent) else { continue };
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if !entry.path().is_dir() || owner_is_alive(&name) {
+                    continue;
+                }
+                let cgroup = Cgroup { version: self.version, dirs: vec![(controller, entry.path())] };
+                cgroup.kill_all();
+                if cgroup.remove() {
+                    removed += 1;
+                }
+            }
+        }
+        removed
+    }
+
+    /// How many jail cgroups exist under this root, for leak checks.
+    pub fn count(&self) -> usize {
+        self.parents
+            .first()
+            .and_then(|(_, parent)| fs::read_dir(parent).ok())
+            .map(|entries| entries.flatten().filter(|e| e.path().is_dir()).count())
+            .unwrap_or(0)
+    }
+}
+
+fn has(list: &str, controller: &str) -> bool {
+    list.split(',').any(|c| c == controller)
+}
+
+/// (mount point, Some(v1 super options) | None for cgroup2).
+fn parse_mounts(mountinfo: &str) -> Vec<(PathBuf, Option<String>)> {
+    let mut out = Vec::new();
+    for line in mountinfo.lines() {
+        let Some((left, right)) = line.split_once(" - ") else { continue };
+        let mount_point = left.split(' ').nth(4).unwrap_or("");
+        let mut right = right.split(' ');
+        let fstype = right.next().unwrap_or("");
+        let super_opts = right.nth(1).unwrap_or("");
+        match fstype {
+            "cgroup2" => out.push((PathBuf::from(mount_point), None)),
+            "cgroup" => out.push((PathBuf::from(mount_point), Some(super_opts.to_owned()))),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// `<pid>-<start time in clock ticks>` of a process, from `/proc/<pid>/stat`.
+fn owner_tag(pid: u32) -> Option<String> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces and parentheses; fields after the last ')' are plain.
+    let after = stat.rsplit_once(')')?.1;
+    let start = after.split_whitespace().nth(19)?;
+    Some(format!("{pid}-{start}"))
+}
+
+/// Whether the engine that created the cgroup `name` (`<pid>-<start>-<seq>`) still runs.
+fn owner_is_alive(name: &str) -> bool {
+    let mut parts = name.splitn(3, '-');
+    let (Some(pid), Some(start)) = (parts.next(), parts.next()) else { return true };
+    let Ok(pid) = pid.parse::<u32>() else { return true };
+    owner_tag(pid).is_some_and(|tag| tag == format!("{pid}-{start}"))
+}
+
+fn prepare_v2_parent(parent: &Path) -> Result<(), CgroupError> {
+    fs::create_dir_all(parent).map_err(io_err(parent))?;
+    for dir in [parent.parent().unwrap_or(parent), parent] {
+        let control = dir.join("cgroup.subtree_control");
+        let current = fs::read_to_string(&control).unwrap_or_default();
+        if ["memory", "pids", "cpu"].iter().all(|c| current.split_whitespace().any(|x| x == *c)) {
+            continue;
+        }
+        fs::write(&control, "+memory +pids +cpu").map_err(|source| CgroupError::Unavailable(format!(
+            "cannot enable memory, pids and cpu in {} ({source}); run the engine in a leaf cgroup whose parent delegates them",
+            control.display()
+        )))?;
+    }
+    Ok(())
+}
+
+/// One jail's cgroup (a directory per v1 controller, or one v2 directory).
+#[derive(Debug)]
+pub struct Cgroup {
+    version: CgroupVersion,
+    dirs: Vec<(&'static str, PathBuf)>,
+}
+
+impl Cgroup {
+    fn dir(&self, controller: &str) -> &Path {
+        match self.version {
+            CgroupVersion::V2 => &self.dirs[0].1,
+            CgroupVersion::V1 => {
+                self.dirs.iter().find(|(c, _)| *c == controller).map(|(_, d)| d.as_path()).unwrap_or(&self.dirs[0].1)
+            }
+        }
+    }
+
+    fn write(&self, controller: &str, file: &str, value: &str) -> Result<(), CgroupError> {
+        let path = self.dir(controller).join(file);
+        fs::write(&path, value).map_err(io_err(&path))
+    }
+
+    fn read(&self, controller: &str, file: &str) -> Option<String> {
+        fs::read_to_string(self.dir(controller).join(file)).ok()
+    }
+
+    fn apply(&self, limits: &CgroupLimits) -> Result<(), CgroupError> {
+        let period = 100_000u64;
+        let quota = period * u64::from(limits.cpus.max(1));
+        match self.version {
+            CgroupVersion::V1 => {
+                self.write("memory", "memory.limit_in_bytes", &limits.memory.to_string())?;
+                // memsw (memory + swap) equal to the memory limit: no swap. Absent when swap accounting is off.
+                if self.dir("memory").join("memory.memsw.limit_in_bytes").exists() {
+                    self.write("memory", "memory.memsw.limit_in_bytes", &limits.memory.to_string())?;
+                }
+                let _ = self.write("memory", "memory.swappiness", "0");
+                self.write("pids", "pids.max", &limits.pids.to_string())?;
+                self.write("cpu", "cpu.cfs_period_us", &period.to_string())?;
+                self.write("cpu", "cpu.cfs_quota_us", &quota.to_string())?;
+            }
+            CgroupVersion::V2 => {
+                self.write("", "memory.max", &limits.memory.to_string())?;
+                if self.dir("").join("memory.swap.max").exists() {
+                    self.write("", "memory.swap.max", "0")?;
+                }
+                self.write("", "pids.max", &limits.pids.to_string())?;
+                self.write("", "cpu.max", &format!("{quota} {period}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves a process (and its future children) into the cgroup.
+    pub fn add(&self, pid: u32) -> Result<(), CgroupError> {
+        for (_, dir) in &self.dirs {
+            let path = dir.join("cgroup.procs");
+            fs::write(&path, pid.to_string()).map_err(io_err(&path))?;
+        }
+        Ok(())
+    }
+
+    /// CPU time used by every process that ran in the cgroup.
+    pub fn cpu_time(&self) -> Duration {
+        match self.version {
+            CgroupVersion::V1 => self
+                .read("cpuacct", "cpuacct.usage")
+                .and_then(|s| s.trim().parse().ok())
+                .map(Duration::from_nanos)
+                .unwrap_or_default(),
+            CgroupVersion::V2 => self
+                .read("", "cpu.stat")
+                .and_then(|s| keyed(&s, "usage_usec"))
+                .map(Duration::from_micros)
+                .unwrap_or_default(),
+        }
+    }
+
+    /// The most memory the cgroup has used since it was created or since [`reset_peak`](Cgroup::reset_peak).
+    pub fn peak_memory(&self) -> u64 {
+        let (controller, file) = match self.version {
+            CgroupVersion::V1 => ("memory", "memory.max_usage_in_bytes"),
+            CgroupVersion::V2 => ("", "memory.peak"),
+        };
+        self.read(controller, file).and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// Starts a new peak-memory reading (v1: resets the high-water mark; v2 keeps the cgroup's lifetime peak).
+    pub fn reset_peak(&self) {
+        if self.version == CgroupVersion::V1 {
+            let _ = self.write("memory", "memory.max_usage_in_bytes", "0");
+        }
+    }
+
+    /// How many processes the kernel's OOM killer has killed in the cgroup.
+    pub fn oom_kills(&self) -> u64 {
+        let (controller, file) = match self.version {
+            CgroupVersion::V1 => ("memory", "memory.oom_control"),
+            CgroupVersion::V2 => ("", "memory.events"),
+        };
+        self.read(controller, file).and_then(|s| keyed(&s, "oom_kill")).unwrap_or(0)
+    }
+
+    /// How many forks the pids limit refused.
+    pub fn pids_refusals(&self) -> u64 {
+        self.read("pids", "pids.events").and_then(|s| keyed(&s, "max")).unwrap_or(0)
+    }
+
+    /// The processes in the cgroup.
+    pub fn pids(&self) -> Vec<i32> {
+        self.read("pids", "cgroup.procs")
+            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Kills every process in the cgroup (for cgroups of dead engines; live jails die with their PID 1).
+    pub fn kill_all(&self) {
+        if self.version == CgroupVersion::V2 && self.write("", "cgroup.kill", "1").is_ok() {
+            return;
+        }
+        for _ in 0..100 {
+            let pids = self.pids();
+            if pids.is_empty() {
+                return;
+            }
+            for pid in pids {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Removes the cgroup's directories, waiting briefly for dying processes to leave. Returns whether all went.
+    pub fn remove(&self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut all = true;
+        for (_, dir) in &self.dirs {
+            loop {
+                match fs::remove_dir(dir) {
+                    Ok(()) => break,
+                    Err(err) if err.kind() == ErrorKind::NotFound => break,
+                    Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(200)),
+                    Err(err) => {
+                        log::warn!("cannot remove cgroup {}: {err}", dir.display());
+                        all = false;
+                        break;
+                    }
+                }
+            }
+        }
+        all
+    }
+}
+
+/// The value of `key` in a `key value` per line file.
+fn keyed(text: &str, key: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_parsing_finds_both_kinds() {
+        let text = "35 25 0:30 / /sys/fs/cgroup/memory rw,relatime shared:14 - cgroup cgroup rw,memory\n\
+                    36 25 0:31 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n\
+                    37 25 0:32 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n";
+        let mounts = parse_mounts(text);
+        assert_eq!(mounts.len(), 3);
+        assert_eq!(mounts[0], (PathBuf::from("/sys/fs/cgroup/memory"), Some("rw,memory".into())));
+        assert_eq!(mounts[1], (PathBuf::from("/sys/fs/cgroup/unified"), None));
+        assert!(has(mounts[2].1.as_deref().expect("v1"), "cpuacct"));
+    }
+
+    #[test]
+    fn keyed_values() {
+        assert_eq!(keyed("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n", "oom_kill"), Some(3));
+        assert_eq!(keyed("max 7\n", "max"), Some(7));
+        assert_eq!(keyed("usage_usec 12\nuser_usec 5\n", "usage_usec"), Some(12));
+    }
+
+    #[test]
+    fn own_cgroup_owner_is_alive_and_dead_pid_is_not() {
+        let tag = owner_tag(std::process::id()).expect("own stat");
+        assert!(owner_is_alive(&format!("{tag}-0")));
+        assert!(!owner_is_alive("999999999-1-0"));
+    }
+}

@@ -1,0 +1,677 @@
+//! The jail, seen from the host: a small API to start one, run jobs in it and end it.
+//!
+//! ```text
+//! Jail::start(&cgroups, &JailConfig)  → spawns the embedded `strata-jail` (keeper), puts it in a fresh cgroup,
+//!                                        sends Setup, waits for Ready (namespaces, overlay, pivot_root done)
+//! jail.exec(&Exec, program, &JobIo, &JobWatch) → one job: pipes for stdio, limits watched from here
+//! jail.write_file / read_file           → files inside the jail, through PID 1
+//! drop(jail)                            → PID 1 killed (the kernel kills its whole PID namespace), keeper
+//!                                         reaped, cgroup removed; mounts die with the mount namespace
+//! ```
+//!
+//! Nothing here depends on what runs in the jail: the process tier runs jobs in it, and the microVM monitor can
+//! run inside one as Firecracker's jailer does.
+
+pub mod cgroup;
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::fcntl::{FcntlArg, OFlag, SealFlag, fcntl};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::signal::Signal;
+use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+use nix::unistd::Pid;
+use strata_core::{CancelToken, LimitKind};
+use strata_jail::proto::{self, Bind, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
+use strata_wasi_shims::OutputCapture;
+
+pub use cgroup::{Cgroup, CgroupError, CgroupLimits, CgroupRoot, CgroupVersion};
+
+/// The `strata-jail` binary, built by this crate's build script.
+static JAIL_BINARY: &[u8] = include_bytes!(env!("STRATA_JAIL_BINARY"));
+
+/// How long a jail may take to build itself before it is given up.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How often a running job's CPU time, OOM and pids counters are read.
+const WATCH_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How long to wait for a killed jail's pipes to close before giving up on the rest of its output.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What a jail is built from.
+#[derive(Debug, Clone)]
+pub struct JailConfig {
+    /// The read-only lower layer (a root filesystem tree).
+    pub lower: PathBuf,
+    /// An existing empty host directory; the jail mounts its private tmpfs over it in its own namespace.
+    pub scratch_mount: PathBuf,
+    /// Size of the jail's writable layer.
+    pub scratch_bytes: u64,
+    /// Host directories bind-mounted into the jail.
+    pub binds: Vec<Bind>,
+    /// The jail's hostname.
+    pub hostname: String,
+    /// The jail ends when its first job does.
+    pub one_shot: bool,
+    /// Its cgroup's limits.
+    pub limits: CgroupLimits,
+}
+
+/// Why a jail could not be started or used.
+#[derive(Debug, thiserror::Error)]
+pub enum JailError {
+    /// The jail process could not be spawned.
+    #[error("cannot start the jail: {0}")]
+    Spawn(#[source] std::io::Error),
+    /// Its cgroup could not be set up.
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// A step of building the jail failed inside it.
+    #[error("jail setup failed at {stage}: {message}")]
+    Setup {
+        /// Which step.
+        stage: String,
+        /// The error.
+        message: String,
+    },
+    /// The jail broke the control protocol or went away.
+    #[error("jail control: {0}")]
+    Protocol(String),
+    /// The jail has ended (a one-shot jail after its job, or a killed one).
+    #[error("the jail has ended")]
+    Ended,
+    /// The job's program could not be started.
+    #[error("{message}")]
+    NotStarted {
+        /// Which step (`lookup`, `copy`, `exec`, ...).
+        stage: String,
+        /// The OS error number.
+        errno: i32,
+        /// The error.
+        message: String,
+    },
+    /// A file operation in the jail failed.
+    #[error("{message}")]
+    File {
+        /// The OS error number.
+        errno: i32,
+        /// The error.
+        message: String,
+    },
+}
+
+impl From<proto::ProtoError> for JailError {
+    fn from(err: proto::ProtoError) -> Self {
+        JailError::Protocol(err.to_string())
+    }
+}
+
+/// A job's standard streams.
+#[derive(Debug)]
+pub struct JobIo<'a> {
+    /// Bytes fed to stdin, which is then closed.
+    pub stdin: &'a [u8],
+    /// Where stdout goes.
+    pub stdout: &'a OutputCapture,
+    /// Where stderr goes.
+    pub stderr: &'a OutputCapture,
+}
+
+/// The limits watched from the host while a job runs.
+#[derive(Debug, Clone)]
+pub struct JobWatch {
+    /// Wall-clock time.
+    pub wall: Duration,
+    /// CPU time of everything in the jail.
+    pub cpu: Duration,
+    /// Cancels the job.
+    pub cancel: Option<CancelToken>,
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobEnd {
+    /// Its main process exited with a code.
+    Exited(i32),
+    /// A signal killed its main process.
+    Signaled(i32),
+    /// A limit stopped it.
+    Limit(LimitKind),
+    /// It was cancelled.
+    Cancelled,
+    /// The jail died under it (not through a limit).
+    JailLost,
+}
+
+/// What a job did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobReport {
+    /// How it ended.
+    pub end: JobEnd,
+    /// Wall-clock time.
+    pub wall: Duration,
+    /// CPU time (the cgroup's).
+    pub cpu: Duration,
+    /// Peak memory (the cgroup's).
+    pub peak_memory: u64,
+}
+
+/// A running jail.
+#[derive(Debug)]
+pub struct Jail {
+    keeper: Option<Child>,
+    ctl: OwnedFd,
+    cgroup: Cgroup,
+    pid1: Pid,
+    /// A pidfd of PID 1: signals through it cannot reach a process that reused the PID.
+    pidfd: Option<OwnedFd>,
+    one_shot: bool,
+    ended: bool,
+}
+
+/// The embedded binary in a sealed memfd, created once per process.
+fn jail_binary() -> Result<&'static OwnedFd, JailError> {
+    static BINARY: OnceLock<Result<OwnedFd, String>> = OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            let fd = memfd_create("strata-jail", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
+                .map_err(|e| e.to_string())?;
+            let mut file = File::from(fd);
+            file.write_all(JAIL_BINARY).map_err(|e| e.to_string())?;
+            let seals =
+                SealFlag::F_SEAL_SEAL | SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE;
+            fcntl(&file, FcntlArg::F_ADD_SEALS(seals)).map_err(|e| e.to_string())?;
+            // Keep it clear of the low descriptor numbers: the spawned child installs its control socket at fd 3
+            // before exec'ing this file by its /proc/self/fd path.
+            let high = fcntl(&file, FcntlArg::F_DUPFD_CLOEXEC(64)).map_err(|e| e.to_string())?;
+            // SAFETY: F_DUPFD_CLOEXEC just returned this new descriptor; nothing else owns it.
+            Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(high) })
+        })
+        .as_ref()
+        .map_err(|e| JailError::Spawn(std::io::Error::other(format!("embedded strata-jail: {e}"))))
+}
+
+impl Jail {
+    /// Builds a jail and waits until it is ready for jobs.
+    pub fn start(cgroups: &CgroupRoot, config: &JailConfig) -> Result<Jail, JailError> {
+        let binary = jail_binary()?;
+        let (host_end, jail_end) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+            .map_err(|e| JailError::Spawn(e.into()))?;
+        let cgroup = cgroups.create(&config.limits)?;
+        let mut command = Command::new(format!("/proc/self/fd/{}", binary.as_raw_fd()));
+        command.arg0("strata-jail").env_clear().stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+        let jail_raw = jail_end.as_raw_fd();
+        // SAFETY: the closure runs in the forked child before exec and only calls dup2/fcntl, which are
+        // async-signal-safe; it touches no memory shared with other threads.
+        unsafe {
+            command.pre_exec(move || install_control_fd(jail_raw));
+        }
+        let keeper = match command.spawn() {
+            Ok(child) => child,
+            Err(err) => {
+                cgroup.remove();
+                return Err(JailError::Spawn(err));
+            }
+        };
+        drop(jail_end);
+        let mut jail = Jail {
+            keeper: Some(keeper),
+            ctl: host_end,
+            cgroup,
+            pid1: Pid::from_raw(0),
+            pidfd: None,
+            one_shot: config.one_shot,
+            ended: false,
+        };
+        let keeper_pid = jail.keeper.as_ref().map(Child::id).unwrap_or(0);
+        jail.cgroup.add(keeper_pid)?;
+        let setup = Setup {
+            version: PROTOCOL_VERSION,
+            lower: config.lower.clone(),
+            scratch_mount: config.scratch_mount.clone(),
+            scratch_bytes: config.scratch_bytes,
+            binds: config.binds.clone(),
+            hostname: config.hostname.clone(),
+            one_shot: config.one_shot,
+        };
+        proto::send(jail.ctl.as_fd(), &HostFrame::Setup(setup), &[])?;
+        if !wait_readable(jail.ctl.as_fd(), SETUP_TIMEOUT) {
+            return Err(JailError::Setup {
+                stage: "timeout".into(),
+                message: format!("not ready after {SETUP_TIMEOUT:?}"),
+            });
+        }
+        match proto::recv::<JailFrame>(jail.ctl.as_fd())? {
+            Some((JailFrame::Ready { host_pid }, _)) if host_pid > 0 => {
+                jail.pid1 = Pid::from_raw(host_pid);
+                // PID 1 cannot have exited yet: it ends only on our signal, an OOM kill or our closing the socket.
+                jail.pidfd = Some(pidfd_open(host_pid).map_err(|e| JailError::Spawn(e.into()))?);
+                Ok(jail)
+            }
+            Some((JailFrame::SetupFailed { stage, message }, _)) => Err(JailError::Setup { stage, message }),
+            Some((other, _)) => Err(JailError::Protocol(format!("expected Ready, got {other:?}"))),
+            None => {
+                Err(JailError::Setup { stage: "start".into(), message: "the jail exited before it was ready".into() })
+            }
+        }
+    }
+
+    /// The jail's cgroup.
+    pub fn cgroup(&self) -> &Cgroup {
+        &self.cgroup
+    }
+
+    /// PID 1 of the jail, as the host sees it.
+    pub fn pid1(&self) -> Pid {
+        self.pid1
+    }
+
+    /// Whether the jail has ended.
+    pub fn has_ended(&self) -> bool {
+        self.ended
+    }
+
+    /// Runs one job and waits for it, feeding stdin, capturing output and enforcing `watch`.
+    pub fn exec(
+        &mut self,
+        exec: &Exec,
+        program: Option<File>,
+        io: &JobIo<'_>,
+        watch: &JobWatch,
+    ) -> Result<JobReport, JailError> {
+        if self.ended {
+            return Err(JailError::Ended);
+        }
+        let cloexec = OFlag::O_CLOEXEC;
+        let (stdin_r, stdin_w) = nix::unistd::pipe2(cloexec).map_err(|e| JailError::Spawn(e.into()))?;
+        let (stdout_r, stdout_w) = nix::unistd::pipe2(cloexec).map_err(|e| JailError::Spawn(e.into()))?;
+        let (stderr_r, stderr_w) = nix::unistd::pipe2(cloexec).map_err(|e| JailError::Spawn(e.into()))?;
+        for fd in [&stdin_w, &stdout_r, &stderr_r] {
+            set_nonblocking(fd.as_fd()).map_err(|e| JailError::Spawn(e.into()))?;
+        }
+        self.cgroup.reset_peak();
+        let cpu0 = self.cgroup.cpu_time();
+        let oom0 = self.cgroup.oom_kills();
+        let pids0 = self.cgroup.pids_refusals();
+        let start = Instant::now();
+        {
+            let mut fds = vec![stdin_r.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()];
+            if let Some(program) = &program {
+                fds.push(program.as_fd());
+            }
+            proto::send(self.ctl.as_fd(), &HostFrame::Exec(exec.clone()), &fds)?;
+        }
+        drop((stdin_r, stdout_w, stderr_w, program));
+
+        let mut pump = Pump {
+            stdin: if io.stdin.is_empty() { None } else { Some(stdin_w) },
+            stdin_data: io.stdin,
+            stdout: Some(stdout_r),
+            stderr: Some(stderr_r),
+        };
+        let mut exit: Option<JobEnd> = None;
+        let mut stopped: Option<JobEnd> = None;
+        let mut killed_at: Option<Instant> = None;
+        let mut ctl_open = true;
+        let mut exited_at = None;
+        loop {
+            if exit.is_some() || !ctl_open {
+                if !self.ended {
+                    // A session: the job is over; its background processes may hold the pipes open.
+                    pump.drain_available(io);
+                    break;
+                }
+                // The namespace is going away: the pipes reach end of file once its last process is gone.
+                let since = exited_at.or(killed_at).unwrap_or(start);
+                if pump.drained() || since.elapsed() > DRAIN_TIMEOUT {
+                    break;
+                }
+            }
+            if killed_at.is_some_and(|t| t.elapsed() > DRAIN_TIMEOUT) {
+                break;
+            }
+            let now = Instant::now();
+            let deadline = start + watch.wall;
+            let mut timeout = WATCH_INTERVAL;
+            if stopped.is_none() && deadline > now {
+                timeout = timeout.min(deadline - now);
+            }
+            let ready = pump.poll(if ctl_open { Some(self.ctl.as_fd()) } else { None }, timeout);
+            if ready.ctl {
+                match proto::recv::<JailFrame>(self.ctl.as_fd()) {
+                    Ok(Some((JailFrame::Started { .. }, _))) => {}
+                    Ok(Some((JailFrame::Exited { code, signal }, _))) => {
+                        exited_at = Some(Instant::now());
+                        exit = Some(match (code, signal) {
+                            (Some(code), _) => JobEnd::Exited(code),
+                            (None, Some(signal)) => JobEnd::Signaled(signal),
+                            (None, None) => JobEnd::JailLost,
+                        });
+                        if self.one_shot {
+                            self.ended = true;
+                        }
+                    }
+                    Ok(Some((JailFrame::ExecFailed { stage, errno, message }, _))) => {
+                        return Err(JailError::NotStarted { stage, errno, message });
+                    }
+                    Ok(Some((other, _))) => {
+                        return Err(JailError::Protocol(format!("unexpected {other:?} during a job")));
+                    }
+                    Ok(None) | Err(_) => {
+                        ctl_open = false;
+                        self.ended = true;
+                        exited_at.get_or_insert_with(Instant::now);
+                    }
+                }
+            }
+            pump.transfer(&ready, io);
+            if stopped.is_none() && exit.is_none() && ctl_open {
+                let reason = if watch.cancel.as_ref().is_some_and(CancelToken::is_cancelled) {
+                    Some(JobEnd::Cancelled)
+                } else if self.cgroup.oom_kills() > oom0 {
+                    Some(JobEnd::Limit(LimitKind::Memory))
+                } else if self.cgroup.pids_refusals() > pids0 {
+                    Some(JobEnd::Limit(LimitKind::Pids))
+                } else if start.elapsed() >= watch.wall {
+                    Some(JobEnd::Limit(LimitKind::Wall))
+                } else if self.cgroup.cpu_time().saturating_sub(cpu0) > watch.cpu {
+                    Some(JobEnd::Limit(LimitKind::Cpu))
+                } else {
+                    None
+                };
+                if let Some(reason) = reason {
+                    stopped = Some(reason);
+                    killed_at = Some(Instant::now());
+                    self.kill_job();
+                }
+            }
+        }
+        let end_time = exited_at.unwrap_or_else(Instant::now);
+        // An OOM kill seen only once the job is over still explains its end.
+        let end = match (stopped, exit) {
+            (Some(reason), _) => reason,
+            (None, Some(JobEnd::Signaled(_))) if self.cgroup.oom_kills() > oom0 => JobEnd::Limit(LimitKind::Memory),
+            (None, Some(JobEnd::Signaled(_))) if self.cgroup.cpu_time().saturating_sub(cpu0) > watch.cpu => {
+                JobEnd::Limit(LimitKind::Cpu)
+            }
+            (None, Some(end)) => end,
+            (None, None) => JobEnd::JailLost,
+        };
+        Ok(JobReport {
+            end,
+            wall: end_time.duration_since(start),
+            cpu: self.cgroup.cpu_time().saturating_sub(cpu0),
+            peak_memory: self.cgroup.peak_memory(),
+        })
+    }
+
+    /// Stops the running job: a one-shot jail is ended whole (PID 1 killed, so the kernel kills its namespace);
+    /// a session's PID 1 kills every other process in it and stays.
+    fn kill_job(&mut self) {
+        if self.one_shot || proto::send(self.ctl.as_fd(), &HostFrame::Kill, &[]).is_err() {
+            self.kill_pid1();
+        }
+    }
+
+    /// Kills PID 1, and with it every process of the jail's PID namespace.
+    fn kill_pid1(&mut self) {
+        if let Some(pidfd) = &self.pidfd {
+            signal_pidfd(pidfd, Signal::SIGKILL);
+        }
+        self.ended = true;
+    }
+
+    /// Writes a file in the jail (parents created), replacing any file there.
+    pub fn write_file(&mut self, path: &str, contents: &[u8], mode: u32) -> Result<(), JailError> {
+        if self.ended {
+            return Err(JailError::Ended);
+        }
+        let fd = memfd_create("strata-file", MFdFlags::MFD_CLOEXEC).map_err(|e| JailError::Spawn(e.into()))?;
+        let mut file = File::from(fd);
+        file.write_all(contents).map_err(JailError::Spawn)?;
+        proto::send(self.ctl.as_fd(), &HostFrame::WriteFile { path: path.to_owned(), mode }, &[file.as_fd()])?;
+        match self.reply()? {
+            (JailFrame::FileWritten, _) => Ok(()),
+            (JailFrame::FileError { errno, message }, _) => Err(JailError::File { errno, message }),
+            (other, _) => Err(JailError::Protocol(format!("unexpected {other:?} for WriteFile"))),
+        }
+    }
+
+    /// Reads a regular file of the jail, at most `max` bytes (more is an `EFBIG` error).
+    pub fn read_file(&mut self, path: &str, max: u64) -> Result<Vec<u8>, JailError> {
+        if self.ended {
+            return Err(JailError::Ended);
+        }
+        proto::send(self.ctl.as_fd(), &HostFrame::ReadFile { path: path.to_owned() }, &[])?;
+        match self.reply()? {
+            (JailFrame::FileOpened { .. }, mut fds) if fds.len() == 1 => {
+                let file = File::from(fds.pop().expect("one descriptor"));
+                let mut contents = Vec::new();
+                (&file).take(max.saturating_add(1)).read_to_end(&mut contents).map_err(|e| JailError::File {
+                    errno: e.raw_os_error().unwrap_or(0),
+                    message: format!("{path}: {e}"),
+                })?;
+                if contents.len() as u64 > max {
+                    return Err(JailError::File {
+                        errno: libc::EFBIG,
+                        message: format!("{path} is larger than {max} bytes"),
+                    });
+                }
+                Ok(contents)
+            }
+            (JailFrame::FileError { errno, message }, _) => Err(JailError::File { errno, message }),
+            (other, _) => Err(JailError::Protocol(format!("unexpected {other:?} for ReadFile"))),
+        }
+    }
+
+    fn reply(&mut self) -> Result<(JailFrame, Vec<OwnedFd>), JailError> {
+        if !wait_readable(self.ctl.as_fd(), SETUP_TIMEOUT) {
+            return Err(JailError::Protocol("no reply from the jail".into()));
+        }
+        match proto::recv::<JailFrame>(self.ctl.as_fd())? {
+            Some(reply) => Ok(reply),
+            None => {
+                self.ended = true;
+                Err(JailError::Ended)
+            }
+        }
+    }
+
+    /// Ends the jail and releases everything it holds (also done on drop).
+    pub fn close(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        if let Some(pidfd) = &self.pidfd {
+            signal_pidfd(pidfd, Signal::SIGKILL);
+        }
+        if let Some(mut keeper) = self.keeper.take() {
+            // The keeper's death also kills PID 1 (its parent-death signal), should PID 1 not have reported yet.
+            let _ = keeper.kill();
+            let _ = keeper.wait();
+        }
+        self.ended = true;
+        self.cgroup.kill_all();
+        self.cgroup.remove();
+    }
+}
+
+impl Drop for Jail {
+    fn drop(&mut self) {
+        if self.keeper.is_some() {
+            self.shutdown();
+        }
+    }
+}
+
+/// In the forked child: makes the control socket fd 3, without close-on-exec.
+fn install_control_fd(fd: RawFd) -> std::io::Result<()> {
+    let target = proto::CONTROL_FD;
+    if fd == target {
+        // SAFETY: fcntl F_SETFD on a descriptor this process owns; async-signal-safe.
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    // SAFETY: dup2 onto fd 3 in the child before exec; async-signal-safe; the new descriptor lacks CLOEXEC.
+    } else if unsafe { libc::dup2(fd, target) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn pidfd_open(pid: i32) -> Result<OwnedFd, Errno> {
+    // SAFETY: pidfd_open takes a PID and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as RawFd) })
+}
+
+fn signal_pidfd(pidfd: &OwnedFd, signal: Signal) {
+    // SAFETY: pidfd_send_signal on a pidfd we own, with no siginfo.
+    unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), signal as i32, std::ptr::null::<u8>(), 0) };
+}
+
+fn set_nonblocking(fd: BorrowedFd<'_>) -> Result<(), Errno> {
+    let flags = OFlag::from_bits_truncate(fcntl(fd, FcntlArg::F_GETFL)?);
+    fcntl(fd, FcntlArg::F_SETFL(flags | OFlag::O_NONBLOCK)).map(drop)
+}
+
+fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+        match poll(&mut fds, poll_timeout(left)) {
+            Ok(0) => return false,
+            Ok(_) => return true,
+            Err(Errno::EINTR) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+fn poll_timeout(d: Duration) -> PollTimeout {
+    PollTimeout::try_from(d.as_millis().min(60_000) as i32).unwrap_or(PollTimeout::MAX)
+}
+
+/// The host ends of a job's pipes.
+struct Pump<'a> {
+    stdin: Option<OwnedFd>,
+    stdin_data: &'a [u8],
+    stdout: Option<OwnedFd>,
+    stderr: Option<OwnedFd>,
+}
+
+#[derive(Default)]
+struct Ready {
+    ctl: bool,
+    stdin: bool,
+    stdout: bool,
+    stderr: bool,
+}
+
+impl Pump<'_> {
+    fn drained(&self) -> bool {
+        self.stdout.is_none() && self.stderr.is_none()
+    }
+
+    fn poll(&self, ctl: Option<BorrowedFd<'_>>, timeout: Duration) -> Ready {
+        let mut fds = Vec::with_capacity(4);
+        let mut slots = [usize::MAX; 4];
+        if let Some(ctl) = ctl {
+            slots[0] = fds.len();
+            fds.push(PollFd::new(ctl, PollFlags::POLLIN));
+        }
+        if let Some(fd) = &self.stdin {
+            slots[1] = fds.len();
+            fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLOUT));
+        }
+        if let Some(fd) = &self.stdout {
+            slots[2] = fds.len();
+            fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
+        }
+        if let Some(fd) = &self.stderr {
+            slots[3] = fds.len();
+            fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
+        }
+        let mut timeout = timeout;
+        if timeout.is_zero() {
+            timeout = Duration::from_millis(1);
+        }
+        if poll(&mut fds, poll_timeout(timeout)).is_err() {
+            return Ready::default();
+        }
+        let hit = |slot: usize| slot != usize::MAX && fds[slot].revents().is_some_and(|r| !r.is_empty());
+        Ready { ctl: hit(slots[0]), stdin: hit(slots[1]), stdout: hit(slots[2]), stderr: hit(slots[3]) }
+    }
+
+    fn transfer(&mut self, ready: &Ready, io: &JobIo<'_>) {
+        if ready.stdin {
+            self.feed();
+        }
+        if ready.stdout {
+            read_into(&mut self.stdout, io.stdout, false);
+        }
+        if ready.stderr {
+            read_into(&mut self.stderr, io.stderr, false);
+        }
+    }
+
+    fn feed(&mut self) {
+        let Some(fd) = &self.stdin else { return };
+        match nix::unistd::write(fd, self.stdin_data) {
+            Ok(n) => {
+                self.stdin_data = &self.stdin_data[n..];
+                if self.stdin_data.is_empty() {
+                    self.stdin = None;
+                }
+            }
+            Err(Errno::EAGAIN | Errno::EINTR) => {}
+            // EPIPE: the job closed stdin or exited; the rest is not wanted.
+            Err(_) => self.stdin = None,
+        }
+    }
+
+    /// Reads whatever the pipes hold now, without waiting for their writers (a session's background processes
+    /// may keep them open).
+    fn drain_available(&mut self, io: &JobIo<'_>) {
+        read_into(&mut self.stdout, io.stdout, true);
+        read_into(&mut self.stderr, io.stderr, true);
+        self.stdout = None;
+        self.stderr = None;
+    }
+}
+
+/// Reads from a pipe into a capture: one buffer's worth, or everything available when `all`. Closes the pipe at
+/// end of file.
+fn read_into(pipe: &mut Option<OwnedFd>, capture: &OutputCapture, all: bool) {
+    let mut buf = [0u8; 64 * 1024];
+    while let Some(fd) = pipe {
+        match nix::unistd::read(fd.as_fd(), &mut buf) {
+            Ok(0) => *pipe = None,
+            Ok(n) => {
+                capture.write(&buf[..n]);
+                if !all && n < buf.len() {
+                    return;
+                }
+            }
+            Err(Errno::EINTR) => {}
+            Err(Errno::EAGAIN) => return,
+            Err(_) => *pipe = None,
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! Strata's process tier: Linux programs — a host ELF file, a command of the Debian image, the image's CPython —
+//! in a jail built from the primitives containers and Firecracker's jailer use.
+//!
+//! Each sandbox is a [`jail::Jail`]: new mount, PID, network, IPC, UTS and cgroup namespaces; an overlayfs whose
+//! read-only lower layer is the Debian rootfs (`strata images build debian`) and whose upper layer is a tmpfs
+//! private to the jail (sized by `Limits::disk`); a private `/proc` with the kernel's knobs read-only, a minimal
+//! `/dev`; grants bind-mounted at their guest paths (read-only ones remounted read-only); loopback only. Jobs run as
+//! root *of the jail* with every capability dropped for good (bounding set, securebits locked), `no_new_privs`, a
+//! seccomp allowlist, and rlimits; the jail's cgroup limits memory (no swap), processes and CPU bandwidth.
+//!
+//! Limits and usage, per DESIGN §3: wall by killing the job (a one-shot jail's PID 1, and with it its whole PID
+//! namespace); CPU time from the cgroup, checked every 10 ms; memory from the cgroup's OOM kills
+//! (`limit_exceeded`/`memory`); a fork refused by the pids limit stops the job (`limit_exceeded`/`pids`); output
+//! capped per stream; peak memory from the cgroup.
+//!
+//! Jobs run on the caller's thread, which blocks until the job ends. The tier needs root (mounts, namespaces,
+//! cgroups); [`ProcessTier::new`] says so in a typed error otherwise.
+
+#![warn(missing_docs)]
+
+pub mod jail;
+mod sandbox;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use strata_core::{
+    Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox, Status, Stream,
+    Tier, TierError, TierKind, Truncated, Usage,
+};
+use strata_jail::proto::{Bind, Exec};
+use strata_wasi_shims::OutputCapture;
+
+pub use sandbox::ProcessSandbox;
+
+use crate::jail::{CgroupLimits, CgroupRoot, Jail, JailConfig, JailError, JobEnd, JobIo, JobReport, JobWatch};
+
+/// Where programs and scripts from the host are copied in the jail.
+pub const PROGRAM_DIR: &str = "/run/strata";
+
+/// The environment every job starts from, before the capabilities' env and secrets.
+const BASE_ENV: &[(&str, &str)] =
+    &[("PATH", strata_jail::init::DEFAULT_PATH), ("HOME", "/root"), ("LANG", "C.UTF-8"), ("HOSTNAME", "strata")];
+
+/// A job's working directory.
+const WORKDIR: &str = "/root";
+
+/// Processes of the jail itself (the keeper and PID 1), added to the job's pids limit.
+const JAIL_PROCESSES: u64 = 2;
+
+/// Settings of the process tier.
+#[derive(Debug, Clone)]
+pub struct ProcessTierConfig {
+    /// The root filesystem tree, the jail's read-only lower layer.
+    pub rootfs: PathBuf,
+    /// A directory of Strata's own (under `$STRATA_HOME/run`) over which jails mount their private tmpfs.
+    pub run_dir: PathBuf,
+}
+
+/// The process tier.
+#[derive(Debug)]
+pub struct ProcessTier {
+    config: ProcessTierConfig,
+    cgroups: CgroupRoot,
+}
+
+impl ProcessTier {
+    /// Checks the host (root, cgroups, the root filesystem), removes what killed engines left behind, and
+    /// returns the tier.
+    pub fn new(config: ProcessTierConfig) -> Result<ProcessTier, TierError> {
+        if !nix::unistd::geteuid().is_root() {
+            return Err(unsupported("running without root: the jail needs mount, namespace and cgroup privileges"));
+        }
+        let rootfs = config.rootfs.canonicalize().map_err(|source| TierError::Storage {
+            what: "process tier root filesystem",
+            path: config.rootfs.clone(),
+            source,
+        })?;
+        for reserved in [',', ':'] {
+            if rootfs.to_string_lossy().contains(reserved) {
+                return Err(unsupported(&format!(
+                    "a root filesystem path containing {reserved:?} ({}); overlayfs cannot name it",
+                    rootfs.display()
+                )));
+            }
+        }
+        std::fs::create_dir_all(&config.run_dir).map_err(|source| TierError::Storage {
+            what: "process tier run directory",
+            path: config.run_dir.clone(),
+            source,
+        })?;
+        let cgroups = CgroupRoot::detect().map_err(|e| unsupported(&e.to_string()))?;
+        let stale = cgroups.remove_stale();
+        if stale > 0 {
+            log::info!("removed {stale} cgroups left by engines that were killed");
+        }
+        log::debug!("process tier: {}", cgroups.describe());
+        Ok(ProcessTier { config: ProcessTierConfig { rootfs, run_dir: config.run_dir }, cgroups })
+    }
+
+    /// Which cgroup hierarchy jails use, for `strata doctor` and logs.
+    pub fn cgroups(&self) -> &CgroupRoot {
+        &self.cgroups
+    }
+
+    fn jail_config(&self, caps: &Capabilities, limits: &Limits, one_shot: bool) -> Result<JailConfig, TierError> {
+        if let Net::Allow(_) = caps.net {
+            return Err(unsupported("network egress (the egress proxy is not built yet)"));
+        }
+        if !caps.tools.is_empty() {
+            return Err(unsupported("host tools"));
+        }
+        caps.validate()?;
+        let mut binds = Vec::new();
+        for grant in &caps.grants {
+            let host =
+                grant.host.canonicalize().map_err(|_| strata_core::CapsError::GrantNotFound(grant.host.clone()))?;
+            if grant.guest == "/" || is_reserved_guest_path(&grant.guest) {
+                return Err(TierError::GuestPath {
+                    path: grant.guest.clone(),
+                    reason: "is reserved by the jail (/, /proc, /dev, /run/strata)".into(),
+                });
+            }
+            binds.push(Bind { host, guest: grant.guest.clone(), read_only: grant.mode == GrantMode::Ro });
+        }
+        Ok(JailConfig {
+            lower: self.config.rootfs.clone(),
+            scratch_mount: self.config.run_dir.clone(),
+            scratch_bytes: limits.disk.0,
+            binds,
+            hostname: "strata".into(),
+            one_shot,
+            limits: CgroupLimits {
+                memory: limits.memory.0,
+                pids: u64::from(limits.pids) + JAIL_PROCESSES,
+                cpus: limits.vcpus,
+            },
+        })
+    }
+
+    fn start_jail(&self, caps: &Capabilities, limits: &Limits, one_shot: bool) -> Result<Jail, TierError> {
+        let config = self.jail_config(caps, limits, one_shot)?;
+        Jail::start(&self.cgroups, &config).map_err(jail_error)
+    }
+}
+
+fn is_reserved_guest_path(guest: &str) -> bool {
+    ["/proc", "/dev", PROGRAM_DIR].iter().any(|r| guest == *r || guest.starts_with(&format!("{r}/")))
+}
+
+fn unsupported(what: &str) -> TierError {
+    TierError::Unsupported { tier: TierKind::Process, what: what.to_owned() }
+}
+
+fn internal(message: impl std::fmt::Display) -> TierError {
+    TierError::Internal { tier: TierKind::Process, message: message.to_string() }
+}
+
+/// Maps a jail failure to the tier's error.
+fn jail_error(err: JailError) -> TierError {
+    match err {
+        JailError::NotStarted { stage, errno, message } if stage == "lookup" || errno == libc::ENOENT => {
+            TierError::ProgramNotFound { program: message }
+        }
+        JailError::NotStarted { message, .. } => TierError::ExecFailed { message },
+        JailError::Ended => TierError::SessionEnded { reason: "the jail has ended".into() },
+        other => internal(other),
+    }
+}
+
+impl Tier for ProcessTier {
+    fn kind(&self) -> TierKind {
+        TierKind::Process
+    }
+
+    fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
+        let limits = opts.limits.as_ref().unwrap_or(limits);
+        let prepared = PreparedJob::new(job, caps, limits)?;
+        let mut jail = self.start_jail(caps, limits, true)?;
+        let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
+        let outcome = run_in(&mut jail, prepared, caps, limits, stdin, opts.sink.clone(), &opts);
+        jail.close();
+        outcome
+    }
+
+    fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
+        let jail = self.start_jail(caps, limits, false)?;
+        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone())))
+    }
+}
+
+/// A job translated for the jail.
+struct PreparedJob {
+    exec: Exec,
+    program: Option<File>,
+}
+
+impl PreparedJob {
+    fn new(job: &Job, caps: &Capabilities, limits: &Limits) -> Result<PreparedJob, TierError> {
+        let (argv, program_copy, program) = match job {
+            Job::Command { argv } => {
+                if argv.is_empty() || argv[0].is_empty() {
+                    return Err(TierError::WrongFormat { what: "the command".into(), expected: "a non-empty argv" });
+                }
+                (argv.clone(), None, None)
+            }
+            Job::Native { program, args } => {
+                let (file, guest) = open_host_file(program, "bin")?;
+                let mut argv = vec![guest.clone()];
+                argv.extend(args.iter().cloned());
+                (argv, Some(guest), Some(file))
+            }
+            Job::Python { source, args } => {
+                let mut argv = vec!["python3".to_owned()];
+                let mut copy = None;
+                let mut file = None;
+                match source {
+                    PythonSource::Code(code) => argv.extend(["-c".to_owned(), code.clone()]),
+                    PythonSource::Module(module) => argv.extend(["-m".to_owned(), module.clone()]),
+                    PythonSource::File(path) => {
+                        let (opened, guest) = open_host_file(path, "scripts")?;
+                        argv.push(guest.clone());
+                        copy = Some(guest);
+                        file = Some(opened);
+                    }
+                }
+                argv.extend(args.iter().cloned());
+                (argv, copy, file)
+            }
+            Job::Wasm { .. } => return Err(TierError::WrongJob { tier: TierKind::Process, job: job.kind() }),
+        };
+        let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        for var in caps.guest_env() {
+            env.retain(|(k, _)| *k != var.name);
+            env.push((var.name.clone(), var.value.clone()));
+        }
+        let cpu_seconds = limits.cpu.as_secs().saturating_add(u64::from(limits.cpu.subsec_nanos() > 0)).max(1);
+        let exec = Exec {
+            argv,
+            env,
+            cwd: WORKDIR.into(),
+            program_copy,
+            nofile: u64::from(limits.files).max(16),
+            // The cgroup's CPU accounting stops the job; RLIMIT_CPU is a per-process backstop a second later.
+            cpu_seconds: cpu_seconds.saturating_add(1),
+        };
+        Ok(PreparedJob { exec, program })
+    }
+}
+
+/// Opens a host file for copying into the jail at `/run/strata/<dir>/<name>`.
+fn open_host_file(path: &Path, dir: &str) -> Result<(File, String), TierError> {
+    let file = File::open(path).map_err(|source| TierError::ReadInput { path: path.to_owned(), source })?;
+    let meta = file.metadata().map_err(|source| TierError::ReadInput { path: path.to_owned(), source })?;
+    if !meta.is_file() {
+        return Err(TierError::WrongFormat { what: path.display().to_string(), expected: "a regular file" });
+    }
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().replace(['/', '\0'], "_"))
+        .filter(|n| !n.is_empty() && n != "." && n != "..")
+        .unwrap_or_else(|| "program".into());
+    Ok((file, format!("{PROGRAM_DIR}/{dir}/{name}")))
+}
+
+/// Runs a prepared job in a jail and assembles its outcome.
+fn run_in(
+    jail: &mut Jail,
+    job: PreparedJob,
+    caps: &Capabilities,
+    limits: &Limits,
+    stdin: &[u8],
+    sink: Option<Arc<dyn OutputSink>>,
+    opts: &ExecOptions,
+) -> Result<Outcome, TierError> {
+    let secrets = caps.secret_values();
+    let stdout = OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), sink.clone());
+    let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, sink);
+    let io = JobIo { stdin, stdout: &stdout, stderr: &stderr };
+    let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
+    let report = jail.exec(&job.exec, job.program, &io, &watch).map_err(jail_error)?;
+    outcome(report, &stdout, &stderr)
+}
+
+fn outcome(report: JobReport, stdout: &OutputCapture, stderr: &OutputCapture) -> Result<Outcome, TierError> {
+    let status = match report.end {
+        JobEnd::Exited(code) => Status::Exited { code },
+        JobEnd::Signaled(signal) => {
+            Status::Trapped { message: format!("killed by signal {signal} ({})", signal_name(signal)) }
+        }
+        JobEnd::Limit(limit) => Status::LimitExceeded { limit },
+        JobEnd::Cancelled => return Err(TierError::Cancelled),
+        JobEnd::JailLost => Status::Crashed { message: "the jail's init process died".into() },
+    };
+    let (out, err) = (stdout.finish(), stderr.finish());
+    Ok(Outcome {
+        tier: TierKind::Process,
+        status,
+        truncated: Truncated { stdout: out.truncated, stderr: err.truncated },
+        usage: Usage {
+            wall: report.wall,
+            cpu: report.cpu,
+            fuel: None,
+            peak_memory: report.peak_memory,
+            stdout_bytes: out.written,
+            stderr_bytes: err.written,
+        },
+        stdout: out.bytes,
+        stderr: err.bytes,
+        escalations: Vec::new(),
+        tools: Vec::new(),
+    })
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    nix::sys::signal::Signal::try_from(signal).map(|s| s.as_str()).unwrap_or("unknown")
+}

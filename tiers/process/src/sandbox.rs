@@ -1,0 +1,76 @@
+//! A live jail that runs several jobs in turn: its filesystem (the overlay's upper layer) persists between them.
+
+use strata_core::{Capabilities, ExecOptions, Job, Limits, Outcome, Sandbox, TierError, TierKind};
+
+use crate::jail::{Jail, JailError};
+use crate::{PreparedJob, jail_error, run_in};
+
+/// The most `read_file` returns.
+const MAX_READ: u64 = 256 * 1024 * 1024;
+
+/// A process-tier sandbox (from [`ProcessTier::start`](crate::ProcessTier)).
+#[derive(Debug)]
+pub struct ProcessSandbox {
+    jail: Option<Jail>,
+    caps: Capabilities,
+    limits: Limits,
+}
+
+impl ProcessSandbox {
+    pub(crate) fn new(jail: Jail, caps: Capabilities, limits: Limits) -> ProcessSandbox {
+        ProcessSandbox { jail: Some(jail), caps, limits }
+    }
+
+    fn jail(&mut self) -> Result<&mut Jail, TierError> {
+        match &mut self.jail {
+            Some(jail) if !jail.has_ended() => Ok(jail),
+            _ => Err(TierError::SessionEnded { reason: "the sandbox's jail has ended".into() }),
+        }
+    }
+}
+
+fn guest_path(path: &str) -> Result<&str, TierError> {
+    if !path.starts_with('/') || path.split('/').any(|c| c == "..") || path.contains('\0') {
+        return Err(TierError::GuestPath { path: path.to_owned(), reason: "must be absolute, without `..`".into() });
+    }
+    Ok(path)
+}
+
+fn file_error(path: &str, err: JailError) -> TierError {
+    match err {
+        JailError::File { message, .. } => TierError::GuestPath { path: path.to_owned(), reason: message },
+        other => jail_error(other),
+    }
+}
+
+impl Sandbox for ProcessSandbox {
+    fn tier(&self) -> TierKind {
+        TierKind::Process
+    }
+
+    fn exec(&mut self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
+        let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
+        let prepared = PreparedJob::new(job, &self.caps, &limits)?;
+        let stdin = opts.stdin.clone().unwrap_or_else(|| self.caps.stdin.clone());
+        let caps = self.caps.clone();
+        let jail = self.jail()?;
+        run_in(jail, prepared, &caps, &limits, &stdin, opts.sink.clone(), &opts)
+    }
+
+    fn write_file(&mut self, path: &str, contents: &[u8]) -> Result<(), TierError> {
+        let path = guest_path(path)?;
+        self.jail()?.write_file(path, contents, 0o644).map_err(|e| file_error(path, e))
+    }
+
+    fn read_file(&mut self, path: &str) -> Result<Vec<u8>, TierError> {
+        let path = guest_path(path)?;
+        self.jail()?.read_file(path, MAX_READ).map_err(|e| file_error(path, e))
+    }
+
+    fn close(mut self: Box<Self>) -> Result<(), TierError> {
+        if let Some(jail) = self.jail.take() {
+            jail.close();
+        }
+        Ok(())
+    }
+}
