@@ -13,8 +13,9 @@
 //!
 //! [`Engine::run`] routes each job to a tier ([`TierChoice::Auto`] picks the cheapest that can run it) and
 //! returns its [`Outcome`]; [`Engine::start`] opens a [`Sandbox`] that runs several jobs in turn (for Python,
-//! turns of one live interpreter). Today the wasm tier is built, running WebAssembly and Python; asking for the
-//! process or microVM tier is a typed [`EngineError::TierUnavailable`].
+//! turns of one live interpreter). Two tiers are built: wasm (WebAssembly and Python) and process (Linux programs
+//! and the Debian image's CPython in a jail); asking for the microVM tier is a typed
+//! [`EngineError::TierUnavailable`].
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -25,13 +26,15 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use strata_core::{
     Capabilities, ExecOptions, Job, JobKind, Limits, Outcome, PythonSource, Sandbox, Tier, TierError, TierKind,
     ToolRegistry,
 };
 use strata_python_image::PythonImage;
+use strata_rootfs_image::DebianImage;
+use strata_tier_process::{ProcessTier, ProcessTierConfig};
 use strata_tier_wasm::{PythonArtifacts, PythonProvider, WasmTier, WasmTierConfig};
 
 pub use policy::{Policy, PolicyError};
@@ -83,7 +86,7 @@ pub enum EngineError {
         /// The tier.
         tier: TierKind,
         /// Why.
-        reason: &'static str,
+        reason: String,
     },
     /// No available tier runs this kind of job.
     #[error("no available tier runs {0} jobs yet")]
@@ -210,6 +213,8 @@ pub fn job_for_file(path: &Path, args: Vec<String>) -> Result<Job, EngineError> 
 pub struct Engine {
     config: EngineConfig,
     wasm: WasmTier,
+    /// Started on first use: it checks the host and needs the Debian image.
+    process: OnceLock<Result<ProcessTier, String>>,
     tools: ToolRegistry,
 }
 
@@ -231,7 +236,7 @@ impl Engine {
             python,
             tools: tools.clone(),
         });
-        Ok(Engine { config, wasm, tools })
+        Ok(Engine { config, wasm, process: OnceLock::new(), tools })
     }
 
     /// The host tools jobs may call (`Capabilities::tools` picks them by name). Register tools here.
@@ -243,6 +248,25 @@ impl Engine {
     pub fn python_image(&self) -> Result<PythonImage, EngineError> {
         let home = self.config.home.as_ref().ok_or(EngineError::NoHome("the Python runtime"))?;
         PythonImage::new(home).map_err(|e| EngineError::Image(e.to_string()))
+    }
+
+    /// The Debian image (the process tier's root filesystem) under this engine's home.
+    pub fn debian_image(&self) -> Result<DebianImage, EngineError> {
+        let home = self.config.home.as_ref().ok_or(EngineError::NoHome("the Debian image"))?;
+        DebianImage::new(home).map_err(|e| EngineError::Image(e.to_string()))
+    }
+
+    /// The process tier, started on first use: it checks the host (root, cgroups) and builds the Debian image
+    /// when it is missing (minutes, once; progress lines through `log`).
+    pub fn process(&self) -> Result<&ProcessTier, EngineError> {
+        let tier = self.process.get_or_init(|| {
+            let home = self.config.home.as_ref().ok_or("no STRATA_HOME (nor HOME) to keep the Debian image in")?;
+            let image = DebianImage::new(home).map_err(|e| e.to_string())?;
+            let (installed, _) = image.ensure(&|line| log::info!("debian image: {line}")).map_err(|e| e.to_string())?;
+            ProcessTier::new(ProcessTierConfig { rootfs: installed.rootfs, run_dir: home.join("run/jail") })
+                .map_err(|e| e.to_string())
+        });
+        tier.as_ref().map_err(|reason| EngineError::TierUnavailable { tier: TierKind::Process, reason: reason.clone() })
     }
 
     /// The policy's limits, for jobs that do not bring their own.
@@ -266,7 +290,8 @@ impl Engine {
             TierChoice::Tier(tier) => tier,
             TierChoice::Auto => match job.kind() {
                 JobKind::Wasm | JobKind::Python => TierKind::Wasm,
-                kind => return Err(EngineError::NoTierFor(kind)),
+                // The microVM tier is not built yet: native code goes to the jail.
+                JobKind::Native | JobKind::Command => TierKind::Process,
             },
         };
         self.tier(tier)
@@ -275,8 +300,10 @@ impl Engine {
     fn tier(&self, tier: TierKind) -> Result<&dyn Tier, EngineError> {
         match tier {
             TierKind::Wasm => Ok(&self.wasm),
-            TierKind::Process => Err(EngineError::TierUnavailable { tier, reason: "not part of this build yet" }),
-            TierKind::Microvm => Err(EngineError::TierUnavailable { tier, reason: "not part of this build yet" }),
+            TierKind::Process => Ok(self.process()?),
+            TierKind::Microvm => {
+                Err(EngineError::TierUnavailable { tier, reason: "not part of this build yet".into() })
+            }
         }
     }
 

@@ -21,8 +21,9 @@ const MAX_STDIN: u64 = 64 << 20;
 
 #[derive(Args)]
 pub(crate) struct RunArgs {
-    /// The program: a WebAssembly module (WASI preview1 command) or a Python script (.py).
-    #[arg(value_name = "FILE", required_unless_present_any = ["code", "module"])]
+    /// The program: a WebAssembly module (WASI preview1 command), a Python script (.py) or a Linux executable.
+    /// Without FILE, the arguments after `--` are a command of the guest image (`--tier process -- ls /`).
+    #[arg(value_name = "FILE")]
     file: Option<PathBuf>,
 
     /// Run Python (with FILE: treat it as a Python script whatever its name).
@@ -37,7 +38,7 @@ pub(crate) struct RunArgs {
     #[arg(short = 'm', value_name = "MODULE", conflicts_with_all = ["file"])]
     module: Option<String>,
 
-    /// Arguments passed to the program (after `--`).
+    /// Arguments passed to the program, or the command itself when there is no FILE (after `--`).
     #[arg(last = true, value_name = "ARGS")]
     args: Vec<String>,
 
@@ -64,6 +65,14 @@ pub(crate) struct RunArgs {
     /// Captured output per stream; beyond it output is counted and dropped, e.g. 1MiB.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     output_limit: Option<ByteSize>,
+
+    /// Processes and threads the job may have at once (process and microVM tiers).
+    #[arg(long, value_name = "N")]
+    pids: Option<u32>,
+
+    /// Scratch disk the job may write, e.g. 256MiB (the jail's writable layer).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    disk: Option<ByteSize>,
 
     /// Grant a host directory at a guest path; read-only unless `:rw` (repeatable).
     #[arg(long = "dir", value_name = "HOST:GUEST[:ro|:rw]", value_parser = parse_grant)]
@@ -176,6 +185,8 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
         fuel: args.fuel,
         memory: args.memory,
         output: args.output_limit,
+        pids: args.pids,
+        disk: args.disk,
         ..LimitsOverride::default()
     };
     let limits = flags.apply(&policy.limits);
@@ -194,7 +205,13 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
         (None, Some(module), _) => Job::Python { source: PythonSource::Module(module), args: args.args },
         (None, None, Some(file)) if args.python => Job::Python { source: PythonSource::File(file), args: args.args },
         (None, None, Some(file)) => strata_engine::job_for_file(&file, args.args)?,
-        (None, None, None) => return Err(Failure::new("usage", "nothing to run: give FILE, -c CODE or -m MODULE")),
+        (None, None, None) if args.python => {
+            return Err(Failure::new("usage", "--python needs FILE, -c CODE or -m MODULE"));
+        }
+        (None, None, None) if !args.args.is_empty() => Job::Command { argv: args.args },
+        (None, None, None) => {
+            return Err(Failure::new("usage", "nothing to run: give FILE, -c CODE, -m MODULE or `-- COMMAND ARGS...`"));
+        }
     };
 
     if args.json {
@@ -226,6 +243,9 @@ fn report(outcome: &Outcome, limits: &strata_core::Limits) {
                 strata_core::LimitKind::Cpu => format_duration(limits.cpu),
                 strata_core::LimitKind::Fuel => limits.fuel.to_string(),
                 strata_core::LimitKind::Memory => limits.memory.to_string(),
+                strata_core::LimitKind::Pids => limits.pids.to_string(),
+                strata_core::LimitKind::Disk => limits.disk.to_string(),
+                strata_core::LimitKind::Files => limits.files.to_string(),
                 _ => String::new(),
             };
             let _ = writeln!(err, "strata: {limit} limit exceeded ({value})");
