@@ -1,5 +1,6 @@
 //! Strata's integration tests: one binary, a module per area.
 
+mod native;
 mod python;
 mod python_image;
 mod util;

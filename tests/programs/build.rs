@@ -15,6 +15,7 @@ fn main() {
     println!("cargo:rerun-if-changed={}", guests.join("Cargo.toml").display());
     println!("cargo:rerun-if-changed={}", guests.join("src").display());
     println!("cargo:rerun-if-changed={}", wat_dir.display());
+    println!("cargo:rerun-if-changed={}", manifest_dir.join("native").display());
 
     let mut consts = String::new();
     for (name, path) in build_guests(&guests, &out_dir) {
@@ -25,6 +26,10 @@ fn main() {
         writeln!(consts, "/// `wat/{name}.wat`, assembled.").expect("fmt");
         writeln!(consts, "pub const {}_WAT: &str = {:?};", name.to_uppercase(), path.display()).expect("fmt");
     }
+    let native = build_native(&manifest_dir.join("native"), &out_dir);
+    writeln!(consts, "/// `native/hello.c`, a static x86_64 Linux executable (for the process and microVM tiers).")
+        .expect("fmt");
+    writeln!(consts, "pub const NATIVE_HELLO: &str = {:?};", native.display()).expect("fmt");
     let large = build_large(&out_dir);
     writeln!(consts, "/// A WASI command with a 5 MB data segment: big enough for compile progress messages.")
         .expect("fmt");
@@ -90,6 +95,25 @@ fn build_wat(wat_dir: &Path, out_dir: &Path) -> Vec<(String, PathBuf)> {
     }
     built.sort();
     built
+}
+
+/// Builds `native/hello.c` into a static executable with the host's C compiler (`$CC`, else `cc`).
+fn build_native(native_dir: &Path, out_dir: &Path) -> PathBuf {
+    let source = native_dir.join("hello.c");
+    let binary = out_dir.join("native-hello");
+    let cc = env::var_os("CC").unwrap_or_else(|| "cc".into());
+    let status = Command::new(&cc)
+        .args(["-static", "-O2", "-Wall", "-o"])
+        .arg(&binary)
+        .arg(&source)
+        .status()
+        .unwrap_or_else(|e| panic!("run the C compiler {cc:?}: {e}; install gcc and libc6-dev (tests/run does)"));
+    assert!(
+        status.success(),
+        "building {} failed ({status}); is libc6-dev (static libc.a) installed?",
+        source.display()
+    );
+    binary
 }
 
 /// A module whose size comes from one large data segment, generated rather than checked in.
