@@ -1,4 +1,5 @@
-//! No fd, thread or mapping leaks after 1,000 jobs. A binary of its own (no test harness), so nothing else
+//! No fd, thread or mapping leaks after 1,000 wasm and Python jobs; no fd, thread, child process, cgroup or
+//! mount leaks after 200 process-tier jobs and sessions. A binary of its own (no test harness), so nothing else
 //! runs in the process while it counts.
 
 use std::time::Instant;
@@ -113,6 +114,118 @@ fn main() -> anyhow::Result<()> {
     println!("{done} jobs in {:.2?}; before {before:?}, after {after:?}", started.elapsed());
     anyhow::ensure!(done >= 1000, "ran only {done} jobs");
     anyhow::ensure!(before == after, "resources leaked: before {before:?}, after {after:?}");
+    println!("leaks (wasm tier): ok");
+    process_tier(&engine, data.path())?;
     println!("leaks: ok");
+    Ok(())
+}
+
+/// What a process-tier job could leave behind on the host.
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+struct HostResources {
+    fds: usize,
+    threads: usize,
+    children: usize,
+    cgroups: usize,
+    mounts: usize,
+}
+
+/// Processes whose parent is this one (a jail's keeper while it runs).
+fn children() -> usize {
+    let me = std::process::id().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return 0 };
+    entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)) == Some(me.as_str()))
+        .count()
+}
+
+fn host_resources(engine: &Engine) -> anyhow::Result<HostResources> {
+    Ok(HostResources {
+        fds: count("/proc/self/fd"),
+        threads: count("/proc/self/task"),
+        children: children(),
+        cgroups: engine.process()?.cgroups().count(),
+        mounts: std::fs::read_to_string("/proc/self/mountinfo")?.lines().count(),
+    })
+}
+
+/// 200 jobs of every kind on the process tier (limits tripped among them), and sessions, leave nothing behind.
+fn process_tier(engine: &Engine, data: &std::path::Path) -> anyhow::Result<()> {
+    if let Err(err) = engine.process() {
+        println!("skip: process-tier leak check: the process tier cannot run on this host: {err}");
+        return Ok(());
+    }
+    let caps = Capabilities {
+        grants: vec![Grant::new(data, "/data", GrantMode::Rw)?],
+        stdin: b"input".to_vec(),
+        ..Capabilities::default()
+    };
+    let sh = |script: &str| Job::Command { argv: vec!["sh".into(), "-c".into(), script.into()] };
+    let tight: LimitsOverride = toml::from_str("wall = \"200ms\"\nmemory = \"48MiB\"\npids = 16")?;
+    let tight = tight.apply(&Limits::default());
+    let jobs: Vec<(Job, Limits, bool)> = vec![
+        (sh("cat; echo out; echo err >&2; ls /data > /dev/null"), Limits::default(), true),
+        (sh("sleep 5 & sleep 6 & exit 3"), Limits::default(), true),
+        (Job::Native { program: programs::NATIVE_HELLO.into(), args: vec!["x".into()] }, Limits::default(), true),
+        (python("print(open('/data/f.txt').read())"), Limits::default(), true),
+        (sh("sleep 30"), tight.clone(), false),
+        (python("x = bytearray(200 << 20)"), tight.clone(), false),
+        (Job::Command { argv: vec!["bash".into(), "-c".into(), ":(){ :|:& };:; sleep 5".into()] }, tight, false),
+        (Job::Command { argv: vec!["no-such-program".into()] }, Limits::default(), true),
+    ];
+    let run_all = |rounds: usize| -> anyhow::Result<usize> {
+        let mut done = 0;
+        for _ in 0..rounds {
+            for (job, limits, ok) in &jobs {
+                match engine.run_on(
+                    TierChoice::Tier(strata_core::TierKind::Process),
+                    job,
+                    &caps,
+                    limits,
+                    ExecOptions::default(),
+                ) {
+                    Ok(outcome) => {
+                        let limited = matches!(outcome.status, Status::LimitExceeded { .. });
+                        anyhow::ensure!(limited != *ok, "{job:?}: {outcome:?}");
+                    }
+                    Err(err) => anyhow::ensure!(err.code() == "program_not_found", "{job:?}: {err}"),
+                }
+                done += 1;
+            }
+        }
+        Ok(done)
+    };
+    let session_rounds = |count: usize| -> anyhow::Result<()> {
+        for i in 0..count {
+            let mut sandbox =
+                engine.start(TierChoice::Tier(strata_core::TierKind::Process), &caps, &Limits::default())?;
+            sandbox.write_file("/tmp/in", b"x")?;
+            for script in ["cat /tmp/in > /tmp/out", "sleep 9 &", "cat /tmp/out"] {
+                let outcome = sandbox.exec(&sh(script), ExecOptions::default())?;
+                anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
+            }
+            anyhow::ensure!(sandbox.read_file("/tmp/out")? == b"x");
+            if i % 2 == 0 {
+                sandbox.close()?;
+            }
+        }
+        Ok(())
+    };
+    run_all(1)?;
+    session_rounds(1)?;
+    let before = host_resources(engine)?;
+    let started = Instant::now();
+    let done = run_all(200usize.div_ceil(jobs.len()))?;
+    session_rounds(20)?;
+    let after = host_resources(engine)?;
+    println!(
+        "{done} process-tier jobs and 20 sessions in {:.2?}; before {before:?}, after {after:?}",
+        started.elapsed()
+    );
+    anyhow::ensure!(done >= 200, "ran only {done} jobs");
+    anyhow::ensure!(before == after, "process tier leaked: before {before:?}, after {after:?}");
     Ok(())
 }

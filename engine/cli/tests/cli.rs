@@ -273,3 +273,138 @@ fn python_usage_errors_exit_2() {
     assert_eq!(run.code, 2);
     assert!(run.stderr.contains("not a WebAssembly module (no \\0asm magic), a Python script"), "{}", run.stderr);
 }
+
+/// Whether the process tier runs here; prints one skip line when it does not.
+fn process_tier_available(home: &Path) -> bool {
+    let run = strata(home, &["run", "--json", "--tier", "process", "--", "true"], b"");
+    if run.code == 2 && run.stdout.contains("tier_unavailable") {
+        eprintln!("skip: the process tier cannot run on this host: {}", run.stdout.trim());
+        return false;
+    }
+    true
+}
+
+#[test]
+fn native_commands_and_programs_run_on_the_process_tier() {
+    let home = shared_home();
+    if !process_tier_available(&home) {
+        return;
+    }
+    let run = strata(&home, &["run", "--tier", "process", "--", "echo", "hi"], b"");
+    assert_eq!((run.code, run.stdout.as_str()), (0, "hi\n"), "{}", run.stderr);
+    // Auto routing sends commands and ELF files to the native tier.
+    let run = strata(&home, &["run", "--json", "--", "sh", "-c", "cat; exit 5"], b"in");
+    assert_eq!(run.code, 5);
+    let v = json(&run);
+    assert_eq!((v["tier"].as_str(), v["stdout"].as_str()), (Some("process"), Some("in")));
+    let run = strata(&home, &["run", programs::NATIVE_HELLO, "--", "there"], b"");
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(run.stdout.ends_with("there\n"), "{}", run.stdout);
+    let run =
+        strata(&home, &["run", "--tier", "process", "--python", "-c", "import sys; print(sys.version_info[:2])"], b"");
+    assert_eq!((run.code, run.stdout.as_str()), (0, "(3, 11)\n"), "{}", run.stderr);
+
+    let run = strata(&home, &["run", "--json", "--tier", "process", "--timeout", "300ms", "--", "sleep", "9"], b"");
+    assert_eq!((run.code, json(&run)["status"]["limit"].as_str()), (124, Some("wall")));
+    let run = strata(
+        &home,
+        &[
+            "run",
+            "--tier",
+            "process",
+            "--pids",
+            "8",
+            "--",
+            "sh",
+            "-c",
+            "sleep 5 & sleep 5 & sleep 5 & sleep 5 & sleep 5 & sleep 5 & sleep 5 & sleep 5 & wait",
+        ],
+        b"",
+    );
+    assert_eq!(run.code, 124);
+    assert!(run.stderr.contains("strata: pids limit exceeded (8)"), "{}", run.stderr);
+
+    let run = strata(&home, &["run", "--json", "--tier", "process", "--", "no-such-program"], b"");
+    assert_eq!(run.code, 2);
+    assert_eq!(json(&run)["error"]["kind"], "program_not_found");
+    let run = strata(&home, &["run", "--tier", "process"], b"");
+    assert_eq!(run.code, 2);
+    assert!(run.stderr.contains("nothing to run"), "{}", run.stderr);
+}
+
+/// A killed engine leaves no jail running (its PID 1 sees the control socket close) and its cgroup is removed
+/// by the next engine that starts.
+#[test]
+fn a_killed_engine_leaves_nothing_behind() {
+    let home = shared_home();
+    if !process_tier_available(&home) {
+        return;
+    }
+    let marker = "61.4142";
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["run", "--tier", "process", "--", "sh", "-c", &format!("sleep {marker}; echo never")])
+        .env("STRATA_HOME", &home)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn strata");
+    let engine_pid = child.id();
+    let sleepers = || -> Vec<u32> {
+        std::fs::read_dir("/proc")
+            .expect("/proc")
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()))
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| c == format!("sleep\0{marker}\0").as_bytes())
+            })
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while sleepers().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the jailed job never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().expect("kill the engine");
+    child.wait().expect("reap the engine");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !sleepers().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the jail outlived its engine: {:?}", sleepers());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // The dead engine's cgroup is still there until another engine starts the process tier.
+    let stale = || -> Vec<std::path::PathBuf> {
+        ["memory", "pids", "cpu", "cpuacct", "unified"]
+            .iter()
+            .flat_map(|c| walk_strata_cgroups(Path::new("/sys/fs/cgroup").join(c).as_path()))
+            .filter(|p| {
+                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&format!("{engine_pid}-")))
+            })
+            .collect()
+    };
+    assert!(!stale().is_empty(), "the killed engine's cgroup should remain until the next start");
+    let run = strata(&home, &["run", "--tier", "process", "--", "true"], b"");
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(stale(), Vec::<std::path::PathBuf>::new(), "cgroups of the killed engine remain");
+}
+
+/// Every `strata/<name>` cgroup directory under a hierarchy's mount point.
+fn walk_strata_cgroups(root: &Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_owned()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            if dir.file_name().is_some_and(|n| n == "strata") {
+                found.push(path);
+            } else {
+                stack.push(path);
+            }
+        }
+    }
+    found
+}
