@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod doctor;
 pub mod policy;
 
 use std::fmt;
@@ -267,6 +268,11 @@ impl Engine {
                 .map_err(|e| e.to_string())
         });
         tier.as_ref().map_err(|reason| EngineError::TierUnavailable { tier: TierKind::Process, reason: reason.clone() })
+    }
+
+    /// What this host can run and why not (`strata doctor`). Reads kernel files only; starts nothing.
+    pub fn doctor(&self) -> doctor::HostReport {
+        doctor::report(self)
     }
 
     /// The policy's limits, for jobs that do not bring their own.

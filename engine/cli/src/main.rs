@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+mod doctor;
 mod images;
 mod run;
 
@@ -21,8 +22,9 @@ const USAGE_ERROR: u8 = 2;
     name = "strata",
     version,
     about = "Run untrusted code fast, isolated and metered.",
-    long_about = "Run untrusted code fast, isolated and metered: WebAssembly modules and Python today, on the \
-                  wasm tier (wasmtime), with file grants, limits and a usage report.",
+    long_about = "Run untrusted code fast, isolated and metered: WebAssembly modules and Python on the wasm tier \
+                  (wasmtime), Linux programs in a jail on the process tier, with file grants, limits and a usage \
+                  report.",
     disable_help_subcommand = true
 )]
 struct Cli {
@@ -34,8 +36,10 @@ struct Cli {
 enum Command {
     /// Run a job: `strata run [OPTIONS] FILE [-- ARGS...]`, or `strata run --python -c CODE | -m MODULE`.
     Run(Box<run::RunArgs>),
-    /// Build, list or verify guest images (the Python runtime).
+    /// Build, list or verify guest images (the Python runtime, the Debian root filesystem).
     Images(images::ImagesArgs),
+    /// What this host can run (KVM kind, cgroups, namespaces, seccomp, overlayfs) and each tier's availability.
+    Doctor(doctor::DoctorArgs),
 }
 
 /// A usage or input error, reported as one line (or a JSON object) with exit status 2.
@@ -107,6 +111,7 @@ fn main() -> ExitCode {
             run::run(*args).map_err(|failure| (json, failure))
         }
         Command::Images(args) => images::images(args).map_err(|failure| (false, failure)),
+        Command::Doctor(args) => doctor::doctor(args).map_err(|failure| (false, failure)),
     };
     match result {
         // Exit codes outside 0..=255 cannot be represented; WASI limits them to 0..126 anyway.

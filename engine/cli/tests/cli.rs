@@ -408,3 +408,18 @@ fn walk_strata_cgroups(root: &Path) -> Vec<std::path::PathBuf> {
     }
     found
 }
+
+#[test]
+fn doctor_reports_the_host_and_each_tier() {
+    let home = home();
+    let run = strata(home.path(), &["doctor", "--json"], b"");
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let v = json(&run);
+    assert!(["hardware", "pvm", "none"].contains(&v["kvm"]["kind"].as_str().expect("kvm kind")), "{v}");
+    let tiers: Vec<&str> = v["tiers"].as_array().expect("tiers").iter().filter_map(|t| t["tier"].as_str()).collect();
+    assert_eq!(tiers, ["wasm", "process", "microvm"]);
+    assert!(v["cgroups"]["detail"].as_str().expect("cgroups").starts_with("cgroup v") || v["cgroups"]["ok"] == false);
+    let run = strata(home.path(), &["doctor"], b"");
+    assert_eq!(run.code, 0);
+    assert!(run.stdout.contains("tier process"), "{}", run.stdout);
+}

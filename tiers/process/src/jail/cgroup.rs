@@ -63,6 +63,8 @@ pub struct CgroupRoot {
     /// v1: (controller, `<mount>/<engine's cgroup>/strata`); v2: one entry with an empty controller name.
     parents: Vec<(&'static str, PathBuf)>,
     owner: String,
+    /// Why v2 was not used, when v1 is.
+    why_not_v2: Option<String>,
 }
 
 const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "cpuacct"];
@@ -89,6 +91,7 @@ impl CgroupRoot {
                     version: CgroupVersion::V2,
                     parents: vec![("", own_dir.join("strata"))],
                     owner,
+                    why_not_v2: None,
                 });
             }
             v2_problem = format!("the cgroup2 tree at {} has controllers [{}]", mount.display(), controllers.trim());
@@ -109,7 +112,7 @@ impl CgroupRoot {
                 .unwrap_or("/");
             parents.push((controller, mount.join(own.trim_start_matches('/')).join("strata")));
         }
-        Ok(CgroupRoot { version: CgroupVersion::V1, parents, owner })
+        Ok(CgroupRoot { version: CgroupVersion::V1, parents, owner, why_not_v2: Some(v2_problem) })
     }
 
     /// The hierarchy in use.
@@ -123,7 +126,8 @@ impl CgroupRoot {
             CgroupVersion::V2 => format!("cgroup v2 at {}", self.parents[0].1.display()),
             CgroupVersion::V1 => {
                 let list: Vec<String> = self.parents.iter().map(|(c, p)| format!("{c}={}", p.display())).collect();
-                format!("cgroup v1 ({})", list.join(", "))
+                let why = self.why_not_v2.as_deref().map(|w| format!("; not v2: {w}")).unwrap_or_default();
+                format!("cgroup v1 ({}){why}", list.join(", "))
             }
         }
     }
