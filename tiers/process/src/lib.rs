@@ -24,12 +24,13 @@ mod sandbox;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use strata_core::{
     Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox, Status, Stream,
     Tier, TierError, TierKind, Truncated, Usage,
 };
-use strata_jail::proto::{Bind, Exec};
+use strata_jail::proto::{Bind, Exec, IdMap};
 use strata_wasi_shims::OutputCapture;
 
 pub use sandbox::ProcessSandbox;
@@ -49,6 +50,10 @@ const WORKDIR: &str = "/root";
 /// Processes of the jail itself (the keeper and PID 1), added to the job's pids limit.
 const JAIL_PROCESSES: u64 = 2;
 
+/// The host IDs of a jail's user namespace: its root is host UID/GID 1,000,000,000, an ID no host account uses
+/// (inside systemd's range for container IDs), with 65,536 IDs mapped.
+pub const JAIL_IDS: IdMap = IdMap { base: 1_000_000_000, count: 65_536 };
+
 /// Settings of the process tier.
 #[derive(Debug, Clone)]
 pub struct ProcessTierConfig {
@@ -63,6 +68,9 @@ pub struct ProcessTierConfig {
 pub struct ProcessTier {
     config: ProcessTierConfig,
     cgroups: CgroupRoot,
+    /// Whether jails get a user namespace; cleared (with a warning) the first time the kernel refuses one or
+    /// the idmapped image mount it needs.
+    user_namespaces: AtomicBool,
 }
 
 impl ProcessTier {
@@ -96,7 +104,11 @@ impl ProcessTier {
             log::info!("removed {stale} cgroups left by engines that were killed");
         }
         log::debug!("process tier: {}", cgroups.describe());
-        Ok(ProcessTier { config: ProcessTierConfig { rootfs, run_dir: config.run_dir }, cgroups })
+        Ok(ProcessTier {
+            config: ProcessTierConfig { rootfs, run_dir: config.run_dir },
+            cgroups,
+            user_namespaces: AtomicBool::new(true),
+        })
     }
 
     /// Which cgroup hierarchy jails use, for `strata doctor` and logs.
@@ -136,12 +148,31 @@ impl ProcessTier {
                 pids: u64::from(limits.pids) + JAIL_PROCESSES,
                 cpus: limits.vcpus,
             },
+            id_map: self.user_namespaces.load(Ordering::Relaxed).then_some(JAIL_IDS),
         })
     }
 
+    /// Whether jobs run in a user namespace (as an unprivileged host ID) rather than as host root.
+    pub fn uses_user_namespaces(&self) -> bool {
+        self.user_namespaces.load(Ordering::Relaxed)
+    }
+
     fn start_jail(&self, caps: &Capabilities, limits: &Limits, one_shot: bool) -> Result<Jail, TierError> {
-        let config = self.jail_config(caps, limits, one_shot)?;
-        Jail::start(&self.cgroups, &config).map_err(jail_error)
+        let mut config = self.jail_config(caps, limits, one_shot)?;
+        match Jail::start(&self.cgroups, &config) {
+            Err(JailError::Setup { stage, message })
+                if config.id_map.is_some() && (stage == "user namespace" || stage == "idmapped image") =>
+            {
+                log::warn!(
+                    "jails run without a user namespace (jobs are host root with every capability dropped): \
+                     {stage}: {message}"
+                );
+                self.user_namespaces.store(false, Ordering::Relaxed);
+                config.id_map = None;
+                Jail::start(&self.cgroups, &config).map_err(jail_error)
+            }
+            other => other.map_err(jail_error),
+        }
     }
 }
 

@@ -30,6 +30,7 @@ use nix::unistd::{ForkResult, Pid, chdir, execve, fork, pivot_root, sethostname,
 
 use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
 use crate::seccomp::{self, JailFilters};
+use crate::userns::UserNamespace;
 
 /// Where the old root is kept between `pivot_root` and its detachment.
 const OLD_ROOT: &str = "/.strata-oldroot";
@@ -119,22 +120,25 @@ fn pid1(ctl: OwnedFd, setup: Setup) -> i32 {
     // The host's /proc is still mounted: its /proc/self names this process by its PID outside the namespace.
     let host_pid =
         fs::read_link("/proc/self").ok().and_then(|p| p.to_str().and_then(|s| s.parse::<i32>().ok())).unwrap_or(0);
-    let filters = match build(&setup).and_then(|()| step("seccomp", seccomp::filters())) {
-        Ok(filters) => filters,
+    let mut notes = Vec::new();
+    let built = build(&setup, &mut notes).and_then(|userns| Ok((userns, step("seccomp", seccomp::filters())?)));
+    let (userns, filters) = match built {
+        Ok(built) => built,
         Err(StepError { stage, message }) => return fail(&ctl, &stage, message),
     };
     // Nobody in the jail may read this process's memory or descriptors through /proc (it holds the control
     // socket and full capabilities).
     // SAFETY: prctl with PR_SET_DUMPABLE only changes this process's attributes.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) };
-    if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid }, &[]).is_err() {
+    if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid, notes }, &[]).is_err() {
         return 1;
     }
-    Init { ctl, filters, one_shot: setup.one_shot, job: None }.serve()
+    Init { ctl, filters, userns, one_shot: setup.one_shot, job: None }.serve()
 }
 
 /// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
-fn build(setup: &Setup) -> Result<(), StepError> {
+/// Returns the jobs' user namespace, when one was asked for.
+fn build(setup: &Setup, notes: &mut Vec<String>) -> Result<Option<UserNamespace>, StepError> {
     step(
         "mount propagation",
         mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>),
@@ -149,7 +153,33 @@ fn build(setup: &Setup) -> Result<(), StepError> {
     for dir in [&upper, &work, &root] {
         step("scratch dirs", fs::DirBuilder::new().mode(0o755).create(dir))?;
     }
-    let overlay = format!("lowerdir={},upperdir={},workdir={}", setup.lower.display(), upper.display(), work.display());
+    let userns = match setup.id_map {
+        Some(map) => {
+            // The host's /proc names processes by their host PIDs; this namespace's children need its own.
+            let proc = scratch.join("proc");
+            step("user namespace", fs::DirBuilder::new().mode(0o700).create(&proc))?;
+            let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+            step("user namespace", mount(Some("proc"), &proc, Some("proc"), flags, None::<&str>))?;
+            let created = UserNamespace::create(map, &proc);
+            step("user namespace", umount2(&proc, MntFlags::MNT_DETACH))?;
+            Some(step("user namespace", created)?)
+        }
+        None => None,
+    };
+    let lower = match &userns {
+        Some(userns) => {
+            // The image as the jail's root owns it: an idmapped clone of the host tree.
+            let lower = scratch.join("lower");
+            step("scratch dirs", fs::DirBuilder::new().mode(0o755).create(&lower))?;
+            step("idmapped image", userns.mount_idmapped(&setup.lower, &lower, true))?;
+            // The upper layer's root directory takes the image root's owner, or the jail's root could not
+            // create files in `/`.
+            step("scratch dirs", userns.give(&upper))?;
+            lower
+        }
+        None => setup.lower.clone(),
+    };
+    let overlay = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
     step("overlay", mount(Some("strata-root"), &root, Some("overlay"), MsFlags::empty(), Some(overlay.as_str())))?;
     step("hostname", sethostname(&setup.hostname))?;
     step("loopback", loopback_up())?;
@@ -162,11 +192,24 @@ fn build(setup: &Setup) -> Result<(), StepError> {
     mount_proc()?;
     mount_dev()?;
     for bind in &setup.binds {
-        mount_grant(bind)?;
+        mount_grant(bind, userns.as_ref(), notes)?;
     }
-    step("/run/strata", fs::DirBuilder::new().recursive(true).mode(0o755).create("/run/strata"))?;
+    step("/run/strata", create_dirs(Path::new("/run/strata"), userns.as_ref()))?;
     step("detach host root", umount2(OLD_ROOT, MntFlags::MNT_DETACH))?;
     step("detach host root", fs::remove_dir(OLD_ROOT))?;
+    Ok(userns)
+}
+
+/// Creates `dir` and its missing parents (mode 0755), each given to the jail's root when there is a user
+/// namespace.
+fn create_dirs(dir: &Path, userns: Option<&UserNamespace>) -> std::io::Result<()> {
+    let missing: Vec<&Path> = dir.ancestors().take_while(|p| !p.exists()).collect();
+    for path in missing.into_iter().rev() {
+        fs::DirBuilder::new().mode(0o755).create(path)?;
+        if let Some(userns) = userns {
+            userns.give(path)?;
+        }
+    }
     Ok(())
 }
 
@@ -215,17 +258,32 @@ fn mount_dev() -> Result<(), StepError> {
     Ok(())
 }
 
-fn mount_grant(bind: &Bind) -> Result<(), StepError> {
+fn mount_grant(bind: &Bind, userns: Option<&UserNamespace>, notes: &mut Vec<String>) -> Result<(), StepError> {
     let stage = format!("grant {}", bind.guest);
     let source = PathBuf::from(format!("{OLD_ROOT}{}", bind.host.display()));
     let meta = step(&stage, fs::metadata(&source))?;
+    let target = Path::new(&bind.guest);
     if meta.is_dir() {
-        step(&stage, fs::DirBuilder::new().recursive(true).mode(0o755).create(&bind.guest))?;
+        step(&stage, create_dirs(target, userns))?;
     } else {
-        if let Some(parent) = Path::new(&bind.guest).parent() {
-            step(&stage, fs::DirBuilder::new().recursive(true).mode(0o755).create(parent))?;
+        if let Some(parent) = target.parent() {
+            step(&stage, create_dirs(parent, userns))?;
         }
-        step(&stage, fs::OpenOptions::new().create(true).append(true).mode(0o644).open(&bind.guest))?;
+        step(&stage, fs::OpenOptions::new().create(true).append(true).mode(0o644).open(target))?;
+    }
+    if let Some(userns) = userns {
+        match userns.mount_idmapped(&source, target, bind.read_only) {
+            Ok(()) => return Ok(()),
+            // The grant's filesystem cannot be idmapped: a plain bind, whose files keep their host owners
+            // (a read-write grant is then writable only where its modes let anyone write).
+            Err(errno @ (Errno::EINVAL | Errno::EPERM | Errno::EOPNOTSUPP)) => notes.push(format!(
+                "grant {} -> {}: the filesystem does not support idmapped mounts ({}); bind-mounted with host owners",
+                bind.host.display(),
+                bind.guest,
+                errno.desc()
+            )),
+            Err(errno) => return Err(StepError { stage, message: errno.desc().to_owned() }),
+        }
     }
     step(&stage, bind_onto(&source, &bind.guest, bind.read_only))
 }
@@ -269,6 +327,7 @@ fn loopback_up() -> Result<(), Errno> {
 struct Init {
     ctl: OwnedFd,
     filters: JailFilters,
+    userns: Option<UserNamespace>,
     one_shot: bool,
     job: Option<Pid>,
 }
@@ -353,7 +412,7 @@ impl Init {
                     }
                 }
             }
-            HostFrame::WriteFile { path, mode } => write_file(&path, mode, fds),
+            HostFrame::WriteFile { path, mode } => write_file(&path, mode, fds, self.userns.as_ref()),
             HostFrame::ReadFile { path } => match open_for_read(&path) {
                 Ok((file, size)) => {
                     let _ = proto::send(self.ctl.as_fd(), &JailFrame::FileOpened { size }, &[file.as_fd()]);
@@ -379,7 +438,7 @@ impl Init {
         }
         if let Some(target) = &exec.program_copy {
             let program = fds.pop().expect("counted above");
-            copy_in(program, target, 0o755).map_err(|e| io_failed("copy", &e))?;
+            copy_in(program, target, 0o755, self.userns.as_ref()).map_err(|e| io_failed("copy", &e))?;
         }
         let path = resolve(&exec.argv[0], &exec.env)
             .ok_or_else(|| exec_failed("lookup", libc::ENOENT, format!("{}: command not found", exec.argv[0])))?;
@@ -444,7 +503,11 @@ impl Init {
         // Everything else but the CLOEXEC report pipe goes; the pipe closes itself on exec.
         check!("close fds", close_from_3_except_cloexec());
         check!("signals", sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None));
+        // Limits first: raising a hard limit needs a capability of the host's user namespace.
         check!("rlimits", set_limits(exec));
+        if let Some(userns) = &self.userns {
+            check!("user namespace", userns.enter_as_root());
+        }
         check!("chdir", chdir(exec.cwd.as_str()));
         check!("capabilities", drop_capabilities());
         if seccomp::install(&self.filters).is_err() {
@@ -557,18 +620,23 @@ fn drop_capabilities() -> Result<(), Errno> {
     Ok(())
 }
 
-/// Copies a descriptor's contents to a new file at `target`, creating its parent directories.
-fn copy_in(source: OwnedFd, target: &str, mode: u32) -> std::io::Result<()> {
+/// Copies a descriptor's contents to a new file at `target`, creating its parent directories; what it creates
+/// belongs to the jail's root.
+fn copy_in(source: OwnedFd, target: &str, mode: u32, userns: Option<&UserNamespace>) -> std::io::Result<()> {
     if let Some(parent) = Path::new(target).parent() {
-        fs::DirBuilder::new().recursive(true).mode(0o755).create(parent)?;
+        create_dirs(parent, userns)?;
     }
     let mut src = fs::File::from(source);
     let mut dst = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(target)?;
     std::io::copy(&mut src, &mut dst)?;
-    dst.set_permissions(fs::Permissions::from_mode(mode))
+    dst.set_permissions(fs::Permissions::from_mode(mode))?;
+    if let Some(userns) = userns {
+        userns.give(Path::new(target))?;
+    }
+    Ok(())
 }
 
-fn write_file(path: &str, mode: u32, mut fds: Vec<OwnedFd>) -> JailFrame {
+fn write_file(path: &str, mode: u32, mut fds: Vec<OwnedFd>, userns: Option<&UserNamespace>) -> JailFrame {
     let Some(source) = fds.pop().filter(|_| fds.is_empty()) else {
         return JailFrame::FileError { errno: libc::EINVAL, message: "expected one descriptor".into() };
     };
@@ -576,7 +644,7 @@ fn write_file(path: &str, mode: u32, mut fds: Vec<OwnedFd>) -> JailFrame {
     if let Err(err) = std::io::Seek::rewind(&mut src) {
         return file_error(&err);
     }
-    match copy_in(src.into(), path, mode & 0o7777) {
+    match copy_in(src.into(), path, mode & 0o7777, userns) {
         Ok(()) => JailFrame::FileWritten,
         Err(err) => file_error(&err),
     }

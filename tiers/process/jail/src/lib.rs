@@ -10,3 +10,4 @@
 pub mod init;
 pub mod proto;
 pub mod seccomp;
+pub mod userns;

@@ -80,6 +80,19 @@ pub struct Setup {
     pub hostname: String,
     /// PID 1 exits as soon as the first job ends (a one-shot run).
     pub one_shot: bool,
+    /// Run jobs in a user namespace with this mapping (and mount the image and grants idmapped through it);
+    /// `None` runs them as host root with every capability dropped.
+    pub id_map: Option<IdMap>,
+}
+
+/// A user namespace's ID mapping: IDs `0..count` inside are `base..base + count` on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdMap {
+    /// The host ID of the jail's root.
+    pub base: u32,
+    /// How many IDs are mapped.
+    pub count: u32,
 }
 
 /// A host path bind-mounted at a jail path.
@@ -120,6 +133,9 @@ pub enum JailFrame {
     Ready {
         /// PID 1 as the host sees it (killing it ends the whole PID namespace).
         host_pid: i32,
+        /// What the jail did differently from what was asked, and why (e.g. a grant on a filesystem without
+        /// idmapped mounts, bind-mounted plainly).
+        notes: Vec<String>,
     },
     /// Building the jail failed; PID 1 exits after sending this.
     SetupFailed {

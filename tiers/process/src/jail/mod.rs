@@ -31,7 +31,7 @@ use nix::sys::signal::Signal;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use nix::unistd::Pid;
 use strata_core::{CancelToken, LimitKind};
-use strata_jail::proto::{self, Bind, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
+use strata_jail::proto::{self, Bind, Exec, HostFrame, IdMap, JailFrame, PROTOCOL_VERSION, Setup};
 use strata_wasi_shims::OutputCapture;
 
 pub use cgroup::{Cgroup, CgroupError, CgroupLimits, CgroupRoot, CgroupVersion};
@@ -65,6 +65,9 @@ pub struct JailConfig {
     pub one_shot: bool,
     /// Its cgroup's limits.
     pub limits: CgroupLimits,
+    /// Jobs run in a user namespace with this mapping (the image and grants mounted idmapped through it);
+    /// `None` runs them as host root with every capability dropped.
+    pub id_map: Option<IdMap>,
 }
 
 /// Why a jail could not be started or used.
@@ -243,6 +246,7 @@ impl Jail {
             binds: config.binds.clone(),
             hostname: config.hostname.clone(),
             one_shot: config.one_shot,
+            id_map: config.id_map,
         };
         proto::send(jail.ctl.as_fd(), &HostFrame::Setup(setup), &[])?;
         if !wait_readable(jail.ctl.as_fd(), SETUP_TIMEOUT) {
@@ -252,7 +256,10 @@ impl Jail {
             });
         }
         match proto::recv::<JailFrame>(jail.ctl.as_fd())? {
-            Some((JailFrame::Ready { host_pid }, _)) if host_pid > 0 => {
+            Some((JailFrame::Ready { host_pid, notes }, _)) if host_pid > 0 => {
+                for note in notes {
+                    log::warn!("jail: {note}");
+                }
                 jail.pid1 = Pid::from_raw(host_pid);
                 // PID 1 cannot have exited yet: it ends only on our signal, an OOM kill or our closing the socket.
                 jail.pidfd = Some(pidfd_open(host_pid).map_err(|e| JailError::Spawn(e.into()))?);
@@ -397,10 +404,12 @@ impl Jail {
             }
         }
         let end_time = exited_at.unwrap_or_else(Instant::now);
-        // An OOM kill seen only once the job is over still explains its end.
+        // A limit the kernel enforced (an OOM kill, a refused fork) explains the job's end even when the job
+        // exited on its own before the watch loop saw the counter move, and even when a child took the hit.
         let end = match (stopped, exit) {
             (Some(reason), _) => reason,
-            (None, Some(JobEnd::Signaled(_))) if self.cgroup.oom_kills() > oom0 => JobEnd::Limit(LimitKind::Memory),
+            (None, Some(_)) if self.cgroup.oom_kills() > oom0 => JobEnd::Limit(LimitKind::Memory),
+            (None, Some(_)) if self.cgroup.pids_refusals() > pids0 => JobEnd::Limit(LimitKind::Pids),
             (None, Some(JobEnd::Signaled(_))) if self.cgroup.cpu_time().saturating_sub(cpu0) > watch.cpu => {
                 JobEnd::Limit(LimitKind::Cpu)
             }

@@ -1,0 +1,163 @@
+//! The jail's user namespace and the idmapped mounts that make it usable.
+//!
+//! Jobs run as root *of the jail*, which is host UID/GID [`IdMap::base`] — an unprivileged ID on the host — rather
+//! than host root. For that to look like a normal system inside, the image (owned by host root) is mounted
+//! *idmapped* through the namespace's mapping, so its files appear owned by the jail's root; grants are idmapped
+//! the same way, so a job's writes into a read-write grant land on the host owned by host root, as they would from
+//! a root process. The mount and network namespaces stay owned by the host's user namespace: even with a
+//! capability inside its own user namespace, a job could not mount or configure anything.
+//!
+//! PID 1 stays in the host's user namespace (it builds mounts); each job's process joins the jail's user
+//! namespace with `setns` before it drops every capability.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+
+use nix::errno::Errno;
+use nix::sched::{CloneFlags, unshare};
+use nix::sys::wait::waitpid;
+use nix::unistd::{ForkResult, fork};
+
+use crate::proto::IdMap;
+
+/// A user namespace with a mapping `0..count` → `base..base+count`, held open by a descriptor.
+#[derive(Debug)]
+pub struct UserNamespace {
+    fd: OwnedFd,
+    map: IdMap,
+}
+
+impl UserNamespace {
+    /// Creates the namespace: a short-lived child unshares it, this process writes its ID maps and keeps a
+    /// descriptor to it, and the child exits. `proc` is a procfs of the caller's PID namespace (the child is
+    /// named by its PID there).
+    pub fn create(map: IdMap, proc: &Path) -> Result<UserNamespace, Errno> {
+        let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        let (done_r, done_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        // SAFETY: the caller (PID 1 while building the jail) is single-threaded.
+        match unsafe { fork() }? {
+            ForkResult::Child => {
+                drop((ready_r, done_w));
+                let ok = unshare(CloneFlags::CLONE_NEWUSER).is_ok();
+                let _ = fs::File::from(ready_w).write_all(if ok { b"y" } else { b"n" });
+                // Wait until the parent has its descriptor (it closes `done_w`).
+                let _ = fs::File::from(done_r).read(&mut [0u8; 1]);
+                // SAFETY: _exit ends this forked child without running the parent's exit handlers.
+                unsafe { libc::_exit(0) }
+            }
+            ForkResult::Parent { child } => {
+                drop((ready_w, done_r));
+                let mut answer = [0u8; 1];
+                let read = fs::File::from(ready_r).read(&mut answer).map_err(io_errno);
+                let result = match read {
+                    Ok(1) if answer[0] == b'y' => Self::adopt(&proc.join(child.as_raw().to_string()), map),
+                    Ok(_) => Err(Errno::EPERM),
+                    Err(errno) => Err(errno),
+                };
+                drop(done_w);
+                let _ = waitpid(child, None);
+                result
+            }
+        }
+    }
+
+    fn adopt(process: &Path, map: IdMap) -> Result<UserNamespace, Errno> {
+        let line = format!("0 {} {}\n", map.base, map.count);
+        fs::write(process.join("uid_map"), &line).map_err(io_errno)?;
+        fs::write(process.join("gid_map"), &line).map_err(io_errno)?;
+        let file = fs::File::open(process.join("ns/user")).map_err(io_errno)?;
+        Ok(UserNamespace { fd: file.into(), map })
+    }
+
+    /// The mapping.
+    pub fn map(&self) -> IdMap {
+        self.map
+    }
+
+    /// Moves the calling process into the namespace as its root (UID and GID 0, no supplementary groups).
+    /// Must be called single-threaded, before the capabilities are dropped.
+    pub fn enter_as_root(&self) -> Result<(), Errno> {
+        nix::sched::setns(&self.fd, CloneFlags::CLONE_NEWUSER)?;
+        nix::unistd::setgroups(&[])?;
+        let root_gid = nix::unistd::Gid::from_raw(0);
+        let root_uid = nix::unistd::Uid::from_raw(0);
+        nix::unistd::setresgid(root_gid, root_gid, root_gid)?;
+        nix::unistd::setresuid(root_uid, root_uid, root_uid)
+    }
+
+    /// Mounts `source` at `target` idmapped through this namespace (a detached clone of the source tree, its
+    /// attributes set, then moved into place), `nosuid,nodev`, read-only when asked.
+    pub fn mount_idmapped(&self, source: &Path, target: &Path, read_only: bool) -> Result<(), Errno> {
+        let tree = open_tree(source)?;
+        let mut attr_set = libc::MOUNT_ATTR_IDMAP | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;
+        if read_only {
+            attr_set |= libc::MOUNT_ATTR_RDONLY;
+        }
+        let attr = MountAttr { attr_set, attr_clr: 0, propagation: 0, userns_fd: self.fd.as_raw_fd() as u64 };
+        // SAFETY: mount_setattr reads `attr` (repr(C), the kernel's struct mount_attr, size passed) and an empty
+        // path relative to `tree`, a descriptor we own.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        };
+        if rc < 0 {
+            return Err(Errno::last());
+        }
+        move_mount(&tree, target)
+    }
+
+    /// Gives a file or directory PID 1 created to the jail's root, so jobs can change it.
+    pub fn give(&self, path: &Path) -> Result<(), Errno> {
+        let id = Some(self.map.base);
+        nix::unistd::chown(path, id.map(nix::unistd::Uid::from_raw), id.map(nix::unistd::Gid::from_raw))
+    }
+}
+
+/// The kernel's `struct mount_attr`.
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+fn io_errno(err: std::io::Error) -> Errno {
+    Errno::from_raw(err.raw_os_error().unwrap_or(libc::EIO))
+}
+
+fn open_tree(source: &Path) -> Result<OwnedFd, Errno> {
+    let path = std::ffi::CString::new(source.as_os_str().as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
+    let flags = libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC as libc::c_uint;
+    // SAFETY: open_tree reads a NUL-terminated path that outlives the call and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, path.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+fn move_mount(tree: &OwnedFd, target: &Path) -> Result<(), Errno> {
+    let target = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
+    // SAFETY: move_mount reads two NUL-terminated paths that outlive the call; `tree` is a descriptor we own.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_FDCWD,
+            target.as_ptr(),
+            libc::MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    if rc < 0 { Err(Errno::last()) } else { Ok(()) }
+}
