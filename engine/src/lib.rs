@@ -263,7 +263,7 @@ impl Engine {
         let tier = self.process.get_or_init(|| {
             let home = self.config.home.as_ref().ok_or("no STRATA_HOME (nor HOME) to keep the Debian image in")?;
             let image = DebianImage::new(home).map_err(|e| e.to_string())?;
-            let (installed, _) = image.ensure(&|line| log::info!("debian image: {line}")).map_err(|e| e.to_string())?;
+            let (installed, _) = image.ensure(&|line| log::info!("{line}")).map_err(|e| e.to_string())?;
             ProcessTier::new(ProcessTierConfig { rootfs: installed.rootfs, run_dir: home.join("run/jail") })
                 .map_err(|e| e.to_string())
         });
@@ -290,8 +290,18 @@ impl Engine {
         &self.wasm
     }
 
-    /// The tier a job goes to.
+    /// The tier a job goes to. A job the chosen tier cannot run is refused before the tier starts (which for
+    /// the process tier may mean building its image).
     pub fn route(&self, choice: TierChoice, job: &Job) -> Result<&dyn Tier, EngineError> {
+        if let TierChoice::Tier(tier) = choice {
+            let runs = match tier {
+                TierKind::Wasm => matches!(job.kind(), JobKind::Wasm | JobKind::Python),
+                TierKind::Process | TierKind::Microvm => job.kind() != JobKind::Wasm,
+            };
+            if !runs {
+                return Err(TierError::WrongJob { tier, job: job.kind() }.into());
+            }
+        }
         let tier = match choice {
             TierChoice::Tier(tier) => tier,
             TierChoice::Auto => match job.kind() {

@@ -49,8 +49,7 @@ fn image_error(err: impl std::fmt::Display) -> EngineError {
 }
 
 fn debian_image(engine: &Engine) -> Result<DebianImage, EngineError> {
-    let home = engine.home().ok_or(EngineError::NoHome("the Debian image"))?;
-    DebianImage::new(home).map_err(image_error)
+    engine.debian_image()
 }
 
 fn megabytes(bytes: u64) -> String {

@@ -151,7 +151,8 @@ fn bad_input_exits_2_with_one_line_naming_the_problem() {
         (vec!["--memory", "lots", programs::HELLO], "usage", "invalid size \"lots\""),
         (vec!["--timeout", "5", programs::HELLO], "usage", "missing unit"),
         (vec!["--tier", "quantum", programs::HELLO], "usage", "unknown tier \"quantum\""),
-        (vec!["--tier", "process", programs::HELLO], "tier_unavailable", "process tier is not available"),
+        (vec!["--tier", "process", programs::HELLO], "wrong_job", "the process tier cannot run WebAssembly jobs"),
+        (vec!["--tier", "vm", "--", "true"], "tier_unavailable", "microvm tier is not available"),
         (vec!["--dir", "relative", programs::HELLO], "usage", "expected HOST:GUEST"),
         (vec!["--allow-net", "example.com", programs::HELLO], "unsupported", "network egress"),
     ];
@@ -321,7 +322,7 @@ fn native_commands_and_programs_run_on_the_process_tier() {
         ],
         b"",
     );
-    assert_eq!(run.code, 124);
+    assert_eq!(run.code, 124, "{}", run.stderr);
     assert!(run.stderr.contains("strata: pids limit exceeded (8)"), "{}", run.stderr);
 
     let run = strata(&home, &["run", "--json", "--tier", "process", "--", "no-such-program"], b"");
