@@ -154,6 +154,22 @@ fn cases() -> Vec<Case> {
             Expect::Prints(0, "-1 1\n"),
         ),
         case(
+            "seccomp filter and no_new_privs are on",
+            sh("grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status | tr -s '\t' ' '"),
+            Expect::Prints(0, "NoNewPrivs: 1\nSeccomp: 2\n"),
+        ),
+        case(
+            "seccomp refuses even calls harmless without it (personality query) and the dangerous families",
+            python(&format!(
+                "{libc}print([(libc.syscall(n, 0xffffffff, 0, 0, 0, 0), ctypes.get_errno()) for n in \
+                 (135, 321, 298, 246, 175, 308, 304, 425, 323, 155, 161, 167)])"
+            )),
+            Expect::Prints(
+                0,
+                "[(-1, 1), (-1, 1), (-1, 1), (-1, 1), (-1, 1), (-1, 1), (-1, 1), (-1, 1), (-1, 1), (-1, 1), (-1, 1), (-1, 1)]\n",
+            ),
+        ),
+        case(
             "threads and processes still work (clone3 falls back to clone)",
             python(
                 "import threading, subprocess; t = threading.Thread(target=print, args=('thread',)); t.start(); \
