@@ -49,14 +49,10 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 
 /// The entry point of the `strata-jail` binary. Returns the process exit code.
 pub fn main() -> i32 {
-    // SAFETY: the host starts this program with the control socket installed at CONTROL_FD and nothing else owns
-    // that descriptor in this process.
-    let ctl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
-    if nix::fcntl::fcntl(ctl.as_fd(), nix::fcntl::FcntlArg::F_GETFD).is_err() {
-        eprintln!("strata-jail: no control socket on fd {CONTROL_FD}; this program is started by Strata");
-        std::mem::forget(ctl);
+    let Some(ctl) = take_control_socket() else {
+        eprintln!("strata-jail: standard input is not Strata's control socket; this program is started by Strata");
         return 2;
-    }
+    };
     let setup = match proto::recv::<HostFrame>(ctl.as_fd()) {
         Ok(Some((HostFrame::Setup(setup), _))) => setup,
         // The host went away before the jail existed: nothing to clean up.
@@ -85,6 +81,25 @@ pub fn main() -> i32 {
             keep(child)
         }
     }
+}
+
+/// Moves the control socket off standard input (to a close-on-exec descriptor above 2) and puts `/dev/null` there.
+fn take_control_socket() -> Option<OwnedFd> {
+    use nix::sys::socket::{SockType, getsockopt, sockopt};
+    // SAFETY: CONTROL_FD is open for the process's whole life (it is standard input); borrowing it is sound.
+    let stdin = unsafe { std::os::fd::BorrowedFd::borrow_raw(CONTROL_FD) };
+    if getsockopt(&stdin, sockopt::SockType).ok()? != SockType::SeqPacket {
+        return None;
+    }
+    let moved = nix::fcntl::fcntl(stdin, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(3)).ok()?;
+    // SAFETY: F_DUPFD_CLOEXEC just returned this new descriptor; nothing else owns it.
+    let ctl = unsafe { OwnedFd::from_raw_fd(moved) };
+    let null = fs::File::open("/dev/null").ok()?;
+    // SAFETY: dup2 onto fd 0 replaces standard input with /dev/null; the socket lives on as `ctl`.
+    if unsafe { libc::dup2(null.as_raw_fd(), CONTROL_FD) } < 0 {
+        return None;
+    }
+    Some(ctl)
 }
 
 /// The keeper: waits for PID 1 and exits with its status, so the host has one direct child to reap.

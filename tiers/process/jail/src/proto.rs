@@ -1,6 +1,7 @@
 //! The control protocol between the host (the process tier) and the jail's PID 1.
 //!
-//! One `SOCK_SEQPACKET` Unix socket, fd [`CONTROL_FD`] in the jail. Each message is one JSON document; file
+//! One `SOCK_SEQPACKET` Unix socket, the jail process's standard input ([`CONTROL_FD`]) when it starts (so the
+//! host can spawn it with `posix_spawn`, without a fork of its own, possibly large, address space). Each message is one JSON document; file
 //! descriptors (the job's stdin/stdout/stderr pipes, a program to copy in, a file being read or written) travel
 //! beside it as `SCM_RIGHTS`. A document larger than [`MAX_INLINE`] is sent as the message [`SPILL`] with a
 //! sealed memfd holding the document as its last descriptor, so argv and env are not bounded by the socket buffer.
@@ -20,8 +21,8 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 /// The protocol version; [`Setup::version`] must equal it.
 pub const PROTOCOL_VERSION: u32 = 1;
 
-/// The control socket's descriptor number in the jail process.
-pub const CONTROL_FD: RawFd = 3;
+/// The control socket's descriptor number when the jail process starts: its standard input.
+pub const CONTROL_FD: RawFd = 0;
 
 /// The largest document sent inline.
 pub const MAX_INLINE: usize = 48 * 1024;

@@ -212,13 +212,9 @@ impl Jail {
             .map_err(|e| JailError::Spawn(e.into()))?;
         let cgroup = cgroups.create(&config.limits)?;
         let mut command = Command::new(format!("/proc/self/fd/{}", binary.as_raw_fd()));
-        command.arg0("strata-jail").env_clear().stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
-        let jail_raw = jail_end.as_raw_fd();
-        // SAFETY: the closure runs in the forked child before exec and only calls dup2/fcntl, which are
-        // async-signal-safe; it touches no memory shared with other threads.
-        unsafe {
-            command.pre_exec(move || install_control_fd(jail_raw));
-        }
+        // The control socket is the jail's stdin: no pre-exec code, so std spawns with posix_spawn (vfork-like)
+        // instead of forking this process's whole address space.
+        command.arg0("strata-jail").env_clear().stdin(Stdio::from(jail_end)).stdout(Stdio::null()).stderr(Stdio::inherit());
         let keeper = match command.spawn() {
             Ok(child) => child,
             Err(err) => {
@@ -226,7 +222,8 @@ impl Jail {
                 return Err(JailError::Spawn(err));
             }
         };
-        drop(jail_end);
+        // `command` holds the jail's end of the socket; it must close here, or the jail would never see EOF.
+        drop(command);
         let mut jail = Jail {
             keeper: Some(keeper),
             ctl: host_end,
@@ -522,21 +519,6 @@ impl Drop for Jail {
             self.shutdown();
         }
     }
-}
-
-/// In the forked child: makes the control socket fd 3, without close-on-exec.
-fn install_control_fd(fd: RawFd) -> std::io::Result<()> {
-    let target = proto::CONTROL_FD;
-    if fd == target {
-        // SAFETY: fcntl F_SETFD on a descriptor this process owns; async-signal-safe.
-        if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    // SAFETY: dup2 onto fd 3 in the child before exec; async-signal-safe; the new descriptor lacks CLOEXEC.
-    } else if unsafe { libc::dup2(fd, target) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 fn pidfd_open(pid: i32) -> Result<OwnedFd, Errno> {
