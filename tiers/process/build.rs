@@ -24,7 +24,15 @@ fn main() {
         .arg(jail_dir.join("Cargo.toml"))
         .arg("--target-dir")
         .arg(&target_dir)
-        .env("CARGO_ENCODED_RUSTFLAGS", "-Ctarget-feature=+crt-static\x1f-Cstrip=debuginfo");
+        .env("CARGO_ENCODED_RUSTFLAGS", "-Ctarget-feature=+crt-static")
+        // Small and self-contained: every engine process copies it into a memfd once, so its size is start-up
+        // time (1.9 MB took 0.9 ms).
+        .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "s")
+        .env("CARGO_PROFILE_RELEASE_LTO", "true")
+        .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "1")
+        .env("CARGO_PROFILE_RELEASE_PANIC", "abort")
+        .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
+        .env("CARGO_PROFILE_RELEASE_STRIP", "symbols");
     // The outer build's settings are for the outer build.
     for var in [
         "RUSTFLAGS",
@@ -34,7 +42,6 @@ fn main() {
         "RUSTC_WORKSPACE_WRAPPER",
         "RUSTC_WRAPPER",
         "CARGO_MAKEFLAGS",
-        "CARGO_PROFILE_RELEASE_DEBUG",
     ] {
         cmd.env_remove(var);
     }

@@ -63,6 +63,11 @@ pub fn main() -> i32 {
     if setup.version != PROTOCOL_VERSION {
         return fail(&ctl, "protocol", format!("version {} (this jail speaks {PROTOCOL_VERSION})", setup.version));
     }
+    for file in &setup.join_cgroup {
+        if let Err(err) = fs::write(file, "0") {
+            return fail(&ctl, "cgroup", format!("{}: {err}", file.display()));
+        }
+    }
     let namespaces = CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWUTS
         | CloneFlags::CLONE_NEWIPC

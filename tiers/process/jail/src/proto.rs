@@ -68,6 +68,9 @@ pub enum HostFrame {
 pub struct Setup {
     /// Must be [`PROTOCOL_VERSION`].
     pub version: u32,
+    /// Files the jail process writes `0` into, in order, to move itself into its cgroup before it creates any
+    /// namespace or process.
+    pub join_cgroup: Vec<PathBuf>,
     /// The read-only lower layer (the Debian rootfs tree) on the host.
     pub lower: PathBuf,
     /// An existing, empty host directory over which the jail mounts its private tmpfs (in its own mount

@@ -214,7 +214,12 @@ impl Jail {
         let mut command = Command::new(format!("/proc/self/fd/{}", binary.as_raw_fd()));
         // The control socket is the jail's stdin: no pre-exec code, so std spawns with posix_spawn (vfork-like)
         // instead of forking this process's whole address space.
-        command.arg0("strata-jail").env_clear().stdin(Stdio::from(jail_end)).stdout(Stdio::null()).stderr(Stdio::inherit());
+        command
+            .arg0("strata-jail")
+            .env_clear()
+            .stdin(Stdio::from(jail_end))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
         let keeper = match command.spawn() {
             Ok(child) => child,
             Err(err) => {
@@ -233,10 +238,11 @@ impl Jail {
             one_shot: config.one_shot,
             ended: false,
         };
-        let keeper_pid = jail.keeper.as_ref().map(Child::id).unwrap_or(0);
-        jail.cgroup.add(keeper_pid)?;
+        // The jail process moves itself into its cgroup (see `Cgroup::self_join_files`) before it does anything
+        // else; nothing runs in the jail outside it.
         let setup = Setup {
             version: PROTOCOL_VERSION,
+            join_cgroup: jail.cgroup.self_join_files(),
             lower: config.lower.clone(),
             scratch_mount: config.scratch_mount.clone(),
             scratch_bytes: config.scratch_bytes,
