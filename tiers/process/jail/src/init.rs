@@ -1,13 +1,14 @@
 //! The jail's own processes: the keeper that the host spawns, and the PID 1 it forks into the new namespaces.
 //!
-//! The host starts `strata-jail` with the control socket as fd [`CONTROL_FD`], puts it in the sandbox's cgroup,
-//! and sends [`HostFrame::Setup`]. The keeper then unshares the mount, UTS, IPC, network, cgroup and PID
-//! namespaces and forks; its child is PID 1 of the new PID namespace. PID 1 builds the filesystem (a private
-//! tmpfs holding the overlay's upper layer over the read-only image, `/proc`, a minimal `/dev`, the grants),
-//! `pivot_root`s into it, brings up loopback in an otherwise empty network namespace and answers
-//! [`JailFrame::Ready`]. Then it serves frames: each job is a child that drops every capability, sets
-//! `no_new_privs`, installs the seccomp filter and `execve`s. PID 1 reaps every process in the namespace. When the
-//! host closes the socket (or dies), PID 1 exits, and the kernel kills everything left in the namespace.
+//! The host starts `strata-jail` with the control socket as its stdin ([`CONTROL_FD`]) and sends
+//! [`HostFrame::Setup`]. The keeper moves itself into the sandbox's cgroup, unshares the mount, UTS, IPC, network,
+//! cgroup and PID namespaces and forks; its child is PID 1 of the new PID namespace. PID 1 creates the jobs' user
+//! namespace, builds the filesystem (a private tmpfs holding the overlay's upper layer over the idmapped read-only
+//! image, `/proc`, a minimal `/dev`, the grants), `pivot_root`s into it, brings up loopback in an otherwise empty
+//! network namespace, installs the seccomp filter on itself (every job inherits it; PID 1 is confined too) and
+//! answers [`JailFrame::Ready`]. Then it serves frames: each job is a child that joins the user namespace as its
+//! root, drops every capability and `execve`s. PID 1 reaps every process in the namespace. When the host closes
+//! the socket (or dies), PID 1 exits, and the kernel kills everything left in the namespace.
 //!
 //! Everything here runs single-threaded, so allocating after `fork` is sound.
 
@@ -29,7 +30,7 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, chdir, execve, fork, pivot_root, sethostname, setsid};
 
 use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
-use crate::seccomp::{self, JailFilters};
+use crate::seccomp;
 use crate::userns::UserNamespace;
 
 /// Where the old root is kept between `pivot_root` and its detachment.
@@ -150,10 +151,15 @@ fn pid1(ctl: OwnedFd, setup: Setup) -> i32 {
     // socket and full capabilities).
     // SAFETY: prctl with PR_SET_DUMPABLE only changes this process's attributes.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) };
+    // The filter goes on PID 1 itself once the jail is built: every job inherits it through fork, so no job
+    // pays for compiling and attaching it, and PID 1 is confined too.
+    if let Err(err) = seccomp::install(&filters) {
+        return fail(&ctl, "seccomp", err.to_string());
+    }
     if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid, notes }, &[]).is_err() {
         return 1;
     }
-    Init { ctl, filters, userns, one_shot: setup.one_shot, job: None }.serve()
+    Init { ctl, userns, one_shot: setup.one_shot, job: None }.serve()
 }
 
 /// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
@@ -346,7 +352,6 @@ fn loopback_up() -> Result<(), Errno> {
 /// PID 1's state while serving.
 struct Init {
     ctl: OwnedFd,
-    filters: JailFilters,
     userns: Option<UserNamespace>,
     one_shot: bool,
     job: Option<Pid>,
@@ -530,9 +535,6 @@ impl Init {
         }
         check!("chdir", chdir(exec.cwd.as_str()));
         check!("capabilities", drop_capabilities());
-        if seccomp::install(&self.filters).is_err() {
-            return ("seccomp", Errno::last());
-        }
         match execve(path, argv, env) {
             Err(errno) => ("exec", errno),
             Ok(never) => match never {},

@@ -3,7 +3,9 @@
 //! Everything not listed fails with `EPERM`. Left out on purpose: `mount` and the new mount API, `pivot_root`,
 //! `chroot`, `ptrace` and `process_vm_*`, `kexec_*`, `bpf`, `perf_event_open`, module loading, the keyring calls,
 //! `setns`, `userfaultfd`, `io_uring_*`, `open_by_handle_at`, swap, reboot, clock setting, `iopl`/`ioperm`,
-//! `acct`, `quotactl`, `syslog`, `personality`. `unshare` and `clone` are allowed only without namespace flags.
+//! `acct`, `quotactl`, `syslog`, `personality`. `unshare` and `clone` are allowed only without namespace flags,
+//! `setns` only into a user namespace (which needs a capability a job no longer has: it is how the jail's PID 1,
+//! which runs under this filter too, moves each job into the jail's user namespace).
 //! `clone3` answers `ENOSYS` (its flags live in memory a filter cannot read), so the C library falls back to
 //! `clone`, whose flags the filter checks. Calls made through another ABI (i386 `int 0x80`) kill the process:
 //! seccompiler checks the architecture first.
@@ -350,6 +352,9 @@ pub fn filters() -> Result<JailFilters, SeccompBuildError> {
     };
     rules.insert(libc::SYS_clone, no_namespaces(CLONE_NAMESPACE_FLAGS)?);
     rules.insert(libc::SYS_unshare, no_namespaces(NAMESPACE_FLAGS)?);
+    let user_ns =
+        SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::CLONE_NEWUSER as u64).map_err(err)?;
+    rules.insert(libc::SYS_setns, vec![SeccompRule::new(vec![user_ns]).map_err(err)?]);
     let allow = SeccompFilter::new(rules, SeccompAction::Errno(libc::EPERM as u32), SeccompAction::Allow, arch)
         .map_err(err)?
         .try_into()
@@ -364,8 +369,8 @@ pub fn filters() -> Result<JailFilters, SeccompBuildError> {
     Ok(JailFilters { allow, enosys })
 }
 
-/// Installs the filters on the calling thread (which also sets `no_new_privs`). The `ENOSYS` filter goes first:
-/// once the allowlist is in, `seccomp` itself is refused.
+/// Installs the filters on the calling thread (which also sets `no_new_privs`); its children inherit them. The
+/// `ENOSYS` filter goes first: once the allowlist is in, `seccomp` itself is refused.
 pub fn install(filters: &JailFilters) -> Result<(), SeccompBuildError> {
     seccompiler::apply_filter(&filters.enosys).map_err(err)?;
     seccompiler::apply_filter(&filters.allow).map_err(err)
@@ -396,7 +401,6 @@ mod tests {
             libc::SYS_finit_module,
             libc::SYS_keyctl,
             libc::SYS_add_key,
-            libc::SYS_setns,
             libc::SYS_userfaultfd,
             libc::SYS_io_uring_setup,
             libc::SYS_open_by_handle_at,
