@@ -4,8 +4,9 @@
 //! Each sandbox is a [`jail::Jail`]: new mount, PID, network, IPC, UTS and cgroup namespaces; an overlayfs whose
 //! read-only lower layer is the Debian rootfs (`strata images build debian`) and whose upper layer is a tmpfs
 //! private to the jail (sized by `Limits::disk`); a private `/proc` with the kernel's knobs read-only, a minimal
-//! `/dev`; grants bind-mounted at their guest paths (read-only ones remounted read-only); loopback only. Jobs run as
-//! root *of the jail* with every capability dropped for good (bounding set, securebits locked), `no_new_privs`, a
+//! `/dev`; grants bind-mounted at their guest paths (read-only ones read-only); loopback only. Jobs run as root *of
+//! the jail* — in a user namespace whose root is host UID [`JAIL_IDS`] (the image and grants are mounted idmapped
+//! through it) — with every capability dropped for good (bounding set, securebits locked), `no_new_privs`, a
 //! seccomp allowlist, and rlimits; the jail's cgroup limits memory (no swap), processes and CPU bandwidth.
 //!
 //! Limits and usage, per DESIGN §3: wall by killing the job (a one-shot jail's PID 1, and with it its whole PID
