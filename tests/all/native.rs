@@ -480,9 +480,20 @@ fn jobs_are_an_unprivileged_host_user_and_die_with_their_session() {
     };
     let mut sandbox =
         engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), &Limits::default()).expect("start");
-    let outcome = sandbox.exec(&sh("sleep 47.25 >/dev/null 2>&1 & id -u"), ExecOptions::default()).expect("exec");
+    // A duration unique to this test process names the background job among the host's processes.
+    let marker = format!("47.{}", std::process::id());
+    let script = format!("sleep {marker} >/dev/null 2>&1 & id -u");
+    let outcome = sandbox.exec(&sh(&script), ExecOptions::default()).expect("exec");
     assert_eq!(stdout(&outcome), "0\n", "root inside the jail");
-    let sleepers = host_processes(&["sleep", "47.25"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let sleepers = loop {
+        // The background shell may not have exec'd `sleep` yet when the job's main process has ended.
+        let found = host_processes(&["sleep", &marker]);
+        if !found.is_empty() || std::time::Instant::now() > deadline {
+            break found;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
     assert_eq!(sleepers.len(), 1, "the background process runs on after its job");
     let status = std::fs::read_to_string(format!("/proc/{}/status", sleepers[0])).expect("status");
     let uid_line = status.lines().find(|l| l.starts_with("Uid:")).expect("Uid line").to_owned();
@@ -494,7 +505,7 @@ fn jobs_are_an_unprivileged_host_user_and_die_with_their_session() {
     }
     sandbox.close().expect("close");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while !host_processes(&["sleep", "47.25"]).is_empty() {
+    while !host_processes(&["sleep", &marker]).is_empty() {
         assert!(std::time::Instant::now() < deadline, "a closed sandbox left a process running");
         std::thread::sleep(std::time::Duration::from_millis(10));
     }

@@ -125,7 +125,19 @@ fn network_and_unregistered_tools_are_refused() {
 }
 
 #[test]
-fn tiers_not_in_this_build_are_a_typed_error() {
+fn a_tier_not_in_this_build_or_the_wrong_tier_is_a_typed_error() {
+    let command = strata_core::Job::Command { argv: vec!["true".into()] };
+    let err = engine()
+        .run_on(
+            TierChoice::Tier(TierKind::Microvm),
+            &command,
+            &Capabilities::default(),
+            &Limits::default(),
+            ExecOptions::default(),
+        )
+        .expect_err("microvm tier");
+    assert_eq!(err.code(), "tier_unavailable", "{err}");
+    // A WebAssembly job on a native tier is refused before the tier starts.
     let err = engine()
         .run_on(
             TierChoice::Tier(TierKind::Process),
@@ -135,7 +147,7 @@ fn tiers_not_in_this_build_are_a_typed_error() {
             ExecOptions::default(),
         )
         .expect_err("process tier");
-    assert_eq!(err.code(), "tier_unavailable", "{err}");
+    assert_eq!(err.code(), "wrong_job", "{err}");
 }
 
 #[test]
