@@ -510,3 +510,52 @@ fn jobs_are_an_unprivileged_host_user_and_die_with_their_session() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
+
+#[test]
+fn kernel_knobs_and_host_views_stay_closed() {
+    for (engine, tier) in native_tiers() {
+        let script = "echo evil > /proc/sys/kernel/hostname 2>/dev/null || echo sysctl-refused; \
+                      for f in keys timer_list kallsyms kcore sysrq-trigger latency_stats; do \
+                        [ -e /proc/$f ] || continue; \
+                        grep -q \" /proc/$f \" /proc/self/mountinfo && echo masked || echo open-$f; done | sort -u; \
+                      grep \" /proc/sys \" /proc/self/mountinfo | cut -d' ' -f6 | cut -d, -f1; \
+                      ls /sys | wc -l; \
+                      cat /proc/1/environ 2>/dev/null || echo pid1-closed; \
+                      ls /proc/1/fd 2>/dev/null || echo pid1-fds-closed; \
+                      mknod /tmp/sda b 8 0 2>/dev/null || echo mknod-refused; \
+                      chroot / true 2>/dev/null || echo chroot-refused";
+        let outcome = run(engine, tier, &sh(script), &Capabilities::default(), &Limits::default());
+        assert_eq!(
+            stdout(&outcome),
+            "sysctl-refused\nmasked\nro\n0\npid1-closed\npid1-fds-closed\nmknod-refused\nchroot-refused\n",
+            "{tier}: {outcome:?}"
+        );
+    }
+}
+
+#[test]
+fn session_files_cannot_leave_the_jail_or_pass_read_only_mounts() {
+    let ro = tempfile::tempdir().expect("tempdir");
+    std::fs::write(ro.path().join("keep.txt"), "original").expect("write");
+    for (engine, tier) in native_tiers() {
+        let caps = Capabilities {
+            grants: vec![Grant::new(ro.path(), "/ro", GrantMode::Ro).expect("grant")],
+            ..Capabilities::default()
+        };
+        let mut sandbox = engine.start(TierChoice::Tier(tier), &caps, &Limits::default()).expect("start");
+        // A job plants links and a FIFO; the host's file API must not follow them out, nor block.
+        let plant = sh("ln -s / /tmp/root-link; ln -s /ro/keep.txt /tmp/ro-link; mkfifo /tmp/fifo; \
+                        ln -s /proc/1/root /tmp/pid1-root");
+        let planted = sandbox.exec(&plant, ExecOptions::default()).expect("plant");
+        assert_eq!(planted.status, Status::Exited { code: 0 }, "{planted:?}");
+        assert_eq!(sandbox.write_file("/ro/keep.txt", b"changed").expect_err("ro grant").code(), "guest_path");
+        assert_eq!(sandbox.write_file("/tmp/ro-link", b"changed").expect_err("link to ro").code(), "guest_path");
+        assert_eq!(std::fs::read_to_string(ro.path().join("keep.txt")).expect("read"), "original");
+        assert_eq!(sandbox.read_file("/tmp/fifo").expect_err("fifo").code(), "guest_path");
+        // Through the link, `/` is the jail's root: the jail's own /etc/hostname, not the host's.
+        assert_eq!(sandbox.read_file("/tmp/root-link/etc/hostname").expect("jail file"), b"strata\n");
+        sandbox.write_file("/tmp/root-link/tmp/through-link", b"x").expect("write through a link inside the jail");
+        assert!(!std::path::Path::new("/tmp/through-link").exists(), "a write escaped to the host");
+        sandbox.close().expect("close");
+    }
+}
