@@ -1,0 +1,1 @@
+//! The host <-> guest agent protocol (DESIGN §4): versioned, length-prefixed bincode frames. (work in progress).

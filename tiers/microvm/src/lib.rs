@@ -1,0 +1,1 @@
+//! Strata's microVM tier (work in progress).
