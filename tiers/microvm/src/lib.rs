@@ -1,1 +1,14 @@
-//! Strata's microVM tier (work in progress).
+//! Strata's microVM tier: a KVM monitor in the spirit of Firecracker, on the rust-vmm crates.
+//!
+//! - [`vstate`]: the KVM VM (irqchip, PIT, clock), vCPUs (registers, CPUID, MSRs, the run loop and its exits) and
+//!   memfd-backed guest memory.
+//! - [`boot`]: direct 64-bit Linux boot (boot params, GDT, identity page tables, command line).
+//! - [`devices`]: the buses the vCPUs' port and MMIO exits dispatch to, the serial console, and the virtio-mmio
+//!   devices (vsock, block). Every guest-controlled value is bounds-checked: a hostile guest breaks its own device,
+//!   never the host.
+
+#![warn(missing_docs)]
+
+pub mod boot;
+pub mod devices;
+pub mod vstate;

@@ -1,0 +1,1 @@
+//! Loading and entering a Linux kernel.

@@ -1,0 +1,4 @@
+//! Devices and the buses vCPU exits dispatch to.
+
+pub mod bus;
+pub mod virtio;

@@ -1,0 +1,1 @@
+//! virtio devices over the MMIO transport.

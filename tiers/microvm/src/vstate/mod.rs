@@ -1,0 +1,1 @@
+//! KVM state: the VM, its vCPUs and guest memory.
