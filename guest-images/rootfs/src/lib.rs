@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 mod build;
+pub mod initramfs;
 mod mirror;
 mod mounts;
 mod post_build;
