@@ -66,7 +66,8 @@ fn read(path: &str) -> String {
     fs::read_to_string(path).unwrap_or_default()
 }
 
-fn kvm() -> KvmReport {
+/// What `/dev/kvm` is on this host.
+pub fn kvm() -> KvmReport {
     if !Path::new("/dev/kvm").exists() {
         return KvmReport { kind: "none", detail: "no /dev/kvm".into() };
     }

@@ -317,9 +317,7 @@ impl Engine {
         match tier {
             TierKind::Wasm => Ok(&self.wasm),
             TierKind::Process => Ok(self.process()?),
-            TierKind::Microvm => {
-                Err(EngineError::TierUnavailable { tier, reason: "not part of this build yet".into() })
-            }
+            TierKind::Microvm => Err(EngineError::TierUnavailable { tier, reason: microvm_unavailable() }),
         }
     }
 
@@ -358,6 +356,16 @@ impl Engine {
             TierChoice::Tier(tier) => tier,
         };
         Ok(self.tier(tier)?.start(caps, limits)?)
+    }
+}
+
+/// Why the microVM tier cannot take a job on this host, decided at once from what `/dev/kvm` is (never by trying
+/// to boot and waiting).
+fn microvm_unavailable() -> String {
+    let kvm = doctor::kvm();
+    match kvm.kind {
+        "hardware" => "Linux guests are not wired to the monitor yet (this host has hardware KVM)".into(),
+        _ => format!("{} (run `strata doctor`)", kvm.detail),
     }
 }
 

@@ -66,6 +66,10 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     output_limit: Option<ByteSize>,
 
+    /// Virtual CPUs of a microVM; on the process tier, the jail's CPU bandwidth in whole CPUs.
+    #[arg(long, value_name = "N")]
+    vcpus: Option<u32>,
+
     /// Processes and threads the job may have at once (process and microVM tiers).
     #[arg(long, value_name = "N")]
     pids: Option<u32>,
@@ -187,6 +191,7 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
         output: args.output_limit,
         pids: args.pids,
         disk: args.disk,
+        vcpus: args.vcpus,
         ..LimitsOverride::default()
     };
     let limits = flags.apply(&policy.limits);
