@@ -293,15 +293,6 @@ impl Cgroup {
         Ok(())
     }
 
-    /// Moves a process (and its future children) into the cgroup.
-    pub fn add(&self, pid: u32) -> Result<(), CgroupError> {
-        for (_, dir) in &self.dirs {
-            let path = dir.join("cgroup.procs");
-            fs::write(&path, pid.to_string()).map_err(io_err(&path))?;
-        }
-        Ok(())
-    }
-
     /// The files a single-threaded process writes `0` into to move itself into the cgroup: v1's per-thread
     /// `tasks` (a thread moving itself skips the global lock that moving a whole process by PID through
     /// `cgroup.procs` takes, which waits for an RCU grace period: 7–15 ms on an idle host), v2's `cgroup.procs`.
