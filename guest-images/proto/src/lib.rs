@@ -1,1 +1,33 @@
-//! The host <-> guest agent protocol (DESIGN §4): versioned, length-prefixed bincode frames. (work in progress).
+//! The host <-> guest agent protocol (DESIGN §4): versioned, length-prefixed bincode frames.
+//!
+//! A connection carries frames in both directions: a `u32` little-endian body length (at most [`MAX_FRAME`])
+//! and a bincode-encoded body (serde, bincode's standard configuration). The host sends [`HostMessage`]s, the
+//! agent [`GuestMessage`]s. The first exchange is `Hello` both ways; the agent answers with its
+//! [`PROTOCOL_VERSION`], and the connection is only used when the versions are equal.
+//!
+//! - [`message`]: the messages.
+//! - [`frame`]: [`FrameReader`] and [`FrameWriter`], which refuse oversize, truncated and malformed frames with
+//!   a typed [`FrameError`].
+//! - [`transport`]: the byte streams ([`Transport`]): a Unix socket on the host, AF_VSOCK in a guest.
+//! - [`client`]: [`AgentClient`], the host's side, which trusts nothing the agent sends.
+
+pub mod client;
+pub mod frame;
+pub mod message;
+pub mod transport;
+
+pub use client::{AgentClient, AgentInfo, ClientConfig, ClientError, ExecControl, ExecEvent, ExecHandle, ExitReport};
+pub use frame::{FrameError, FrameReader, FrameWriter, MAX_FRAME};
+pub use message::{
+    Bytes, Entropy, ExecLimits, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId, Rusage,
+};
+pub use transport::{Transport, VsockListener, VsockStream};
+
+/// The protocol version both sides must speak. Raise it with any change to a message.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The largest piece of output, stdin or file data in one message.
+pub const MAX_CHUNK: usize = 64 * 1024;
+
+/// The vsock port the agent listens on unless told otherwise.
+pub const DEFAULT_AGENT_PORT: u32 = 1024;

@@ -1,0 +1,929 @@
+//! The host's side of a connection to the agent.
+//!
+//! [`AgentClient::connect`] shakes hands, then a reader thread owns the receiving half: it reads every frame
+//! and routes it by [`RequestId`] to the request waiting for it, through a bounded queue (a slow consumer slows
+//! the connection down rather than growing memory: at most [`ROUTE_QUEUE`] frames of [`MAX_FRAME`] bytes wait
+//! per request). Any thread may start requests; an exec's output is consumed through its [`ExecHandle`].
+//!
+//! Nothing the agent sends is trusted. A frame that is oversize, truncated or not a message, an answer to a
+//! request never made, or a second `Hello` ends the connection with a typed error that every waiting request
+//! receives. A message of the wrong kind for its request, a chunk over [`MAX_CHUNK`], output beyond the cap the
+//! host asked for, more file bytes than `max`, or an impossible exit status fails that request.
+//!
+//! Do not call a client method that waits for an answer from inside an exec's output callback: the answer may
+//! be queued behind that exec's own output.
+
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::frame::{FrameError, FrameReader, FrameWriter, decode, peek_hello_version};
+use crate::message::{
+    Bytes, Entropy, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId, Rusage,
+};
+use crate::transport::Transport;
+use crate::{MAX_CHUNK, MAX_FRAME, PROTOCOL_VERSION};
+
+/// Frames that may wait, per request, for the thread consuming them.
+pub const ROUTE_QUEUE: usize = 16;
+
+/// A failed request or connection.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClientError {
+    /// The agent speaks another protocol version.
+    #[error("the agent speaks protocol version {agent}, the host {host}")]
+    VersionMismatch {
+        /// [`PROTOCOL_VERSION`].
+        host: u32,
+        /// The agent's.
+        agent: u32,
+    },
+    /// A frame could not be read or written.
+    #[error("agent connection")]
+    Frame(#[source] FrameError),
+    /// The agent closed the connection (or the client was shut down).
+    #[error("the agent closed the connection")]
+    Disconnected,
+    /// No answer in time.
+    #[error("no answer from the agent within {0:?}")]
+    Timeout(Duration),
+    /// The agent answered a request that was never made.
+    #[error("the agent sent {kind} for request {id}, which was never made")]
+    UnknownRequest {
+        /// The message's variant.
+        kind: &'static str,
+        /// The id it named.
+        id: RequestId,
+    },
+    /// The agent broke the protocol for one request (or, for `Hello`, the connection).
+    #[error("protocol violation by the agent: {what}")]
+    Violation {
+        /// What it did.
+        what: String,
+    },
+    /// The agent refused a request (or the connection) with [`GuestMessage::Error`].
+    #[error("the agent refused: {message}")]
+    Refused {
+        /// The agent's message.
+        message: String,
+    },
+    /// The exec could not start (`ENOENT`: no such program).
+    #[error("exec failed (errno {errno}): {message}")]
+    ExecFailed {
+        /// The guest's OS error number.
+        errno: i32,
+        /// The agent's message.
+        message: String,
+    },
+    /// A file operation failed in the guest.
+    #[error("file operation failed (errno {errno}): {message}")]
+    File {
+        /// The guest's OS error number.
+        errno: i32,
+        /// The agent's message.
+        message: String,
+    },
+}
+
+impl From<FrameError> for ClientError {
+    fn from(err: FrameError) -> Self {
+        ClientError::Frame(err)
+    }
+}
+
+fn violation(what: impl Into<String>) -> ClientError {
+    ClientError::Violation { what: what.into() }
+}
+
+/// Client settings.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientConfig {
+    /// How long the handshake and each answer to a non-exec request (start of an exec, file chunk, snapshot
+    /// step) may take; `None` waits forever. An exec's output and exit are waited for with
+    /// [`ExecHandle::next_event`]'s own timeout.
+    pub timeout: Option<Duration>,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig { timeout: Some(Duration::from_secs(30)) }
+    }
+}
+
+/// What the agent said about itself in the handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentInfo {
+    /// The protocol version (equal to [`PROTOCOL_VERSION`]).
+    pub version: u32,
+    /// The agent's crate version.
+    pub agent_version: String,
+    /// The guest kernel's release.
+    pub kernel: String,
+}
+
+/// How an exec ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitReport {
+    /// Exit code or signal.
+    pub status: ExitStatus,
+    /// CPU time and peak memory.
+    pub rusage: Rusage,
+    /// The guest's OOM killer ended it: the memory limit.
+    pub oom_killed: bool,
+    /// Bytes it wrote to standard output, forwarded or not.
+    pub stdout_bytes: u64,
+    /// Bytes it wrote to standard error, forwarded or not.
+    pub stderr_bytes: u64,
+}
+
+/// One step of a running exec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecEvent {
+    /// A chunk of output.
+    Output {
+        /// Which stream.
+        stream: OutputStream,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// It ended; no more events follow.
+    Exited(ExitReport),
+}
+
+type Shutdown = Box<dyn Fn() + Send + Sync>;
+
+struct Shared {
+    writer: Mutex<FrameWriter<Box<dyn Write + Send>>>,
+    shutdown: Shutdown,
+    routes: Mutex<Routes>,
+    next_id: AtomicU64,
+    timeout: Option<Duration>,
+}
+
+struct Routes {
+    open: HashMap<RequestId, SyncSender<GuestMessage>>,
+    /// Why the connection ended, once it has.
+    failure: Option<ClientError>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shared {
+    fn send(&self, message: &HostMessage) -> Result<(), ClientError> {
+        let result = lock(&self.writer).write(message);
+        result.map_err(|err| match err {
+            // A write fails when the connection is gone; the reader knows why.
+            FrameError::Io(_) => lock(&self.routes).failure.clone().unwrap_or(ClientError::Frame(err)),
+            other => ClientError::Frame(other),
+        })
+    }
+
+    fn open_route(self: &Arc<Self>) -> Result<Route, ClientError> {
+        let (tx, rx) = mpsc::sync_channel(ROUTE_QUEUE);
+        let mut routes = lock(&self.routes);
+        if let Some(failure) = &routes.failure {
+            return Err(failure.clone());
+        }
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        routes.open.insert(id, tx);
+        Ok(Route { id, rx, shared: Arc::clone(self) })
+    }
+
+    fn failure(&self) -> ClientError {
+        lock(&self.routes).failure.clone().unwrap_or(ClientError::Disconnected)
+    }
+
+    /// Ends the connection for every request: records why, drops every route's sender.
+    fn fail(&self, err: ClientError) {
+        let mut routes = lock(&self.routes);
+        routes.failure.get_or_insert(err);
+        routes.open.clear();
+    }
+
+    /// Hands one message to the request it answers.
+    fn dispatch(&self, message: GuestMessage) -> Result<(), ClientError> {
+        let Some(id) = message.request_id() else {
+            return Err(match message {
+                GuestMessage::Error { message, .. } => ClientError::Refused { message },
+                other => violation(format!("{} after the handshake", other.kind())),
+            });
+        };
+        if id.0 >= self.next_id.load(Ordering::Relaxed) {
+            return Err(ClientError::UnknownRequest { kind: message.kind(), id });
+        }
+        // Clone the sender and let go of the table: sending may wait for the consumer, which may itself be
+        // removing its route.
+        let route = lock(&self.routes).open.get(&id).cloned();
+        if let Some(route) = route {
+            // The consumer may have gone in the meantime; then the message is dropped like a late one.
+            let _ = route.send(message);
+        }
+        // No route: an answer to a request the host gave up on (a dropped handle); drop it.
+        Ok(())
+    }
+}
+
+/// The receiving end of one request; unregisters itself when dropped.
+struct Route {
+    id: RequestId,
+    rx: Receiver<GuestMessage>,
+    shared: Arc<Shared>,
+}
+
+impl Route {
+    fn recv(&self, timeout: Option<Duration>) -> Result<GuestMessage, ClientError> {
+        match timeout {
+            None => self.rx.recv().map_err(|_| self.shared.failure()),
+            Some(timeout) => self.rx.recv_timeout(timeout).map_err(|err| match err {
+                RecvTimeoutError::Timeout => ClientError::Timeout(timeout),
+                RecvTimeoutError::Disconnected => self.shared.failure(),
+            }),
+        }
+    }
+
+    /// A message that has already arrived, if any.
+    fn try_recv(&self) -> Result<Option<GuestMessage>, ClientError> {
+        match self.rx.try_recv() {
+            Ok(message) => Ok(Some(message)),
+            Err(TryRecvError::Empty) => Ok(None),
+            Err(TryRecvError::Disconnected) => Err(self.shared.failure()),
+        }
+    }
+}
+
+impl Drop for Route {
+    fn drop(&mut self) {
+        lock(&self.shared.routes).open.remove(&self.id);
+    }
+}
+
+/// A connection to a guest agent.
+pub struct AgentClient {
+    shared: Arc<Shared>,
+    reader: Option<JoinHandle<()>>,
+    info: AgentInfo,
+}
+
+impl std::fmt::Debug for AgentClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentClient").field("info", &self.info).finish_non_exhaustive()
+    }
+}
+
+fn io_error(err: io::Error) -> ClientError {
+    ClientError::Frame(FrameError::Io(err))
+}
+
+impl AgentClient {
+    /// Shakes hands over `transport` and starts the reader thread.
+    pub fn connect<T: Transport>(transport: T, config: ClientConfig) -> Result<AgentClient, ClientError> {
+        let shutdown_handle = Mutex::new(transport.try_clone().map_err(io_error)?);
+        let shutdown: Shutdown = Box::new(move || {
+            let _ = lock(&shutdown_handle).shutdown();
+        });
+        let writer: Box<dyn Write + Send> = Box::new(transport.try_clone().map_err(io_error)?);
+        let mut writer = FrameWriter::new(writer);
+        transport.set_read_timeout(config.timeout).map_err(io_error)?;
+        let mut reader = FrameReader::new(transport);
+        let info = handshake(&mut writer, &mut reader).map_err(|err| {
+            shutdown();
+            match (err, config.timeout) {
+                (ClientError::Frame(FrameError::Io(io)), Some(timeout))
+                    if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+                {
+                    ClientError::Timeout(timeout)
+                }
+                (ClientError::Frame(FrameError::Io(io)), _)
+                    if matches!(io.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) =>
+                {
+                    ClientError::Disconnected
+                }
+                (err, _) => err,
+            }
+        })?;
+        reader.get_ref().set_read_timeout(None).map_err(io_error)?;
+        let shared = Arc::new(Shared {
+            writer: Mutex::new(writer),
+            shutdown,
+            routes: Mutex::new(Routes { open: HashMap::new(), failure: None }),
+            next_id: AtomicU64::new(1),
+            timeout: config.timeout,
+        });
+        let for_reader = Arc::clone(&shared);
+        let reader = std::thread::Builder::new()
+            .name("agent-client".into())
+            .spawn(move || read_loop(reader, &for_reader))
+            .map_err(io_error)?;
+        Ok(AgentClient { shared, reader: Some(reader), info })
+    }
+
+    /// What the agent said about itself.
+    pub fn info(&self) -> &AgentInfo {
+        &self.info
+    }
+
+    /// Starts an exec; returns once the agent reports it running.
+    pub fn start(&self, request: &ExecRequest) -> Result<ExecHandle, ClientError> {
+        let route = self.shared.open_route()?;
+        self.shared.send(&HostMessage::Exec { id: route.id, request: request.clone() })?;
+        match route.recv(self.shared.timeout)? {
+            GuestMessage::Started { pid, .. } => {
+                Ok(ExecHandle { route, pid, output_cap: request.limits.output, forwarded: [0, 0], exited: false })
+            }
+            GuestMessage::ExecFailed { errno, message, .. } => Err(ClientError::ExecFailed { errno, message }),
+            GuestMessage::Error { message, .. } => Err(ClientError::Refused { message }),
+            other => Err(violation(format!("{} before Started", other.kind()))),
+        }
+    }
+
+    /// Runs an exec to its end: feeds it `stdin` (when [`ExecRequest::stdin`] is set) and hands each output
+    /// chunk to `on_output` as it arrives.
+    pub fn exec(
+        &self,
+        request: &ExecRequest,
+        stdin: &[u8],
+        on_output: impl FnMut(OutputStream, &[u8]),
+    ) -> Result<ExitReport, ClientError> {
+        let handle = self.start(request)?;
+        if !request.stdin {
+            return handle.wait(on_output);
+        }
+        let control = handle.control();
+        std::thread::scope(|scope| {
+            scope.spawn(move || {
+                // A failure here (the exec closed its stdin, the connection died) shows in `wait`.
+                let _ = control.write_stdin(stdin).and_then(|()| control.close_stdin());
+            });
+            handle.wait(on_output)
+        })
+    }
+
+    /// Signals a running exec's process group by id (see [`ExecHandle::control`] for a handle).
+    pub fn signal(&self, id: RequestId, signal: i32) -> Result<(), ClientError> {
+        self.shared.send(&HostMessage::Signal { id, signal })
+    }
+
+    /// Writes a file in the guest (atomically: it appears complete or not at all).
+    pub fn write_file(&self, path: &str, mode: u32, data: &[u8]) -> Result<(), ClientError> {
+        let route = self.shared.open_route()?;
+        let mut chunks = data.chunks(MAX_CHUNK).peekable();
+        if chunks.peek().is_none() {
+            let message = HostMessage::WriteFile {
+                id: route.id,
+                path: path.to_owned(),
+                mode,
+                data: Bytes::default(),
+                last: true,
+            };
+            self.shared.send(&message)?;
+        }
+        while let Some(chunk) = chunks.next() {
+            let last = chunks.peek().is_none();
+            let message =
+                HostMessage::WriteFile { id: route.id, path: path.to_owned(), mode, data: chunk.into(), last };
+            self.shared.send(&message)?;
+            if last {
+                break;
+            }
+            // A failed write answers at once: stop sending (a final empty chunk lets the agent forget the id).
+            if let Some(answer) = route.try_recv()? {
+                let end = HostMessage::WriteFile {
+                    id: route.id,
+                    path: path.to_owned(),
+                    mode,
+                    data: Bytes::default(),
+                    last: true,
+                };
+                self.shared.send(&end)?;
+                return file_answer(answer);
+            }
+        }
+        file_answer(route.recv(self.shared.timeout)?)
+    }
+
+    /// Reads a regular file from the guest; a file larger than `max` bytes is an error (`EFBIG`).
+    pub fn read_file(&self, path: &str, max: u64) -> Result<Vec<u8>, ClientError> {
+        let route = self.shared.open_route()?;
+        self.shared.send(&HostMessage::ReadFile { id: route.id, path: path.to_owned(), max })?;
+        let mut data = Vec::new();
+        loop {
+            match route.recv(self.shared.timeout)? {
+                GuestMessage::FileData { data: chunk, .. } => {
+                    if chunk.len() > MAX_CHUNK {
+                        return Err(violation(format!("a file chunk of {} bytes", chunk.len())));
+                    }
+                    if data.len() as u64 + chunk.len() as u64 > max {
+                        return Err(violation(format!("more than the {max} bytes asked for of {path}")));
+                    }
+                    data.extend_from_slice(&chunk);
+                }
+                GuestMessage::FileDone { size, .. } if size == data.len() as u64 => return Ok(data),
+                GuestMessage::FileDone { size, .. } => {
+                    return Err(violation(format!("FileDone says {size} bytes after {} bytes", data.len())));
+                }
+                GuestMessage::FileError { errno, message, .. } => return Err(ClientError::File { errno, message }),
+                GuestMessage::Error { message, .. } => return Err(ClientError::Refused { message }),
+                other => return Err(violation(format!("{} in answer to ReadFile", other.kind()))),
+            }
+        }
+    }
+
+    /// Asks the agent to quiesce before a snapshot.
+    pub fn prepare_snapshot(&self) -> Result<(), ClientError> {
+        self.ack_request(|id| HostMessage::PrepareSnapshot { id })
+    }
+
+    /// Tells a restored guest to reseed its randomness and set its clock.
+    pub fn after_restore(&self, entropy: [u8; Entropy::LEN], unix_time_ns: u64) -> Result<(), ClientError> {
+        self.ack_request(|id| HostMessage::AfterRestore { id, entropy: Entropy(entropy), unix_time_ns })
+    }
+
+    fn ack_request(&self, message: impl FnOnce(RequestId) -> HostMessage) -> Result<(), ClientError> {
+        let route = self.shared.open_route()?;
+        self.shared.send(&message(route.id))?;
+        match route.recv(self.shared.timeout)? {
+            GuestMessage::Ack { .. } => Ok(()),
+            GuestMessage::Error { message, .. } => Err(ClientError::Refused { message }),
+            other => Err(violation(format!("{} instead of Ack", other.kind()))),
+        }
+    }
+
+    /// Asks the agent to flush and power the guest off, and closes the connection.
+    pub fn power_off(self) -> Result<(), ClientError> {
+        self.shared.send(&HostMessage::PowerOff)
+    }
+
+    /// Whether the connection has ended, and why.
+    pub fn failure(&self) -> Option<ClientError> {
+        lock(&self.shared.routes).failure.clone()
+    }
+}
+
+impl Drop for AgentClient {
+    fn drop(&mut self) {
+        (self.shared.shutdown)();
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+}
+
+fn handshake<W: Write, T: Transport>(
+    writer: &mut FrameWriter<W>,
+    reader: &mut FrameReader<T>,
+) -> Result<AgentInfo, ClientError> {
+    writer.write(&HostMessage::Hello { version: PROTOCOL_VERSION })?;
+    let body = reader.read_body()?.ok_or(ClientError::Disconnected)?;
+    if let Some(agent) = peek_hello_version(body).filter(|&v| v != PROTOCOL_VERSION) {
+        return Err(ClientError::VersionMismatch { host: PROTOCOL_VERSION, agent });
+    }
+    match decode::<GuestMessage>(body)? {
+        GuestMessage::Hello { version, agent_version, kernel } => Ok(AgentInfo { version, agent_version, kernel }),
+        GuestMessage::Error { message, .. } => Err(ClientError::Refused { message }),
+        other => Err(violation(format!("{} instead of Hello", other.kind()))),
+    }
+}
+
+fn read_loop<T: Transport>(mut reader: FrameReader<T>, shared: &Shared) {
+    let failure = loop {
+        match reader.read::<GuestMessage>() {
+            Ok(Some(message)) => {
+                if let Err(err) = shared.dispatch(message) {
+                    break err;
+                }
+            }
+            Ok(None) => break ClientError::Disconnected,
+            Err(err) => break ClientError::Frame(err),
+        }
+    };
+    shared.fail(failure);
+    // A broken stream cannot be resynchronised: end it for the agent too.
+    (shared.shutdown)();
+}
+
+/// Controls a running exec from any thread.
+#[derive(Clone)]
+pub struct ExecControl {
+    id: RequestId,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for ExecControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecControl").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+impl ExecControl {
+    /// The exec's id.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Sends bytes to the exec's standard input (in chunks of at most [`MAX_CHUNK`]).
+    pub fn write_stdin(&self, data: &[u8]) -> Result<(), ClientError> {
+        for chunk in data.chunks(MAX_CHUNK) {
+            self.shared.send(&HostMessage::StdinData { id: self.id, data: chunk.into() })?;
+        }
+        Ok(())
+    }
+
+    /// Closes the exec's standard input.
+    pub fn close_stdin(&self) -> Result<(), ClientError> {
+        self.shared.send(&HostMessage::StdinClose { id: self.id })
+    }
+
+    /// Sends `signal` to the exec's process group.
+    pub fn signal(&self, signal: i32) -> Result<(), ClientError> {
+        self.shared.send(&HostMessage::Signal { id: self.id, signal })
+    }
+}
+
+/// A running exec.
+pub struct ExecHandle {
+    route: Route,
+    pid: i32,
+    output_cap: Option<u64>,
+    forwarded: [u64; 2],
+    exited: bool,
+}
+
+impl std::fmt::Debug for ExecHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecHandle").field("id", &self.route.id).field("pid", &self.pid).finish_non_exhaustive()
+    }
+}
+
+impl ExecHandle {
+    /// The exec's id.
+    pub fn id(&self) -> RequestId {
+        self.route.id
+    }
+
+    /// Its PID in the guest.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// A handle for stdin and signals, usable from other threads while this one waits.
+    pub fn control(&self) -> ExecControl {
+        ExecControl { id: self.route.id, shared: Arc::clone(&self.route.shared) }
+    }
+
+    /// The next output chunk or the exit; [`ClientError::Timeout`] when nothing arrives within `timeout`.
+    pub fn next_event(&mut self, timeout: Option<Duration>) -> Result<ExecEvent, ClientError> {
+        if self.exited {
+            return Err(violation("the exec has already exited"));
+        }
+        match self.route.recv(timeout)? {
+            GuestMessage::Output { stream, data, .. } => {
+                let index = usize::from(stream == OutputStream::Stderr);
+                if data.len() > MAX_CHUNK {
+                    return Err(violation(format!("an output chunk of {} bytes", data.len())));
+                }
+                let total = self.forwarded[index].saturating_add(data.len() as u64);
+                if self.output_cap.is_some_and(|cap| total > cap) {
+                    return Err(violation(format!("{stream:?} beyond the {total}-byte cap")));
+                }
+                self.forwarded[index] = total;
+                Ok(ExecEvent::Output { stream, data: data.0 })
+            }
+            GuestMessage::Exited { status, rusage, oom_killed, stdout_bytes, stderr_bytes, .. } => {
+                if !status.is_valid() {
+                    return Err(violation(format!("exit status {status:?}")));
+                }
+                if stdout_bytes < self.forwarded[0] || stderr_bytes < self.forwarded[1] {
+                    return Err(violation("output totals below the bytes forwarded"));
+                }
+                self.exited = true;
+                Ok(ExecEvent::Exited(ExitReport { status, rusage, oom_killed, stdout_bytes, stderr_bytes }))
+            }
+            GuestMessage::Error { message, .. } => Err(ClientError::Refused { message }),
+            other => Err(violation(format!("{} during an exec", other.kind()))),
+        }
+    }
+
+    /// Waits for the exit, handing each output chunk to `on_output`.
+    pub fn wait(mut self, mut on_output: impl FnMut(OutputStream, &[u8])) -> Result<ExitReport, ClientError> {
+        loop {
+            match self.next_event(None)? {
+                ExecEvent::Output { stream, data } => on_output(stream, &data),
+                ExecEvent::Exited(report) => return Ok(report),
+            }
+        }
+    }
+}
+
+// A chunk and its message's other fields fit in a frame.
+const _: () = assert!(MAX_CHUNK + 4096 <= MAX_FRAME);
+
+fn file_answer(answer: GuestMessage) -> Result<(), ClientError> {
+    match answer {
+        GuestMessage::Ack { .. } => Ok(()),
+        GuestMessage::FileError { errno, message, .. } => Err(ClientError::File { errno, message }),
+        GuestMessage::Error { message, .. } => Err(ClientError::Refused { message }),
+        other => Err(violation(format!("{} in answer to WriteFile", other.kind()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixStream;
+    use std::thread;
+
+    use super::*;
+    use crate::message::{ExecLimits, ExecRequest};
+
+    type Reader = FrameReader<UnixStream>;
+    type Writer = FrameWriter<UnixStream>;
+
+    /// Connects a client to a fake agent running `script` on the other end of a socket pair.
+    fn fake_agent(
+        config: ClientConfig,
+        script: impl FnOnce(&mut Reader, &mut Writer) + Send + 'static,
+    ) -> (Result<AgentClient, ClientError>, thread::JoinHandle<()>) {
+        let (host, guest) = UnixStream::pair().expect("pair");
+        let agent = thread::spawn(move || {
+            let mut writer = FrameWriter::new(guest.try_clone().expect("clone"));
+            let mut reader = FrameReader::new(guest);
+            script(&mut reader, &mut writer);
+        });
+        (AgentClient::connect(host, config), agent)
+    }
+
+    fn hello(reader: &mut Reader, writer: &mut Writer) {
+        let message: HostMessage = reader.read().expect("read").expect("hello");
+        assert_eq!(message, HostMessage::Hello { version: PROTOCOL_VERSION });
+        let hello =
+            GuestMessage::Hello { version: PROTOCOL_VERSION, agent_version: "fake".into(), kernel: "none".into() };
+        writer.write(&hello).expect("write");
+    }
+
+    /// Reads the client's next request and returns its id.
+    fn next_id(reader: &mut Reader) -> RequestId {
+        match reader.read::<HostMessage>().expect("read").expect("message") {
+            HostMessage::Exec { id, .. }
+            | HostMessage::ReadFile { id, .. }
+            | HostMessage::WriteFile { id, .. }
+            | HostMessage::PrepareSnapshot { id }
+            | HostMessage::AfterRestore { id, .. } => id,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    fn sleep_request(output: Option<u64>) -> ExecRequest {
+        ExecRequest {
+            argv: vec!["sleep".into()],
+            limits: ExecLimits { output, ..ExecLimits::default() },
+            ..ExecRequest::default()
+        }
+    }
+
+    /// Waits until the fake agent's socket end is closed by the client.
+    fn until_closed(reader: &mut Reader) {
+        while let Ok(Some(_)) = reader.read::<HostMessage>() {}
+    }
+
+    #[test]
+    fn handshake_reports_the_agent() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        assert_eq!(client.info().agent_version, "fake");
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn a_version_mismatch_is_typed_even_when_hello_changed_shape() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            let _: Option<HostMessage> = r.read().expect("read");
+            // A future agent's Hello: version 99, then fields this version does not know.
+            let body = crate::frame::encode(&(0u32, 99u32, 1.5f64, vec![1u8, 2, 3])).expect("encode");
+            w.write_body(&body).expect("write");
+        });
+        let err = client.expect_err("mismatch");
+        assert!(matches!(err, ClientError::VersionMismatch { host: PROTOCOL_VERSION, agent: 99 }), "{err}");
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn a_silent_agent_times_out_and_a_closed_one_disconnects() {
+        let config = ClientConfig { timeout: Some(Duration::from_millis(100)) };
+        let (client, agent) = fake_agent(config, |r, _| until_closed(r));
+        assert!(matches!(client.expect_err("timeout"), ClientError::Timeout(_)));
+        agent.join().expect("agent");
+
+        let (client, agent) = fake_agent(ClientConfig::default(), |_, _| {});
+        assert!(matches!(client.expect_err("closed"), ClientError::Disconnected));
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn an_oversize_frame_fails_the_waiting_exec_without_allocating() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let _ = next_id(r);
+            w.get_ref().try_clone().expect("clone").write_all(&u32::MAX.to_le_bytes()).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let err = client.start(&sleep_request(None)).expect_err("oversize");
+        assert!(matches!(err, ClientError::Frame(FrameError::TooLarge { .. })), "{err}");
+        // The connection is over for every later request too.
+        assert!(matches!(client.read_file("/x", 10), Err(ClientError::Frame(FrameError::TooLarge { .. }))));
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn a_truncated_frame_is_typed() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let _ = next_id(r);
+            let mut raw = w.get_ref().try_clone().expect("clone");
+            raw.write_all(&100u32.to_le_bytes()).expect("write");
+            raw.write_all(&[1; 10]).expect("write");
+            raw.shutdown(std::net::Shutdown::Write).expect("shutdown");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let err = client.read_file("/etc/hostname", 100).expect_err("truncated");
+        assert!(matches!(err, ClientError::Frame(FrameError::Truncated { part: "body", got: 10, .. })), "{err}");
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn garbage_from_the_agent_is_malformed() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let _ = next_id(r);
+            w.write_body(&[0xfe, 0xff, 0x00, 0x13]).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let err = client.prepare_snapshot().expect_err("garbage");
+        assert!(matches!(err, ClientError::Frame(FrameError::Malformed { .. })), "{err}");
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn an_exit_for_a_request_never_made_ends_the_connection() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let id = next_id(r);
+            w.write(&GuestMessage::Started { id, pid: 7 }).expect("write");
+            let exited = GuestMessage::Exited {
+                id: RequestId(12345),
+                status: ExitStatus::Code(0),
+                rusage: Rusage::default(),
+                oom_killed: false,
+                stdout_bytes: 0,
+                stderr_bytes: 0,
+            };
+            w.write(&exited).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let mut handle = client.start(&sleep_request(None)).expect("start");
+        let err = handle.next_event(Some(Duration::from_secs(5))).expect_err("unknown id");
+        assert!(matches!(err, ClientError::UnknownRequest { kind: "Exited", id: RequestId(12345) }), "{err}");
+        drop(handle);
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn an_answer_to_an_abandoned_request_is_dropped() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let first = next_id(r);
+            w.write(&GuestMessage::Started { id: first, pid: 7 }).expect("write");
+            let second = next_id(r);
+            // Output for the first exec, whose handle the host has dropped.
+            let output =
+                GuestMessage::Output { id: first, stream: OutputStream::Stdout, data: b"late".as_slice().into() };
+            w.write(&output).expect("write");
+            w.write(&GuestMessage::Ack { id: second }).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        drop(client.start(&sleep_request(None)).expect("start"));
+        client.prepare_snapshot().expect("the connection survives a late answer");
+        assert!(client.failure().is_none());
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn output_beyond_the_cap_or_the_chunk_size_and_bad_exits_are_violations() {
+        type Event = fn(RequestId) -> GuestMessage;
+        let cases: [(Option<u64>, Event); 4] = [
+            (Some(4), |id| GuestMessage::Output { id, stream: OutputStream::Stderr, data: vec![0; 5].into() }),
+            (None, |id| GuestMessage::Output { id, stream: OutputStream::Stdout, data: vec![0; MAX_CHUNK + 1].into() }),
+            (None, |id| GuestMessage::Exited {
+                id,
+                status: ExitStatus::Signal(4096),
+                rusage: Rusage::default(),
+                oom_killed: false,
+                stdout_bytes: 0,
+                stderr_bytes: 0,
+            }),
+            (None, |id| GuestMessage::FileDone { id, size: 1 }),
+        ];
+        for (cap, event) in cases {
+            let (client, agent) = fake_agent(ClientConfig::default(), move |r, w| {
+                hello(r, w);
+                let id = next_id(r);
+                w.write(&GuestMessage::Started { id, pid: 7 }).expect("write");
+                w.write(&event(id)).expect("write");
+                until_closed(r);
+            });
+            let client = client.expect("connect");
+            let mut handle = client.start(&sleep_request(cap)).expect("start");
+            let err = handle.next_event(Some(Duration::from_secs(5))).expect_err("violation");
+            assert!(matches!(err, ClientError::Violation { .. }), "{err}");
+            drop(handle);
+            drop(client);
+            agent.join().expect("agent");
+        }
+    }
+
+    #[test]
+    fn a_file_longer_than_asked_is_refused() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let id = next_id(r);
+            for _ in 0..4 {
+                if w.write(&GuestMessage::FileData { id, data: vec![1; 1000].into() }).is_err() {
+                    break;
+                }
+            }
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let err = client.read_file("/big", 2500).expect_err("too long");
+        assert!(matches!(err, ClientError::Violation { .. }), "{err}");
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn a_second_hello_ends_the_connection() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let _ = next_id(r);
+            let hello =
+                GuestMessage::Hello { version: PROTOCOL_VERSION, agent_version: String::new(), kernel: String::new() };
+            w.write(&hello).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let err = client.prepare_snapshot().expect_err("second hello");
+        assert!(matches!(err, ClientError::Violation { .. }), "{err}");
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn a_flood_of_output_waits_for_the_consumer_instead_of_growing() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let id = next_id(r);
+            w.write(&GuestMessage::Started { id, pid: 7 }).expect("write");
+            let chunk = GuestMessage::Output { id, stream: OutputStream::Stdout, data: vec![0; MAX_CHUNK].into() };
+            // Far more than the route queue and the socket buffers hold: the writes block until the host reads.
+            for _ in 0..2000 {
+                if w.write(&chunk).is_err() {
+                    return;
+                }
+            }
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let mut handle = client.start(&sleep_request(None)).expect("start");
+        thread::sleep(Duration::from_millis(200));
+        // While nobody consumed, at most ROUTE_QUEUE chunks waited in the client.
+        assert!(handle.route.rx.try_iter().take(ROUTE_QUEUE + 1).count() <= ROUTE_QUEUE);
+        let mut received = 0usize;
+        while received < 100 {
+            match handle.next_event(Some(Duration::from_secs(5))).expect("event") {
+                ExecEvent::Output { data, .. } => received += usize::from(data.len() == MAX_CHUNK),
+                ExecEvent::Exited(_) => panic!("no exit was sent"),
+            }
+        }
+        drop(handle);
+        drop(client);
+        agent.join().expect("agent");
+    }
+}

@@ -1,0 +1,414 @@
+//! The messages: what the host asks ([`HostMessage`]) and what the agent answers ([`GuestMessage`]).
+//!
+//! Every request that expects an answer carries a [`RequestId`] chosen by the host, and every answer carries the
+//! same id back, so answers to several requests (concurrent execs, a file read during an exec) can interleave on
+//! one connection. `Hello` is variant 0 of both enums with the protocol version as its first field, in every
+//! version of the protocol: a peer of another version can always read that much (see
+//! [`crate::frame::peek_hello_version`]).
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
+
+/// Identifies one request (an exec, a file transfer, a snapshot step) on one connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// What the host sends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HostMessage {
+    /// The first message on a connection; answered by [`GuestMessage::Hello`]. Must stay variant 0.
+    Hello {
+        /// The host's [`crate::PROTOCOL_VERSION`].
+        version: u32,
+    },
+    /// Run a program. Answered by [`GuestMessage::Started`] (then output, then [`GuestMessage::Exited`]) or
+    /// [`GuestMessage::ExecFailed`].
+    Exec {
+        /// Names this exec in every later message about it.
+        id: RequestId,
+        /// What to run.
+        request: ExecRequest,
+    },
+    /// Bytes for a running exec's standard input (only when [`ExecRequest::stdin`] was set). No answer; bytes for
+    /// an exec that has ended, or has closed its standard input, are dropped.
+    StdinData {
+        /// The exec.
+        id: RequestId,
+        /// At most [`crate::MAX_CHUNK`] bytes.
+        data: Bytes,
+    },
+    /// End of a running exec's standard input. No answer.
+    StdinClose {
+        /// The exec.
+        id: RequestId,
+    },
+    /// Send a signal to a running exec's process group. No answer; an exec that has ended is ignored.
+    Signal {
+        /// The exec.
+        id: RequestId,
+        /// The signal number (1..=64).
+        signal: i32,
+    },
+    /// One chunk of a file to write. The first chunk of an id creates a temporary file beside `path`; the chunk
+    /// with `last` set moves it into place (so a reader never sees half a file). Answered once per id, after the
+    /// last chunk, by [`GuestMessage::Ack`] or, as soon as a chunk fails, by [`GuestMessage::FileError`] (the
+    /// id's remaining chunks are then dropped).
+    WriteFile {
+        /// The transfer.
+        id: RequestId,
+        /// Absolute path in the guest; missing parent directories are created.
+        path: String,
+        /// Permission bits of the file (`0o7777` at most).
+        mode: u32,
+        /// At most [`crate::MAX_CHUNK`] bytes, in order.
+        data: Bytes,
+        /// This is the last chunk.
+        last: bool,
+    },
+    /// Read a regular file. Answered by [`GuestMessage::FileData`] chunks and [`GuestMessage::FileDone`], or by
+    /// [`GuestMessage::FileError`] (`EFBIG` when it holds more than `max` bytes).
+    ReadFile {
+        /// The transfer.
+        id: RequestId,
+        /// Absolute path in the guest.
+        path: String,
+        /// The most bytes the host accepts.
+        max: u64,
+    },
+    /// Quiesce before a snapshot: flush filesystems. Answered by [`GuestMessage::Ack`], or
+    /// [`GuestMessage::Error`] while an exec is running (a snapshot is of an idle sandbox).
+    PrepareSnapshot {
+        /// The request.
+        id: RequestId,
+    },
+    /// The guest was restored from a snapshot (it may be one of several forks): reseed the kernel's random
+    /// number generator and set the clock. Answered by [`GuestMessage::Ack`].
+    AfterRestore {
+        /// The request.
+        id: RequestId,
+        /// Fresh randomness from the host, credited to the guest kernel's pool.
+        entropy: Entropy,
+        /// The host's `CLOCK_REALTIME`, in nanoseconds since the Unix epoch.
+        unix_time_ns: u64,
+    },
+    /// Flush filesystems and power the guest off. No answer: the connection closes.
+    PowerOff,
+}
+
+/// A program to run.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// The argument vector; `argv[0]` is looked up in the job's `PATH` unless it contains a `/`.
+    pub argv: Vec<String>,
+    /// The complete environment.
+    pub env: Vec<(String, String)>,
+    /// Working directory (absolute).
+    pub cwd: String,
+    /// Standard input comes from [`HostMessage::StdinData`] frames (else it is `/dev/null`).
+    pub stdin: bool,
+    /// Limits the agent applies to the exec.
+    pub limits: ExecLimits,
+}
+
+/// Limits the agent applies to one exec. Wall time and memory are the host's business (it kills the VM; the
+/// guest's RAM is its memory limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ExecLimits {
+    /// Forward at most this many bytes of each stream; the rest is read and counted
+    /// ([`GuestMessage::Exited`] reports the totals), not sent.
+    pub output: Option<u64>,
+    /// `RLIMIT_NOFILE`.
+    pub open_files: Option<u64>,
+    /// `RLIMIT_CPU`, in seconds, per process.
+    pub cpu_seconds: Option<u64>,
+}
+
+/// Which output stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum OutputStream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// What the agent sends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GuestMessage {
+    /// The answer to [`HostMessage::Hello`]. Must stay variant 0.
+    Hello {
+        /// The agent's [`crate::PROTOCOL_VERSION`]; the connection is useless unless it equals the host's.
+        version: u32,
+        /// The agent's crate version.
+        agent_version: String,
+        /// The guest kernel's release (`uname -r`).
+        kernel: String,
+    },
+    /// An exec's program is running.
+    Started {
+        /// The exec.
+        id: RequestId,
+        /// Its PID in the guest.
+        pid: i32,
+    },
+    /// A chunk of an exec's output, in order per stream.
+    Output {
+        /// The exec.
+        id: RequestId,
+        /// Which stream.
+        stream: OutputStream,
+        /// At most [`crate::MAX_CHUNK`] bytes.
+        data: Bytes,
+    },
+    /// An exec's program ended; the last message about it (all of its forwarded output came before).
+    Exited {
+        /// The exec.
+        id: RequestId,
+        /// How it ended.
+        status: ExitStatus,
+        /// Its resource use (and its waited-for descendants').
+        rusage: Rusage,
+        /// The guest kernel's OOM killer ended it: report as the memory limit.
+        oom_killed: bool,
+        /// Bytes it wrote to standard output (forwarded or not).
+        stdout_bytes: u64,
+        /// Bytes it wrote to standard error (forwarded or not).
+        stderr_bytes: u64,
+    },
+    /// An exec could not start; the last message about it.
+    ExecFailed {
+        /// The exec.
+        id: RequestId,
+        /// The OS error number (`ENOENT` for a missing program).
+        errno: i32,
+        /// What failed.
+        message: String,
+    },
+    /// A chunk of a file being read, in order.
+    FileData {
+        /// The transfer.
+        id: RequestId,
+        /// At most [`crate::MAX_CHUNK`] bytes.
+        data: Bytes,
+    },
+    /// A file read is complete.
+    FileDone {
+        /// The transfer.
+        id: RequestId,
+        /// Total bytes sent.
+        size: u64,
+    },
+    /// A file operation failed.
+    FileError {
+        /// The transfer.
+        id: RequestId,
+        /// The OS error number.
+        errno: i32,
+        /// What failed, with the path.
+        message: String,
+    },
+    /// A request succeeded (a file write, a snapshot step).
+    Ack {
+        /// The request.
+        id: RequestId,
+    },
+    /// A request, or the connection, could not be served.
+    Error {
+        /// The request, when the error concerns one; `None` for the connection (a malformed frame).
+        id: Option<RequestId>,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExitStatus {
+    /// It exited with this code (0..=255).
+    Code(i32),
+    /// This signal (1..=64) killed it.
+    Signal(i32),
+}
+
+/// Resource use of an exec, from `wait4`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Rusage {
+    /// User CPU time, microseconds.
+    pub user_us: u64,
+    /// System CPU time, microseconds.
+    pub sys_us: u64,
+    /// Peak resident set size, KiB.
+    pub max_rss_kb: u64,
+}
+
+/// A byte string, encoded as bincode's length + bytes (a plain `Vec<u8>` goes through serde byte by byte).
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct Bytes(pub Vec<u8>);
+
+impl fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Bytes({} bytes)", self.0.len())
+    }
+}
+
+impl From<Vec<u8>> for Bytes {
+    fn from(bytes: Vec<u8>) -> Self {
+        Bytes(bytes)
+    }
+}
+
+impl From<&[u8]> for Bytes {
+    fn from(bytes: &[u8]) -> Self {
+        Bytes(bytes.to_vec())
+    }
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Serialize for Bytes {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        // `deserialize_bytes` borrows from the frame being decoded, so a length inside the frame is checked
+        // against the bytes actually there before anything is copied.
+        deserializer.deserialize_bytes(BytesVisitor { exact: None }).map(Bytes)
+    }
+}
+
+struct BytesVisitor {
+    exact: Option<usize>,
+}
+
+impl<'de> Visitor<'de> for BytesVisitor {
+    type Value = Vec<u8>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.exact {
+            Some(n) => write!(f, "{n} bytes"),
+            None => f.write_str("bytes"),
+        }
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+        match self.exact {
+            Some(n) if v.len() != n => Err(E::invalid_length(v.len(), &self)),
+            _ => Ok(v.to_vec()),
+        }
+    }
+
+    fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+        match self.exact {
+            Some(n) if v.len() != n => Err(E::invalid_length(v.len(), &self)),
+            _ => Ok(v),
+        }
+    }
+}
+
+/// Randomness for [`HostMessage::AfterRestore`]: exactly [`Entropy::LEN`] bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Entropy(pub [u8; Entropy::LEN]);
+
+impl Entropy {
+    /// 512 bits: enough to fully reseed the kernel's CRNG.
+    pub const LEN: usize = 64;
+}
+
+impl fmt::Debug for Entropy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Entropy(..)")
+    }
+}
+
+impl Serialize for Entropy {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Entropy {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let bytes = deserializer.deserialize_bytes(BytesVisitor { exact: Some(Entropy::LEN) })?;
+        let array: [u8; Entropy::LEN] =
+            bytes.try_into().map_err(|v: Vec<u8>| de::Error::invalid_length(v.len(), &"64 bytes"))?;
+        Ok(Entropy(array))
+    }
+}
+
+impl GuestMessage {
+    /// The request this message answers; `None` for `Hello` and a connection-level `Error`.
+    pub fn request_id(&self) -> Option<RequestId> {
+        match self {
+            GuestMessage::Hello { .. } => None,
+            GuestMessage::Error { id, .. } => *id,
+            GuestMessage::Started { id, .. }
+            | GuestMessage::Output { id, .. }
+            | GuestMessage::Exited { id, .. }
+            | GuestMessage::ExecFailed { id, .. }
+            | GuestMessage::FileData { id, .. }
+            | GuestMessage::FileDone { id, .. }
+            | GuestMessage::FileError { id, .. }
+            | GuestMessage::Ack { id } => Some(*id),
+        }
+    }
+
+    /// The variant's name, for error messages (never the payload, which the guest controls).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            GuestMessage::Hello { .. } => "Hello",
+            GuestMessage::Started { .. } => "Started",
+            GuestMessage::Output { .. } => "Output",
+            GuestMessage::Exited { .. } => "Exited",
+            GuestMessage::ExecFailed { .. } => "ExecFailed",
+            GuestMessage::FileData { .. } => "FileData",
+            GuestMessage::FileDone { .. } => "FileDone",
+            GuestMessage::FileError { .. } => "FileError",
+            GuestMessage::Ack { .. } => "Ack",
+            GuestMessage::Error { .. } => "Error",
+        }
+    }
+}
+
+impl HostMessage {
+    /// The variant's name, for error messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            HostMessage::Hello { .. } => "Hello",
+            HostMessage::Exec { .. } => "Exec",
+            HostMessage::StdinData { .. } => "StdinData",
+            HostMessage::StdinClose { .. } => "StdinClose",
+            HostMessage::Signal { .. } => "Signal",
+            HostMessage::WriteFile { .. } => "WriteFile",
+            HostMessage::ReadFile { .. } => "ReadFile",
+            HostMessage::PrepareSnapshot { .. } => "PrepareSnapshot",
+            HostMessage::AfterRestore { .. } => "AfterRestore",
+            HostMessage::PowerOff => "PowerOff",
+        }
+    }
+}
+
+impl ExitStatus {
+    /// Whether the values are ones a real process can end with (code 0..=255, signal 1..=64).
+    pub fn is_valid(self) -> bool {
+        match self {
+            ExitStatus::Code(code) => (0..=255).contains(&code),
+            ExitStatus::Signal(signal) => (1..=64).contains(&signal),
+        }
+    }
+}
