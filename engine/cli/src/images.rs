@@ -5,6 +5,7 @@ use std::io::Write;
 use clap::{Args, Subcommand, ValueEnum};
 use strata_core::{Fuel, Limits};
 use strata_engine::{Engine, EngineConfig, EngineError};
+use strata_kernel_image::{KernelError, KernelImage};
 use strata_rootfs_image::{DebianImage, EnsureOutcome, RootfsError};
 
 use crate::Failure;
@@ -38,6 +39,8 @@ enum Image {
     Python,
     /// Debian bookworm minbase with python3 and pip (the process tier's root filesystem).
     Debian,
+    /// The microVM guest kernel: strata.config on Debian's linux-source-6.1 (a few minutes, once).
+    Kernel,
 }
 
 fn say(line: &str) {
@@ -52,6 +55,11 @@ fn debian_image(engine: &Engine) -> Result<DebianImage, EngineError> {
     engine.debian_image()
 }
 
+fn kernel_image(engine: &Engine) -> Result<KernelImage, EngineError> {
+    let home = engine.home().ok_or(EngineError::NoHome("the kernel"))?;
+    KernelImage::new(home).map_err(image_error)
+}
+
 fn megabytes(bytes: u64) -> String {
     format!("{} MB", bytes.div_ceil(1_000_000))
 }
@@ -60,7 +68,7 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
     let engine = Engine::new(EngineConfig::from_env()?)?;
     match args.action {
         Action::Build { image: Image::Python, metered } => build_python(&engine, metered),
-        Action::Build { image: Image::Debian, metered: true } => {
+        Action::Build { image: Image::Debian | Image::Kernel, metered: true } => {
             Err(Failure::new("usage", "--metered applies to the python image only"))
         }
         Action::Build { image: Image::Debian, metered: false } => {
@@ -70,6 +78,13 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
                 EnsureOutcome::Built => "installed",
             };
             say(&format!("debian image {verb} in {} ({})", installed.dir.display(), megabytes(installed.size_bytes)));
+            Ok(0)
+        }
+        Action::Build { image: Image::Kernel, metered: false } => {
+            let (installed, outcome) = kernel_image(&engine)?.ensure(&say).map_err(image_error)?;
+            let built = matches!(outcome, strata_kernel_image::EnsureOutcome::Built);
+            let verb = if built { "installed" } else { "already installed" };
+            say(&format!("kernel {} {verb} in {}", installed.release, installed.vmlinux.display()));
             Ok(0)
         }
         Action::List => list(&engine),
@@ -116,6 +131,19 @@ fn list(engine: &Engine) -> Result<i32, Failure> {
     for old in debian.other_installs() {
         row(&mut out, "debian", "(an older recipe)", "kept", "-", &old.display().to_string());
     }
+    let kernel = kernel_image(engine)?;
+    let id = kernel.source_version().map_or("-".to_owned(), |v| format!("linux-source {v}"));
+    let dir = kernel.install_dir().map_or("-".to_owned(), |d| d.display().to_string());
+    match kernel.installed() {
+        Ok(installed) => row(&mut out, "kernel", &id, "installed", &megabytes(installed.size_bytes), &dir),
+        Err(KernelError::NotInstalled { .. } | KernelError::SourceUnknown) => {
+            row(&mut out, "kernel", &id, "not installed", "-", &dir)
+        }
+        Err(err) => row(&mut out, "kernel", &id, "broken", "-", &format!("{dir} ({err})")),
+    }
+    for old in kernel.other_installs() {
+        row(&mut out, "kernel", "(other source/config)", "kept", "-", &old.display().to_string());
+    }
     Ok(0)
 }
 
@@ -145,6 +173,20 @@ fn verify(engine: &Engine) -> Result<i32, Failure> {
             let _ = writeln!(out, "debian  not installed  {}", dir.display());
         }
         Err(err) => failures.push(format!("debian image: {err}")),
+    }
+    match kernel_image(engine)?.verify() {
+        Ok(installed) => {
+            let _ = writeln!(
+                out,
+                "kernel  ok  sha256 {}  {}",
+                installed.sha256.get(..16).unwrap_or_default(),
+                installed.vmlinux.display()
+            );
+        }
+        Err(KernelError::NotInstalled { .. } | KernelError::SourceUnknown) => {
+            let _ = writeln!(out, "kernel  not installed");
+        }
+        Err(err) => failures.push(format!("kernel image: {err}")),
     }
     if failures.is_empty() { Ok(0) } else { Err(Failure::new("artifact", failures.join("; "))) }
 }
