@@ -545,7 +545,8 @@ impl ExecControl {
     }
 }
 
-/// A running exec.
+/// A running exec. Dropping it leaves the exec running (signal it first to stop it); what the agent still
+/// sends about it is discarded.
 pub struct ExecHandle {
     route: Route,
     pid: i32,

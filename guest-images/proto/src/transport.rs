@@ -189,8 +189,8 @@ impl Transport for VsockStream {
         let timeval = match timeout {
             // A zero timeval means "no timeout"; the smallest real one is a microsecond.
             Some(t) => libc::timeval {
-                tv_sec: libc::time_t::try_from(t.as_secs()).unwrap_or(libc::time_t::MAX),
-                tv_usec: libc::suseconds_t::from(t.subsec_micros().max(u32::from(t.is_zero()))),
+                tv_sec: t.as_secs().try_into().unwrap_or(i32::MAX.into()),
+                tv_usec: t.subsec_micros().max(u32::from(t.is_zero())).into(),
             },
             None => libc::timeval { tv_sec: 0, tv_usec: 0 },
         };
