@@ -1,0 +1,253 @@
+//! File transfers: chunked, atomic writes and bounded reads of regular files.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, ErrorKind, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use strata_guest_proto::{GuestMessage, MAX_CHUNK, RequestId};
+
+/// A file operation that failed: the `errno` and a message naming the path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct FileError {
+    /// The OS error number.
+    pub errno: i32,
+    /// What failed.
+    pub message: String,
+}
+
+impl FileError {
+    fn io(path: &str, err: &io::Error) -> FileError {
+        FileError { errno: err.raw_os_error().unwrap_or(libc::EIO), message: format!("{path}: {err}") }
+    }
+
+    fn new(errno: i32, message: String) -> FileError {
+        FileError { errno, message }
+    }
+
+    /// The message answering request `id`.
+    pub fn answer(self, id: RequestId) -> GuestMessage {
+        GuestMessage::FileError { id, errno: self.errno, message: self.message }
+    }
+}
+
+/// A path the host named: absolute, not a directory name, no NUL.
+pub fn checked_path(path: &str) -> Result<&Path, FileError> {
+    if !path.starts_with('/') || path.ends_with('/') || path.contains('\0') {
+        return Err(FileError::new(libc::EINVAL, format!("{path:?} is not an absolute file path")));
+    }
+    Ok(Path::new(path))
+}
+
+/// Writes in progress on one connection, by request.
+#[derive(Debug, Default)]
+pub struct Writes {
+    open: HashMap<RequestId, PendingWrite>,
+}
+
+#[derive(Debug)]
+enum PendingWrite {
+    Open {
+        file: File,
+        temp: PathBuf,
+        path: String,
+        mode: u32,
+    },
+    /// Failed and answered; its remaining chunks are dropped.
+    Failed,
+}
+
+impl Writes {
+    /// Handles one chunk; returns the answer when there is one (after the last chunk, or at the first failure).
+    pub fn chunk(&mut self, id: RequestId, path: &str, mode: u32, data: &[u8], last: bool) -> Option<GuestMessage> {
+        let state = match self.open.remove(&id) {
+            Some(state) => state,
+            None => match begin(id, path, mode) {
+                Ok(state) => state,
+                Err(err) => return self.failed(id, last, err),
+            },
+        };
+        let PendingWrite::Open { mut file, temp, path, mode } = state else {
+            if !last {
+                self.open.insert(id, PendingWrite::Failed);
+            }
+            return None;
+        };
+        if let Err(err) = file.write_all(data) {
+            let _ = fs::remove_file(&temp);
+            return self.failed(id, last, FileError::io(&path, &err));
+        }
+        if !last {
+            self.open.insert(id, PendingWrite::Open { file, temp, path, mode });
+            return None;
+        }
+        let finished =
+            file.set_permissions(fs::Permissions::from_mode(mode & 0o7777)).and_then(|()| fs::rename(&temp, &path));
+        Some(match finished {
+            Ok(()) => GuestMessage::Ack { id },
+            Err(err) => {
+                let _ = fs::remove_file(&temp);
+                FileError::io(&path, &err).answer(id)
+            }
+        })
+    }
+
+    fn failed(&mut self, id: RequestId, last: bool, err: FileError) -> Option<GuestMessage> {
+        if !last {
+            self.open.insert(id, PendingWrite::Failed);
+        }
+        Some(err.answer(id))
+    }
+
+    /// Drops every unfinished write (the connection ended).
+    pub fn abandon(&mut self) {
+        for (_, state) in self.open.drain() {
+            if let PendingWrite::Open { temp, .. } = state {
+                let _ = fs::remove_file(temp);
+            }
+        }
+    }
+}
+
+impl Drop for Writes {
+    fn drop(&mut self) {
+        self.abandon();
+    }
+}
+
+fn begin(id: RequestId, path: &str, mode: u32) -> Result<PendingWrite, FileError> {
+    let target = checked_path(path)?;
+    let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
+        return Err(FileError::new(libc::EINVAL, format!("{path:?} is not a file path")));
+    };
+    if !parent.is_dir() {
+        fs::DirBuilder::new().recursive(true).mode(0o755).create(parent).map_err(|e| FileError::io(path, &e))?;
+    }
+    let temp = parent.join(format!(".{}.strata-{}.tmp", name.to_string_lossy(), id.0));
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&temp)
+        .map_err(|e| FileError::io(path, &e))?;
+    Ok(PendingWrite::Open { file, temp, path: path.to_owned(), mode })
+}
+
+/// Reads a regular file of at most `max` bytes, handing it out in chunks of at most [`MAX_CHUNK`] bytes;
+/// returns its size.
+pub fn read(path: &str, max: u64, mut chunk: impl FnMut(&[u8])) -> Result<u64, FileError> {
+    checked_path(path)?;
+    // O_NONBLOCK: a FIFO planted by a job must not block the agent.
+    let mut file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| FileError::io(path, &e))?;
+    let meta = file.metadata().map_err(|e| FileError::io(path, &e))?;
+    if meta.is_dir() {
+        return Err(FileError::new(libc::EISDIR, format!("{path} is a directory")));
+    }
+    if !meta.is_file() {
+        return Err(FileError::new(libc::EINVAL, format!("{path} is not a regular file")));
+    }
+    let too_big = || FileError::new(libc::EFBIG, format!("{path} is larger than {max} bytes"));
+    if meta.len() > max {
+        return Err(too_big());
+    }
+    let mut buf = vec![0u8; MAX_CHUNK];
+    let mut total = 0u64;
+    loop {
+        let n = match file.read(&mut buf) {
+            Ok(0) => return Ok(total),
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(FileError::io(path, &e)),
+        };
+        // The file may grow while it is read.
+        if total + n as u64 > max {
+            return Err(too_big());
+        }
+        total += n as u64;
+        chunk(&buf[..n]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path_in(dir: &tempfile::TempDir, name: &str) -> String {
+        dir.path().join(name).to_str().expect("utf-8").to_owned()
+    }
+
+    #[test]
+    fn chunked_write_appears_only_when_complete() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = path_in(&dir, "sub/file");
+        let mut writes = Writes::default();
+        assert_eq!(writes.chunk(RequestId(1), &path, 0o640, b"hello ", false), None);
+        assert!(!Path::new(&path).exists());
+        assert_eq!(
+            writes.chunk(RequestId(1), &path, 0o640, b"world", true),
+            Some(GuestMessage::Ack { id: RequestId(1) })
+        );
+        assert_eq!(fs::read(&path).expect("read"), b"hello world");
+        assert_eq!(fs::metadata(&path).expect("meta").permissions().mode() & 0o7777, 0o640);
+        assert_eq!(fs::read_dir(dir.path().join("sub")).expect("dir").count(), 1, "no temporary file left");
+    }
+
+    #[test]
+    fn a_failed_write_answers_once_and_drops_the_rest() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut writes = Writes::default();
+        // The parent is a file.
+        let file = path_in(&dir, "f");
+        fs::write(&file, b"x").expect("write");
+        let bad = format!("{file}/child");
+        let first = writes.chunk(RequestId(2), &bad, 0o644, b"a", false);
+        assert!(
+            matches!(first, Some(GuestMessage::FileError { errno, .. }) if errno == libc::ENOTDIR || errno == libc::EEXIST)
+        );
+        assert_eq!(writes.chunk(RequestId(2), &bad, 0o644, b"b", false), None);
+        assert_eq!(writes.chunk(RequestId(2), &bad, 0o644, b"", true), None);
+        assert!(writes.open.is_empty());
+    }
+
+    #[test]
+    fn relative_paths_are_refused() {
+        let mut writes = Writes::default();
+        let answer = writes.chunk(RequestId(3), "etc/passwd", 0o644, b"", true);
+        assert!(matches!(answer, Some(GuestMessage::FileError { errno: libc::EINVAL, .. })));
+        assert_eq!(read("x", 10, |_| {}).err().map(|e| e.errno), Some(libc::EINVAL));
+    }
+
+    #[test]
+    fn reads_are_bounded_and_typed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = path_in(&dir, "data");
+        fs::write(&path, vec![7u8; 200_000]).expect("write");
+        let mut got = Vec::new();
+        let size = read(&path, 200_000, |chunk| {
+            assert!(chunk.len() <= MAX_CHUNK);
+            got.extend_from_slice(chunk);
+        })
+        .expect("read");
+        assert_eq!(size, 200_000);
+        assert_eq!(got, vec![7u8; 200_000]);
+        assert_eq!(read(&path, 199_999, |_| {}).err().map(|e| e.errno), Some(libc::EFBIG));
+        assert_eq!(read(&path_in(&dir, "missing"), 10, |_| {}).err().map(|e| e.errno), Some(libc::ENOENT));
+        let dir_path = dir.path().to_str().expect("utf-8");
+        assert_eq!(read(dir_path, 10, |_| {}).err().map(|e| e.errno), Some(libc::EISDIR));
+    }
+
+    #[test]
+    fn a_fifo_does_not_block_a_read() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = path_in(&dir, "fifo");
+        nix::unistd::mkfifo(path.as_str(), nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+        assert_eq!(read(&path, 10, |_| {}).err().map(|e| e.errno), Some(libc::EINVAL));
+    }
+}
