@@ -288,7 +288,7 @@ impl Vcpu {
     pub fn new(vm: &Vm, index: u8, io_bus: Bus, mmio_bus: Bus) -> Result<Vcpu, VcpuError> {
         install_kick_handler()?;
         let fd = vm.fd().create_vcpu(u64::from(index)).map_err(kvm_error("KVM_CREATE_VCPU"))?;
-        let msr_list = vm.msr_index_list()?.as_slice().to_vec();
+        let msr_list = vm.msr_index_list()?;
         Ok(Vcpu {
             fd,
             index,
