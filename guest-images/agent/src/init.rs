@@ -82,7 +82,8 @@ impl BootConfig {
     }
 }
 
-/// Boots the guest's userland; returns the configuration and what went wrong on the way.
+/// Boots the guest's userland; returns the configuration and lines for the console log (what went wrong on
+/// the way, and which root it is on).
 pub fn boot() -> (BootConfig, Vec<String>) {
     let notes = std::cell::RefCell::new(Vec::new());
     let note = |what: &str, result: Result<(), Errno>| {
@@ -103,10 +104,13 @@ pub fn boot() -> (BootConfig, Vec<String>) {
     let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
     let (config, cmdline_notes) = BootConfig::from_cmdline(&cmdline);
     notes.borrow_mut().extend(cmdline_notes);
-    if let Some(device) = &config.root
-        && let Err((step, errno)) = switch_to_overlay(device, &config)
-    {
-        let message = format!("root overlay on {device}: {step}: {}; staying on the initial root", errno.desc());
+    if let Some(device) = &config.root {
+        let message = match switch_to_overlay(device, &config) {
+            Ok(()) => format!("root: {device}, read-only, under a tmpfs overlay"),
+            Err((step, errno)) => {
+                format!("root overlay on {device}: {step}: {}; staying on the initial root", errno.desc())
+            }
+        };
         notes.borrow_mut().push(message);
     }
 
