@@ -3,11 +3,13 @@
 //! - [`mmio::MmioTransport`]: the virtio-mmio (version 2, "modern") register block a guest driver talks to. It is
 //!   a [`BusDevice`](super::bus::BusDevice) and drives one [`VirtioDevice`]: feature negotiation, queue setup and
 //!   validation, activation, queue notifications, reset.
+//! - [`block::BlockDevice`]: virtio-blk over a read-only host file.
 //! - [`persist`]: the transport's snapshot state; each device's `persist.rs` adds its own.
 //!
 //! Everything a guest writes (register values, descriptors, packet headers) is checked before use: a hostile
 //! driver breaks its own device, never the monitor.
 
+pub mod block;
 pub mod mmio;
 pub mod persist;
 
