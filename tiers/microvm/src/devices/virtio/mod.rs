@@ -4,14 +4,32 @@
 //!   a [`BusDevice`](super::bus::BusDevice) and drives one [`VirtioDevice`]: feature negotiation, queue setup and
 //!   validation, activation, queue notifications, reset.
 //! - [`block::BlockDevice`]: virtio-blk over a read-only host file.
+//! - [`vsock::VsockDevice`]: virtio-vsock, its connections multiplexed onto host Unix sockets.
 //! - [`persist`]: the transport's snapshot state; each device's `persist.rs` adds its own.
 //!
 //! Everything a guest writes (register values, descriptors, packet headers) is checked before use: a hostile
 //! driver breaks its own device, never the monitor.
+//!
+//! A monitor wires a device like this:
+//!
+//! ```no_run
+//! # use std::sync::{Arc, Mutex};
+//! # use strata_tier_microvm::devices::bus::Bus;
+//! # use strata_tier_microvm::devices::virtio::{Interrupt, mmio::{MmioTransport, BackendThread, MMIO_LEN}};
+//! # use strata_tier_microvm::devices::virtio::vsock::{VsockConfig, VsockDevice};
+//! # fn wire(mem: vm_memory::GuestMemoryMmap, bus: &mut Bus) -> Result<(), Box<dyn std::error::Error>> {
+//! let device = VsockDevice::new(VsockConfig { guest_cid: 3, uds_path: "/run/strata/v.sock".into() })?;
+//! let interrupt = Interrupt::new()?; // register interrupt.irqfd() with KVM_IRQFD for the device's GSI
+//! let transport = Arc::new(Mutex::new(MmioTransport::new(mem, device, interrupt)?));
+//! bus.insert(transport.clone(), 0xd000_0000, MMIO_LEN)?; // and `virtio_mmio.device=4K@0xd0000000:<gsi>`
+//! let backend = BackendThread::spawn(transport.clone())?; // host sockets → RX queue; stops when dropped
+//! # Ok(()) }
+//! ```
 
 pub mod block;
 pub mod mmio;
 pub mod persist;
+pub mod vsock;
 
 use std::io;
 use std::os::fd::BorrowedFd;
