@@ -1,0 +1,1224 @@
+//! The virtio devices driven by a guest-side driver living in the test: the real virtio-mmio handshake through
+//! the MMIO bus, real descriptors in real guest memory (virtio-queue's `MockSplitQueue` for the descriptor
+//! table and the available ring), a real file behind virtio-blk and real Unix sockets behind virtio-vsock.
+//!
+//! The `driver` module is shared with `benches/vsock.rs`.
+
+#![allow(clippy::unwrap_used)]
+
+/// The guest side: a minimal virtio-mmio driver.
+pub(crate) mod driver {
+    use std::sync::{Arc, Mutex, MutexGuard};
+    use std::time::{Duration, Instant};
+
+    use strata_tier_microvm::devices::bus::Bus;
+    use strata_tier_microvm::devices::virtio::mmio::{MMIO_LEN, MmioTransport};
+    use strata_tier_microvm::devices::virtio::{Interrupt, VirtioDevice};
+    use virtio_queue::desc::RawDescriptor;
+    use virtio_queue::desc::split::Descriptor;
+    use virtio_queue::mock::{MockSplitQueue, UsedRing};
+    use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+    /// Where the device sits on the MMIO bus.
+    pub const MMIO_BASE: u64 = 0xd000_0000;
+    /// Guest RAM.
+    pub const MEM_SIZE: u64 = 64 << 20;
+    /// Queue `i`'s rings live at `QUEUE_AREA * (i + 1)`.
+    pub const QUEUE_AREA: u64 = 0x1_0000;
+    /// Buffers start here.
+    pub const BUFFERS: u64 = 0x10_0000;
+
+    pub const F_NEXT: u16 = 1;
+    pub const F_WRITE: u16 = 2;
+
+    pub const STATUS: u64 = 0x70;
+    pub const ACK: u32 = 1;
+    pub const DRIVER: u32 = 2;
+    pub const DRIVER_OK: u32 = 4;
+    pub const FEATURES_OK: u32 = 8;
+
+    pub fn memory() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).expect("guest memory")
+    }
+
+    /// One virtqueue as the driver sees it.
+    pub struct GuestQueue<'m> {
+        /// Descriptor table and available ring.
+        pub vq: MockSplitQueue<'m, GuestMemoryMmap>,
+        /// The used ring. (The mock's own is placed over the end of its available ring for queues larger than
+        /// a handful of entries: `SplitQueueRing::end` counts elements, not bytes.)
+        pub used: UsedRing<'m, GuestMemoryMmap>,
+        pub used_addr: u64,
+        pub size: u16,
+        next_desc: u16,
+        pub avail_idx: u16,
+        used_seen: u16,
+    }
+
+    impl<'m> GuestQueue<'m> {
+        fn new(mem: &'m GuestMemoryMmap, base: u64, size: u16) -> GuestQueue<'m> {
+            let vq = MockSplitQueue::create(mem, GuestAddress(base), size);
+            let used_addr = (vq.avail_addr().0 + 6 + 2 * u64::from(size) + 0xff) & !0xff;
+            let used = UsedRing::new(mem, GuestAddress(used_addr), size);
+            GuestQueue { vq, used, used_addr, size, next_desc: 0, avail_idx: 0, used_seen: 0 }
+        }
+
+        /// Writes descriptor `index` as is.
+        pub fn write_desc(&self, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
+            self.vq.desc_table().store(index, RawDescriptor::from(Descriptor::new(addr, len, flags, next))).unwrap();
+        }
+
+        /// Offers chain `head` in the available ring.
+        pub fn publish(&mut self, head: u16) {
+            self.vq.avail().ring().ref_at(usize::from(self.avail_idx % self.size)).unwrap().store(head);
+            self.avail_idx = self.avail_idx.wrapping_add(1);
+            self.vq.avail().idx().store(self.avail_idx);
+        }
+
+        /// Sets the available index the device sees to anything.
+        pub fn set_avail_idx(&mut self, idx: u16) {
+            self.avail_idx = idx;
+            self.vq.avail().idx().store(idx);
+        }
+
+        /// Builds a chain of (address, length, device-writable) buffers from the next free descriptors and
+        /// offers it; returns its head.
+        pub fn add_chain(&mut self, buffers: &[(u64, u32, bool)]) -> u16 {
+            let head = self.next_desc;
+            let count = buffers.len() as u16;
+            for (i, &(addr, len, writable)) in buffers.iter().enumerate() {
+                let index = (head + i as u16) % self.size;
+                let last = i as u16 + 1 == count;
+                let flags = if writable { F_WRITE } else { 0 } | if last { 0 } else { F_NEXT };
+                self.write_desc(index, addr, len, flags, if last { 0 } else { (index + 1) % self.size });
+            }
+            self.next_desc = (head + count) % self.size;
+            self.publish(head);
+            head
+        }
+
+        /// Used entries the device added since the last call: (head, length).
+        pub fn take_used(&mut self) -> Vec<(u16, u32)> {
+            let idx = self.used.idx().load();
+            let mut out = Vec::new();
+            while self.used_seen != idx {
+                let elem = self.used.ring().ref_at(usize::from(self.used_seen % self.size)).unwrap().load();
+                out.push((elem.id() as u16, elem.len()));
+                self.used_seen = self.used_seen.wrapping_add(1);
+            }
+            out
+        }
+
+        /// The used ring's index as the device left it.
+        pub fn used_idx(&self) -> u16 {
+            self.used.idx().load()
+        }
+    }
+
+    /// A driver bound to one device.
+    pub struct Driver<'m, D: VirtioDevice + 'static> {
+        pub mem: &'m GuestMemoryMmap,
+        pub bus: Bus,
+        pub transport: Arc<Mutex<MmioTransport<D>>>,
+        pub interrupt: Interrupt,
+        pub queues: Vec<GuestQueue<'m>>,
+    }
+
+    impl<'m, D: VirtioDevice + 'static> Driver<'m, D> {
+        /// Puts `device` behind a transport on a bus.
+        pub fn new(mem: &'m GuestMemoryMmap, device: D) -> Driver<'m, D> {
+            let interrupt = Interrupt::new().unwrap();
+            let transport = Arc::new(Mutex::new(MmioTransport::new(mem.clone(), device, interrupt.clone()).unwrap()));
+            Driver::with_transport(mem, transport)
+        }
+
+        /// A driver for an existing transport (a restored one, say).
+        pub fn with_transport(mem: &'m GuestMemoryMmap, transport: Arc<Mutex<MmioTransport<D>>>) -> Driver<'m, D> {
+            let interrupt = transport.lock().unwrap().interrupt().clone();
+            let mut bus = Bus::new();
+            bus.insert(transport.clone(), MMIO_BASE, MMIO_LEN).unwrap();
+            Driver { mem, bus, transport, interrupt, queues: Vec::new() }
+        }
+
+        pub fn transport(&self) -> MutexGuard<'_, MmioTransport<D>> {
+            self.transport.lock().unwrap()
+        }
+
+        pub fn read(&self, offset: u64) -> u32 {
+            let mut data = [0u8; 4];
+            assert!(self.bus.read(MMIO_BASE + offset, &mut data));
+            u32::from_le_bytes(data)
+        }
+
+        pub fn write(&self, offset: u64, value: u32) {
+            assert!(self.bus.write(MMIO_BASE + offset, &value.to_le_bytes()));
+        }
+
+        pub fn config(&self, offset: u64, len: usize) -> Vec<u8> {
+            let mut data = vec![0u8; len];
+            assert!(self.bus.read(MMIO_BASE + 0x100 + offset, &mut data));
+            data
+        }
+
+        /// The whole handshake: reset, ACKNOWLEDGE, DRIVER, accept every offered feature, FEATURES_OK, every
+        /// queue at `min(max, queue_size)`, DRIVER_OK. Returns the accepted features.
+        pub fn init(&mut self, num_queues: u32, queue_size: u16) -> u64 {
+            assert_eq!(self.read(0x000), 0x7472_6976, "magic");
+            assert_eq!(self.read(0x004), 2, "version");
+            self.write(STATUS, 0);
+            assert_eq!(self.read(STATUS), 0);
+            self.write(STATUS, ACK);
+            self.write(STATUS, ACK | DRIVER);
+            self.write(0x014, 0);
+            let low = self.read(0x010);
+            self.write(0x014, 1);
+            let high = self.read(0x010);
+            let features = u64::from(high) << 32 | u64::from(low);
+            self.write(0x024, 0);
+            self.write(0x020, low);
+            self.write(0x024, 1);
+            self.write(0x020, high);
+            self.write(STATUS, ACK | DRIVER | FEATURES_OK);
+            assert_eq!(self.read(STATUS), ACK | DRIVER | FEATURES_OK, "features accepted");
+            self.queues.clear();
+            for i in 0..num_queues {
+                self.write(0x030, i);
+                assert_eq!(self.read(0x044), 0, "queue {i} starts disabled");
+                let max = self.read(0x034) as u16;
+                assert!(max > 0, "queue {i} exists");
+                let size = max.min(queue_size);
+                let queue = GuestQueue::new(self.mem, QUEUE_AREA * (u64::from(i) + 1), size);
+                self.write(0x038, u32::from(size));
+                let (desc, avail, used) = (queue.vq.desc_table_addr().0, queue.vq.avail_addr().0, queue.used_addr);
+                for (offset, value) in [(0x080, desc), (0x090, avail), (0x0a0, used)] {
+                    self.write(offset, value as u32);
+                    self.write(offset + 4, (value >> 32) as u32);
+                }
+                self.write(0x044, 1);
+                assert_eq!(self.read(0x044), 1, "queue {i} enabled");
+                self.queues.push(queue);
+            }
+            self.write(STATUS, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+            assert_eq!(self.read(STATUS), ACK | DRIVER | FEATURES_OK | DRIVER_OK, "device live");
+            features
+        }
+
+        pub fn notify(&self, queue: u32) {
+            self.write(0x050, queue);
+        }
+
+        /// Interrupts signalled on the irqfd since the last call (acknowledging them).
+        pub fn interrupts(&self) -> u64 {
+            let count = self.interrupt.irqfd().read().unwrap_or(0);
+            let status = self.read(0x060);
+            self.write(0x064, status);
+            count
+        }
+
+        pub fn write_mem(&self, addr: u64, bytes: &[u8]) {
+            self.mem.write_slice(bytes, GuestAddress(addr)).unwrap();
+        }
+
+        pub fn read_mem(&self, addr: u64, len: usize) -> Vec<u8> {
+            let mut out = vec![0u8; len];
+            self.mem.read_slice(&mut out, GuestAddress(addr)).unwrap();
+            out
+        }
+
+        /// Runs the backend (as a backend thread would) until `done` holds; panics after 5 s.
+        pub fn pump_until(&mut self, mut done: impl FnMut(&mut Self) -> bool) {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                self.transport().process_backend();
+                if done(self) {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "timed out waiting for the device");
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+
+    /// A vsock packet header.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub struct Hdr {
+        pub src_cid: u64,
+        pub dst_cid: u64,
+        pub src_port: u32,
+        pub dst_port: u32,
+        pub len: u32,
+        pub type_: u16,
+        pub op: u16,
+        pub flags: u32,
+        pub buf_alloc: u32,
+        pub fwd_cnt: u32,
+    }
+
+    impl Hdr {
+        pub fn to_bytes(self) -> [u8; 44] {
+            let mut b = [0u8; 44];
+            b[0..8].copy_from_slice(&self.src_cid.to_le_bytes());
+            b[8..16].copy_from_slice(&self.dst_cid.to_le_bytes());
+            b[16..20].copy_from_slice(&self.src_port.to_le_bytes());
+            b[20..24].copy_from_slice(&self.dst_port.to_le_bytes());
+            b[24..28].copy_from_slice(&self.len.to_le_bytes());
+            b[28..30].copy_from_slice(&self.type_.to_le_bytes());
+            b[30..32].copy_from_slice(&self.op.to_le_bytes());
+            b[32..36].copy_from_slice(&self.flags.to_le_bytes());
+            b[36..40].copy_from_slice(&self.buf_alloc.to_le_bytes());
+            b[40..44].copy_from_slice(&self.fwd_cnt.to_le_bytes());
+            b
+        }
+
+        pub fn from_bytes(b: &[u8]) -> Hdr {
+            let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+            let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+            let u16_at = |o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap());
+            Hdr {
+                src_cid: u64_at(0),
+                dst_cid: u64_at(8),
+                src_port: u32_at(16),
+                dst_port: u32_at(20),
+                len: u32_at(24),
+                type_: u16_at(28),
+                op: u16_at(30),
+                flags: u32_at(32),
+                buf_alloc: u32_at(36),
+                fwd_cnt: u32_at(40),
+            }
+        }
+    }
+
+    pub const OP_REQUEST: u16 = 1;
+    pub const OP_RESPONSE: u16 = 2;
+    pub const OP_RST: u16 = 3;
+    pub const OP_SHUTDOWN: u16 = 4;
+    pub const OP_RW: u16 = 5;
+    pub const OP_CREDIT_UPDATE: u16 = 6;
+    pub const OP_CREDIT_REQUEST: u16 = 7;
+    pub const HOST_CID: u64 = 2;
+    pub const RX: u32 = 0;
+    pub const TX: u32 = 1;
+
+    /// The guest half of a vsock driver: RX buffers (header + data descriptors) and TX slots.
+    pub struct VsockGuest {
+        pub cid: u64,
+        /// RX buffers by head index: (header address, data address).
+        rx_buffers: std::collections::HashMap<u16, (u64, u64)>,
+        pub rx_data_len: u32,
+        rx_base: u64,
+        tx_base: u64,
+        tx_slot: u64,
+        tx_slots: u64,
+    }
+
+    /// A packet the guest received.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Received {
+        pub hdr: Hdr,
+        pub data: Vec<u8>,
+        pub used_len: u32,
+    }
+
+    impl VsockGuest {
+        pub const RX_AREA: u64 = 0x40_0000;
+        pub const TX_AREA: u64 = 0x200_0000;
+
+        pub fn new(cid: u64, rx_data_len: u32) -> VsockGuest {
+            VsockGuest {
+                cid,
+                rx_buffers: std::collections::HashMap::new(),
+                rx_data_len,
+                rx_base: VsockGuest::RX_AREA,
+                tx_base: VsockGuest::TX_AREA,
+                tx_slot: 0,
+                tx_slots: 64,
+            }
+        }
+
+        fn rx_stride(&self) -> u64 {
+            (u64::from(self.rx_data_len) + 64 + 0xfff) & !0xfff
+        }
+
+        /// Posts `count` RX buffers (a 44-byte header descriptor and a data descriptor each).
+        pub fn post_rx<D: VirtioDevice>(&mut self, d: &mut Driver<'_, D>, count: usize) {
+            for _ in 0..count {
+                let slot = d.queues[RX as usize].next_desc / 2;
+                let hdr = self.rx_base + u64::from(slot) * self.rx_stride();
+                let data = hdr + 64;
+                let head = d.queues[RX as usize].add_chain(&[(hdr, 44, true), (data, self.rx_data_len, true)]);
+                self.rx_buffers.insert(head, (hdr, data));
+            }
+        }
+
+        /// Packets the device delivered since the last call; their buffers are posted again.
+        pub fn recv<D: VirtioDevice>(&mut self, d: &mut Driver<'_, D>) -> Vec<Received> {
+            let used = d.queues[RX as usize].take_used();
+            let mut out = Vec::new();
+            for &(head, used_len) in &used {
+                let (hdr_addr, data_addr) = self.rx_buffers[&head];
+                let hdr = Hdr::from_bytes(&d.read_mem(hdr_addr, 44));
+                let len = hdr.len.min(self.rx_data_len) as usize;
+                let data = if used_len as usize >= 44 + len { d.read_mem(data_addr, len) } else { Vec::new() };
+                out.push(Received { hdr, data, used_len });
+            }
+            self.post_rx(d, used.len());
+            if !used.is_empty() {
+                d.notify(RX);
+            }
+            out
+        }
+
+        /// Queues a packet on TX without notifying; returns the chain head.
+        pub fn queue_tx<D: VirtioDevice>(&mut self, d: &mut Driver<'_, D>, hdr: Hdr, data: &[u8]) -> u16 {
+            let stride = 0x1_1000;
+            let base = self.tx_base + (self.tx_slot % self.tx_slots) * stride;
+            self.tx_slot += 1;
+            d.write_mem(base, &hdr.to_bytes());
+            if data.is_empty() {
+                d.queues[TX as usize].add_chain(&[(base, 44, false)])
+            } else {
+                d.write_mem(base + 64, data);
+                d.queues[TX as usize].add_chain(&[(base, 44, false), (base + 64, data.len() as u32, false)])
+            }
+        }
+
+        /// Sends one packet (queue + notify).
+        pub fn send<D: VirtioDevice>(&mut self, d: &mut Driver<'_, D>, hdr: Hdr, data: &[u8]) {
+            self.queue_tx(d, hdr, data);
+            d.notify(TX);
+        }
+
+        /// A STREAM header from this guest.
+        pub fn hdr(&self, op: u16, src_port: u32, dst_port: u32) -> Hdr {
+            Hdr {
+                src_cid: self.cid,
+                dst_cid: HOST_CID,
+                src_port,
+                dst_port,
+                type_: 1,
+                op,
+                buf_alloc: 256 * 1024,
+                ..Hdr::default()
+            }
+        }
+    }
+}
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use driver::*;
+use strata_tier_microvm::devices::virtio::Interrupt;
+use strata_tier_microvm::devices::virtio::block::{BlockConfig, BlockDevice, SECTOR_SIZE};
+use strata_tier_microvm::devices::virtio::mmio::MmioTransport;
+use strata_tier_microvm::devices::virtio::persist::{MmioTransportConstructorArgs, Persist};
+use strata_tier_microvm::devices::virtio::vsock::{MAX_QUEUED_RESETS, VsockConfig, VsockDevice};
+use vm_memory::GuestMemoryMmap;
+
+// ---------------------------------------------------------------------------------------------------------------
+// virtio-blk
+
+const T_IN: u32 = 0;
+const T_OUT: u32 = 1;
+const T_FLUSH: u32 = 4;
+const T_GET_ID: u32 = 8;
+const S_OK: u8 = 0;
+const S_IOERR: u8 = 1;
+const S_UNSUPP: u8 = 2;
+const DISK_SECTORS: u64 = 64;
+/// Where block requests put their header, data and status.
+const HEADER: u64 = BUFFERS;
+const DATA: u64 = BUFFERS + 0x1000;
+const STATUS_BYTE: u64 = BUFFERS + 0x20_0000;
+const CANARY: u8 = 0x5a;
+
+fn sector_byte(offset: u64) -> u8 {
+    let sector = offset / SECTOR_SIZE;
+    (sector as u8).wrapping_mul(31) ^ (offset as u8)
+}
+
+fn disk_image() -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    let bytes: Vec<u8> = (0..DISK_SECTORS * SECTOR_SIZE).map(sector_byte).collect();
+    file.write_all(&bytes).unwrap();
+    file
+}
+
+fn block_driver<'m>(mem: &'m GuestMemoryMmap, image: &tempfile::NamedTempFile) -> Driver<'m, BlockDevice> {
+    let device = BlockDevice::new(BlockConfig { path: image.path().into(), id: Some("strata-root".into()) }).unwrap();
+    let mut d = Driver::new(mem, device);
+    let features = d.init(1, 256);
+    assert_ne!(features & (1 << 5), 0, "VIRTIO_BLK_F_RO");
+    d
+}
+
+fn write_header(d: &Driver<'_, BlockDevice>, addr: u64, request_type: u32, sector: u64) {
+    let mut h = [0u8; 16];
+    h[..4].copy_from_slice(&request_type.to_le_bytes());
+    h[8..].copy_from_slice(&sector.to_le_bytes());
+    d.write_mem(addr, &h);
+}
+
+/// Submits a request (header at HEADER, the given data buffers, status at STATUS_BYTE) and returns (status,
+/// used length).
+fn blk_request(
+    d: &mut Driver<'_, BlockDevice>,
+    request_type: u32,
+    sector: u64,
+    data: &[(u64, u32, bool)],
+) -> (u8, u32) {
+    write_header(d, HEADER, request_type, sector);
+    d.write_mem(STATUS_BYTE, &[0xee]);
+    let mut chain = vec![(HEADER, 16, false)];
+    chain.extend_from_slice(data);
+    chain.push((STATUS_BYTE, 1, true));
+    let head = d.queues[0].add_chain(&chain);
+    d.notify(0);
+    let used = d.queues[0].take_used();
+    assert_eq!(used.len(), 1, "one request, one used entry");
+    assert_eq!(used[0].0, head);
+    (d.read_mem(STATUS_BYTE, 1)[0], used[0].1)
+}
+
+#[test]
+fn blk_config_space_reports_capacity_and_limits() {
+    let mem = memory();
+    let image = disk_image();
+    let d = block_driver(&mem, &image);
+    assert_eq!(d.read(0x008), 2, "device ID: block");
+    assert_eq!(u64::from_le_bytes(d.config(0, 8).try_into().unwrap()), DISK_SECTORS);
+    let low = u32::from_le_bytes(d.config(0, 4).try_into().unwrap());
+    let high = u32::from_le_bytes(d.config(4, 4).try_into().unwrap());
+    assert_eq!(u64::from(high) << 32 | u64::from(low), DISK_SECTORS, "two 32-bit reads");
+    assert_eq!(u32::from_le_bytes(d.config(12, 4).try_into().unwrap()), 128, "seg_max");
+}
+
+#[test]
+fn blk_reads_known_sectors_byte_exact() {
+    let mem = memory();
+    let image = disk_image();
+    let mut d = block_driver(&mem, &image);
+    assert_eq!(d.interrupts(), 0);
+    for (sector, lens) in [(0u64, vec![512u32]), (5, vec![2048, 1024]), (DISK_SECTORS - 8, vec![4096])] {
+        let mut buffers = Vec::new();
+        let mut addr = DATA;
+        for &len in &lens {
+            d.write_mem(addr, &vec![CANARY; len as usize]);
+            buffers.push((addr, len, true));
+            addr += 0x10000;
+        }
+        let (status, used_len) = blk_request(&mut d, T_IN, sector, &buffers);
+        assert_eq!(status, S_OK);
+        let total: u32 = lens.iter().sum();
+        assert_eq!(used_len, total + 1, "used length is data + status");
+        let mut offset = sector * SECTOR_SIZE;
+        for &(addr, len, _) in &buffers {
+            let expected: Vec<u8> = (offset..offset + u64::from(len)).map(sector_byte).collect();
+            assert_eq!(d.read_mem(addr, len as usize), expected, "sector {sector}");
+            offset += u64::from(len);
+        }
+        assert!(d.interrupts() >= 1, "used buffers are signalled on the irqfd");
+    }
+}
+
+#[test]
+fn blk_batches_several_requests_per_notification() {
+    let mem = memory();
+    let image = disk_image();
+    let mut d = block_driver(&mem, &image);
+    let mut heads = Vec::new();
+    for i in 0..8u64 {
+        let header = HEADER + i * 0x20;
+        write_header(&d, header, T_IN, i * 2);
+        let data = DATA + i * 0x1000;
+        heads.push(d.queues[0].add_chain(&[(header, 16, false), (data, 1024, true), (STATUS_BYTE + i, 1, true)]));
+    }
+    d.notify(0);
+    let used = d.queues[0].take_used();
+    assert_eq!(used.iter().map(|u| u.0).collect::<Vec<_>>(), heads);
+    for i in 0..8u64 {
+        assert_eq!(d.read_mem(STATUS_BYTE + i, 1), [S_OK]);
+        let expected: Vec<u8> = (i * 1024..(i + 1) * 1024).map(sector_byte).collect();
+        assert_eq!(d.read_mem(DATA + i * 0x1000, 1024), expected);
+    }
+}
+
+#[test]
+fn blk_get_id_flush_write_and_unknown() {
+    let mem = memory();
+    let image = disk_image();
+    let original = std::fs::read(image.path()).unwrap();
+    let mut d = block_driver(&mem, &image);
+
+    d.write_mem(DATA, &[CANARY; 32]);
+    let (status, used_len) = blk_request(&mut d, T_GET_ID, 0, &[(DATA, 32, true)]);
+    assert_eq!((status, used_len), (S_OK, 21));
+    let mut expected = b"strata-root".to_vec();
+    expected.resize(20, 0);
+    expected.extend_from_slice(&[CANARY; 12]);
+    assert_eq!(d.read_mem(DATA, 32), expected, "20-byte ID, nothing past it");
+
+    assert_eq!(blk_request(&mut d, T_FLUSH, 0, &[]), (S_OK, 1));
+
+    d.write_mem(DATA, &[0xff; 512]);
+    assert_eq!(blk_request(&mut d, T_OUT, 0, &[(DATA, 512, false)]).0, S_IOERR, "the disk is read-only");
+    assert_eq!(std::fs::read(image.path()).unwrap(), original, "file untouched");
+
+    assert_eq!(blk_request(&mut d, 99, 0, &[(DATA, 512, true)]).0, S_UNSUPP);
+}
+
+#[test]
+fn blk_out_of_range_reads_fail_without_touching_the_buffer() {
+    let mem = memory();
+    let image = disk_image();
+    let mut d = block_driver(&mem, &image);
+    for (sector, len) in [(DISK_SECTORS, 512u32), (DISK_SECTORS - 1, 1024), (u64::MAX, 512), (u64::MAX / 512, 512)] {
+        d.write_mem(DATA, &vec![CANARY; len as usize]);
+        let (status, used_len) = blk_request(&mut d, T_IN, sector, &[(DATA, len, true)]);
+        assert_eq!((status, used_len), (S_IOERR, 1), "sector {sector}");
+        assert_eq!(d.read_mem(DATA, len as usize), vec![CANARY; len as usize], "no short read into the buffer");
+    }
+    // The last sector itself is fine.
+    assert_eq!(blk_request(&mut d, T_IN, DISK_SECTORS - 1, &[(DATA, 512, true)]).0, S_OK);
+}
+
+/// A malformed chain, described by its raw descriptors: (index, addr, len, flags, next), and the head to offer.
+struct BadChain {
+    what: &'static str,
+    descs: Vec<(u16, u64, u32, u16, u16)>,
+    head: u16,
+    /// What the device must answer: `Some(status)` with used length 1, or `None` (used length 0, status byte
+    /// untouched).
+    expect: Option<u8>,
+}
+
+fn bad(what: &'static str, descs: Vec<(u16, u64, u32, u16, u16)>, expect: Option<u8>) -> BadChain {
+    BadChain { what, descs, head: 0, expect }
+}
+
+#[test]
+fn blk_malformed_chains_are_refused_without_writing_outside_them() {
+    let mem = memory();
+    let image = disk_image();
+    let mut d = block_driver(&mem, &image);
+    const N: u16 = F_NEXT;
+    const W: u16 = F_WRITE;
+    const OUTSIDE: u64 = MEM_SIZE + 0x1000;
+    let data = DATA;
+    let st = STATUS_BYTE;
+    let cases = vec![
+        bad("header too short", vec![(0, HEADER, 8, N, 1), (1, data, 512, W | N, 2), (2, st, 1, W, 0)], Some(S_IOERR)),
+        bad(
+            "header write-only",
+            vec![(0, HEADER, 16, W | N, 1), (1, data, 512, W | N, 2), (2, st, 1, W, 0)],
+            Some(S_IOERR),
+        ),
+        bad(
+            "header outside memory",
+            vec![(0, OUTSIDE, 16, N, 1), (1, data, 512, W | N, 2), (2, st, 1, W, 0)],
+            Some(S_IOERR),
+        ),
+        bad("status read-only", vec![(0, HEADER, 16, N, 1), (1, data, 512, W | N, 2), (2, st, 1, 0, 0)], None),
+        bad("status zero-length", vec![(0, HEADER, 16, N, 1), (1, data, 512, W | N, 2), (2, st, 0, W, 0)], None),
+        bad(
+            "status outside memory",
+            vec![(0, HEADER, 16, N, 1), (1, data, 512, W | N, 2), (2, OUTSIDE, 1, W, 0)],
+            None,
+        ),
+        bad("only a status", vec![(0, st, 1, W, 0)], Some(S_IOERR)),
+        bad(
+            "data outside memory",
+            vec![(0, HEADER, 16, N, 1), (1, OUTSIDE, 512, W | N, 2), (2, st, 1, W, 0)],
+            Some(S_IOERR),
+        ),
+        bad(
+            "data straddles the end of memory",
+            vec![(0, HEADER, 16, N, 1), (1, MEM_SIZE - 512, 1024, W | N, 2), (2, st, 1, W, 0)],
+            Some(S_IOERR),
+        ),
+        bad(
+            "data read-only for IN",
+            vec![(0, HEADER, 16, N, 1), (1, data, 512, N, 2), (2, st, 1, W, 0)],
+            Some(S_IOERR),
+        ),
+        bad(
+            "data not sector-sized",
+            vec![(0, HEADER, 16, N, 1), (1, data, 500, W | N, 2), (2, st, 1, W, 0)],
+            Some(S_IOERR),
+        ),
+        bad(
+            "data above size_max",
+            vec![(0, HEADER, 16, N, 1), (1, data, 1 << 20, W | N, 2), (2, st, 1, W, 0)],
+            Some(S_IOERR),
+        ),
+        bad(
+            "lengths overflow 32 bits",
+            vec![
+                (0, HEADER, 16, N, 1),
+                (1, data, 0xffff_fe00, W | N, 2),
+                (2, data, 0xffff_fe00, W | N, 3),
+                (3, st, 1, W, 0),
+            ],
+            None,
+        ),
+        bad("descriptor loop", vec![(0, HEADER, 16, N, 1), (1, data, 512, W | N, 0)], None),
+        bad("next index out of range", vec![(0, HEADER, 16, N, 1), (1, data, 512, W | N, 999)], None),
+        bad("next index at the table's end", vec![(0, HEADER, 16, N, 1), (1, data, 512, W | N, 256)], None),
+    ];
+    for case in cases {
+        // Canary the whole buffer arena.
+        d.write_mem(BUFFERS, &vec![CANARY; 0x21_0000]);
+        write_header(&d, HEADER, T_IN, 0);
+        for &(index, addr, len, flags, next) in &case.descs {
+            d.queues[0].write_desc(index, addr, len, flags, next);
+        }
+        d.queues[0].publish(case.head);
+        d.notify(0);
+        let used = d.queues[0].take_used();
+        assert_eq!(used.len(), 1, "{}: the chain is returned", case.what);
+        let status = d.read_mem(STATUS_BYTE, 1)[0];
+        match case.expect {
+            Some(expected) => {
+                assert_eq!((status, used[0].1), (expected, 1), "{}", case.what);
+            }
+            None => {
+                assert_eq!(used[0].1, 0, "{}: used length", case.what);
+                assert_eq!(status, CANARY, "{}: nothing written", case.what);
+            }
+        }
+        // Nothing outside the status byte changed (and the data buffer only on success, never here).
+        let arena = d.read_mem(BUFFERS, 0x21_0000);
+        let header_end = (HEADER - BUFFERS) as usize + 16;
+        for (i, &byte) in arena.iter().enumerate() {
+            let at = BUFFERS + i as u64;
+            if i < header_end || at == STATUS_BYTE {
+                continue;
+            }
+            assert_eq!(byte, CANARY, "{}: byte at {at:#x} changed", case.what);
+        }
+    }
+    // A chain far too long for seg_max is refused whole.
+    let mut long = Vec::new();
+    long.push((HEADER, 16, false));
+    for i in 0..140u64 {
+        long.push((DATA + i * 512, 512, true));
+    }
+    long.push((STATUS_BYTE, 1, true));
+    d.write_mem(STATUS_BYTE, &[CANARY]);
+    d.queues[0].add_chain(&long);
+    d.notify(0);
+    assert_eq!(d.queues[0].take_used()[0].1, 0, "too many segments");
+    // After all that, the device still serves a good request.
+    assert_eq!(blk_request(&mut d, T_IN, 3, &[(DATA, 512, true)]).0, S_OK);
+}
+
+#[test]
+fn blk_hostile_avail_ring_is_survived() {
+    let mem = memory();
+    let image = disk_image();
+    let mut d = block_driver(&mem, &image);
+    // A head index past the table: nothing to return, nothing written.
+    d.write_mem(STATUS_BYTE, &[CANARY]);
+    d.queues[0].publish(999);
+    d.notify(0);
+    assert!(d.queues[0].take_used().is_empty());
+    // The available index jumps by more than the queue size: the device processes nothing.
+    let before = d.queues[0].avail_idx;
+    d.queues[0].set_avail_idx(before.wrapping_add(300));
+    d.notify(0);
+    assert!(d.queues[0].take_used().is_empty());
+    assert_eq!(d.read_mem(STATUS_BYTE, 1), [CANARY]);
+    // Back to sane: requests work again.
+    d.queues[0].set_avail_idx(before);
+    assert_eq!(blk_request(&mut d, T_IN, 1, &[(DATA, 512, true)]).0, S_OK);
+}
+
+#[test]
+fn blk_snapshot_restore_continues_the_ring() {
+    let mem = memory();
+    let image = disk_image();
+    let mut d = block_driver(&mem, &image);
+    for sector in 0..5 {
+        assert_eq!(blk_request(&mut d, T_IN, sector, &[(DATA, 512, true)]).0, S_OK);
+    }
+    let (transport_state, block_state) = {
+        let t = d.transport();
+        (t.save(), t.device().save())
+    };
+    assert_eq!(transport_state.queues[0].next_avail, 5);
+    assert_eq!(transport_state.queues[0].next_used, 5);
+    // Rebuild from the states, in order: device, then transport.
+    let device = BlockDevice::restore(
+        strata_tier_microvm::devices::virtio::block::persist::BlockConstructorArgs { path: image.path().into() },
+        &block_state,
+    )
+    .unwrap();
+    let args = MmioTransportConstructorArgs { mem: mem.clone(), device, interrupt: Interrupt::new().unwrap() };
+    let restored = MmioTransport::restore(args, &transport_state).unwrap();
+    assert!(restored.is_activated());
+    let queues = std::mem::take(&mut d.queues);
+    let mut d = Driver::with_transport(&mem, Arc::new(Mutex::new(restored)));
+    d.queues = queues;
+    assert_eq!(d.read(0x070), ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    d.write_mem(DATA, &[0; 512]);
+    assert_eq!(blk_request(&mut d, T_IN, 7, &[(DATA, 512, true)]).0, S_OK);
+    let expected: Vec<u8> = (7 * 512..8 * 512).map(sector_byte).collect();
+    assert_eq!(d.read_mem(DATA, 512), expected);
+    assert!(d.interrupts() >= 1, "the new interrupt line is used");
+}
+
+#[test]
+fn blk_reset_and_reinit() {
+    let mem = memory();
+    let image = disk_image();
+    let mut d = block_driver(&mem, &image);
+    assert_eq!(blk_request(&mut d, T_IN, 0, &[(DATA, 512, true)]).0, S_OK);
+    d.write(STATUS, 0);
+    assert!(!d.transport().is_activated());
+    d.notify(0);
+    d.init(1, 64);
+    assert_eq!(blk_request(&mut d, T_IN, 9, &[(DATA, 512, true)]).0, S_OK);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// virtio-vsock
+
+const GUEST_CID: u64 = 3;
+
+struct VsockSetup {
+    dir: tempfile::TempDir,
+}
+
+impl VsockSetup {
+    fn new() -> VsockSetup {
+        VsockSetup { dir: tempfile::tempdir().unwrap() }
+    }
+
+    fn uds(&self) -> std::path::PathBuf {
+        self.dir.path().join("v.sock")
+    }
+
+    fn driver<'m>(&self, mem: &'m GuestMemoryMmap) -> (Driver<'m, VsockDevice>, VsockGuest) {
+        let device = VsockDevice::new(VsockConfig { guest_cid: GUEST_CID, uds_path: self.uds() }).unwrap();
+        let mut d = Driver::new(mem, device);
+        d.init(3, 128);
+        assert_eq!(d.read(0x008), 19, "device ID: vsock");
+        assert_eq!(u64::from_le_bytes(d.config(0, 8).try_into().unwrap()), GUEST_CID);
+        let mut guest = VsockGuest::new(GUEST_CID, 64 * 1024);
+        guest.post_rx(&mut d, 32);
+        d.notify(RX);
+        (d, guest)
+    }
+}
+
+/// Waits for the next packets the guest receives.
+fn recv_some(d: &mut Driver<'_, VsockDevice>, guest: &mut VsockGuest) -> Vec<Received> {
+    let mut got = Vec::new();
+    d.pump_until(|d| {
+        got = guest.recv(d);
+        !got.is_empty()
+    });
+    got
+}
+
+fn read_line(stream: &mut UnixStream) -> String {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while byte != [b'\n'] {
+        stream.read_exact(&mut byte).unwrap();
+        line.push(byte[0]);
+    }
+    String::from_utf8(line).unwrap()
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed) ^ (i >> 8) as u8).collect()
+}
+
+/// Host-initiated connection up to the `OK` line; returns (host stream, host port, guest port).
+fn host_connect(
+    setup: &VsockSetup,
+    d: &mut Driver<'_, VsockDevice>,
+    guest: &mut VsockGuest,
+    guest_port: u32,
+) -> (UnixStream, u32) {
+    let mut host = UnixStream::connect(setup.uds()).unwrap();
+    host.write_all(format!("CONNECT {guest_port}\n").as_bytes()).unwrap();
+    let got = recv_some(d, guest);
+    assert_eq!(got.len(), 1);
+    let req = got[0].hdr;
+    assert_eq!(
+        (req.op, req.src_cid, req.dst_cid, req.dst_port, req.type_),
+        (OP_REQUEST, HOST_CID, GUEST_CID, guest_port, 1)
+    );
+    assert!(req.src_port >= 1 << 30, "host port from the muxer's range");
+    assert_eq!(got[0].used_len, 44);
+    guest.send(d, guest.hdr(OP_RESPONSE, guest_port, req.src_port), &[]);
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(read_line(&mut host), format!("OK {}\n", req.src_port));
+    (host, req.src_port)
+}
+
+#[test]
+fn vsock_host_initiated_connection_carries_data_both_ways() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let (mut d, mut guest) = setup.driver(&mem);
+    d.interrupts();
+    let (mut host, host_port) = host_connect(&setup, &mut d, &mut guest, 1234);
+    assert!(d.interrupts() >= 1, "RX delivery is signalled");
+    assert_eq!(d.transport().device().connection_count(), 1);
+
+    // Host → guest: 300 KB, more than one RX buffer and more than the guest's credit (256 KiB) at once.
+    let sent = pattern(300_000, 1);
+    let writer = {
+        let mut host = host.try_clone().unwrap();
+        let sent = sent.clone();
+        std::thread::spawn(move || host.write_all(&sent).unwrap())
+    };
+    let mut received = Vec::new();
+    let mut fwd_cnt = 0u32;
+    d.pump_until(|d| {
+        for p in guest.recv(d) {
+            assert_eq!((p.hdr.op, p.hdr.src_port, p.hdr.dst_port), (OP_RW, host_port, 1234), "{p:?}");
+            assert!(p.hdr.len <= 64 * 1024);
+            assert_eq!(p.used_len, 44 + p.hdr.len);
+            received.extend_from_slice(&p.data);
+            // The guest application consumed it: tell the host side.
+            fwd_cnt += p.hdr.len;
+            let mut update = guest.hdr(OP_CREDIT_UPDATE, 1234, host_port);
+            update.fwd_cnt = fwd_cnt;
+            guest.send(d, update, &[]);
+        }
+        received.len() >= sent.len()
+    });
+    writer.join().unwrap();
+    assert_eq!(received, sent, "host → guest byte-exact");
+
+    // Guest → host: 200 KB in 64 KiB packets.
+    let data = pattern(200_000, 9);
+    let reader = {
+        let mut host = host.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 200_000];
+            host.read_exact(&mut buf).unwrap();
+            buf
+        })
+    };
+    for chunk in data.chunks(64 * 1024) {
+        let mut hdr = guest.hdr(OP_RW, 1234, host_port);
+        hdr.len = chunk.len() as u32;
+        hdr.fwd_cnt = fwd_cnt;
+        guest.send(&mut d, hdr, chunk);
+    }
+    // Whatever the host socket did not take at once is flushed by the backend.
+    let reader_done = Arc::new(Mutex::new(None));
+    {
+        let done = reader_done.clone();
+        std::thread::spawn(move || *done.lock().unwrap() = Some(reader.join().unwrap()));
+    }
+    d.pump_until(|_| reader_done.lock().unwrap().is_some());
+    assert_eq!(reader_done.lock().unwrap().take().unwrap(), data, "guest → host byte-exact");
+    let credit: Vec<Received> = guest.recv(&mut d);
+    assert!(credit.iter().all(|p| p.hdr.op == OP_CREDIT_UPDATE), "{credit:?}");
+
+    // Credit request → credit update with the forwarded count.
+    guest.send(&mut d, guest.hdr(OP_CREDIT_REQUEST, 1234, host_port), &[]);
+    let got = recv_some(&mut d, &mut guest);
+    let last = got.last().unwrap().hdr;
+    assert_eq!(last.op, OP_CREDIT_UPDATE);
+    assert_eq!(last.fwd_cnt, 200_000);
+    assert_eq!(last.buf_alloc, 256 * 1024);
+
+    // Guest closes: SHUTDOWN both ways → the device answers RST and closes the host stream.
+    let mut shutdown = guest.hdr(OP_SHUTDOWN, 1234, host_port);
+    shutdown.flags = 3;
+    guest.send(&mut d, shutdown, &[]);
+    let got = recv_some(&mut d, &mut guest);
+    assert_eq!(got[0].hdr.op, OP_RST);
+    let mut rest = Vec::new();
+    assert_eq!(host.read_to_end(&mut rest).unwrap(), 0, "host sees EOF");
+    assert_eq!(d.transport().device().connection_count(), 0);
+}
+
+#[test]
+fn vsock_host_initiated_connection_refused_by_guest() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let (mut d, mut guest) = setup.driver(&mem);
+    let mut host = UnixStream::connect(setup.uds()).unwrap();
+    host.write_all(b"CONNECT 77\n").unwrap();
+    let req = recv_some(&mut d, &mut guest)[0].hdr;
+    assert_eq!(req.op, OP_REQUEST);
+    guest.send(&mut d, guest.hdr(OP_RST, 77, req.src_port), &[]);
+    let mut rest = Vec::new();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(host.read_to_end(&mut rest).unwrap(), 0, "host stream closed");
+    assert_eq!(d.transport().device().connection_count(), 0);
+
+    // A malformed CONNECT line gets the stream closed.
+    let mut host = UnixStream::connect(setup.uds()).unwrap();
+    host.write_all(b"HELLO 77\n").unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut rest = Vec::new();
+    for _ in 0..5 {
+        d.transport().process_backend();
+    }
+    assert_eq!(host.read_to_end(&mut rest).unwrap(), 0);
+    assert_eq!(d.transport().device().connection_count(), 0);
+}
+
+#[test]
+fn vsock_guest_initiated_connection() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let listener = UnixListener::bind(format!("{}_5000", setup.uds().display())).unwrap();
+    let (mut d, mut guest) = setup.driver(&mem);
+
+    guest.send(&mut d, guest.hdr(OP_REQUEST, 40_000, 5000), &[]);
+    let got = guest.recv(&mut d);
+    assert_eq!(got.len(), 1, "RESPONSE delivered in the TX notification itself");
+    let resp = got[0].hdr;
+    assert_eq!((resp.op, resp.src_port, resp.dst_port, resp.dst_cid), (OP_RESPONSE, 5000, 40_000, GUEST_CID));
+    let (mut host, _) = listener.accept().unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+
+    let mut hdr = guest.hdr(OP_RW, 40_000, 5000);
+    hdr.len = 5;
+    guest.send(&mut d, hdr, b"hello");
+    let mut buf = [0u8; 5];
+    host.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"hello");
+
+    host.write_all(b"world").unwrap();
+    let got = recv_some(&mut d, &mut guest);
+    assert_eq!((got[0].hdr.op, got[0].data.as_slice()), (OP_RW, &b"world"[..]));
+
+    // The host closes: the guest gets SHUTDOWN, answers RST, the connection is gone.
+    drop(host);
+    let got = recv_some(&mut d, &mut guest);
+    assert_eq!((got[0].hdr.op, got[0].hdr.flags), (OP_SHUTDOWN, 3));
+    guest.send(&mut d, guest.hdr(OP_RST, 40_000, 5000), &[]);
+    assert_eq!(d.transport().device().connection_count(), 0);
+
+    // Nobody listens on port 5001: RST.
+    guest.send(&mut d, guest.hdr(OP_REQUEST, 40_001, 5001), &[]);
+    let got = guest.recv(&mut d);
+    assert_eq!((got[0].hdr.op, got[0].hdr.src_port, got[0].hdr.dst_port), (OP_RST, 5001, 40_001));
+}
+
+#[test]
+fn vsock_hostile_packets_get_rst_or_are_dropped() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let (mut d, mut guest) = setup.driver(&mem);
+
+    // Wrong source CID, wrong destination CID: dropped silently.
+    let mut h = guest.hdr(OP_REQUEST, 1, 2);
+    h.src_cid = 99;
+    guest.send(&mut d, h, &[]);
+    let mut h = guest.hdr(OP_REQUEST, 1, 2);
+    h.dst_cid = 7;
+    guest.send(&mut d, h, &[]);
+    assert!(guest.recv(&mut d).is_empty());
+
+    // Unknown op, a non-STREAM type, RW and SHUTDOWN for unknown connections: RST each.
+    let mut seqpacket = guest.hdr(OP_REQUEST, 10, 11);
+    seqpacket.type_ = 2;
+    let unknown_op = guest.hdr(99, 12, 13);
+    let mut rw = guest.hdr(OP_RW, 14, 15);
+    rw.len = 3;
+    for (h, data) in [(seqpacket, &b""[..]), (unknown_op, b""), (rw, b"abc"), (guest.hdr(OP_SHUTDOWN, 16, 17), b"")] {
+        guest.send(&mut d, h, data);
+    }
+    let got = guest.recv(&mut d);
+    let rsts: Vec<(u16, u32, u32)> = got.iter().map(|p| (p.hdr.op, p.hdr.dst_port, p.hdr.src_port)).collect();
+    assert_eq!(rsts, vec![(OP_RST, 10, 11), (OP_RST, 12, 13), (OP_RST, 14, 15), (OP_RST, 16, 17)]);
+    // An RST for an unknown connection gets nothing back.
+    guest.send(&mut d, guest.hdr(OP_RST, 18, 19), &[]);
+    assert!(guest.recv(&mut d).is_empty());
+
+    // Malformed TX chains: the header claims more data than the descriptor holds, more than 64 KiB, a short or
+    // write-only header descriptor, a header outside memory.
+    let before = d.transport().device().metrics();
+    let mut lying = guest.hdr(OP_RW, 20, 21);
+    lying.len = 1000;
+    guest.send(&mut d, lying, b"short");
+    let mut huge = guest.hdr(OP_RW, 20, 21);
+    huge.len = 1 << 20;
+    guest.send(&mut d, huge, b"x");
+    let base = VsockGuest::TX_AREA + 0x100_0000;
+    d.write_mem(base, &guest.hdr(OP_REQUEST, 22, 23).to_bytes());
+    d.queues[TX as usize].add_chain(&[(base, 20, false)]);
+    d.queues[TX as usize].add_chain(&[(base, 44, true)]);
+    d.queues[TX as usize].add_chain(&[(MEM_SIZE + 0x10, 44, false)]);
+    d.queues[TX as usize].add_chain(&[(MEM_SIZE - 20, 44, false)]);
+    d.notify(TX);
+    let after = d.transport().device().metrics();
+    assert_eq!(after.tx_malformed - before.tx_malformed, 6);
+    assert_eq!(d.queues[TX as usize].take_used().len() as u64, after.tx_packets + after.tx_malformed);
+    assert!(guest.recv(&mut d).is_empty(), "malformed chains are dropped");
+}
+
+#[test]
+fn vsock_rx_buffers_without_room_for_a_header_are_returned_empty() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let device = VsockDevice::new(VsockConfig { guest_cid: GUEST_CID, uds_path: setup.uds() }).unwrap();
+    let mut d = Driver::new(&mem, device);
+    d.init(3, 256);
+    let small = d.queues[RX as usize].add_chain(&[(VsockGuest::RX_AREA, 20, true)]);
+    let read_only = d.queues[RX as usize].add_chain(&[(VsockGuest::RX_AREA + 0x1000, 4096, false)]);
+    let outside = d.queues[RX as usize].add_chain(&[(MEM_SIZE + 0x1000, 4096, true)]);
+    let mut guest = VsockGuest::new(GUEST_CID, 4096);
+    guest.send(&mut d, guest.hdr(OP_RW, 30, 31), &[]);
+    let used = d.queues[RX as usize].take_used();
+    assert_eq!(used, vec![(small, 0), (read_only, 0), (outside, 0)]);
+    assert_eq!(d.transport().device().metrics().rx_malformed, 3);
+    // The RST is still waiting, and goes out in the next usable buffer.
+    d.queues[RX as usize].add_chain(&[(VsockGuest::RX_AREA + 0x2000, 128, true)]);
+    d.notify(RX);
+    let used = d.queues[RX as usize].take_used();
+    assert_eq!(used.len(), 1);
+    assert_eq!(used[0].1, 44);
+    assert_eq!(Hdr::from_bytes(&d.read_mem(VsockGuest::RX_AREA + 0x2000, 44)).op, OP_RST);
+}
+
+#[test]
+fn vsock_flood_is_bounded() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let device = VsockDevice::new(VsockConfig { guest_cid: GUEST_CID, uds_path: setup.uds() }).unwrap();
+    let mut d = Driver::new(&mem, device);
+    d.init(3, 256);
+    let mut guest = VsockGuest::new(GUEST_CID, 4096);
+    // 5000 connection requests to ports nobody listens on, with no RX buffer to answer in.
+    for i in 0..5000u32 {
+        guest.queue_tx(&mut d, guest.hdr(OP_REQUEST, 10_000 + i, 1 + i % 7), &[]);
+        if i % 128 == 127 {
+            d.notify(TX);
+        }
+    }
+    d.notify(TX);
+    assert_eq!(d.transport().device().metrics().tx_packets, 5000);
+    assert_eq!(d.transport().device().connection_count(), 0);
+    // Only the capped number of RSTs comes out once buffers arrive.
+    guest.post_rx(&mut d, 64);
+    d.notify(RX);
+    let mut rsts = 0;
+    loop {
+        let got = guest.recv(&mut d);
+        if got.is_empty() {
+            break;
+        }
+        assert!(got.iter().all(|p| p.hdr.op == OP_RST));
+        rsts += got.len();
+    }
+    assert_eq!(rsts, MAX_QUEUED_RESETS);
+}
+
+#[test]
+fn vsock_guest_overrunning_its_credit_is_reset() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let (mut d, mut guest) = setup.driver(&mem);
+    let (host, host_port) = host_connect(&setup, &mut d, &mut guest, 600);
+    // The host never reads: the socket buffer fills, then the device's 256 KiB, then the guest is over.
+    let chunk = vec![7u8; 64 * 1024];
+    let mut reset = false;
+    for _ in 0..64 {
+        let mut hdr = guest.hdr(OP_RW, 600, host_port);
+        hdr.len = chunk.len() as u32;
+        guest.send(&mut d, hdr, &chunk);
+        if guest.recv(&mut d).iter().any(|p| p.hdr.op == OP_RST) {
+            reset = true;
+            break;
+        }
+    }
+    assert!(reset, "a guest ignoring its credit is reset");
+    assert_eq!(d.transport().device().connection_count(), 0);
+    drop(host);
+}
+
+#[test]
+fn vsock_device_reset_drops_connections() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let (mut d, mut guest) = setup.driver(&mem);
+    let (mut host, _) = host_connect(&setup, &mut d, &mut guest, 42);
+    assert_eq!(d.transport().device().connection_count(), 1);
+    d.write(STATUS, 0);
+    assert_eq!(d.transport().device().connection_count(), 0);
+    let mut rest = Vec::new();
+    assert_eq!(host.read_to_end(&mut rest).unwrap(), 0, "host stream closed on reset");
+    // The device comes back after a new handshake and accepts new connections.
+    d.init(3, 128);
+    let mut guest = VsockGuest::new(GUEST_CID, 64 * 1024);
+    guest.post_rx(&mut d, 8);
+    d.notify(RX);
+    let (_host, _) = host_connect(&setup, &mut d, &mut guest, 43);
+}
+
+#[test]
+fn vsock_backend_thread_pushes_rx_and_signals() {
+    use strata_tier_microvm::devices::virtio::mmio::BackendThread;
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let (mut d, mut guest) = setup.driver(&mem);
+    d.interrupts();
+    let backend = BackendThread::spawn(d.transport.clone()).unwrap();
+    let mut host = UnixStream::connect(setup.uds()).unwrap();
+    host.write_all(b"CONNECT 9\n").unwrap();
+    // No pumping from the test: the backend thread does it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while d.queues[RX as usize].used_idx() == 0 {
+        assert!(std::time::Instant::now() < deadline, "backend thread delivered nothing");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(d.interrupt.irqfd().read().unwrap() >= 1, "irqfd signalled by the backend thread");
+    let got = guest.recv(&mut d);
+    assert_eq!(got[0].hdr.op, OP_REQUEST);
+    backend.stop();
+}
+
+#[test]
+fn vsock_snapshot_restore_sends_transport_reset() {
+    use strata_tier_microvm::devices::virtio::vsock::persist::VsockConstructorArgs;
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let (mut d, mut guest) = setup.driver(&mem);
+    // The guest posts an event buffer.
+    let event_buf = 0x300_0000u64;
+    d.write_mem(event_buf, &[0xff; 4]);
+    let head = d.queues[2].add_chain(&[(event_buf, 4, true)]);
+    d.notify(2);
+    let (_host, _) = host_connect(&setup, &mut d, &mut guest, 5);
+    let (transport_state, vsock_state) = {
+        let t = d.transport();
+        (t.save(), t.device().save())
+    };
+    let queues = std::mem::take(&mut d.queues);
+    drop(d);
+    // A fork: new socket, new CID.
+    let args = VsockConstructorArgs { uds_path: setup.dir.path().join("fork.sock"), guest_cid: Some(4) };
+    let device = VsockDevice::restore(args, &vsock_state).unwrap();
+    assert_eq!(device.connection_count(), 0, "connections are not part of a snapshot");
+    let args = MmioTransportConstructorArgs { mem: mem.clone(), device, interrupt: Interrupt::new().unwrap() };
+    let restored = MmioTransport::restore(args, &transport_state).unwrap();
+    assert!(!restored.device().transport_reset_pending(), "the event went out at activation");
+    let mut d = Driver::with_transport(&mem, Arc::new(Mutex::new(restored)));
+    d.queues = queues;
+    assert_eq!(u64::from_le_bytes(d.config(0, 8).try_into().unwrap()), 4, "the fork's CID");
+    assert_eq!(d.queues[2].take_used(), vec![(head, 4)]);
+    assert_eq!(d.read_mem(event_buf, 4), [0, 0, 0, 0], "VIRTIO_VSOCK_EVENT_TRANSPORT_RESET");
+    assert!(d.interrupts() >= 1);
+    // The fork's socket serves new connections.
+    let mut host = UnixStream::connect(setup.dir.path().join("fork.sock")).unwrap();
+    host.write_all(b"CONNECT 5\n").unwrap();
+    guest.cid = 4;
+    let got = recv_some(&mut d, &mut guest);
+    assert_eq!((got[0].hdr.op, got[0].hdr.dst_cid), (OP_REQUEST, 4));
+}
