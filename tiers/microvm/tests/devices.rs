@@ -945,6 +945,91 @@ fn vsock_host_initiated_connection_carries_data_both_ways() {
 }
 
 #[test]
+fn vsock_host_half_close_lets_the_guest_answer() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let (mut d, mut guest) = setup.driver(&mem);
+    let (mut host, host_port) = host_connect(&setup, &mut d, &mut guest, 80);
+    host.write_all(b"ping").unwrap();
+    host.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut got = Vec::new();
+    d.pump_until(|d| {
+        got.extend(guest.recv(d));
+        got.len() >= 2
+    });
+    assert_eq!((got[0].hdr.op, got[0].data.as_slice()), (OP_RW, &b"ping"[..]));
+    assert_eq!((got[1].hdr.op, got[1].hdr.flags), (OP_SHUTDOWN, 2), "the host only stopped sending");
+    let mut hdr = guest.hdr(OP_RW, 80, host_port);
+    hdr.len = 4;
+    guest.send(&mut d, hdr, b"pong");
+    let mut buf = [0u8; 4];
+    host.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"pong");
+    let mut close = guest.hdr(OP_SHUTDOWN, 80, host_port);
+    close.flags = 3;
+    guest.send(&mut d, close, &[]);
+    assert_eq!(guest.recv(&mut d)[0].hdr.op, OP_RST);
+    let mut rest = Vec::new();
+    assert_eq!(host.read_to_end(&mut rest).unwrap(), 0);
+}
+
+#[test]
+fn vsock_host_hang_up_delivers_everything_as_credit_allows() {
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let (mut d, mut guest) = setup.driver(&mem);
+    // The guest only has 16 KiB of receive buffer for this connection.
+    let mut host = UnixStream::connect(setup.uds()).unwrap();
+    host.write_all(b"CONNECT 81\n").unwrap();
+    let req = recv_some(&mut d, &mut guest)[0].hdr;
+    let mut response = guest.hdr(OP_RESPONSE, 81, req.src_port);
+    response.buf_alloc = 16 * 1024;
+    guest.send(&mut d, response, &[]);
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(read_line(&mut host).starts_with("OK "));
+    // The host writes 100 KB; the guest takes its 16 KiB and gives no credit back yet.
+    let sent = pattern(100_000, 3);
+    host.write_all(&sent).unwrap();
+    let mut received = Vec::new();
+    d.pump_until(|d| {
+        received.extend(guest.recv(d).into_iter().flat_map(|p| p.data));
+        received.len() == 16 * 1024
+    });
+    // The host hangs up while the guest has no credit: what it wrote must still arrive.
+    drop(host);
+    for _ in 0..10 {
+        d.transport().process_backend();
+    }
+    assert_eq!(d.transport().device().connection_count(), 1, "kept until its data is delivered");
+    let (mut fwd_cnt, mut shutdown) = (0u32, None);
+    d.pump_until(|d| {
+        for p in guest.recv(d) {
+            match p.hdr.op {
+                OP_RW => {
+                    assert!(received.len() as u32 + p.hdr.len <= fwd_cnt + 16 * 1024, "credit respected");
+                    received.extend_from_slice(&p.data);
+                }
+                OP_SHUTDOWN => shutdown = Some(p.hdr.flags),
+                other => panic!("unexpected op {other}"),
+            }
+        }
+        // The guest application reads slowly: credit comes back in 4 KiB steps.
+        if (received.len() as u32) > fwd_cnt {
+            fwd_cnt = (fwd_cnt + 4096).min(received.len() as u32);
+            let mut update = guest.hdr(OP_CREDIT_UPDATE, 81, req.src_port);
+            update.buf_alloc = 16 * 1024;
+            update.fwd_cnt = fwd_cnt;
+            guest.send(d, update, &[]);
+        }
+        shutdown.is_some()
+    });
+    assert_eq!(received, sent, "nothing lost to the hang-up");
+    assert_eq!(shutdown, Some(3));
+    guest.send(&mut d, guest.hdr(OP_RST, 81, req.src_port), &[]);
+    assert_eq!(d.transport().device().connection_count(), 0);
+}
+
+#[test]
 fn vsock_host_initiated_connection_refused_by_guest() {
     let mem = memory();
     let setup = VsockSetup::new();

@@ -13,6 +13,11 @@
 //! take at once waits in that buffer, and a guest that sends beyond its credit has the connection reset. Host
 //! data is read straight into the guest's RX buffer, never more than the guest's advertised free space.
 //!
+//! Closing: a host that shuts down its sending side (EOF) makes the guest get SHUTDOWN(SEND) once the data
+//! before it is delivered, and the guest may go on sending; a host that hangs up entirely has what is left in its
+//! stream delivered (as the guest gives credit), then SHUTDOWN(SEND|RCV), and the guest has 2 s to answer RST. A
+//! guest SHUTDOWN of both directions has what the host has not taken yet flushed, then an RST back.
+//!
 //! Nothing a guest sends can make the host panic or grow memory without bound: packets with wrong CIDs are
 //! dropped, packets for unknown connections or with unknown operations get an RST, the RSTs waiting for RX
 //! buffers are capped ([`MAX_QUEUED_RESETS`], the rest are dropped), and connections ([`MAX_CONNECTIONS`]) and
@@ -105,7 +110,8 @@ enum ConnState {
     /// Host-initiated; REQUEST queued or sent to the guest, waiting for RESPONSE.
     LocalInit,
     Established,
-    /// The host stream reached EOF; SHUTDOWN sent to the guest, waiting for its RST.
+    /// The host closed its stream entirely and everything in it reached the guest; SHUTDOWN (both directions)
+    /// sent, waiting for the guest's RST.
     LocalClosed,
     /// The guest shut both directions down; flushing what the host has not taken yet, then RST.
     PeerClosing,
@@ -137,6 +143,8 @@ struct Connection {
     peer_fwd_cnt: Wrapping<u32>,
     /// SHUTDOWN flags the guest sent.
     peer_shutdown: u32,
+    /// The host stream reached EOF (the host shut its sending side; it may still read).
+    host_eof: bool,
     deadline: Option<Instant>,
 }
 
@@ -159,6 +167,7 @@ impl Connection {
             peer_buf_alloc: 0,
             peer_fwd_cnt: Wrapping(0),
             peer_shutdown: 0,
+            host_eof: false,
             deadline: None,
         }
     }
@@ -180,6 +189,7 @@ impl Connection {
 
     fn wants_host_data(&self) -> bool {
         self.state == ConnState::Established
+            && !self.host_eof
             && self.peer_shutdown & VSOCK_FLAGS_SHUTDOWN_RCV == 0
             && self.peer_credit() > 0
     }
@@ -659,10 +669,16 @@ impl VsockMuxer {
                 }
                 HostRead::Eof => {
                     conn.pending &= !PENDING_RW;
-                    conn.state = ConnState::LocalClosed;
-                    conn.deadline = Some(Instant::now() + CLOSE_TIMEOUT);
-                    self.timer_dirty = true;
-                    let flags = VSOCK_FLAGS_SHUTDOWN_RCV | VSOCK_FLAGS_SHUTDOWN_SEND;
+                    conn.host_eof = true;
+                    // A host that only shut its sending side still reads: the guest may go on sending. A host
+                    // that hung up entirely (the stream left the epoll set) takes nothing more.
+                    let mut flags = VSOCK_FLAGS_SHUTDOWN_SEND;
+                    if !conn.registered {
+                        flags |= VSOCK_FLAGS_SHUTDOWN_RCV;
+                        conn.state = ConnState::LocalClosed;
+                        conn.deadline = Some(Instant::now() + CLOSE_TIMEOUT);
+                        self.timer_dirty = true;
+                    }
                     return Some(VsockMuxer::conn_header(guest_cid, key, conn, VsockOp::Shutdown, flags, 0).write(pkt));
                 }
                 HostRead::Nothing => conn.pending &= !PENDING_RW,
@@ -807,11 +823,15 @@ impl VsockMuxer {
         let Some(conn) = self.conns.get_mut(&key) else { return };
         if events.contains(EpollFlags::EPOLLHUP) {
             // The host closed its end. Epoll reports a hang-up forever, so the stream leaves the set; what it
-            // still holds is read as the guest makes room (see `refresh`), then the guest gets SHUTDOWN.
+            // still holds is read as the guest makes room (see `refresh`, however long the guest takes to give
+            // credit), then the guest gets SHUTDOWN. With nothing left to deliver, the connection is reset.
             let _ = self.epoll.delete(&conn.stream);
             conn.registered = false;
             conn.interest = EpollFlags::empty();
-            if conn.state == ConnState::LocalInit || (conn.state == ConnState::Established && !conn.wants_host_data()) {
+            let can_deliver = conn.state == ConnState::Established
+                && !conn.host_eof
+                && conn.peer_shutdown & VSOCK_FLAGS_SHUTDOWN_RCV == 0;
+            if !can_deliver {
                 self.kill(key);
                 return;
             }
