@@ -26,6 +26,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod block;
 pub mod mmio;
 pub mod persist;
