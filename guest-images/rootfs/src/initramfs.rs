@@ -199,7 +199,8 @@ mod tests {
             let header = std::str::from_utf8(&archive[at..at + 110]).expect("ascii header");
             assert_eq!(&header[..6], "070701");
             let field = |i: usize| u32::from_str_radix(&header[6 + i * 8..14 + i * 8], 16).expect("hex");
-            let (mode, size, rmaj, rmin, name_len) = (field(1), field(6) as usize, field(9), field(10), field(11) as usize);
+            let (mode, size, rmaj, rmin, name_len) =
+                (field(1), field(6) as usize, field(9), field(10), field(11) as usize);
             let name_start = at + 110;
             let name = std::str::from_utf8(&archive[name_start..name_start + name_len - 1]).expect("name").to_owned();
             let data_start = (name_start + name_len).div_ceil(4) * 4;
