@@ -169,6 +169,8 @@ fn listen_forever(port: u32, halt: Halt) -> i32 {
                 continue;
             }
         };
+        // One line on the console: the guest is up and waits for the host (boot checks look for it).
+        log(&format!("ready: listening on vsock port {port}"));
         loop {
             let stream = match listener.accept() {
                 Ok((stream, _cid)) => stream,

@@ -11,4 +11,5 @@
 
 pub mod boot;
 pub mod devices;
+pub mod guest;
 pub mod vstate;

@@ -1,0 +1,86 @@
+//! The guest side of the microVM, checked under qemu's `microvm` machine with TCG (software emulation: this host's
+//! `/dev/kvm` is PVM, which cannot run our kernel): our kernel boots our initramfs and the embedded agent runs as
+//! PID 1 — it mounts, then listens for the host on vsock and says so on the console. Skipped with one `skip:` line when the kernel is not built,
+//! qemu or busybox-static is missing, or this build has no agent.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn strata_home() -> Option<std::path::PathBuf> {
+    std::env::var_os("STRATA_HOME")
+        .map(Into::into)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/strata")))
+}
+
+#[test]
+fn the_agent_runs_as_pid_1_of_our_kernel() {
+    let Some(kernel) = strata_home().and_then(|h| strata_kernel_image::KernelImage::new(&h).ok()?.installed().ok())
+    else {
+        println!("skip: the guest kernel is not built (strata images build kernel)");
+        return;
+    };
+    let Ok(agent) = strata_tier_microvm::guest::agent_binary() else {
+        println!("skip: this build has no guest agent (the x86_64-unknown-linux-musl target is missing)");
+        return;
+    };
+    if Command::new("qemu-system-x86_64").arg("--version").output().is_err() {
+        println!("skip: qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)");
+        return;
+    }
+    let home = tempfile::tempdir().expect("tempdir");
+    let busybox = std::path::Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
+    let initramfs = match strata_rootfs_image::initramfs::ensure_initramfs(home.path(), agent, busybox) {
+        Ok(initramfs) => initramfs,
+        Err(err) => {
+            println!("skip: {err}");
+            return;
+        }
+    };
+    let started = Instant::now();
+    let mut qemu = Command::new("qemu-system-x86_64")
+        .args(["-M", "microvm,acpi=off", "-accel", "tcg", "-m", "256", "-nodefaults", "-no-user-config"])
+        .args(["-nographic", "-serial", "stdio", "-no-reboot"])
+        .arg("-kernel")
+        .arg(&kernel.vmlinux)
+        .arg("-initrd")
+        .arg(&initramfs.path)
+        .args(["-append", "console=ttyS0 reboot=t panic=-1 strata.hostname=probe"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run qemu");
+    let (tx, rx) = mpsc::channel();
+    let stdout = qemu.stdout.take().expect("stdout");
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    let mut agent_line = None;
+    while let Some(left) = TIMEOUT.checked_sub(started.elapsed()) {
+        let Ok(line) = rx.recv_timeout(left) else { break };
+        let waiting = line.contains("strata-agent: ready: listening on vsock port");
+        lines.push(line);
+        if waiting {
+            agent_line = Some(started.elapsed());
+            break;
+        }
+    }
+    let _ = qemu.kill();
+    let _ = qemu.wait();
+    drop(rx);
+    let _ = reader.join();
+    let log = lines.join("\n");
+    assert!(log.contains("Run /init as init process"), "the kernel did not start /init:\n{log}");
+    assert!(!log.contains("Kernel panic"), "{log}");
+    let at = agent_line.unwrap_or_else(|| panic!("the agent never reached its vsock listener in {TIMEOUT:?}:\n{log}"));
+    println!("agent up as PID 1 after {at:.1?} (qemu TCG; without a vsock device it waits for one)");
+}
