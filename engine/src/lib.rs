@@ -270,6 +270,16 @@ impl Engine {
         tier.as_ref().map_err(|reason| EngineError::TierUnavailable { tier: TierKind::Process, reason: reason.clone() })
     }
 
+    /// The microVM initramfs (the embedded guest agent as `/init` and Debian's static busybox), built into
+    /// `$STRATA_HOME/images` when missing or changed.
+    pub fn initramfs(&self) -> Result<strata_rootfs_image::initramfs::InstalledInitramfs, EngineError> {
+        let home = self.config.home.as_ref().ok_or(EngineError::NoHome("the initramfs"))?;
+        let agent = strata_tier_microvm::guest::agent_binary().map_err(|e| EngineError::Image(e.to_string()))?;
+        let busybox = Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
+        strata_rootfs_image::initramfs::ensure_initramfs(home, agent, busybox)
+            .map_err(|e| EngineError::Image(e.to_string()))
+    }
+
     /// What this host can run and why not (`strata doctor`). Reads kernel files only; starts nothing.
     pub fn doctor(&self) -> doctor::HostReport {
         doctor::report(self)
