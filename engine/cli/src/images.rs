@@ -43,6 +43,8 @@ enum Image {
     Kernel,
     /// The microVM initramfs: the guest agent as /init and a static busybox (seconds).
     Initramfs,
+    /// The Debian image as a read-only squashfs disk for microVMs (builds the Debian image first if needed).
+    Disk,
 }
 
 fn say(line: &str) {
@@ -70,7 +72,7 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
     let engine = Engine::new(EngineConfig::from_env()?)?;
     match args.action {
         Action::Build { image: Image::Python, metered } => build_python(&engine, metered),
-        Action::Build { image: Image::Debian | Image::Kernel | Image::Initramfs, metered: true } => {
+        Action::Build { image: Image::Debian | Image::Kernel | Image::Initramfs | Image::Disk, metered: true } => {
             Err(Failure::new("usage", "--metered applies to the python image only"))
         }
         Action::Build { image: Image::Debian, metered: false } => {
@@ -98,6 +100,12 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
                 megabytes(size),
                 &installed.sha256[..16]
             ));
+            Ok(0)
+        }
+        Action::Build { image: Image::Disk, metered: false } => {
+            let (rootfs, _) = debian_image(&engine)?.ensure(&say).map_err(image_error)?;
+            let disk = strata_rootfs_image::disk::ensure_disk_image(&rootfs, &say).map_err(image_error)?;
+            say(&format!("disk image {} ({})", disk.path.display(), megabytes(disk.size_bytes)));
             Ok(0)
         }
         Action::List => list(&engine),

@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 mod build;
+pub mod disk;
 pub mod initramfs;
 mod mirror;
 mod mounts;
