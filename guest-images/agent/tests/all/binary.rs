@@ -82,11 +82,12 @@ fn reaping_everything_reaps_orphans_and_still_reports_each_exec() {
     // The shell exits at once; its background sleep is reparented to the agent (a child subreaper).
     let ran = run(agent.client(), &sh("sleep 0.3 & exit 0"), b"");
     assert_eq!(ran.report.status, ExitStatus::Code(0));
-    assert!(
-        children_of(pid).iter().any(|(_, command, _)| command == "sleep"),
-        "the orphan was not reparented: {:?}",
-        children_of(pid)
-    );
+    // The orphan may still be the forked shell that has not exec'd `sleep` yet: wait for it to become one.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !children_of(pid).iter().any(|(_, command, _)| command == "sleep") {
+        assert!(Instant::now() < deadline, "the orphan was not reparented: {:?}", children_of(pid));
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let deadline = Instant::now() + Duration::from_secs(5);
     while !children_of(pid).is_empty() {
         assert!(Instant::now() < deadline, "left behind: {:?}", children_of(pid));
