@@ -10,6 +10,7 @@
 #![warn(missing_docs)]
 
 pub mod boot;
+pub mod builder;
 pub mod devices;
 pub mod guest;
 pub mod vstate;

@@ -117,3 +117,91 @@ fn our_kernel_boots_to_user_space_on_hardware_kvm() {
         _ => eprintln!("skip: booting Linux needs /dev/kvm with hardware virtualisation; this host has none"),
     }
 }
+
+/// The whole microVM as the tier builds it — memfd RAM, irqchip, serial, virtio-vsock for the agent, virtio-blk for
+/// the Debian disk, our kernel and initramfs — then the agent over vsock. On hardware KVM the agent answers and runs a
+/// command; on PVM the guest dies in the emulator, and that must come back as a typed `GuestDied` with the console,
+/// fast (no hang), leaving no vCPU thread or socket behind.
+#[test]
+fn a_microvm_reaches_its_agent_or_reports_why_not() {
+    use strata_tier_microvm::builder::{BuildError, Microvm, MicrovmConfig};
+    let Some(home) = std::env::var_os("STRATA_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/strata")))
+    else {
+        return;
+    };
+    let Some(kernel) = strata_kernel_image::KernelImage::new(&home).ok().and_then(|k| k.installed().ok()) else {
+        eprintln!("skip: the guest kernel is not built (strata images build kernel)");
+        return;
+    };
+    let Ok(agent) = strata_tier_microvm::guest::agent_binary() else {
+        eprintln!("skip: this build has no guest agent (the x86_64-unknown-linux-musl target is missing)");
+        return;
+    };
+    let kind = kvm_kind();
+    if kind == "none" {
+        eprintln!("skip: no /dev/kvm");
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let busybox = std::path::Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
+    let Ok(initramfs) = strata_rootfs_image::initramfs::ensure_initramfs(scratch.path(), agent, busybox) else {
+        eprintln!("skip: no static busybox for the initramfs");
+        return;
+    };
+    let disk = strata_rootfs_image::DebianImage::new(&home)
+        .and_then(|image| image.installed())
+        .and_then(|rootfs| strata_rootfs_image::disk::ensure_disk_image(&rootfs, &|_| {}))
+        .ok()
+        .map(|disk| disk.path);
+    let cpuid = if kind == "pvm" { CpuidProfile::PvmCompat } else { CpuidProfile::Standard };
+    let config = MicrovmConfig {
+        kernel: kernel.vmlinux,
+        initramfs: initramfs.path,
+        root_disk: disk,
+        memory_bytes: 256 << 20,
+        vcpus: 1,
+        cpuid,
+        run_dir: scratch.path().to_owned(),
+    };
+    let started = Instant::now();
+    let mut vm = Microvm::boot(&config).expect("build the microVM");
+    let result = vm.connect_agent(Duration::from_secs(if kind == "pvm" { 120 } else { 20 }));
+    match (kind, result) {
+        ("hardware", Ok(client)) => {
+            let request = strata_guest_proto::ExecRequest {
+                argv: vec!["uname".into(), "-r".into()],
+                cwd: "/".into(),
+                ..Default::default()
+            };
+            let mut out = Vec::new();
+            let report = client.exec(&request, b"", |_, data| out.extend_from_slice(data)).expect("exec");
+            assert_eq!(report.status, strata_guest_proto::ExitStatus::Code(0));
+            assert_eq!(String::from_utf8_lossy(&out).trim(), kernel.release);
+            eprintln!("agent ready and a command run {:.1?} after boot", started.elapsed());
+        }
+        ("pvm", Err(BuildError::GuestDied { exit, console })) => {
+            assert!(!console.is_empty(), "the console captured nothing");
+            eprintln!(
+                "PVM: the guest stopped after {:.1?} as expected on this host ({exit}); console tail:\n{console}",
+                started.elapsed()
+            );
+        }
+        (kind, other) => panic!("{kind} KVM: unexpected {other:?}\nconsole:\n{}", vm.console_tail(30)),
+    }
+    let socket_dir = scratch.path().to_owned();
+    vm.shutdown();
+    let threads = std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.starts_with("strata-vcpu"))
+        .count();
+    assert_eq!(threads, 0, "vCPU threads left running");
+    let sockets = std::fs::read_dir(&socket_dir)
+        .expect("dir")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".sock"))
+        .count();
+    assert_eq!(sockets, 0, "the vsock socket was left behind");
+}
