@@ -26,7 +26,7 @@ mod build;
 mod fragment;
 
 use std::fs::{self, File};
-use std::io::{self, Read};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -149,22 +149,10 @@ pub(crate) fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::
     move |source| KernelError::Io { what, path: path.to_owned(), source }
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+pub(crate) use strata_image_util::hex;
 
 pub(crate) fn sha256_file(path: &Path) -> Result<String, KernelError> {
-    let mut file = File::open(path).map_err(io_err("cannot open", path))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buf).map_err(io_err("cannot read", path))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(buf.get(..n).unwrap_or_default());
-    }
-    Ok(hex(&hasher.finalize()))
+    strata_image_util::sha256_file(path).map_err(io_err("cannot read", path))
 }
 
 /// The build key, hex: sha256 of the source version, the fragment's bytes and [`BUILD_FORMAT`].
@@ -446,13 +434,7 @@ fn parse_dpkg_query(text: &str) -> Vec<(String, String)> {
 
 /// An exclusive lock on `path`, released when dropped: one build per key at a time across processes.
 fn lock(path: &Path) -> Result<nix::fcntl::Flock<File>, KernelError> {
-    let file =
-        File::options().create(true).truncate(false).write(true).open(path).map_err(io_err("cannot open", path))?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).map_err(|(_, errno)| KernelError::Io {
-        what: "cannot lock",
-        path: path.to_owned(),
-        source: errno.into(),
-    })
+    strata_image_util::lock_exclusive(path).map_err(io_err("cannot lock", path))
 }
 
 #[cfg(test)]
@@ -511,7 +493,7 @@ mod tests {
             release: "6.1.172-strata".into(),
             vmlinux_sha256: sha256_file(&dir.join(VMLINUX_FILE)).expect("hash"),
             vmlinux_size: 15,
-            built_at: build::rfc3339_now(),
+            built_at: strata_image_util::rfc3339_now(),
             build_seconds: 1,
             jobs: 1,
             enabled: vec!["CONFIG_64BIT=y".into()],

@@ -158,22 +158,10 @@ fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> I
     move |source| ImageError::Io { what, path: path.to_owned(), source }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+use strata_image_util::hex;
 
 fn sha256_file(path: &Path) -> Result<String, ImageError> {
-    let mut file = File::open(path).map_err(io_err("cannot open", path))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buf).map_err(io_err("cannot read", path))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    Ok(hex(&hasher.finalize()))
+    strata_image_util::sha256_file(path).map_err(io_err("cannot read", path))
 }
 
 /// The installed runtime: what the wasm tier needs to run Python.
@@ -557,13 +545,7 @@ fn extract_mpl_data(stdlib: &Path, dir: &Path) -> Result<(), ImageError> {
 
 /// An exclusive lock on `path`, released when dropped: one installer at a time across processes.
 fn lock(path: &Path) -> Result<nix::fcntl::Flock<File>, ImageError> {
-    let file =
-        File::options().create(true).truncate(false).write(true).open(path).map_err(io_err("cannot open", path))?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).map_err(|(_, errno)| ImageError::Io {
-        what: "cannot lock",
-        path: path.to_owned(),
-        source: errno.into(),
-    })
+    strata_image_util::lock_exclusive(path).map_err(io_err("cannot lock", path))
 }
 
 #[cfg(test)]

@@ -7,13 +7,10 @@
 //! recorded in the rootfs stamp, written atomically, its sha256 checked whenever it is reused.
 
 use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use sha2::{Digest, Sha256};
-
-use crate::{InstalledRootfs, RootfsError, hex, io_err};
+use crate::{InstalledRootfs, RootfsError, io_err};
 
 /// Bumped when the way the image is made changes.
 pub const DISK_FORMAT: u32 = 1;
@@ -84,15 +81,5 @@ fn cached(path: &Path, stamp: &Path, key: &str) -> Option<InstalledDisk> {
 }
 
 fn sha256_file(path: &Path) -> Result<String, RootfsError> {
-    let mut file = fs::File::open(path).map_err(io_err("cannot open", path))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buf).map_err(io_err("cannot read", path))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    Ok(hex(&hasher.finalize()))
+    strata_image_util::sha256_file(path).map_err(io_err("cannot read", path))
 }

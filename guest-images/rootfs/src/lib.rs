@@ -175,9 +175,7 @@ pub(crate) fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::
     move |source| RootfsError::Io { what, path: path.to_owned(), source }
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+pub(crate) use strata_image_util::hex;
 
 /// The installed tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -392,13 +390,7 @@ impl DebianImage {
 
 /// An exclusive lock on `path`, released when dropped: one build per recipe at a time across processes.
 fn lock(path: &Path) -> Result<nix::fcntl::Flock<File>, RootfsError> {
-    let file =
-        File::options().create(true).truncate(false).write(true).open(path).map_err(io_err("cannot open", path))?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).map_err(|(_, errno)| RootfsError::Io {
-        what: "cannot lock",
-        path: path.to_owned(),
-        source: errno.into(),
-    })
+    strata_image_util::lock_exclusive(path).map_err(io_err("cannot lock", path))
 }
 
 #[cfg(test)]
@@ -460,7 +452,7 @@ mod tests {
             recipe_hash: image.recipe_hash().to_owned(),
             tree_hash: summary.hash,
             size_bytes: summary.size_bytes,
-            built_at: build::rfc3339_now(),
+            built_at: strata_image_util::rfc3339_now(),
             debootstrap_version: "test".into(),
             mirror: "file:/nowhere".into(),
         };
