@@ -13,4 +13,5 @@ pub mod boot;
 pub mod builder;
 pub mod devices;
 pub mod guest;
+pub mod tier;
 pub mod vstate;

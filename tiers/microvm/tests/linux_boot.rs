@@ -205,3 +205,58 @@ fn a_microvm_reaches_its_agent_or_reports_why_not() {
         .count();
     assert_eq!(sockets, 0, "the vsock socket was left behind");
 }
+
+/// The tier end to end: a job through `Tier::run`. On hardware KVM it runs; on PVM the guest dies before its agent
+/// and the outcome says `crashed`, with the console in stderr — a typed answer in seconds, not a hang.
+#[test]
+fn the_tier_runs_a_job_or_reports_the_crash() {
+    use strata_core::{Capabilities, ExecOptions, Job, Limits, Status, Tier};
+    use strata_tier_microvm::tier::{MicrovmTier, MicrovmTierConfig};
+    let Some(home) = std::env::var_os("STRATA_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/strata")))
+    else {
+        return;
+    };
+    let Some(kernel) = strata_kernel_image::KernelImage::new(&home).ok().and_then(|k| k.installed().ok()) else {
+        eprintln!("skip: the guest kernel is not built (strata images build kernel)");
+        return;
+    };
+    let Ok(agent) = strata_tier_microvm::guest::agent_binary() else {
+        eprintln!("skip: this build has no guest agent");
+        return;
+    };
+    let kind = kvm_kind();
+    if kind == "none" {
+        eprintln!("skip: no /dev/kvm");
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let busybox = std::path::Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
+    let Ok(initramfs) = strata_rootfs_image::initramfs::ensure_initramfs(scratch.path(), agent, busybox) else {
+        eprintln!("skip: no static busybox for the initramfs");
+        return;
+    };
+    let tier = MicrovmTier::new(MicrovmTierConfig {
+        kernel: kernel.vmlinux,
+        initramfs: initramfs.path,
+        root_disk: None,
+        run_dir: scratch.path().to_owned(),
+        cpuid: if kind == "pvm" { CpuidProfile::PvmCompat } else { CpuidProfile::Standard },
+    });
+    let limits = Limits { memory: strata_core::ByteSize(256 << 20), ..Limits::default() };
+    let job = Job::Command { argv: vec!["echo".into(), "hello".into()] };
+    let started = Instant::now();
+    let outcome = tier.run(&job, &Capabilities::default(), &limits, ExecOptions::default()).expect("run");
+    match (kind, &outcome.status) {
+        ("hardware", Status::Exited { code: 0 }) => assert_eq!(outcome.stdout, b"hello\n"),
+        ("pvm", Status::Crashed { message }) => {
+            assert!(!outcome.stderr.is_empty(), "no console in stderr");
+            eprintln!("PVM: crashed after {:.1?}: {message}", started.elapsed());
+        }
+        (kind, _) => panic!("{kind} KVM: unexpected {outcome:?}"),
+    }
+    let wasm = Job::Wasm { module: strata_core::ModuleSource::File("x.wasm".into()), args: vec![] };
+    let err = tier.run(&wasm, &Capabilities::default(), &limits, ExecOptions::default()).expect_err("wasm");
+    assert_eq!(err.code(), "wrong_job");
+}
