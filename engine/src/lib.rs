@@ -216,6 +216,8 @@ pub struct Engine {
     wasm: WasmTier,
     /// Started on first use: it checks the host and needs the Debian image.
     process: OnceLock<Result<ProcessTier, String>>,
+    /// Started on first use where the host has hardware KVM: it needs the kernel, initramfs and disk images.
+    microvm: OnceLock<Result<strata_tier_microvm::tier::MicrovmTier, String>>,
     tools: ToolRegistry,
 }
 
@@ -237,7 +239,7 @@ impl Engine {
             python,
             tools: tools.clone(),
         });
-        Ok(Engine { config, wasm, process: OnceLock::new(), tools })
+        Ok(Engine { config, wasm, process: OnceLock::new(), microvm: OnceLock::new(), tools })
     }
 
     /// The host tools jobs may call (`Capabilities::tools` picks them by name). Register tools here.
@@ -285,6 +287,35 @@ impl Engine {
         doctor::report(self)
     }
 
+    /// The microVM tier, where this host has hardware KVM (else a typed `TierUnavailable` at once, saying why);
+    /// started on first use, building the kernel, initramfs and Debian disk when missing (minutes, once).
+    pub fn microvm(&self) -> Result<&strata_tier_microvm::tier::MicrovmTier, EngineError> {
+        let unavailable = |reason: String| EngineError::TierUnavailable { tier: TierKind::Microvm, reason };
+        if doctor::kvm().kind != "hardware" {
+            return Err(unavailable(microvm_unavailable()));
+        }
+        let tier = self.microvm.get_or_init(|| {
+            let home = self.config.home.as_ref().ok_or("no STRATA_HOME (nor HOME) to keep the guest images in")?;
+            let progress = |line: &str| log::info!("{line}");
+            let kernel = strata_kernel_image::KernelImage::new(home).map_err(|e| e.to_string())?;
+            let (kernel, _) = kernel.ensure(&progress).map_err(|e| e.to_string())?;
+            let initramfs = self.initramfs().map_err(|e| e.to_string())?;
+            let (rootfs, _) =
+                DebianImage::new(home).and_then(|image| image.ensure(&progress)).map_err(|e| e.to_string())?;
+            let disk = strata_rootfs_image::disk::ensure_disk_image(&rootfs, &progress).map_err(|e| e.to_string())?;
+            let run_dir = home.join("run/microvm");
+            std::fs::create_dir_all(&run_dir).map_err(|e| format!("{}: {e}", run_dir.display()))?;
+            Ok(strata_tier_microvm::tier::MicrovmTier::new(strata_tier_microvm::tier::MicrovmTierConfig {
+                kernel: kernel.vmlinux,
+                initramfs: initramfs.path,
+                root_disk: Some(disk.path),
+                run_dir,
+                cpuid: strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile::Standard,
+            }))
+        });
+        tier.as_ref().map_err(|reason| unavailable(reason.clone()))
+    }
+
     /// The policy's limits, for jobs that do not bring their own.
     pub fn default_limits(&self) -> &Limits {
         &self.config.policy.limits
@@ -327,7 +358,7 @@ impl Engine {
         match tier {
             TierKind::Wasm => Ok(&self.wasm),
             TierKind::Process => Ok(self.process()?),
-            TierKind::Microvm => Err(EngineError::TierUnavailable { tier, reason: microvm_unavailable() }),
+            TierKind::Microvm => Ok(self.microvm()?),
         }
     }
 
@@ -373,10 +404,7 @@ impl Engine {
 /// to boot and waiting).
 fn microvm_unavailable() -> String {
     let kvm = doctor::kvm();
-    match kvm.kind {
-        "hardware" => "Linux guests are not wired to the monitor yet (this host has hardware KVM)".into(),
-        _ => format!("{} (run `strata doctor`)", kvm.detail),
-    }
+    format!("{} (run `strata doctor`)", kvm.detail)
 }
 
 /// The README's Rust examples compile as part of the doc tests.
