@@ -118,6 +118,41 @@ fn our_kernel_boots_to_user_space_on_hardware_kvm() {
     }
 }
 
+/// What booting a real microVM needs here; `None` (after one skip line) when something is missing.
+struct Inputs {
+    home: std::path::PathBuf,
+    kernel: strata_kernel_image::InstalledKernel,
+    kind: &'static str,
+    scratch: tempfile::TempDir,
+    initramfs: strata_rootfs_image::initramfs::InstalledInitramfs,
+}
+
+fn inputs() -> Option<Inputs> {
+    let home = std::env::var_os("STRATA_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/strata")))?;
+    let Some(kernel) = strata_kernel_image::KernelImage::new(&home).ok().and_then(|k| k.installed().ok()) else {
+        eprintln!("skip: the guest kernel is not built (strata images build kernel)");
+        return None;
+    };
+    let Ok(agent) = strata_tier_microvm::guest::agent_binary() else {
+        eprintln!("skip: this build has no guest agent (the x86_64-unknown-linux-musl target is missing)");
+        return None;
+    };
+    let kind = kvm_kind();
+    if kind == "none" {
+        eprintln!("skip: no /dev/kvm");
+        return None;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let busybox = std::path::Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
+    let Ok(initramfs) = strata_rootfs_image::initramfs::ensure_initramfs(scratch.path(), agent, busybox) else {
+        eprintln!("skip: no static busybox for the initramfs");
+        return None;
+    };
+    Some(Inputs { home, kernel, kind, scratch, initramfs })
+}
+
 /// The whole microVM as the tier builds it — memfd RAM, irqchip, serial, virtio-vsock for the agent, virtio-blk for
 /// the Debian disk, our kernel and initramfs — then the agent over vsock. On hardware KVM the agent answers and runs a
 /// command; on PVM the guest dies in the emulator, and that must come back as a typed `GuestDied` with the console,
@@ -125,31 +160,7 @@ fn our_kernel_boots_to_user_space_on_hardware_kvm() {
 #[test]
 fn a_microvm_reaches_its_agent_or_reports_why_not() {
     use strata_tier_microvm::builder::{BuildError, Microvm, MicrovmConfig};
-    let Some(home) = std::env::var_os("STRATA_HOME")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/strata")))
-    else {
-        return;
-    };
-    let Some(kernel) = strata_kernel_image::KernelImage::new(&home).ok().and_then(|k| k.installed().ok()) else {
-        eprintln!("skip: the guest kernel is not built (strata images build kernel)");
-        return;
-    };
-    let Ok(agent) = strata_tier_microvm::guest::agent_binary() else {
-        eprintln!("skip: this build has no guest agent (the x86_64-unknown-linux-musl target is missing)");
-        return;
-    };
-    let kind = kvm_kind();
-    if kind == "none" {
-        eprintln!("skip: no /dev/kvm");
-        return;
-    }
-    let scratch = tempfile::tempdir().expect("tempdir");
-    let busybox = std::path::Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
-    let Ok(initramfs) = strata_rootfs_image::initramfs::ensure_initramfs(scratch.path(), agent, busybox) else {
-        eprintln!("skip: no static busybox for the initramfs");
-        return;
-    };
+    let Some(Inputs { home, kernel, kind, scratch, initramfs }) = inputs() else { return };
     let disk = strata_rootfs_image::DebianImage::new(&home)
         .and_then(|image| image.installed())
         .and_then(|rootfs| strata_rootfs_image::disk::ensure_disk_image(&rootfs, &|_| {}))
@@ -212,31 +223,7 @@ fn a_microvm_reaches_its_agent_or_reports_why_not() {
 fn the_tier_runs_a_job_or_reports_the_crash() {
     use strata_core::{Capabilities, ExecOptions, Job, Limits, Status, Tier};
     use strata_tier_microvm::tier::{MicrovmTier, MicrovmTierConfig};
-    let Some(home) = std::env::var_os("STRATA_HOME")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/strata")))
-    else {
-        return;
-    };
-    let Some(kernel) = strata_kernel_image::KernelImage::new(&home).ok().and_then(|k| k.installed().ok()) else {
-        eprintln!("skip: the guest kernel is not built (strata images build kernel)");
-        return;
-    };
-    let Ok(agent) = strata_tier_microvm::guest::agent_binary() else {
-        eprintln!("skip: this build has no guest agent");
-        return;
-    };
-    let kind = kvm_kind();
-    if kind == "none" {
-        eprintln!("skip: no /dev/kvm");
-        return;
-    }
-    let scratch = tempfile::tempdir().expect("tempdir");
-    let busybox = std::path::Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
-    let Ok(initramfs) = strata_rootfs_image::initramfs::ensure_initramfs(scratch.path(), agent, busybox) else {
-        eprintln!("skip: no static busybox for the initramfs");
-        return;
-    };
+    let Some(Inputs { kernel, kind, scratch, initramfs, .. }) = inputs() else { return };
     let tier = MicrovmTier::new(MicrovmTierConfig {
         kernel: kernel.vmlinux,
         initramfs: initramfs.path,
