@@ -11,6 +11,15 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest, Sha256};
 
+/// What an image builder's `ensure` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnsureOutcome {
+    /// The image was installed already.
+    AlreadyInstalled,
+    /// The image was built.
+    Built,
+}
+
 /// An exclusive lock on `path` (created if missing), released when dropped: one builder at a time across processes.
 pub fn lock_exclusive(path: &Path) -> io::Result<nix::fcntl::Flock<File>> {
     let file = File::options().create(true).truncate(false).write(true).open(path)?;

@@ -185,13 +185,7 @@ pub struct InstalledKernel {
 }
 
 /// What [`KernelImage::ensure`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EnsureOutcome {
-    /// The kernel was installed already.
-    AlreadyInstalled,
-    /// The kernel was built.
-    Built,
-}
+pub use strata_image_util::EnsureOutcome;
 
 /// `stamp.json`, written into the install directory before it is renamed into place.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -193,13 +193,7 @@ pub struct InstalledRootfs {
 }
 
 /// What [`DebianImage::ensure`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EnsureOutcome {
-    /// The image was installed already.
-    AlreadyInstalled,
-    /// The image was built.
-    Built,
-}
+pub use strata_image_util::EnsureOutcome;
 
 /// `stamp.json`, written last into the temporary tree before it is renamed into place.
 #[derive(Debug, Clone, Serialize, Deserialize)]

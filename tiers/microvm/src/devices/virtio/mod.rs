@@ -265,3 +265,12 @@ mod tests {
         assert_eq!(interrupt.status(), INTERRUPT_STATUS_MASK);
     }
 }
+
+/// Copies the device config bytes at `offset` into `data` (a guest read of config space); bytes past the end read
+/// as zero, and no offset or length from the guest can index out of bounds.
+pub(crate) fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    let start = usize::try_from(offset).unwrap_or(usize::MAX);
+    for (i, byte) in data.iter_mut().enumerate() {
+        *byte = start.checked_add(i).and_then(|j| config.get(j)).copied().unwrap_or(0);
+    }
+}

@@ -331,10 +331,7 @@ impl VirtioDevice for BlockDevice {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = start.checked_add(i).and_then(|j| self.config_space.get(j)).copied().unwrap_or(0);
-        }
+        super::super::read_config_bytes(&self.config_space, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {

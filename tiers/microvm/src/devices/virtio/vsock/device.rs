@@ -234,11 +234,7 @@ impl VirtioDevice for VsockDevice {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let config = self.guest_cid.to_le_bytes();
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = start.checked_add(i).and_then(|j| config.get(j)).copied().unwrap_or(0);
-        }
+        super::super::read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {
