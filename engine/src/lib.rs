@@ -13,9 +13,10 @@
 //!
 //! [`Engine::run`] routes each job to a tier ([`TierChoice::Auto`] picks the cheapest that can run it) and
 //! returns its [`Outcome`]; [`Engine::start`] opens a [`Sandbox`] that runs several jobs in turn (for Python,
-//! turns of one live interpreter). Two tiers are built: wasm (WebAssembly and Python) and process (Linux programs
-//! and the Debian image's CPython in a jail); asking for the microVM tier is a typed
-//! [`EngineError::TierUnavailable`].
+//! turns of one live interpreter). Three tiers: wasm (WebAssembly and Python), process (Linux programs and the
+//! Debian image's CPython in a jail) and microVM (the same jobs in a KVM guest of their own, where the host has
+//! hardware KVM; elsewhere asking for it is a typed [`EngineError::TierUnavailable`] at once, and `Auto` falls back
+//! to the process tier when the policy allows, recorded in the outcome's `escalations`).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -30,8 +31,8 @@ use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 
 use strata_core::{
-    Capabilities, ExecOptions, Job, JobKind, Limits, Outcome, PythonSource, Sandbox, Tier, TierError, TierKind,
-    ToolRegistry,
+    Capabilities, Escalation, ExecOptions, Job, JobKind, Limits, Outcome, PythonSource, Sandbox, Tier, TierError,
+    TierKind, ToolRegistry,
 };
 use strata_python_image::PythonImage;
 use strata_rootfs_image::DebianImage;
@@ -74,6 +75,42 @@ impl fmt::Display for TierChoice {
     }
 }
 
+/// Where [`Engine::route`] sends a job.
+pub struct Route<'e> {
+    /// The tier that runs it.
+    pub tier: &'e dyn Tier,
+    /// Set when the preferred tier could not run here and the policy let the job fall back to this one.
+    pub escalation: Option<Escalation>,
+}
+
+impl fmt::Debug for Route<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Route").field("tier", &self.tier.kind()).field("escalation", &self.escalation).finish()
+    }
+}
+
+/// The root filesystem of a microVM's jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VmImage {
+    /// The initramfs alone (the agent and busybox): the fastest boot.
+    Initramfs,
+    /// The Debian image as a read-only disk with a tmpfs overlay: python3, coreutils and the rest.
+    #[default]
+    Debian,
+}
+
+impl FromStr for VmImage {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "initramfs" => Ok(VmImage::Initramfs),
+            "debian" => Ok(VmImage::Debian),
+            other => Err(EngineError::UnknownImage(other.to_owned())),
+        }
+    }
+}
+
 /// Why the engine could not run a job.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -89,12 +126,21 @@ pub enum EngineError {
         /// Why.
         reason: String,
     },
+    /// The policy does not allow this tier (`[tiers] allowed`).
+    #[error("the policy does not allow the {tier} tier")]
+    TierNotAllowed {
+        /// The tier.
+        tier: TierKind,
+    },
     /// No available tier runs this kind of job.
     #[error("no available tier runs {0} jobs yet")]
     NoTierFor(JobKind),
     /// A tier name that is not `auto`, `wasm`, `process`, `vm` or `microvm`.
     #[error("unknown tier {0:?} (expected auto, wasm, process or vm)")]
     UnknownTier(String),
+    /// A microVM image name that is not `initramfs` or `debian`.
+    #[error("unknown microVM image {0:?} (expected initramfs or debian)")]
+    UnknownImage(String),
     /// A policy file could not be used.
     #[error(transparent)]
     Policy(#[from] PolicyError),
@@ -115,8 +161,10 @@ impl EngineError {
         match self {
             EngineError::Tier(err) => err.code(),
             EngineError::TierUnavailable { .. } => "tier_unavailable",
+            EngineError::TierNotAllowed { .. } => "tier_not_allowed",
             EngineError::NoTierFor(_) => "no_tier",
             EngineError::UnknownTier(_) => "unknown_tier",
+            EngineError::UnknownImage(_) => "unknown_image",
             EngineError::Policy(_) => "invalid_policy",
             EngineError::UnknownFileKind(_) => "wrong_format",
             EngineError::Image(_) => "artifact",
@@ -134,11 +182,13 @@ pub struct EngineConfig {
     pub policy: Policy,
     /// Concurrent wasm instances per engine configuration.
     pub max_wasm_instances: u32,
+    /// The microVM tier's root filesystem.
+    pub vm_image: VmImage,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { home: None, policy: Policy::default(), max_wasm_instances: 64 }
+        EngineConfig { home: None, policy: Policy::default(), max_wasm_instances: 64, vm_image: VmImage::default() }
     }
 }
 
@@ -291,24 +341,33 @@ impl Engine {
     /// started on first use, building the kernel, initramfs and Debian disk when missing (minutes, once).
     pub fn microvm(&self) -> Result<&strata_tier_microvm::tier::MicrovmTier, EngineError> {
         let unavailable = |reason: String| EngineError::TierUnavailable { tier: TierKind::Microvm, reason };
-        if doctor::kvm().kind != "hardware" {
-            return Err(unavailable(microvm_unavailable()));
-        }
         let tier = self.microvm.get_or_init(|| {
+            // Decided once, from what /dev/kvm is (never by trying to boot and waiting).
+            let kvm = doctor::kvm();
+            if kvm.kind != "hardware" {
+                return Err(format!("{} (run `strata doctor`)", kvm.detail));
+            }
             let home = self.config.home.as_ref().ok_or("no STRATA_HOME (nor HOME) to keep the guest images in")?;
             let progress = |line: &str| log::info!("{line}");
             let kernel = strata_kernel_image::KernelImage::new(home).map_err(|e| e.to_string())?;
             let (kernel, _) = kernel.ensure(&progress).map_err(|e| e.to_string())?;
             let initramfs = self.initramfs().map_err(|e| e.to_string())?;
-            let (rootfs, _) =
-                DebianImage::new(home).and_then(|image| image.ensure(&progress)).map_err(|e| e.to_string())?;
-            let disk = strata_rootfs_image::disk::ensure_disk_image(&rootfs, &progress).map_err(|e| e.to_string())?;
+            let root_disk = match self.config.vm_image {
+                VmImage::Initramfs => None,
+                VmImage::Debian => {
+                    let (rootfs, _) =
+                        DebianImage::new(home).and_then(|image| image.ensure(&progress)).map_err(|e| e.to_string())?;
+                    let disk =
+                        strata_rootfs_image::disk::ensure_disk_image(&rootfs, &progress).map_err(|e| e.to_string())?;
+                    Some(disk.path)
+                }
+            };
             let run_dir = home.join("run/microvm");
             std::fs::create_dir_all(&run_dir).map_err(|e| format!("{}: {e}", run_dir.display()))?;
             Ok(strata_tier_microvm::tier::MicrovmTier::new(strata_tier_microvm::tier::MicrovmTierConfig {
                 kernel: kernel.vmlinux,
                 initramfs: initramfs.path,
-                root_disk: Some(disk.path),
+                root_disk,
                 run_dir,
                 cpuid: strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile::Standard,
             }))
@@ -331,27 +390,49 @@ impl Engine {
         &self.wasm
     }
 
-    /// The tier a job goes to. A job the chosen tier cannot run is refused before the tier starts (which for
-    /// the process tier may mean building its image).
-    pub fn route(&self, choice: TierChoice, job: &Job) -> Result<&dyn Tier, EngineError> {
-        if let TierChoice::Tier(tier) = choice {
-            let runs = match tier {
-                TierKind::Wasm => matches!(job.kind(), JobKind::Wasm | JobKind::Python),
-                TierKind::Process | TierKind::Microvm => job.kind() != JobKind::Wasm,
-            };
-            if !runs {
-                return Err(TierError::WrongJob { tier, job: job.kind() }.into());
-            }
-        }
+    /// Where a job goes: the tier, and the fallback taken on the way if any. A job the chosen tier cannot run is
+    /// refused before the tier starts (which for the process tier may mean building its image); so is a tier the
+    /// policy does not allow.
+    ///
+    /// `Auto` sends WebAssembly to wasm, Python to wasm (or the policy's native tier when wasm is not allowed), and
+    /// Linux programs and commands to the policy's native tier. When that is the microVM and this host cannot run
+    /// it (no hardware KVM), a policy with `fallback` sends the job to the process tier and says so in the
+    /// returned [`Escalation`], which [`Engine::run_on`] records in the outcome.
+    pub fn route(&self, choice: TierChoice, job: &Job) -> Result<Route<'_>, EngineError> {
+        let policy = &self.config.policy.tiers;
+        let allowed = |tier: TierKind| {
+            if policy.allows(tier) { Ok(tier) } else { Err(EngineError::TierNotAllowed { tier }) }
+        };
         let tier = match choice {
-            TierChoice::Tier(tier) => tier,
+            TierChoice::Tier(tier) => {
+                let runs = match tier {
+                    TierKind::Wasm => matches!(job.kind(), JobKind::Wasm | JobKind::Python),
+                    TierKind::Process | TierKind::Microvm => job.kind() != JobKind::Wasm,
+                };
+                if !runs {
+                    return Err(TierError::WrongJob { tier, job: job.kind() }.into());
+                }
+                allowed(tier)?
+            }
             TierChoice::Auto => match job.kind() {
-                JobKind::Wasm | JobKind::Python => TierKind::Wasm,
-                // The microVM tier is not built yet: native code goes to the jail.
-                JobKind::Native | JobKind::Command => TierKind::Process,
+                JobKind::Wasm => allowed(TierKind::Wasm)?,
+                JobKind::Python if policy.allows(TierKind::Wasm) => TierKind::Wasm,
+                JobKind::Python | JobKind::Native | JobKind::Command => allowed(policy.native)?,
             },
         };
-        self.tier(tier)
+        let fallback = choice == TierChoice::Auto && policy.fallback && policy.allows(TierKind::Process);
+        match self.tier(tier) {
+            Ok(tier) => Ok(Route { tier, escalation: None }),
+            Err(EngineError::TierUnavailable { tier: TierKind::Microvm, reason }) if fallback => Ok(Route {
+                tier: self.tier(TierKind::Process)?,
+                escalation: Some(Escalation {
+                    from: TierKind::Microvm,
+                    to: TierKind::Process,
+                    reason: format!("the microVM tier cannot run here: {reason}"),
+                }),
+            }),
+            Err(err) => Err(err),
+        }
     }
 
     fn tier(&self, tier: TierKind) -> Result<&dyn Tier, EngineError> {
@@ -373,7 +454,8 @@ impl Engine {
         self.run_on(TierChoice::Auto, job, caps, limits, opts)
     }
 
-    /// Runs a job on the chosen tier.
+    /// Runs a job on the chosen tier ([`Engine::route`]); a fallback taken on the way is the first entry of the
+    /// outcome's `escalations`.
     pub fn run_on(
         &self,
         choice: TierChoice,
@@ -382,7 +464,12 @@ impl Engine {
         limits: &Limits,
         opts: ExecOptions,
     ) -> Result<Outcome, EngineError> {
-        Ok(self.route(choice, job)?.run(job, caps, limits, opts)?)
+        let route = self.route(choice, job)?;
+        let mut outcome = route.tier.run(job, caps, limits, opts)?;
+        if let Some(escalation) = route.escalation {
+            outcome.escalations.insert(0, escalation);
+        }
+        Ok(outcome)
     }
 
     /// Starts a sandbox on a tier (`Auto` starts on the cheapest, wasm).
@@ -396,15 +483,11 @@ impl Engine {
             TierChoice::Auto => TierKind::Wasm,
             TierChoice::Tier(tier) => tier,
         };
+        if !self.config.policy.tiers.allows(tier) {
+            return Err(EngineError::TierNotAllowed { tier });
+        }
         Ok(self.tier(tier)?.start(caps, limits)?)
     }
-}
-
-/// Why the microVM tier cannot take a job on this host, decided at once from what `/dev/kvm` is (never by trying
-/// to boot and waiting).
-fn microvm_unavailable() -> String {
-    let kvm = doctor::kvm();
-    format!("{} (run `strata doctor`)", kvm.detail)
 }
 
 /// The README's Rust examples compile as part of the doc tests.

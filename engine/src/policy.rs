@@ -1,22 +1,55 @@
-//! Policy files (`policies/*.toml`): today their `[limits]` table, applied over the defaults of
-//! `policies/default.toml`.
+//! Policy files (`policies/*.toml`): their `[limits]` table, applied over the defaults of `policies/default.toml`,
+//! and their `[tiers]` table (which tiers jobs may use, where `--tier auto` sends native code, and whether it may
+//! fall back when the preferred tier cannot run on this host).
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-use strata_core::{Limits, LimitsOverride};
+use strata_core::{Limits, LimitsOverride, TierKind};
 
 /// A policy: what jobs may use.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     /// Limits every job starts from.
     pub limits: Limits,
+    /// Which tiers jobs may run on and how `auto` picks.
+    pub tiers: TierPolicy,
+}
+
+/// The `[tiers]` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierPolicy {
+    /// Tiers jobs may run on, whether chosen by the user, by `auto` or by a fallback.
+    pub allowed: Vec<TierKind>,
+    /// Where `auto` sends Linux programs and shell commands (and Python when wasm is not allowed).
+    pub native: TierKind,
+    /// When `native` cannot run on this host, `auto` runs the job on the process tier instead (recorded in the
+    /// outcome's `escalations`); otherwise the job fails with `tier_unavailable`.
+    pub fallback: bool,
+}
+
+impl Default for TierPolicy {
+    /// The `[tiers]` of `policies/default.toml`.
+    fn default() -> Self {
+        TierPolicy {
+            allowed: vec![TierKind::Wasm, TierKind::Process, TierKind::Microvm],
+            native: TierKind::Microvm,
+            fallback: true,
+        }
+    }
+}
+
+impl TierPolicy {
+    /// Whether jobs may run on `tier`.
+    pub fn allows(&self, tier: TierKind) -> bool {
+        self.allowed.contains(&tier)
+    }
 }
 
 impl Default for Policy {
     /// `policies/default.toml`, compiled in.
     fn default() -> Self {
-        Policy { limits: Limits::default() }
+        Policy { limits: Limits::default(), tiers: TierPolicy::default() }
     }
 }
 
@@ -47,6 +80,34 @@ pub enum PolicyError {
 struct PolicyFile {
     #[serde(default)]
     limits: LimitsOverride,
+    #[serde(default)]
+    tiers: TiersFile,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct TiersFile {
+    allowed: Option<Vec<TierName>>,
+    native: Option<TierName>,
+    fallback: Option<bool>,
+}
+
+/// A tier as a policy spells it: `wasm`, `process`, `vm` or `microvm`.
+#[derive(Clone, Copy)]
+struct TierName(TierKind);
+
+impl<'de> Deserialize<'de> for TierName {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        match name.as_str() {
+            "wasm" => Ok(TierName(TierKind::Wasm)),
+            "process" => Ok(TierName(TierKind::Process)),
+            "vm" | "microvm" => Ok(TierName(TierKind::Microvm)),
+            other => Err(serde::de::Error::custom(format!(
+                "unknown tier {other:?} (expected \"wasm\", \"process\" or \"vm\")"
+            ))),
+        }
+    }
 }
 
 impl Policy {
@@ -59,9 +120,34 @@ impl Policy {
 
     /// Parses a policy's text; `path` names it in errors.
     pub fn from_toml(text: &str, path: &Path) -> Result<Policy, PolicyError> {
-        let file: PolicyFile = toml::from_str(text)
-            .map_err(|err| PolicyError::Invalid { path: path.to_owned(), message: one_line(&err.to_string()) })?;
-        Ok(Policy { limits: file.limits.apply(&Limits::default()) })
+        let invalid = |message: String| PolicyError::Invalid { path: path.to_owned(), message };
+        let file: PolicyFile = toml::from_str(text).map_err(|err| invalid(one_line(&err.to_string())))?;
+        let defaults = TierPolicy::default();
+        let mut allowed: Vec<TierKind> = match file.tiers.allowed {
+            Some(names) => names.into_iter().map(|name| name.0).collect(),
+            None => defaults.allowed,
+        };
+        allowed.sort();
+        allowed.dedup();
+        if allowed.is_empty() {
+            return Err(invalid("[tiers] allowed is empty: no job could run".into()));
+        }
+        let native = file.tiers.native.map_or(defaults.native, |name| name.0);
+        if native == TierKind::Wasm {
+            return Err(invalid(
+                "[tiers] native must be \"process\" or \"vm\" (wasm does not run Linux programs)".into(),
+            ));
+        }
+        if file.tiers.native.is_some() && !allowed.contains(&native) {
+            return Err(invalid(format!("[tiers] native = \"{native}\" is not in [tiers] allowed")));
+        }
+        // A default `native` the file's `allowed` excludes gives way to the other native tier.
+        let native = match file.tiers.native {
+            None if !allowed.contains(&native) && allowed.contains(&TierKind::Process) => TierKind::Process,
+            _ => native,
+        };
+        let tiers = TierPolicy { allowed, native, fallback: file.tiers.fallback.unwrap_or(defaults.fallback) };
+        Ok(Policy { limits: file.limits.apply(&Limits::default()), tiers })
     }
 }
 
@@ -98,6 +184,29 @@ mod tests {
     #[test]
     fn unknown_table_is_refused() {
         assert!(Policy::from_toml("[limitz]\n", Path::new("p.toml")).is_err());
+    }
+
+    #[test]
+    fn tiers_table_parses_and_is_checked() {
+        let policy = Policy::from_toml("[tiers]\nallowed = [\"wasm\"]\n", Path::new("p.toml")).expect("valid");
+        assert_eq!(policy.tiers.allowed, [TierKind::Wasm]);
+        assert!(!policy.tiers.allows(TierKind::Process));
+        let policy =
+            Policy::from_toml("[tiers]\nallowed = [\"process\", \"wasm\"]\n", Path::new("p.toml")).expect("valid");
+        assert_eq!(policy.tiers.native, TierKind::Process, "the default vm gives way to an allowed process tier");
+        let policy =
+            Policy::from_toml("[tiers]\nnative = \"process\"\nfallback = false\n", Path::new("p.toml")).expect("valid");
+        assert_eq!((policy.tiers.native, policy.tiers.fallback), (TierKind::Process, false));
+        for bad in [
+            "[tiers]\nallowed = []\n",
+            "[tiers]\nallowed = [\"wasm\", \"kvm\"]\n",
+            "[tiers]\nnative = \"wasm\"\n",
+            "[tiers]\nallowed = [\"wasm\", \"process\"]\nnative = \"vm\"\n",
+            "[tiers]\nfalback = true\n",
+        ] {
+            let err = Policy::from_toml(bad, Path::new("bad.toml")).expect_err(bad).to_string();
+            assert!(err.contains("bad.toml"), "{err}");
+        }
     }
 
     #[test]

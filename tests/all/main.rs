@@ -3,6 +3,7 @@
 mod native;
 mod python;
 mod python_image;
+mod routing;
 mod util;
 mod wasm_basics;
 mod wasm_cache;

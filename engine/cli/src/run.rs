@@ -12,7 +12,7 @@ use strata_core::{
     ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, LimitsOverride, Net, Outcome, OutputSink,
     PythonSource, Status, Stream, format_duration, parse_duration,
 };
-use strata_engine::{Engine, EngineConfig, Policy, TierChoice};
+use strata_engine::{Engine, EngineConfig, Policy, TierChoice, VmImage};
 
 use crate::Failure;
 
@@ -45,6 +45,10 @@ pub(crate) struct RunArgs {
     /// Tier to run on: auto, wasm, process or vm.
     #[arg(long, value_name = "TIER", default_value = "auto", value_parser = parse_tier)]
     tier: TierChoice,
+
+    /// The microVM's root filesystem: initramfs (busybox, the fastest boot) or debian (python3 and the rest).
+    #[arg(long, value_name = "IMAGE", value_parser = parse_image)]
+    image: Option<VmImage>,
 
     /// Wall-clock limit, e.g. 2s, 500ms.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration_arg)]
@@ -104,6 +108,10 @@ pub(crate) struct RunArgs {
 }
 
 fn parse_tier(s: &str) -> Result<TierChoice, String> {
+    s.parse().map_err(|e: strata_engine::EngineError| e.to_string())
+}
+
+fn parse_image(s: &str) -> Result<VmImage, String> {
     s.parse().map_err(|e: strata_engine::EngineError| e.to_string())
 }
 
@@ -203,7 +211,18 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
         stdin: read_stdin()?,
         tools: Vec::new(),
     };
-    let config = EngineConfig { policy, max_wasm_instances: 4, ..EngineConfig::from_env()? };
+    if args.image.is_some() && matches!(args.tier, TierChoice::Tier(tier) if tier != strata_core::TierKind::Microvm) {
+        return Err(Failure::new(
+            "usage",
+            format!("--image chooses the microVM's root filesystem; it does not apply to --tier {}", args.tier),
+        ));
+    }
+    let config = EngineConfig {
+        policy,
+        max_wasm_instances: 4,
+        vm_image: args.image.unwrap_or_default(),
+        ..EngineConfig::from_env()?
+    };
     let engine = Engine::new(config)?;
     let job = match (args.code, args.module, args.file) {
         (Some(code), _, _) => Job::Python { source: PythonSource::Code(code), args: args.args },

@@ -153,6 +153,8 @@ fn bad_input_exits_2_with_one_line_naming_the_problem() {
         (vec!["--tier", "quantum", programs::HELLO], "usage", "unknown tier \"quantum\""),
         (vec!["--tier", "process", programs::HELLO], "wrong_job", "the process tier cannot run WebAssembly jobs"),
         (vec!["--tier", "vm", "--", "true"], "tier_unavailable", "microvm tier is not available"),
+        (vec!["--image", "floppy", "--", "true"], "usage", "unknown microVM image \"floppy\""),
+        (vec!["--image", "initramfs", "--tier", "process", "--", "true"], "usage", "does not apply to --tier process"),
         (vec!["--dir", "relative", programs::HELLO], "usage", "expected HOST:GUEST"),
         (vec!["--allow-net", "example.com", programs::HELLO], "unsupported", "network egress"),
     ];

@@ -161,8 +161,8 @@ pub struct LimitsError {
     message: String,
 }
 
+/// A policy file seen for its `[limits]` only: its other tables belong to the engine's policy, which checks them.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct LimitsFile {
     limits: Limits,
 }
