@@ -117,6 +117,9 @@ pub enum TierError {
         /// The program and the error.
         message: String,
     },
+    /// A snapshot could not be written, or was refused when read.
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
     /// The tier's runtime failed in a way that is not the guest's doing.
     #[error("{tier} tier internal error: {message}")]
     Internal {
@@ -147,6 +150,7 @@ impl TierError {
             TierError::Tool(_) => "invalid_tool",
             TierError::ProgramNotFound { .. } => "program_not_found",
             TierError::ExecFailed { .. } => "exec_failed",
+            TierError::Snapshot(err) => err.code(),
             TierError::Internal { .. } => "internal",
         }
     }

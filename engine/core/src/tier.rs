@@ -2,7 +2,7 @@
 //! sandbox that runs several jobs in turn.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::caps::Capabilities;
@@ -10,6 +10,7 @@ use crate::error::TierError;
 use crate::job::Job;
 use crate::limits::Limits;
 use crate::outcome::{Outcome, TierKind};
+use crate::snapshot::Snapshot;
 
 /// Which output stream a chunk came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -79,16 +80,6 @@ impl fmt::Debug for ExecOptions {
     }
 }
 
-/// A saved sandbox, forkable by [`Tier::fork`]. Snapshots are written by [`Sandbox::snapshot`]; their format
-/// and guarantees are defined with the snapshot store.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Snapshot {
-    /// The tier that made it.
-    pub tier: TierKind,
-    /// Its directory.
-    pub dir: PathBuf,
-}
-
 /// A way to run jobs: wasm, process or microVM.
 pub trait Tier: Send + Sync {
     /// Which tier this is.
@@ -103,7 +94,14 @@ pub trait Tier: Send + Sync {
     /// Starts a sandbox that keeps its capabilities and state across several [`Sandbox::exec`] calls.
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError>;
 
-    /// Starts a sandbox from a snapshot.
+    /// Starts a sandbox from a snapshot of this tier ([`Sandbox::snapshot`]), verified by [`Snapshot::open`].
+    ///
+    /// The fork starts from exactly the snapshot's state ([`crate::snapshot::Manifest::persists`] says which
+    /// state a tier keeps) and is independent: its writes, to memory or files, are invisible to the snapshot, to
+    /// the sandbox it was taken from and to every other fork. Each fork gets fresh randomness (no two forks read
+    /// the same `os.urandom` bytes) and its own identity, and its clock moves forward from the snapshot's, never
+    /// back. Forks share the snapshot's unchanged memory copy-on-write where the tier can (wasm and microVM
+    /// memory images are mapped private; the process tier's live forks are `fork()`s of a zygote).
     fn fork(&self, snapshot: &Snapshot) -> Result<Box<dyn Sandbox>, TierError> {
         let _ = snapshot;
         Err(TierError::Unsupported { tier: self.kind(), what: "forking snapshots".into() })
@@ -124,8 +122,11 @@ pub trait Sandbox: Send {
     /// Reads a file at a guest path (inside a grant).
     fn read_file(&mut self, guest_path: &str) -> Result<Vec<u8>, TierError>;
 
-    /// Saves the sandbox's complete state.
-    fn snapshot(&mut self) -> Result<Snapshot, TierError> {
+    /// Saves the sandbox's complete state, between jobs, into a new snapshot directory at `destination` (written
+    /// atomically by a [`crate::SnapshotWriter`]; it must not exist). The sandbox goes on running afterwards.
+    /// See [`Tier::fork`] for what a fork of it gets.
+    fn snapshot(&mut self, destination: &Path) -> Result<Snapshot, TierError> {
+        let _ = destination;
         Err(TierError::Unsupported { tier: self.tier(), what: "snapshots".into() })
     }
 
