@@ -23,7 +23,7 @@ impl FileError {
         FileError { errno: err.raw_os_error().unwrap_or(libc::EIO), message: format!("{path}: {err}") }
     }
 
-    fn new(errno: i32, message: String) -> FileError {
+    pub(crate) fn new(errno: i32, message: String) -> FileError {
         FileError { errno, message }
     }
 
@@ -39,6 +39,60 @@ pub fn checked_path(path: &str) -> Result<&Path, FileError> {
         return Err(FileError::new(libc::EINVAL, format!("{path:?} is not an absolute file path")));
     }
     Ok(Path::new(path))
+}
+
+/// A directory path the host named: absolute, no NUL (a trailing `/` is allowed).
+pub fn checked_dir_path(path: &str) -> Result<&Path, FileError> {
+    if !path.starts_with('/') || path.contains('\0') {
+        return Err(FileError::new(libc::EINVAL, format!("{path:?} is not an absolute directory path")));
+    }
+    Ok(Path::new(path))
+}
+
+/// Creates the directory `path` (and missing parents, mode `0o755`) or finds one there, then sets its permission
+/// bits; with `empty`, a directory that already has entries is `ENOTEMPTY`. A symbolic link at `path` is never
+/// followed (`ENOTDIR`).
+pub fn make_dir(path: &str, mode: u32, empty: bool) -> Result<(), FileError> {
+    let target = checked_dir_path(path)?;
+    if mode > 0o7777 {
+        return Err(FileError::new(libc::EINVAL, format!("mode {mode:#o} for {path}")));
+    }
+    if let Some(parent) = target.parent()
+        && !parent.is_dir()
+    {
+        fs::DirBuilder::new().recursive(true).mode(0o755).create(parent).map_err(|e| FileError::io(path, &e))?;
+    }
+    match fs::DirBuilder::new().mode(0o700).create(target) {
+        Ok(()) => {}
+        Err(err) if err.kind() == ErrorKind::AlreadyExists => {}
+        Err(err) => return Err(FileError::io(path, &err)),
+    }
+    // Opened without following a link, and checked through the descriptor: what was found is what is changed.
+    let dir =
+        OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW).open(target).map_err(|e| {
+            match e.raw_os_error() {
+                Some(libc::ELOOP) => FileError::new(libc::ENOTDIR, format!("{path} is a symbolic link")),
+                _ => FileError::io(path, &e),
+            }
+        })?;
+    if empty && fs::read_dir(target).map_err(|e| FileError::io(path, &e))?.next().is_some() {
+        return Err(FileError::new(libc::ENOTEMPTY, format!("{path} is not empty")));
+    }
+    dir.set_permissions(fs::Permissions::from_mode(mode)).map_err(|e| FileError::io(path, &e))
+}
+
+/// Creates a symbolic link at `path` whose target is `target`, stored as given. Missing parents are created.
+pub fn make_symlink(path: &str, target: &str) -> Result<(), FileError> {
+    let link = checked_path(path)?;
+    if target.is_empty() || target.len() > strata_guest_proto::MAX_PATH || target.contains('\0') {
+        return Err(FileError::new(libc::EINVAL, format!("link target for {path}: empty, too long or with NUL")));
+    }
+    if let Some(parent) = link.parent()
+        && !parent.is_dir()
+    {
+        fs::DirBuilder::new().recursive(true).mode(0o755).create(parent).map_err(|e| FileError::io(path, &e))?;
+    }
+    std::os::unix::fs::symlink(target, link).map_err(|e| FileError::io(path, &e))
 }
 
 /// Writes in progress on one connection, by request.
@@ -241,6 +295,34 @@ mod tests {
         assert_eq!(read(&path_in(&dir, "missing"), 10, |_| {}).err().map(|e| e.errno), Some(libc::ENOENT));
         let dir_path = dir.path().to_str().expect("utf-8");
         assert_eq!(read(dir_path, 10, |_| {}).err().map(|e| e.errno), Some(libc::EISDIR));
+    }
+
+    #[test]
+    fn directories_and_links_are_made_without_following_links() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sub = path_in(&dir, "a/b");
+        make_dir(&sub, 0o750, true).expect("mkdir");
+        assert_eq!(fs::metadata(&sub).expect("meta").permissions().mode() & 0o7777, 0o750);
+        // Again: only the bits change.
+        make_dir(&sub, 0o700, true).expect("again");
+        assert_eq!(fs::metadata(&sub).expect("meta").permissions().mode() & 0o7777, 0o700);
+        fs::write(dir.path().join("a/b/f"), b"x").expect("write");
+        assert_eq!(make_dir(&sub, 0o700, true).err().map(|e| e.errno), Some(libc::ENOTEMPTY));
+        make_dir(&sub, 0o755, false).expect("not asked to be empty");
+
+        let link = path_in(&dir, "a/link");
+        make_symlink(&link, "../../outside").expect("symlink");
+        assert_eq!(fs::read_link(&link).expect("readlink").to_str(), Some("../../outside"));
+        assert_eq!(make_symlink(&link, "x").err().map(|e| e.errno), Some(libc::EEXIST));
+        // A directory request at a link is refused, and the link's target is untouched.
+        let outside = tempfile::tempdir().expect("tempdir");
+        let to_outside = path_in(&dir, "a/out");
+        std::os::unix::fs::symlink(outside.path(), &to_outside).expect("symlink");
+        let before = fs::metadata(outside.path()).expect("meta").permissions().mode();
+        assert_eq!(make_dir(&to_outside, 0o777, false).err().map(|e| e.errno), Some(libc::ENOTDIR));
+        assert_eq!(fs::metadata(outside.path()).expect("meta").permissions().mode(), before);
+        assert_eq!(make_dir("rel", 0o755, false).err().map(|e| e.errno), Some(libc::EINVAL));
+        assert_eq!(make_symlink(&path_in(&dir, "l2"), "").err().map(|e| e.errno), Some(libc::EINVAL));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //!
 //! In a guest it boots the userland ([`init`]), reaps every process, and serves DESIGN §4's protocol
 //! ([`strata_guest_proto`]) on AF_VSOCK, one connection at a time ([`serve`]): execs with streamed output and
-//! stdin ([`exec`]), file transfers ([`files`]), snapshot steps and power-off ([`system`]). Run as an ordinary
+//! stdin ([`exec`]), file transfers ([`files`]) and tree listings ([`tree`]), snapshot steps and power-off ([`system`]). Run as an ordinary
 //! process (`--unix PATH`) the same code serves one connection over a Unix socket, which is how its tests drive
 //! the whole protocol at full speed.
 //!
@@ -20,6 +20,7 @@ pub mod init;
 pub mod reap;
 pub mod serve;
 pub mod system;
+pub mod tree;
 
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};

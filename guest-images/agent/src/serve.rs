@@ -23,6 +23,7 @@ use crate::exec::{self, ExecSink, Running, StdinQueue};
 use crate::files::{self, Writes};
 use crate::reap::Reaper;
 use crate::system::{self, Halt};
+use crate::tree;
 
 /// Where the agent runs, which decides what it may do to the system.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -304,6 +305,35 @@ impl<T: Transport> Session<'_, T> {
                 self.send(match result {
                     Ok(()) => GuestMessage::Ack { id },
                     Err(err) => GuestMessage::Error { id: Some(id), message: error_chain(&err) },
+                })?;
+            }
+            HostMessage::MakeDir { id, path, mode, empty } => {
+                self.send(match files::make_dir(&path, mode, empty) {
+                    Ok(()) => GuestMessage::Ack { id },
+                    Err(err) => err.answer(id),
+                })?;
+            }
+            HostMessage::MakeSymlink { id, path, target } => {
+                self.send(match files::make_symlink(&path, &target) {
+                    Ok(()) => GuestMessage::Ack { id },
+                    Err(err) => err.answer(id),
+                })?;
+            }
+            HostMessage::ListTree { id, path, max_entries } => {
+                let mut failed = None;
+                let result = tree::list(&path, max_entries, |entries| {
+                    if failed.is_none()
+                        && let Err(err) = self.out.send(&GuestMessage::TreeEntries { id, entries })
+                    {
+                        failed = Some(err);
+                    }
+                });
+                if let Some(err) = failed {
+                    return Err(ServeError::Frame(err));
+                }
+                self.send(match result {
+                    Ok(listed) => GuestMessage::TreeDone { id, count: listed.count, skipped: listed.skipped },
+                    Err(err) => err.answer(id),
                 })?;
             }
             HostMessage::PowerOff => return Ok(Some(ServeEnd::PowerOff)),

@@ -23,10 +23,10 @@ use std::time::Duration;
 
 use crate::frame::{FrameError, FrameReader, FrameWriter, decode, peek_hello_version};
 use crate::message::{
-    Bytes, Entropy, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId, Rusage,
+    Bytes, Entropy, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId, Rusage, TreeEntry,
 };
 use crate::transport::Transport;
-use crate::{MAX_CHUNK, MAX_FRAME, PROTOCOL_VERSION};
+use crate::{MAX_CHUNK, MAX_FRAME, MAX_TREE_BATCH, PROTOCOL_VERSION};
 
 /// Frames that may wait, per request, for the thread consuming them.
 pub const ROUTE_QUEUE: usize = 16;
@@ -371,67 +371,105 @@ impl AgentClient {
 
     /// Writes a file in the guest (atomically: it appears complete or not at all).
     pub fn write_file(&self, path: &str, mode: u32, data: &[u8]) -> Result<(), ClientError> {
+        let mut upload = self.upload(path, mode)?;
+        upload.write(data)?;
+        upload.finish()
+    }
+
+    /// Starts writing a file in the guest whose contents are handed over piece by piece ([`FileUpload::write`])
+    /// and which appears, complete, at [`FileUpload::finish`].
+    pub fn upload(&self, path: &str, mode: u32) -> Result<FileUpload<'_>, ClientError> {
         let route = self.shared.open_route()?;
-        let mut chunks = data.chunks(MAX_CHUNK).peekable();
-        if chunks.peek().is_none() {
-            let message = HostMessage::WriteFile {
-                id: route.id,
-                path: path.to_owned(),
-                mode,
-                data: Bytes::default(),
-                last: true,
-            };
-            self.shared.send(&message)?;
-        }
-        while let Some(chunk) = chunks.next() {
-            let last = chunks.peek().is_none();
-            let message =
-                HostMessage::WriteFile { id: route.id, path: path.to_owned(), mode, data: chunk.into(), last };
-            self.shared.send(&message)?;
-            if last {
-                break;
-            }
-            // A failed write answers at once: stop sending (a final empty chunk lets the agent forget the id).
-            if let Some(answer) = route.try_recv()? {
-                let end = HostMessage::WriteFile {
-                    id: route.id,
-                    path: path.to_owned(),
-                    mode,
-                    data: Bytes::default(),
-                    last: true,
-                };
-                self.shared.send(&end)?;
-                return file_answer(answer);
-            }
-        }
-        file_answer(route.recv(self.shared.timeout)?)
+        Ok(FileUpload { client: self, route, path: path.to_owned(), mode, pending: Vec::new(), failed: None })
     }
 
     /// Reads a regular file from the guest; a file larger than `max` bytes is an error (`EFBIG`).
     pub fn read_file(&self, path: &str, max: u64) -> Result<Vec<u8>, ClientError> {
+        let mut data = Vec::new();
+        self.read_file_to(path, max, |chunk| data.extend_from_slice(chunk))?;
+        Ok(data)
+    }
+
+    /// Reads a regular file from the guest, handing each chunk to `sink` as it arrives; returns its size. A file
+    /// larger than `max` bytes is an error (`EFBIG` from the agent, or a violation when the agent sends more than
+    /// `max` bytes anyway: `sink` never gets more than `max` bytes in all).
+    pub fn read_file_to(&self, path: &str, max: u64, mut sink: impl FnMut(&[u8])) -> Result<u64, ClientError> {
         let route = self.shared.open_route()?;
         self.shared.send(&HostMessage::ReadFile { id: route.id, path: path.to_owned(), max })?;
-        let mut data = Vec::new();
+        let mut total = 0u64;
         loop {
             match route.recv(self.shared.timeout)? {
                 GuestMessage::FileData { data: chunk, .. } => {
                     if chunk.len() > MAX_CHUNK {
                         return Err(violation(format!("a file chunk of {} bytes", chunk.len())));
                     }
-                    if data.len() as u64 + chunk.len() as u64 > max {
+                    if total.saturating_add(chunk.len() as u64) > max {
                         return Err(violation(format!("more than the {max} bytes asked for of {path}")));
                     }
-                    data.extend_from_slice(&chunk);
+                    total += chunk.len() as u64;
+                    sink(&chunk);
                 }
-                GuestMessage::FileDone { size, .. } if size == data.len() as u64 => return Ok(data),
+                GuestMessage::FileDone { size, .. } if size == total => return Ok(total),
                 GuestMessage::FileDone { size, .. } => {
-                    return Err(violation(format!("FileDone says {size} bytes after {} bytes", data.len())));
+                    return Err(violation(format!("FileDone says {size} bytes after {total} bytes")));
                 }
                 GuestMessage::FileError { errno, message, .. } => return Err(ClientError::File { errno, message }),
                 GuestMessage::Error { message, .. } => return Err(ClientError::Refused { message }),
                 other => return Err(violation(format!("{} in answer to ReadFile", other.kind()))),
             }
         }
+    }
+
+    /// Creates a directory in the guest (or finds one there) and sets its permission bits; with `empty`, a
+    /// directory that already has entries is refused (`ENOTEMPTY`). See [`HostMessage::MakeDir`].
+    pub fn make_dir(&self, path: &str, mode: u32, empty: bool) -> Result<(), ClientError> {
+        self.file_request(|id| HostMessage::MakeDir { id, path: path.to_owned(), mode, empty })
+    }
+
+    /// Creates a symbolic link at `path` pointing to `target`. See [`HostMessage::MakeSymlink`].
+    pub fn make_symlink(&self, path: &str, target: &str) -> Result<(), ClientError> {
+        self.file_request(|id| HostMessage::MakeSymlink { id, path: path.to_owned(), target: target.to_owned() })
+    }
+
+    /// Lists the tree under the guest directory `path` without following symbolic links; more than
+    /// `max_entries` entries is an error (`E2BIG` from the agent, or a violation when the agent sends them
+    /// anyway). Only the counts are checked here (batch sizes, the total, `TreeDone`'s count): the entries
+    /// themselves are the guest's word, for the caller to validate.
+    pub fn list_tree(&self, path: &str, max_entries: u64) -> Result<TreeListing, ClientError> {
+        let route = self.shared.open_route()?;
+        self.shared.send(&HostMessage::ListTree { id: route.id, path: path.to_owned(), max_entries })?;
+        let mut entries = Vec::new();
+        loop {
+            match route.recv(self.shared.timeout)? {
+                GuestMessage::TreeEntries { entries: batch, .. } => {
+                    if batch.len() > MAX_TREE_BATCH {
+                        return Err(violation(format!("a listing batch of {} entries", batch.len())));
+                    }
+                    if (entries.len() as u64).saturating_add(batch.len() as u64) > max_entries {
+                        return Err(violation(format!("more than the {max_entries} entries asked for of {path}")));
+                    }
+                    entries.extend(batch);
+                }
+                GuestMessage::TreeDone { count, skipped, .. } if count == entries.len() as u64 => {
+                    return Ok(TreeListing { entries, skipped });
+                }
+                GuestMessage::TreeDone { count, .. } => {
+                    return Err(violation(format!("TreeDone says {count} entries after {}", entries.len())));
+                }
+                GuestMessage::FileError { errno, message, .. } => return Err(ClientError::File { errno, message }),
+                GuestMessage::Error { message, .. } => return Err(ClientError::Refused { message }),
+                other => return Err(violation(format!("{} in answer to ListTree", other.kind()))),
+            }
+        }
+    }
+
+    /// A request answered by `Ack` or `FileError`.
+    fn file_request(&self, message: impl FnOnce(RequestId) -> HostMessage) -> Result<(), ClientError> {
+        let route = self.shared.open_route()?;
+        let message = message(route.id);
+        let kind = message.kind();
+        self.shared.send(&message)?;
+        file_answer(route.recv(self.shared.timeout)?, kind)
     }
 
     /// Asks the agent to quiesce before a snapshot.
@@ -624,12 +662,86 @@ impl ExecHandle {
 // A chunk and its message's other fields fit in a frame.
 const _: () = assert!(MAX_CHUNK + 4096 <= MAX_FRAME);
 
-fn file_answer(answer: GuestMessage) -> Result<(), ClientError> {
+fn file_answer(answer: GuestMessage, request: &str) -> Result<(), ClientError> {
     match answer {
         GuestMessage::Ack { .. } => Ok(()),
         GuestMessage::FileError { errno, message, .. } => Err(ClientError::File { errno, message }),
         GuestMessage::Error { message, .. } => Err(ClientError::Refused { message }),
-        other => Err(violation(format!("{} in answer to WriteFile", other.kind()))),
+        other => Err(violation(format!("{} in answer to {request}", other.kind()))),
+    }
+}
+
+/// A guest tree listing ([`AgentClient::list_tree`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeListing {
+    /// The entries, as the agent sent them.
+    pub entries: Vec<TreeEntry>,
+    /// Entries the agent left out (names that are not UTF-8, devices, FIFOs, sockets).
+    pub skipped: u64,
+}
+
+/// A file being written in the guest ([`AgentClient::upload`]): the bytes go out in chunks of [`MAX_CHUNK`] as
+/// they are handed over, and the file appears complete at [`FileUpload::finish`]. Dropped unfinished, the file
+/// never appears (the agent removes its temporary file when the connection ends).
+pub struct FileUpload<'a> {
+    client: &'a AgentClient,
+    route: Route,
+    path: String,
+    mode: u32,
+    /// Bytes not sent yet: at most one chunk, kept back so that the last chunk sent is the one marked `last`.
+    pending: Vec<u8>,
+    /// The agent refused an earlier chunk (the transfer is over for it).
+    failed: Option<ClientError>,
+}
+
+impl std::fmt::Debug for FileUpload<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileUpload").field("id", &self.route.id).field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+impl FileUpload<'_> {
+    /// Hands over the next bytes of the file. Once the agent has refused the transfer (it answers a failed chunk
+    /// at once), this and [`FileUpload::finish`] return its error.
+    pub fn write(&mut self, mut data: &[u8]) -> Result<(), ClientError> {
+        while !data.is_empty() {
+            if let Some(err) = &self.failed {
+                return Err(err.clone());
+            }
+            if self.pending.len() == MAX_CHUNK {
+                self.send_pending(false)?;
+                if let Some(answer) = self.route.try_recv()? {
+                    let err = match answer {
+                        GuestMessage::Ack { .. } => violation("Ack before the last chunk of WriteFile"),
+                        other => file_answer(other, "WriteFile").err().unwrap_or(ClientError::Disconnected),
+                    };
+                    // The agent drops the id's remaining chunks; a last, empty one lets it forget the id.
+                    self.send_pending(true)?;
+                    self.failed = Some(err.clone());
+                    return Err(err);
+                }
+            }
+            let take = data.len().min(MAX_CHUNK - self.pending.len());
+            self.pending.extend_from_slice(&data[..take]);
+            data = &data[take..];
+        }
+        Ok(())
+    }
+
+    /// Sends the last chunk and waits for the agent to put the file in place.
+    pub fn finish(mut self) -> Result<(), ClientError> {
+        if let Some(err) = self.failed.take() {
+            return Err(err);
+        }
+        self.send_pending(true)?;
+        file_answer(self.route.recv(self.client.shared.timeout)?, "WriteFile")
+    }
+
+    fn send_pending(&mut self, last: bool) -> Result<(), ClientError> {
+        let data = Bytes(std::mem::take(&mut self.pending));
+        let message =
+            HostMessage::WriteFile { id: self.route.id, path: self.path.clone(), mode: self.mode, data, last };
+        self.client.shared.send(&message)
     }
 }
 
@@ -673,7 +785,10 @@ mod tests {
             | HostMessage::ReadFile { id, .. }
             | HostMessage::WriteFile { id, .. }
             | HostMessage::PrepareSnapshot { id }
-            | HostMessage::AfterRestore { id, .. } => id,
+            | HostMessage::AfterRestore { id, .. }
+            | HostMessage::MakeDir { id, .. }
+            | HostMessage::MakeSymlink { id, .. }
+            | HostMessage::ListTree { id, .. } => id,
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -875,6 +990,104 @@ mod tests {
         let client = client.expect("connect");
         let err = client.read_file("/big", 2500).expect_err("too long");
         assert!(matches!(err, ClientError::Violation { .. }), "{err}");
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    fn entry(path: &str) -> TreeEntry {
+        TreeEntry { path: path.into(), kind: crate::EntryKind::File, mode: 0o644, size: 1, target: None }
+    }
+
+    #[test]
+    fn a_listing_is_gathered_from_its_batches() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let id = next_id(r);
+            w.write(&GuestMessage::TreeEntries { id, entries: vec![entry("a"), entry("b")] }).expect("write");
+            w.write(&GuestMessage::TreeEntries { id, entries: vec![entry("c")] }).expect("write");
+            w.write(&GuestMessage::TreeDone { id, count: 3, skipped: 2 }).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let listing = client.list_tree("/data", 3).expect("list");
+        let paths: Vec<&str> = listing.entries.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!((paths, listing.skipped), (vec!["a", "b", "c"], 2));
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn a_listing_beyond_its_bounds_is_a_violation() {
+        type Script = fn(RequestId) -> Vec<GuestMessage>;
+        let cases: [Script; 3] = [
+            // More entries in one batch than a batch may hold.
+            |id| vec![GuestMessage::TreeEntries { id, entries: vec![entry("x"); MAX_TREE_BATCH + 1] }],
+            // More entries in all than asked for (max_entries is 4).
+            |id| {
+                vec![
+                    GuestMessage::TreeEntries { id, entries: vec![entry("x"); 3] },
+                    GuestMessage::TreeEntries { id, entries: vec![entry("y"); 2] },
+                ]
+            },
+            // A count that is not what was sent.
+            |id| {
+                vec![
+                    GuestMessage::TreeEntries { id, entries: vec![entry("x"); 2] },
+                    GuestMessage::TreeDone { id, count: 1, skipped: 0 },
+                ]
+            },
+        ];
+        for script in cases {
+            let (client, agent) = fake_agent(ClientConfig::default(), move |r, w| {
+                hello(r, w);
+                let id = next_id(r);
+                for message in script(id) {
+                    w.write(&message).expect("write");
+                }
+                until_closed(r);
+            });
+            let client = client.expect("connect");
+            let err = client.list_tree("/data", 4).expect_err("out of bounds");
+            assert!(matches!(err, ClientError::Violation { .. }), "{err}");
+            drop(client);
+            agent.join().expect("agent");
+        }
+    }
+
+    #[test]
+    fn an_upload_refused_midway_stops_sending_and_reports_why() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let id = next_id(r);
+            w.write(&GuestMessage::FileError { id, errno: libc::ENOSPC, message: "full".into() }).expect("write");
+            // The client ends the id with an empty last chunk and sends nothing more for it.
+            let mut chunks = 1;
+            loop {
+                match r.read::<HostMessage>().expect("read") {
+                    Some(HostMessage::WriteFile { data, last: true, .. }) => {
+                        assert!(data.is_empty());
+                        break;
+                    }
+                    Some(HostMessage::WriteFile { .. }) => chunks += 1,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            assert!(chunks < 10, "{chunks} chunks were sent after the refusal");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let mut upload = client.upload("/f", 0o644).expect("upload");
+        let mut err = None;
+        for _ in 0..100 {
+            if let Err(e) = upload.write(&[7; MAX_CHUNK]) {
+                err = Some(e);
+                break;
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+        let err = err.expect("the refusal reaches the writer");
+        assert!(matches!(err, ClientError::File { errno: libc::ENOSPC, .. }), "{err}");
+        assert!(matches!(upload.finish(), Err(ClientError::File { errno: libc::ENOSPC, .. })));
         drop(client);
         agent.join().expect("agent");
     }

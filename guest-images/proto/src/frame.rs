@@ -252,6 +252,9 @@ mod tests {
                 unix_time_ns: 1_700_000_000_000_000_000,
             },
             HostMessage::PowerOff,
+            HostMessage::MakeDir { id: RequestId(6), path: "/data/sub".into(), mode: 0o750, empty: true },
+            HostMessage::MakeSymlink { id: RequestId(7), path: "/data/link".into(), target: "../x".into() },
+            HostMessage::ListTree { id: RequestId(8), path: "/data".into(), max_entries: 100_000 },
         ]
     }
 
@@ -274,6 +277,21 @@ mod tests {
             GuestMessage::FileError { id: RequestId(3), errno: 21, message: "is a directory".into() },
             GuestMessage::Ack { id: RequestId(4) },
             GuestMessage::Error { id: None, message: "bad".into() },
+            GuestMessage::TreeEntries {
+                id: RequestId(8),
+                entries: vec![
+                    TreeEntry { path: "sub".into(), kind: EntryKind::Dir, mode: 0o755, size: 0, target: None },
+                    TreeEntry { path: "sub/f".into(), kind: EntryKind::File, mode: 0o644, size: 1 << 40, target: None },
+                    TreeEntry {
+                        path: "link".into(),
+                        kind: EntryKind::Symlink,
+                        mode: 0o777,
+                        size: 4,
+                        target: Some("../x".into()),
+                    },
+                ],
+            },
+            GuestMessage::TreeDone { id: RequestId(8), count: 3, skipped: 1 },
         ]
     }
 
@@ -376,6 +394,21 @@ mod tests {
         body.extend_from_slice(&[1; 63]);
         body.push(0);
         assert!(matches!(decode::<HostMessage>(&body), Err(FrameError::Malformed { .. })));
+    }
+
+    #[test]
+    fn a_full_batch_of_the_longest_entries_fits_in_a_frame() {
+        let entry = TreeEntry {
+            path: "p".repeat(crate::MAX_PATH),
+            kind: EntryKind::Symlink,
+            mode: u32::MAX,
+            size: u64::MAX,
+            target: Some("t".repeat(crate::MAX_PATH)),
+        };
+        let message =
+            GuestMessage::TreeEntries { id: RequestId(u64::MAX), entries: vec![entry; crate::MAX_TREE_BATCH] };
+        let body = encode(&message).expect("a full batch encodes");
+        assert!(body.len() <= MAX_FRAME, "{} bytes", body.len());
     }
 
     #[test]

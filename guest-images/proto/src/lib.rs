@@ -16,18 +16,34 @@ pub mod frame;
 pub mod message;
 pub mod transport;
 
-pub use client::{AgentClient, AgentInfo, ClientConfig, ClientError, ExecControl, ExecEvent, ExecHandle, ExitReport};
+pub use client::{
+    AgentClient, AgentInfo, ClientConfig, ClientError, ExecControl, ExecEvent, ExecHandle, ExitReport, FileUpload,
+    TreeListing,
+};
 pub use frame::{FrameError, FrameReader, FrameWriter, MAX_FRAME};
 pub use message::{
-    Bytes, Entropy, ExecLimits, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId, Rusage,
+    Bytes, Entropy, EntryKind, ExecLimits, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId,
+    Rusage, TreeEntry,
 };
 pub use transport::{Transport, VsockListener, VsockStream};
 
 /// The protocol version both sides must speak. Raise it with any change to a message.
-pub const PROTOCOL_VERSION: u32 = 1;
+///
+/// 2: `MakeDir`, `MakeSymlink` and `ListTree` (answered by `TreeEntries` and `TreeDone`), for file grants.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The largest piece of output, stdin or file data in one message.
 pub const MAX_CHUNK: usize = 64 * 1024;
+
+/// The longest path in a tree listing (relative to the listed directory) or symbolic link target, in bytes
+/// (Linux's `PATH_MAX`).
+pub const MAX_PATH: usize = 4096;
+
+/// The most entries in one [`GuestMessage::TreeEntries`] batch.
+pub const MAX_TREE_BATCH: usize = 100;
+
+// A full batch of the longest entries fits in a frame.
+const _: () = assert!(MAX_TREE_BATCH * (2 * MAX_PATH + 64) + 64 <= MAX_FRAME);
 
 /// The vsock port the agent listens on unless told otherwise.
 pub const DEFAULT_AGENT_PORT: u32 = 1024;

@@ -101,6 +101,44 @@ pub enum HostMessage {
     },
     /// Flush filesystems and power the guest off. No answer: the connection closes.
     PowerOff,
+    /// Create a directory (missing parents are created with mode `0o755`), or find one there, then set its
+    /// permission bits to `mode`: sending it again for an existing directory only sets the bits. Answered by
+    /// [`GuestMessage::Ack`] or [`GuestMessage::FileError`] (`ENOTEMPTY` when `empty` is set and the directory
+    /// already has entries, `ENOTDIR` when something else is at `path`). Never follows a symbolic link at `path`.
+    MakeDir {
+        /// The request.
+        id: RequestId,
+        /// Absolute path in the guest.
+        path: String,
+        /// Permission bits (`0o7777` at most).
+        mode: u32,
+        /// Refuse a directory that already has entries (a grant's contents must be exactly the host's).
+        empty: bool,
+    },
+    /// Create a symbolic link at `path` whose target is `target`, stored as given (never resolved). Answered by
+    /// [`GuestMessage::Ack`] or [`GuestMessage::FileError`] (`EEXIST` when something is at `path`).
+    MakeSymlink {
+        /// The request.
+        id: RequestId,
+        /// Absolute path in the guest; missing parent directories are created.
+        path: String,
+        /// What the link points to: at most [`crate::MAX_PATH`] bytes, no NUL.
+        target: String,
+    },
+    /// List the tree under the directory `path`, never following a symbolic link (the directory itself must not
+    /// be one). Answered by [`GuestMessage::TreeEntries`] batches, every directory before its entries, then
+    /// [`GuestMessage::TreeDone`]; or by [`GuestMessage::FileError`], possibly after some batches: `E2BIG` beyond
+    /// `max_entries`, `ENAMETOOLONG` for a relative path or link target over [`crate::MAX_PATH`] bytes, `ENOTDIR`
+    /// or `ELOOP` when `path` is not a directory. Entries that cannot be described (names that are not UTF-8,
+    /// devices, FIFOs, sockets) are left out and counted in [`GuestMessage::TreeDone`]'s `skipped`.
+    ListTree {
+        /// The request.
+        id: RequestId,
+        /// Absolute path of a directory in the guest.
+        path: String,
+        /// The most entries the host accepts.
+        max_entries: u64,
+    },
 }
 
 /// A program to run.
@@ -215,6 +253,23 @@ pub enum GuestMessage {
         /// What failed, with the path.
         message: String,
     },
+    /// A batch of a tree listing ([`HostMessage::ListTree`]): at most [`crate::MAX_TREE_BATCH`] entries, in
+    /// order.
+    TreeEntries {
+        /// The request.
+        id: RequestId,
+        /// The entries.
+        entries: Vec<TreeEntry>,
+    },
+    /// A tree listing is complete.
+    TreeDone {
+        /// The request.
+        id: RequestId,
+        /// Entries sent, over all batches.
+        count: u64,
+        /// Entries left out because they cannot be described (see [`HostMessage::ListTree`]).
+        skipped: u64,
+    },
     /// A request succeeded (a file write, a snapshot step).
     Ack {
         /// The request.
@@ -227,6 +282,34 @@ pub enum GuestMessage {
         /// What was wrong.
         message: String,
     },
+}
+
+/// One entry of a tree listing ([`HostMessage::ListTree`]). The host validates every field: the guest controls
+/// all of them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeEntry {
+    /// The path relative to the listed directory, components separated by `/` (`sub/file`); at most
+    /// [`crate::MAX_PATH`] bytes.
+    pub path: String,
+    /// What it is (never followed: a symbolic link is listed as one).
+    pub kind: EntryKind,
+    /// Permission bits (`0o7777` at most).
+    pub mode: u32,
+    /// Bytes of a regular file; the target's length for a symbolic link; 0 for a directory.
+    pub size: u64,
+    /// A symbolic link's target (at most [`crate::MAX_PATH`] bytes); `None` for anything else.
+    pub target: Option<String>,
+}
+
+/// The kind of a [`TreeEntry`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EntryKind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link.
+    Symlink,
 }
 
 /// How a process ended.
@@ -364,6 +447,8 @@ impl GuestMessage {
             | GuestMessage::FileData { id, .. }
             | GuestMessage::FileDone { id, .. }
             | GuestMessage::FileError { id, .. }
+            | GuestMessage::TreeEntries { id, .. }
+            | GuestMessage::TreeDone { id, .. }
             | GuestMessage::Ack { id } => Some(*id),
         }
     }
@@ -379,6 +464,8 @@ impl GuestMessage {
             GuestMessage::FileData { .. } => "FileData",
             GuestMessage::FileDone { .. } => "FileDone",
             GuestMessage::FileError { .. } => "FileError",
+            GuestMessage::TreeEntries { .. } => "TreeEntries",
+            GuestMessage::TreeDone { .. } => "TreeDone",
             GuestMessage::Ack { .. } => "Ack",
             GuestMessage::Error { .. } => "Error",
         }
@@ -399,6 +486,9 @@ impl HostMessage {
             HostMessage::PrepareSnapshot { .. } => "PrepareSnapshot",
             HostMessage::AfterRestore { .. } => "AfterRestore",
             HostMessage::PowerOff => "PowerOff",
+            HostMessage::MakeDir { .. } => "MakeDir",
+            HostMessage::MakeSymlink { .. } => "MakeSymlink",
+            HostMessage::ListTree { .. } => "ListTree",
         }
     }
 }
