@@ -73,5 +73,9 @@ fn target_installed() -> bool {
     let rustc = env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
     let Ok(output) = Command::new(rustc).args(["--print", "sysroot"]).output() else { return false };
     let sysroot = String::from_utf8_lossy(&output.stdout).trim().to_owned();
-    Path::new(&sysroot).join("lib/rustlib").join(GUEST_TARGET).join("lib").is_dir()
+    let lib = Path::new(&sysroot).join("lib/rustlib").join(GUEST_TARGET).join("lib");
+    // Installing the target later rebuilds with the agent (a path that does not exist yet reruns this script
+    // on every build, a cheap check until the target is there).
+    println!("cargo:rerun-if-changed={}", lib.display());
+    lib.is_dir()
 }

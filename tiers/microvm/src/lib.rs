@@ -12,6 +12,7 @@
 pub mod boot;
 pub mod builder;
 pub mod devices;
+pub mod grants;
 pub mod guest;
 pub mod tier;
 pub mod vstate;

@@ -4,8 +4,12 @@
 //! Limits: `memory` is the guest's RAM (the guest's OOM killer ending the job is `limit_exceeded`/`memory`),
 //! `vcpus` its vCPUs, `wall` covers boot and job (the job is killed, then the VM), `cpu` is the job's rusage checked
 //! when it ends plus `RLIMIT_CPU` in the guest, `output` is capped by the agent and the host capture, `files` is
-//! `RLIMIT_NOFILE` in the guest. Not built yet on this tier: grants (copy-in/out), network egress, host tools and
-//! sessions — each a typed `unsupported` error.
+//! `RLIMIT_NOFILE` in the guest, `disk` bounds the grants' files both ways.
+//!
+//! Grants are copied in before the job and read-write ones copied back after it exits with 0 ([`crate::grants`]:
+//! checked listings, file by file with atomic replace, nothing applied when the guest's answer fails a check, which
+//! ends the job as `crashed`); read-only grants are never copied back. Not built yet on this tier: network egress,
+//! host tools and sessions — each a typed `unsupported` error.
 //!
 //! It needs hardware KVM; the engine only builds it where `strata doctor` finds it.
 
@@ -14,13 +18,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use strata_core::{
-    Capabilities, ExecOptions, Job, LimitKind, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox, Status, Stream,
-    Tier, TierError, TierKind, Truncated, Usage,
+    Capabilities, ExecOptions, GrantMode, Job, LimitKind, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox,
+    Status, Stream, Tier, TierError, TierKind, Truncated, Usage,
 };
-use strata_guest_proto::{ClientError, ExecEvent, ExecLimits, ExecRequest, ExitStatus, OutputStream};
+use strata_guest_proto::{AgentClient, ClientError, ExecEvent, ExecLimits, ExecRequest, ExitStatus, OutputStream};
 use strata_wasi_shims::OutputCapture;
 
 use crate::builder::{BuildError, Microvm, MicrovmConfig};
+use crate::grants::{self, GrantError, HostTree};
 use crate::vstate::vcpu::cpuid::CpuidProfile;
 
 /// Where host programs and scripts are written in the guest.
@@ -79,12 +84,12 @@ impl Tier for MicrovmTier {
         if !caps.tools.is_empty() {
             return Err(unsupported("host tools"));
         }
-        if !caps.grants.is_empty() {
-            return Err(unsupported("file grants (copy-in/out through the agent is not built yet)"));
-        }
+        let started = Instant::now();
+        let Some(trees) = scan_grants(caps, limits)? else {
+            return Ok(ended(Status::LimitExceeded { limit: LimitKind::Disk }, started));
+        };
         let (argv, upload) = translate(job)?;
         let vcpus = u8::try_from(limits.vcpus.clamp(1, 32)).unwrap_or(1);
-        let started = Instant::now();
         let config = MicrovmConfig {
             kernel: self.config.kernel.clone(),
             initramfs: self.config.initramfs.clone(),
@@ -108,6 +113,9 @@ impl Tier for MicrovmTier {
             }
             Err(err) => return Err(internal(err)),
         };
+        for (grant, tree) in caps.grants.iter().zip(&trees) {
+            grants::copy_in(&client, tree, &grant.guest).map_err(grant_error)?;
+        }
         if let Some((path, bytes)) = &upload {
             client.write_file(path, 0o755, bytes).map_err(internal)?;
         }
@@ -168,9 +176,6 @@ impl Tier for MicrovmTier {
             }
         };
         let wall = started.elapsed();
-        let _ = client.power_off();
-        vm.shutdown();
-        let (out, err) = (stdout.finish(), stderr.finish());
         let (status, cpu, peak) = match report {
             None => (Status::LimitExceeded { limit: LimitKind::Wall }, Duration::ZERO, 0),
             Some(report) => {
@@ -189,6 +194,11 @@ impl Tier for MicrovmTier {
                 (status, cpu, report.rusage.max_rss_kb.saturating_mul(1024))
             }
         };
+        let status =
+            if status == (Status::Exited { code: 0 }) { copy_back(&client, caps, limits, status)? } else { status };
+        let _ = client.power_off();
+        vm.shutdown();
+        let (out, err) = (stdout.finish(), stderr.finish());
         Ok(Outcome {
             tier: TierKind::Microvm,
             status,
@@ -210,6 +220,64 @@ impl Tier for MicrovmTier {
 
     fn start(&self, _caps: &Capabilities, _limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         Err(unsupported("sessions (one VM per job today)"))
+    }
+}
+
+/// Guest paths a grant may not take: the guest's kernel filesystems and where Strata puts programs.
+const RESERVED_GUEST_PATHS: &[&str] = &["/proc", "/sys", "/dev", PROGRAM_DIR];
+
+/// Checks every grant and walks its host tree; `None` when their files are over the disk limit.
+fn scan_grants(caps: &Capabilities, limits: &Limits) -> Result<Option<Vec<HostTree>>, TierError> {
+    let mut left = limits.disk.0;
+    let mut trees = Vec::with_capacity(caps.grants.len());
+    for grant in &caps.grants {
+        let reserved = |r: &&str| grant.guest == *r || grant.guest.starts_with(&format!("{r}/"));
+        if grant.guest == "/" || RESERVED_GUEST_PATHS.iter().any(reserved) {
+            return Err(TierError::GuestPath {
+                path: grant.guest.clone(),
+                reason: "is reserved in the microVM (/, /proc, /sys, /dev, /run/strata)".into(),
+            });
+        }
+        let host = grant.host.canonicalize().map_err(|_| strata_core::CapsError::GrantNotFound(grant.host.clone()))?;
+        match grants::scan(&host, left) {
+            Ok(tree) => {
+                left -= tree.bytes;
+                trees.push(tree);
+            }
+            Err(GrantError::TooLarge { .. }) => return Ok(None),
+            Err(err) => return Err(grant_error(err)),
+        }
+    }
+    Ok(Some(trees))
+}
+
+/// Copies the read-write grants back after a job that exited with 0; the status that the job ends with.
+fn copy_back(client: &AgentClient, caps: &Capabilities, limits: &Limits, status: Status) -> Result<Status, TierError> {
+    let mut left = limits.disk.0;
+    for grant in caps.grants.iter().filter(|g| g.mode == GrantMode::Rw) {
+        let host =
+            grant.host.canonicalize().map_err(|source| TierError::ReadInput { path: grant.host.clone(), source })?;
+        match grants::copy_out(client, &grant.guest, &host, left) {
+            Ok(copied) => left = left.saturating_sub(copied.bytes),
+            Err(GrantError::TooLarge { .. } | GrantError::TooManyEntries { .. }) => {
+                return Ok(Status::LimitExceeded { limit: LimitKind::Disk });
+            }
+            Err(err @ GrantError::Refused { .. }) => return Ok(Status::Crashed { message: err.to_string() }),
+            Err(err) => return Err(grant_error(err)),
+        }
+    }
+    Ok(status)
+}
+
+fn grant_error(err: GrantError) -> TierError {
+    match err {
+        GrantError::Host { path, source } => TierError::ReadInput { path, source },
+        GrantError::NotEmpty { guest } => TierError::GuestPath {
+            path: guest,
+            reason: "a microVM grant needs a guest path that is absent or empty in the image".into(),
+        },
+        GrantError::Agent(err) => internal(err),
+        other => TierError::Unsupported { tier: TierKind::Microvm, what: other.to_string() },
     }
 }
 

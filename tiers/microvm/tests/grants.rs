@@ -1,0 +1,271 @@
+//! Grants copied into and back out of a guest, end to end through the real agent (the embedded static binary, run
+//! as a host process over a Unix socket: its "guest" paths are a temporary directory here), and through a hostile
+//! fake agent whose listings and files must change nothing on the host.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::thread;
+
+use strata_guest_proto::frame::{FrameReader, FrameWriter};
+use strata_guest_proto::{
+    AgentClient, ClientConfig, EntryKind, ExecEvent, ExecLimits, ExecRequest, GuestMessage, HostMessage,
+    PROTOCOL_VERSION, TreeEntry,
+};
+use strata_tier_microvm::grants::{self, GrantError};
+
+/// The real agent in host mode.
+struct RealAgent {
+    child: Child,
+    client: Option<AgentClient>,
+    _dir: tempfile::TempDir,
+}
+
+impl RealAgent {
+    /// `None` (after one skip line) when this build has no embedded agent.
+    fn spawn() -> Option<RealAgent> {
+        let Ok(binary) = strata_tier_microvm::guest::agent_binary() else {
+            eprintln!("skip: this build has no guest agent (install the x86_64-unknown-linux-musl target)");
+            return None;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let exe = dir.path().join("strata-agent");
+        fs::write(&exe, binary).expect("write agent");
+        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).expect("chmod");
+        let socket = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&socket).expect("bind");
+        let child = Command::new(&exe).arg("--unix").arg(&socket).spawn().expect("spawn agent");
+        let (stream, _) = listener.accept().expect("accept");
+        let client = AgentClient::connect(stream, ClientConfig::default()).expect("connect");
+        Some(RealAgent { child, client: Some(client), _dir: dir })
+    }
+
+    fn client(&self) -> &AgentClient {
+        self.client.as_ref().expect("client")
+    }
+
+    fn sh(&self, script: &str) -> i32 {
+        let request = ExecRequest {
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+            cwd: "/".into(),
+            stdin: false,
+            limits: ExecLimits::default(),
+        };
+        let mut handle = self.client().start(&request).expect("start");
+        loop {
+            match handle.next_event(None).expect("event") {
+                ExecEvent::Exited(report) => match report.status {
+                    strata_guest_proto::ExitStatus::Code(code) => return code,
+                    other => panic!("{other:?}"),
+                },
+                ExecEvent::Output { data, .. } => eprint!("{}", String::from_utf8_lossy(&data)),
+            }
+        }
+    }
+}
+
+impl Drop for RealAgent {
+    fn drop(&mut self) {
+        drop(self.client.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// Everything under `root`, not following links: relative path → (kind, mode, contents or link target).
+fn tree(root: &Path) -> BTreeMap<String, (char, u32, Vec<u8>)> {
+    let mut found = BTreeMap::new();
+    let mut pending = vec![PathBuf::new()];
+    while let Some(rel) = pending.pop() {
+        for entry in fs::read_dir(root.join(&rel)).expect("read_dir") {
+            let entry = entry.expect("entry");
+            let child = rel.join(entry.file_name());
+            let path = root.join(&child);
+            let meta = fs::symlink_metadata(&path).expect("meta");
+            let mode = meta.mode() & 0o7777;
+            let key = child.to_string_lossy().into_owned();
+            if meta.is_dir() {
+                pending.push(child);
+                found.insert(key, ('d', mode, Vec::new()));
+            } else if meta.file_type().is_symlink() {
+                let target = fs::read_link(&path).expect("readlink");
+                found.insert(key, ('l', 0, target.to_string_lossy().as_bytes().to_vec()));
+            } else {
+                found.insert(key, ('f', mode, fs::read(&path).expect("read")));
+            }
+        }
+    }
+    found
+}
+
+fn host_grant() -> tempfile::TempDir {
+    let host = tempfile::tempdir().expect("tempdir");
+    fs::create_dir_all(host.path().join("sub/deep")).expect("mkdir");
+    fs::write(host.path().join("keep.txt"), b"unchanged").expect("write");
+    fs::write(host.path().join("edit.txt"), b"before").expect("write");
+    fs::write(host.path().join("gone.txt"), b"to be deleted").expect("write");
+    fs::write(host.path().join("sub/deep/big.bin"), vec![5u8; 300_000]).expect("write");
+    fs::set_permissions(host.path().join("sub"), fs::Permissions::from_mode(0o750)).expect("chmod");
+    symlink("../keep.txt", host.path().join("sub/link")).expect("symlink");
+    host
+}
+
+#[test]
+fn a_grant_goes_in_and_the_guests_changes_come_back() {
+    let Some(agent) = RealAgent::spawn() else { return };
+    let host = host_grant();
+    let guest_root = tempfile::tempdir().expect("tempdir");
+    let guest = guest_root.path().join("data");
+    let guest = guest.to_str().expect("utf-8");
+
+    let scanned = grants::scan(host.path(), 1 << 20).expect("scan");
+    assert_eq!(scanned.bytes, 9 + 6 + 13 + 300_000);
+    grants::copy_in(agent.client(), &scanned, guest).expect("copy in");
+    assert_eq!(tree(Path::new(guest)), tree(host.path()), "the guest has exactly the host's tree");
+
+    let script = format!(
+        "cd {guest} && printf after > edit.txt && rm gone.txt && mkdir -p new/dir && printf n > new/dir/f \
+         && chmod 4755 new/dir/f && rm -r sub/deep && printf x > sub/deep && ln -s /etc/passwd new/pw"
+    );
+    assert_eq!(agent.sh(&script), 0);
+    let copied = grants::copy_out(agent.client(), guest, host.path(), 1 << 20).expect("copy out");
+    assert_eq!(copied.files, 4, "{copied:?}");
+
+    let mut expected = tree(Path::new(guest));
+    // Set-user-ID is dropped on the host.
+    expected.get_mut("new/dir/f").expect("f").1 = 0o755;
+    assert_eq!(tree(host.path()), expected);
+    assert_eq!(fs::read(host.path().join("edit.txt")).expect("read"), b"after");
+    assert!(!host.path().join("gone.txt").exists());
+    assert_eq!(fs::read_link(host.path().join("new/pw")).expect("link").to_str(), Some("/etc/passwd"));
+    assert_eq!(fs::metadata(host.path().join("sub")).expect("meta").mode() & 0o7777, 0o750);
+    // No staging directory left behind.
+    assert!(
+        fs::read_dir(host.path()).expect("dir").flatten().all(|e| !e.file_name().to_string_lossy().starts_with('.'))
+    );
+}
+
+#[test]
+fn a_guest_path_that_is_not_empty_is_refused() {
+    let Some(agent) = RealAgent::spawn() else { return };
+    let host = host_grant();
+    let guest_root = tempfile::tempdir().expect("tempdir");
+    fs::write(guest_root.path().join("image-file"), b"from the image").expect("write");
+    let scanned = grants::scan(host.path(), 1 << 20).expect("scan");
+    let err =
+        grants::copy_in(agent.client(), &scanned, guest_root.path().to_str().expect("utf-8")).expect_err("not empty");
+    assert!(matches!(err, GrantError::NotEmpty { .. }), "{err}");
+}
+
+#[test]
+fn disk_limits_hold_both_ways_and_change_nothing() {
+    let Some(agent) = RealAgent::spawn() else { return };
+    let host = host_grant();
+    assert!(matches!(grants::scan(host.path(), 1000), Err(GrantError::TooLarge { .. })));
+
+    let scanned = grants::scan(host.path(), 1 << 20).expect("scan");
+    let guest_root = tempfile::tempdir().expect("tempdir");
+    let guest = guest_root.path().join("data");
+    let guest = guest.to_str().expect("utf-8");
+    grants::copy_in(agent.client(), &scanned, guest).expect("copy in");
+    assert_eq!(agent.sh(&format!("head -c 2000000 /dev/zero > {guest}/huge && printf z > {guest}/keep.txt")), 0);
+    let before = tree(host.path());
+    let err = grants::copy_out(agent.client(), guest, host.path(), 1 << 20).expect_err("over the limit");
+    assert!(matches!(err, GrantError::TooLarge { .. }), "{err}");
+    assert_eq!(tree(host.path()), before, "nothing applied");
+}
+
+#[test]
+fn links_on_the_host_are_never_followed_when_copying_back() {
+    let Some(agent) = RealAgent::spawn() else { return };
+    let host = tempfile::tempdir().expect("tempdir");
+    let outside = tempfile::tempdir().expect("tempdir");
+    fs::write(outside.path().join("secret"), b"outside").expect("write");
+    symlink(outside.path(), host.path().join("link")).expect("symlink");
+    let scanned = grants::scan(host.path(), 1 << 20).expect("scan");
+    let guest_root = tempfile::tempdir().expect("tempdir");
+    let guest = guest_root.path().join("data");
+    let guest = guest.to_str().expect("utf-8");
+    grants::copy_in(agent.client(), &scanned, guest).expect("copy in");
+    // The guest swaps the link for a directory with a file named like the one outside.
+    assert_eq!(agent.sh(&format!("cd {guest} && rm link && mkdir link && printf mine > link/secret")), 0);
+    grants::copy_out(agent.client(), guest, host.path(), 1 << 20).expect("copy out");
+    assert_eq!(fs::read(outside.path().join("secret")).expect("read"), b"outside", "outside untouched");
+    assert!(fs::symlink_metadata(host.path().join("link")).expect("meta").is_dir());
+    assert_eq!(fs::read(host.path().join("link/secret")).expect("read"), b"mine");
+}
+
+/// A fake agent that answers a `ListTree` with `entries` and every `ReadFile` with `data`.
+fn hostile(entries: Vec<TreeEntry>, data: Vec<u8>) -> (AgentClient, thread::JoinHandle<()>) {
+    let (host_end, guest_end) = UnixStream::pair().expect("pair");
+    let agent = thread::spawn(move || {
+        let mut reader = FrameReader::new(guest_end.try_clone().expect("clone"));
+        let mut writer = FrameWriter::new(guest_end);
+        let _hello: Option<HostMessage> = reader.read().expect("hello");
+        let hello =
+            GuestMessage::Hello { version: PROTOCOL_VERSION, agent_version: "hostile".into(), kernel: "x".into() };
+        writer.write(&hello).expect("write");
+        while let Ok(Some(message)) = reader.read::<HostMessage>() {
+            let answers = match message {
+                HostMessage::ListTree { id, .. } => vec![
+                    GuestMessage::TreeEntries { id, entries: entries.clone() },
+                    GuestMessage::TreeDone { id, count: entries.len() as u64, skipped: 0 },
+                ],
+                HostMessage::ReadFile { id, .. } => vec![
+                    GuestMessage::FileData { id, data: data.clone().into() },
+                    GuestMessage::FileDone { id, size: data.len() as u64 },
+                ],
+                _ => Vec::new(),
+            };
+            for answer in answers {
+                if writer.write(&answer).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    (AgentClient::connect(host_end, ClientConfig::default()).expect("connect"), agent)
+}
+
+fn file(path: &str, size: u64) -> TreeEntry {
+    TreeEntry { path: path.into(), kind: EntryKind::File, mode: 0o644, size, target: None }
+}
+
+fn dir(path: &str) -> TreeEntry {
+    TreeEntry { path: path.into(), kind: EntryKind::Dir, mode: 0o755, size: 0, target: None }
+}
+
+fn link(path: &str, target: &str) -> TreeEntry {
+    TreeEntry { path: path.into(), kind: EntryKind::Symlink, mode: 0o777, size: 1, target: Some(target.into()) }
+}
+
+#[test]
+fn hostile_listings_and_files_change_nothing_on_the_host() {
+    let cases: Vec<(&str, Vec<TreeEntry>, Vec<u8>)> = vec![
+        ("parent escape", vec![file("../escaped", 4)], b"evil".to_vec()),
+        ("absolute", vec![file("/tmp/escaped", 4)], b"evil".to_vec()),
+        ("through a link", vec![link("l", "/tmp"), file("l/escaped", 4)], b"evil".to_vec()),
+        ("a file before its directory", vec![file("d/f", 4), dir("d")], b"evil".to_vec()),
+        ("duplicates", vec![file("keep.txt", 4), file("keep.txt", 4)], b"evil".to_vec()),
+        ("more bytes than listed", vec![file("keep.txt", 2)], b"evil".to_vec()),
+        ("fewer bytes than listed", vec![file("keep.txt", 8)], b"evil".to_vec()),
+        // A valid first file, a bad second one: the first is not applied either.
+        ("second file bad", vec![file("a.txt", 4), file("b.txt", 9)], b"evil".to_vec()),
+    ];
+    let outside = tempfile::tempdir().expect("tempdir");
+    for (name, entries, data) in cases {
+        let host = host_grant();
+        let before = tree(host.path());
+        let (client, agent) = hostile(entries, data);
+        let err = grants::copy_out(&client, "/data", host.path(), 1 << 20).expect_err(name);
+        assert!(matches!(err, GrantError::Refused { .. }), "{name}: {err}");
+        assert_eq!(tree(host.path()), before, "{name}: the host tree changed");
+        assert!(!host.path().parent().expect("parent").join("escaped").exists(), "{name}");
+        assert_eq!(fs::read_dir(outside.path()).expect("dir").count(), 0, "{name}");
+        drop(client);
+        agent.join().expect("fake agent");
+    }
+}
