@@ -31,8 +31,8 @@ use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 
 use strata_core::{
-    Capabilities, Escalation, ExecOptions, Job, JobKind, Limits, Outcome, PythonSource, Sandbox, Tier, TierError,
-    TierKind, ToolRegistry,
+    Capabilities, Escalation, ExecOptions, Job, JobKind, Limits, Outcome, PythonSource, Sandbox, Snapshot,
+    SnapshotError, Status, Tier, TierError, TierKind, ToolRegistry,
 };
 use strata_python_image::PythonImage;
 use strata_rootfs_image::DebianImage;
@@ -150,6 +150,14 @@ pub enum EngineError {
     /// A guest image could not be built or checked.
     #[error("{0}")]
     Image(String),
+    /// A snapshot asked to run on another tier than the one it was taken on.
+    #[error("the snapshot was taken on the {snapshot} tier; it cannot be forked on the {asked} tier")]
+    SnapshotTier {
+        /// The snapshot's tier.
+        snapshot: TierKind,
+        /// The tier asked for.
+        asked: TierKind,
+    },
     /// The engine has no home directory (`$STRATA_HOME`) for what was asked.
     #[error("no STRATA_HOME (nor HOME) to keep {0} in")]
     NoHome(&'static str),
@@ -168,9 +176,24 @@ impl EngineError {
             EngineError::Policy(_) => "invalid_policy",
             EngineError::UnknownFileKind(_) => "wrong_format",
             EngineError::Image(_) => "artifact",
+            EngineError::SnapshotTier { .. } => "snapshot_tier",
             EngineError::NoHome(_) => "no_home",
         }
     }
+}
+
+/// Where the sandbox of [`Engine::snapshot_create`] comes from.
+#[derive(Debug, Clone, Copy)]
+pub enum Origin<'a> {
+    /// A fresh sandbox on the tier the router picks for the setup job.
+    Fresh(TierChoice),
+    /// A fork of a snapshot (`choice` must be `Auto` or the snapshot's tier); the new snapshot names it as parent.
+    Fork {
+        /// The tier asked for.
+        choice: TierChoice,
+        /// The snapshot.
+        snapshot: &'a Snapshot,
+    },
 }
 
 /// How to build an [`Engine`].
@@ -469,6 +492,73 @@ impl Engine {
         if let Some(escalation) = route.escalation {
             outcome.escalations.insert(0, escalation);
         }
+        Ok(outcome)
+    }
+
+    /// Runs `setup` in a fresh sandbox (or in a fork of a snapshot, see [`Origin`]) on the tier the router picks for it and, when it
+    /// exits with status 0, snapshots the sandbox into the new directory `destination` (DESIGN §2: a snapshot is
+    /// the complete state of an idle sandbox). Returns the setup's outcome and the snapshot, `None` when the setup
+    /// did not succeed (nothing is written then). A snapshot made from a fork names its source as `parent`.
+    pub fn snapshot_create(
+        &self,
+        origin: Origin<'_>,
+        setup: &Job,
+        caps: &Capabilities,
+        limits: &Limits,
+        destination: &Path,
+        opts: ExecOptions,
+    ) -> Result<(Outcome, Option<Snapshot>), EngineError> {
+        if destination.exists() {
+            return Err(TierError::Snapshot(SnapshotError::Exists(destination.to_owned())).into());
+        }
+        let (mut sandbox, escalation) = match origin {
+            Origin::Fork { choice, snapshot } => (self.fork(choice, snapshot)?, None),
+            Origin::Fresh(choice) => {
+                let route = self.route(choice, setup)?;
+                (route.tier.start(caps, limits)?, route.escalation)
+            }
+        };
+        let mut outcome = sandbox.exec(setup, ExecOptions { limits: Some(limits.clone()), ..opts })?;
+        if let Some(escalation) = escalation {
+            outcome.escalations.insert(0, escalation);
+        }
+        let snapshot = match outcome.status {
+            Status::Exited { code: 0 } => Some(sandbox.snapshot(destination)?),
+            _ => None,
+        };
+        sandbox.close()?;
+        Ok((outcome, snapshot))
+    }
+
+    /// Starts a fork of `snapshot` on its own tier ([`Tier::fork`]): independent of the snapshot and of every other
+    /// fork, with fresh randomness. The fork keeps the snapshot's capabilities. `choice` must be `Auto` or the
+    /// snapshot's tier; the policy must allow that tier.
+    pub fn fork(&self, choice: TierChoice, snapshot: &Snapshot) -> Result<Box<dyn Sandbox>, EngineError> {
+        if let TierChoice::Tier(tier) = choice
+            && tier != snapshot.tier
+        {
+            return Err(EngineError::SnapshotTier { snapshot: snapshot.tier, asked: tier });
+        }
+        if !self.config.policy.tiers.allows(snapshot.tier) {
+            return Err(EngineError::TierNotAllowed { tier: snapshot.tier });
+        }
+        Ok(self.tier(snapshot.tier)?.fork(snapshot)?)
+    }
+
+    /// Runs one job in a fresh fork of `snapshot` ([`Engine::fork`]) and closes the fork.
+    pub fn run_from_snapshot(
+        &self,
+        choice: TierChoice,
+        snapshot: &Snapshot,
+        job: &Job,
+        limits: &Limits,
+        opts: ExecOptions,
+    ) -> Result<Outcome, EngineError> {
+        let mut sandbox = self.fork(choice, snapshot)?;
+        let outcome = sandbox.exec(job, ExecOptions { limits: Some(limits.clone()), ..opts });
+        let closed = sandbox.close();
+        let outcome = outcome?;
+        closed?;
         Ok(outcome)
     }
 

@@ -8,6 +8,7 @@
 mod doctor;
 mod images;
 mod run;
+mod snapshot;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -36,6 +37,9 @@ struct Cli {
 enum Command {
     /// Run a job: `strata run [OPTIONS] FILE [-- ARGS...]`, or `strata run --python -c CODE | -m MODULE`.
     Run(Box<run::RunArgs>),
+    /// Snapshot a prepared sandbox (`create`) or look into a snapshot (`inspect`); `strata run --snapshot DIR`
+    /// forks it.
+    Snapshot(snapshot::SnapshotArgs),
     /// Build, list or verify guest images (the Python runtime, the Debian root filesystem).
     Images(images::ImagesArgs),
     /// What this host can run (KVM kind, cgroups, namespaces, seccomp, overlayfs) and each tier's availability.
@@ -109,6 +113,10 @@ fn main() -> ExitCode {
         Command::Run(args) => {
             let json = args.json;
             run::run(*args).map_err(|failure| (json, failure))
+        }
+        Command::Snapshot(args) => {
+            let json = snapshot::wants_json(&args);
+            snapshot::snapshot(args).map_err(|failure| (json, failure))
         }
         Command::Images(args) => images::images(args).map_err(|failure| (false, failure)),
         Command::Doctor(args) => doctor::doctor(args).map_err(|failure| (false, failure)),

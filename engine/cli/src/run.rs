@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use clap::Args;
 use strata_core::{
-    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, LimitsOverride, Net, Outcome, OutputSink,
-    PythonSource, Status, Stream, format_duration, parse_duration,
+    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, Limits, LimitsOverride, Net, Outcome, OutputSink,
+    PythonSource, Snapshot, Status, Stream, format_duration, parse_duration,
 };
 use strata_engine::{Engine, EngineConfig, Policy, TierChoice, VmImage};
 
@@ -102,8 +102,24 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "FILE")]
     policy: Option<PathBuf>,
 
+    /// Run the job in a fresh fork of this snapshot (made by `strata snapshot create`); the fork keeps the
+    /// snapshot's grants, environment and network.
+    #[arg(long, value_name = "DIR")]
+    snapshot: Option<PathBuf>,
+
     /// Print exactly one JSON object, the outcome (or {"error":…}), instead of the guest's output.
     #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// A job ready to run: what `strata run` and `strata snapshot create` make of their options.
+pub(crate) struct Prepared {
+    pub(crate) engine: Engine,
+    pub(crate) job: Job,
+    pub(crate) caps: Capabilities,
+    pub(crate) limits: Limits,
+    pub(crate) tier: TierChoice,
+    pub(crate) snapshot: Option<Snapshot>,
     pub(crate) json: bool,
 }
 
@@ -186,7 +202,7 @@ fn read_stdin() -> Result<Vec<u8>, Failure> {
     Ok(bytes)
 }
 
-pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
+pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
     let policy = match &args.policy {
         Some(path) => Policy::from_file(path).map_err(strata_engine::EngineError::from)?,
         None => Policy::default(),
@@ -203,6 +219,15 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
         ..LimitsOverride::default()
     };
     let limits = flags.apply(&policy.limits);
+    if args.snapshot.is_some()
+        && (!args.dirs.is_empty() || !args.env.is_empty() || !args.secrets.is_empty() || !args.allow_net.is_empty())
+    {
+        return Err(Failure::new(
+            "usage",
+            "a fork keeps its snapshot's capabilities: give --dir, --env, --secret and --allow-net to \
+             `strata snapshot create`",
+        ));
+    }
     let caps = Capabilities {
         grants: args.dirs,
         env: args.env,
@@ -217,6 +242,10 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
             format!("--image chooses the microVM's root filesystem; it does not apply to --tier {}", args.tier),
         ));
     }
+    let snapshot = match &args.snapshot {
+        Some(dir) => Some(Snapshot::open(dir).map_err(|e| Failure::new(e.code(), e.to_string()))?),
+        None => None,
+    };
     let config = EngineConfig {
         policy,
         max_wasm_instances: 4,
@@ -237,27 +266,65 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
             return Err(Failure::new("usage", "nothing to run: give FILE, -c CODE, -m MODULE or `-- COMMAND ARGS...`"));
         }
     };
+    Ok(Prepared { engine, job, caps, limits, tier: args.tier, snapshot, json: args.json })
+}
 
-    if args.json {
-        let outcome = engine.run_on(args.tier, &job, &caps, &limits, ExecOptions::default())?;
-        let text = serde_json::to_string(&outcome)
-            .map_err(|e| Failure::new("internal", format!("cannot encode the outcome: {e}")))?;
-        let _ = writeln!(std::io::stdout(), "{text}");
-        return Ok(outcome.exit_code());
+pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
+    let prepared = prepare(args)?;
+    let Prepared { engine, job, caps, limits, tier, snapshot, json } = &prepared;
+    let outcome = execute(*json, limits, |opts| match snapshot {
+        Some(snapshot) => {
+            let opts = ExecOptions { stdin: Some(caps.stdin.clone()), ..opts };
+            engine.run_from_snapshot(*tier, snapshot, job, limits, opts)
+        }
+        None => engine.run_on(*tier, job, caps, limits, opts),
+    })?;
+    if *json {
+        print_json(&outcome)?;
     }
-
-    let (sink, writer) = spawn_writer()?;
-    let opts = ExecOptions { sink: Some(sink), ..ExecOptions::default() };
-    let result = engine.run_on(args.tier, &job, &caps, &limits, opts);
-    // The engine has dropped the sink with the job; the writer drains the queue and ends.
-    let _ = writer.join();
-    let outcome = result?;
-    report(&outcome, &limits);
     Ok(outcome.exit_code())
 }
 
+/// Runs `job` with output streamed to this process's stdout and stderr (or, with `json`, only captured), then
+/// reports what the output cannot say on stderr.
+pub(crate) fn execute<T: AsOutcome>(
+    json: bool,
+    limits: &Limits,
+    job: impl FnOnce(ExecOptions) -> Result<T, strata_engine::EngineError>,
+) -> Result<T, Failure> {
+    if json {
+        return Ok(job(ExecOptions::default())?);
+    }
+    let (sink, writer) = spawn_writer()?;
+    let opts = ExecOptions { sink: Some(sink), ..ExecOptions::default() };
+    let result = job(opts);
+    // The engine has dropped the sink with the job; the writer drains the queue and ends.
+    let _ = writer.join();
+    let result = result?;
+    report(result.outcome(), limits);
+    Ok(result)
+}
+
+/// What [`execute`] reports on.
+pub(crate) trait AsOutcome {
+    fn outcome(&self) -> &Outcome;
+}
+
+impl AsOutcome for Outcome {
+    fn outcome(&self) -> &Outcome {
+        self
+    }
+}
+
+pub(crate) fn print_json(value: &impl serde::Serialize) -> Result<(), Failure> {
+    let text = serde_json::to_string(value)
+        .map_err(|e| Failure::new("internal", format!("cannot encode the outcome: {e}")))?;
+    let _ = writeln!(std::io::stdout(), "{text}");
+    Ok(())
+}
+
 /// One line on stderr for what the guest's own output cannot say: a limit, a trap, a truncation.
-fn report(outcome: &Outcome, limits: &strata_core::Limits) {
+fn report(outcome: &Outcome, limits: &Limits) {
     let mut err = std::io::stderr();
     match &outcome.status {
         Status::Exited { .. } => {}
