@@ -427,3 +427,103 @@ fn doctor_reports_the_host_and_each_tier() {
     assert_eq!(run.code, 0);
     assert!(run.stdout.contains("tier process"), "{}", run.stdout);
 }
+
+#[test]
+fn snapshot_commands_refuse_bad_input_with_one_line() {
+    let home = home();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let at = |name: &str| dir.path().join(name).to_str().expect("utf8").to_owned();
+    std::fs::create_dir(at("empty")).expect("mkdir");
+    std::fs::create_dir(at("taken")).expect("mkdir");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["snapshot".into(), "inspect".into(), at("missing")], "snapshot_invalid"),
+        (vec!["snapshot".into(), "inspect".into(), at("empty")], "snapshot_invalid"),
+        (vec!["run".into(), "--snapshot".into(), at("missing"), "--".into(), "true".into()], "snapshot_io"),
+        (
+            vec!["run".into(), "--snapshot".into(), at("empty"), "--dir".into(), "/tmp:/data".into(), "--".into()],
+            "usage",
+        ),
+        (
+            vec!["snapshot".into(), "create".into(), "-o".into(), at("taken"), "--".into(), "true".into()],
+            "snapshot_exists",
+        ),
+        (vec!["snapshot".into(), "create".into(), "--".into(), "true".into()], "usage"),
+    ];
+    for (args, kind) in cases {
+        let mut with_json: Vec<&str> = args.iter().map(String::as_str).collect();
+        // --json before `--` (inspect has no --json: its errors are one line).
+        if args[0] == "run" {
+            with_json.insert(1, "--json");
+        } else if args[1] == "create" {
+            with_json.insert(2, "--json");
+        }
+        let run = strata(home.path(), &with_json, b"");
+        assert_eq!(run.code, 2, "{args:?}: {} {}", run.stdout, run.stderr);
+        if args[1] == "inspect" {
+            assert_eq!(run.stderr.lines().count(), 1, "{args:?}: {}", run.stderr);
+        } else {
+            assert_eq!(json(&run)["error"]["kind"], kind, "{args:?}: {}", run.stdout);
+        }
+    }
+    assert!(!Path::new(&at("taken")).join("manifest.json").exists());
+}
+
+#[test]
+fn a_python_snapshot_is_forked_with_its_state() {
+    let home = shared_home();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s1 = dir.path().join("s1");
+    let s1 = s1.to_str().expect("utf8");
+    let run = strata(&home, &["snapshot", "create", "--python", "-c", "import numpy as np; x = 41", "-o", s1], b"");
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(run.stderr.contains("strata: snapshot"), "{}", run.stderr);
+    let run = strata(&home, &["run", "--snapshot", s1, "--python", "-c", "print(x + 1, np.arange(3).sum())"], b"");
+    assert_eq!((run.code, run.stdout.as_str()), (0, "42 3\n"), "{}", run.stderr);
+    let run = strata(&home, &["snapshot", "inspect", s1], b"");
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let manifest: serde_json::Value = serde_json::from_str(&run.stdout).expect("manifest JSON");
+    assert_eq!(manifest["tier"], "wasm");
+    assert_eq!(manifest["format"], 1);
+    // A fork cannot go to another tier, and a setup that fails writes nothing.
+    let run = strata(&home, &["run", "--json", "--snapshot", s1, "--tier", "process", "--", "true"], b"");
+    assert_eq!((run.code, json(&run)["error"]["kind"].as_str()), (2, Some("snapshot_tier")));
+    let failed = dir.path().join("failed");
+    let run = strata(
+        &home,
+        &["snapshot", "create", "--python", "-c", "raise SystemExit(3)", "-o", failed.to_str().expect("utf8")],
+        b"",
+    );
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    assert!(run.stderr.contains("no snapshot was written"), "{}", run.stderr);
+    assert!(!failed.exists());
+}
+
+#[test]
+fn a_process_snapshot_is_forked_with_its_files() {
+    let home = shared_home();
+    if !process_tier_available(&home) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s2 = dir.path().join("s2");
+    let s2 = s2.to_str().expect("utf8");
+    let run = strata(
+        &home,
+        &["snapshot", "create", "--tier", "process", "-o", s2, "--", "sh", "-c", "echo 41 > /tmp/x"],
+        b"",
+    );
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let run = strata(&home, &["run", "--snapshot", s2, "--", "cat", "/tmp/x"], b"");
+    assert_eq!((run.code, run.stdout.as_str()), (0, "41\n"), "{}", run.stderr);
+    // A corrupted snapshot is refused, never forked.
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(Path::new(s2).join("manifest.json")).expect("manifest"))
+            .expect("json");
+    let victim = manifest["files"].as_array().and_then(|f| f.iter().find(|f| f["size"].as_u64() > Some(0)));
+    let victim = Path::new(s2).join(victim.expect("a non-empty file")["path"].as_str().expect("path"));
+    let mut bytes = std::fs::read(&victim).expect("read");
+    bytes[0] ^= 0xff;
+    std::fs::write(&victim, bytes).expect("write");
+    let run = strata(&home, &["run", "--json", "--snapshot", s2, "--", "cat", "/tmp/x"], b"");
+    assert_eq!((run.code, json(&run)["error"]["kind"].as_str()), (2, Some("snapshot_invalid")), "{}", run.stdout);
+}
