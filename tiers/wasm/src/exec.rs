@@ -105,6 +105,13 @@ impl Meter {
         self.stop = None;
     }
 
+    /// Counts `bytes` of linear memory that exist already (a memory mapped from a snapshot larger than the
+    /// module's minimum, which the limiter saw).
+    pub(crate) fn note_memory(&mut self, bytes: u64) {
+        self.memory_now = self.memory_now.max(bytes);
+        self.peak_memory = self.peak_memory.max(self.memory_now);
+    }
+
     /// Checked at every epoch tick while the guest runs.
     fn check(&self) -> Option<Stop> {
         if self.cancel.as_ref().is_some_and(CancelToken::is_cancelled) {
@@ -154,7 +161,7 @@ thread_local! {
     static EXECUTOR: RefCell<Option<tokio::runtime::Runtime>> = const { RefCell::new(None) };
 }
 
-fn block_on<F: Future>(future: F) -> Result<F::Output, TierError> {
+pub(crate) fn block_on<F: Future>(future: F) -> Result<F::Output, TierError> {
     if tokio::runtime::Handle::try_current().is_ok() {
         return Err(internal("a job was started on a thread inside an async runtime"));
     }
@@ -199,6 +206,39 @@ pub(crate) struct WasiSpec<'a> {
     pub(crate) caps: &'a Capabilities,
     pub(crate) stdin: &'a [u8],
     pub(crate) preopens: Vec<Preopen>,
+    /// The guest's monotonic clock; WASI's default (zero when the context is made) when `None`.
+    pub(crate) clock: Option<GuestClock>,
+}
+
+/// A monotonic clock that starts at a given reading: a session's starts at zero, a fork's where its snapshot's
+/// stood, so the guest never sees it go back.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GuestClock {
+    base_ns: u64,
+    started: Instant,
+}
+
+impl GuestClock {
+    /// A clock reading `base_ns` now.
+    pub(crate) fn starting_at(base_ns: u64) -> GuestClock {
+        GuestClock { base_ns, started: Instant::now() }
+    }
+
+    /// What the guest reads now, in nanoseconds.
+    pub(crate) fn now_ns(&self) -> u64 {
+        let elapsed = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.base_ns.saturating_add(elapsed)
+    }
+}
+
+impl wasmtime_wasi::HostMonotonicClock for GuestClock {
+    fn resolution(&self) -> u64 {
+        1
+    }
+
+    fn now(&self) -> u64 {
+        self.now_ns()
+    }
 }
 
 /// The one place `Capabilities` become a WASI context: nothing is reachable that is not granted here.
@@ -207,6 +247,9 @@ pub(crate) fn wasi_ctx(spec: WasiSpec<'_>, captures: &Captures) -> Result<WasiP1
     // Must come before the preopens, which capture it: file I/O runs on the job's thread instead of a pool.
     builder.allow_blocking_current_thread(true);
     builder.args(&spec.args);
+    if let Some(clock) = spec.clock {
+        builder.monotonic_clock(clock);
+    }
     for (name, value) in &spec.base_env {
         builder.env(name, value);
     }
@@ -427,8 +470,14 @@ pub(crate) fn execute(
     let captures = Captures::new(job.caps, job.limits, job.sink.clone());
     let mut argv = vec![program.to_owned()];
     argv.extend(args.iter().cloned());
-    let wasi_spec =
-        WasiSpec { args: argv, base_env: Vec::new(), caps: job.caps, stdin: job.stdin, preopens: Vec::new() };
+    let wasi_spec = WasiSpec {
+        args: argv,
+        base_env: Vec::new(),
+        caps: job.caps,
+        stdin: job.stdin,
+        preopens: Vec::new(),
+        clock: None,
+    };
     let wasi = wasi_ctx(wasi_spec, &captures)?;
     let ArmedStore { mut store, measured, wall_deadline, _running } =
         arm_store(runtime, wasi, job.limits, job.cancel.clone(), job.tools)?;

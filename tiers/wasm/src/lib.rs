@@ -22,9 +22,13 @@
 pub mod cache;
 mod epoch;
 mod exec;
+mod image;
+mod instrument;
 pub mod python;
+mod ready;
 mod runtime;
 mod sandbox;
+mod snapshot;
 mod tools;
 
 use std::collections::HashMap;
@@ -33,7 +37,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use strata_core::{
-    Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Tier, TierError, TierKind, ToolRegistry,
+    Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Snapshot, Tier, TierError, TierKind,
+    ToolRegistry,
 };
 
 pub use cache::{CacheOutcome, ModuleCache};
@@ -41,7 +46,9 @@ pub use python::{PythonArtifacts, PythonProvider};
 pub use sandbox::WasmSandbox;
 
 use crate::cache::Digest;
-use crate::runtime::{Expect, Prepared, Runtime};
+use crate::python::SessionModule;
+use crate::runtime::{Allocation, Expect, Prepared, Runtime};
+use crate::snapshot::ReadyRuntime;
 use crate::tools::ToolHost;
 
 /// Settings of the wasm tier.
@@ -117,6 +124,11 @@ pub(crate) struct TierInner {
     cache: Option<ModuleCache>,
     unmetered: OnceLock<Result<Runtime, String>>,
     metered: OnceLock<Result<Runtime, String>>,
+    /// The engines of snapshot-ready sessions and their forks, unmetered and metered.
+    mapped_unmetered: OnceLock<Result<Runtime, String>>,
+    mapped_metered: OnceLock<Result<Runtime, String>>,
+    /// The snapshot-ready form of each Python runtime met so far (by its sha256), or why it has none.
+    ready: Mutex<HashMap<Digest, Result<ReadyRuntime, String>>>,
     files: Mutex<HashMap<PathBuf, (FileStamp, Digest)>>,
 }
 
@@ -130,6 +142,9 @@ impl WasmTier {
                 cache,
                 unmetered: OnceLock::new(),
                 metered: OnceLock::new(),
+                mapped_unmetered: OnceLock::new(),
+                mapped_metered: OnceLock::new(),
+                ready: Mutex::new(HashMap::new()),
                 files: Mutex::new(HashMap::new()),
             }),
         }
@@ -152,8 +167,17 @@ impl WasmTier {
 
 impl TierInner {
     fn runtime(&self, metered: bool) -> Result<&Runtime, TierError> {
-        let cell = if metered { &self.metered } else { &self.unmetered };
-        cell.get_or_init(|| Runtime::new(&self.config, metered).map_err(|e| e.to_string()))
+        self.runtime_of(metered, Allocation::Pooled)
+    }
+
+    fn runtime_of(&self, metered: bool, allocation: Allocation) -> Result<&Runtime, TierError> {
+        let cell = match (allocation, metered) {
+            (Allocation::Pooled, false) => &self.unmetered,
+            (Allocation::Pooled, true) => &self.metered,
+            (Allocation::Mapped, false) => &self.mapped_unmetered,
+            (Allocation::Mapped, true) => &self.mapped_metered,
+        };
+        cell.get_or_init(|| Runtime::new(&self.config, metered, allocation).map_err(|e| e.to_string()))
             .as_ref()
             .map_err(|message| TierError::Internal { tier: TierKind::Wasm, message: message.clone() })
     }
@@ -241,6 +265,99 @@ impl TierInner {
         Ok((artifacts, prepared, outcome))
     }
 
+    /// The module Python sessions run for this fuel mode: the snapshot-ready runtime, or the plain one (with the
+    /// reason) when the runtime cannot be made snapshot-ready. Returns the engine it belongs to.
+    fn python_session(&self, metered: bool) -> Result<(PythonArtifacts, SessionModule, &Runtime), TierError> {
+        let provider = self.config.python.as_ref().ok_or_else(|| TierError::Unsupported {
+            tier: TierKind::Wasm,
+            what: "Python jobs (this engine has no Python runtime configured)".into(),
+        })?;
+        let artifacts = provider.artifacts()?;
+        let known = self.lock_ready().get(&artifacts.snapshot_digest).cloned();
+        let mut instrumented = None;
+        let ready = match known {
+            Some(ready) => ready,
+            None => {
+                let (ready, module) = ready::load_or_make(self.cache.as_ref(), &artifacts)?;
+                instrumented = module;
+                self.lock_ready().insert(artifacts.snapshot_digest, ready.clone());
+                ready
+            }
+        };
+        match ready {
+            Ok(ready) => {
+                let runtime = self.runtime_of(metered, Allocation::Mapped)?;
+                let snapshot = artifacts.snapshot.clone();
+                let (prepared, _) = runtime.prepare(
+                    self.cache.as_ref(),
+                    "the Python runtime (snapshot-ready)",
+                    &ready.digest,
+                    Expect::PythonReactor,
+                    || match instrumented {
+                        Some(module) => Ok(module),
+                        None => ready::instrumented_module(&snapshot),
+                    },
+                )?;
+                let module = SessionModule { prepared, allocation: Allocation::Mapped, snapshots: Ok(ready) };
+                Ok((artifacts, module, runtime))
+            }
+            Err(reason) => {
+                let runtime = self.runtime(metered)?;
+                let (artifacts, prepared, _) = self.python(runtime)?;
+                let module = SessionModule { prepared, allocation: Allocation::Pooled, snapshots: Err(reason) };
+                Ok((artifacts, module, runtime))
+            }
+        }
+    }
+
+    fn lock_ready(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, Result<ReadyRuntime, String>>> {
+        self.ready.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts a sandbox from a snapshot of this tier.
+    fn fork(self: &Arc<Self>, snapshot: &Snapshot) -> Result<WasmSandbox, TierError> {
+        let state = snapshot::SandboxState::read(snapshot)?;
+        exec::check_caps(&state.caps, &self.config.tools)?;
+        let parent = Some(snapshot.manifest.id.clone());
+        let Some(python) = &state.python else {
+            return Ok(WasmSandbox::restored(self.clone(), state.caps, state.limits, None, parent));
+        };
+        let (artifacts, module, runtime) = self.python_session(python.metered)?;
+        match &module.snapshots {
+            Ok(ready) if ready.identity() == python.runtime => {}
+            Ok(_) => {
+                return Err(TierError::Unsupported {
+                    tier: TierKind::Wasm,
+                    what: format!(
+                        "a snapshot of another Python runtime ({}); the installed one is different",
+                        python.runtime
+                    ),
+                });
+            }
+            Err(reason) => {
+                return Err(TierError::Unsupported {
+                    tier: TierKind::Wasm,
+                    what: format!("forks of Python snapshots with this runtime ({reason})"),
+                });
+            }
+        }
+        let memory = snapshot::open_memory(snapshot, python.memory_bytes)?;
+        let scratch = if python.scratch { Some(snapshot::restore_scratch(snapshot)?) } else { None };
+        let restore =
+            python::Restore { memory, globals: python.globals.clone(), scratch, clock_ns: python.monotonic_ns };
+        let tools = self.tools(&state.caps)?;
+        let session = python::PythonSession::start(
+            runtime,
+            &module,
+            &artifacts,
+            &state.caps,
+            &state.limits,
+            tools,
+            Some(restore),
+        )?;
+        Ok(WasmSandbox::restored(self.clone(), state.caps, state.limits, Some(session), parent))
+    }
+
     /// The host tools a job's capabilities name.
     fn tools(&self, caps: &Capabilities) -> Result<ToolHost, TierError> {
         Ok(ToolHost::new(self.config.tools.select(&caps.tools)?))
@@ -290,5 +407,22 @@ impl Tier for WasmTier {
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         exec::check_caps(caps, &self.inner.config.tools)?;
         Ok(Box::new(WasmSandbox::new(self.inner.clone(), caps.clone(), limits.clone())))
+    }
+
+    fn fork(&self, snapshot: &Snapshot) -> Result<Box<dyn Sandbox>, TierError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Ok(Box::new(self.inner.fork(snapshot)?));
+        }
+        // As for `run`: the restore runs guest code, which must not block an async runtime's thread.
+        let failed = |message: String| TierError::Internal { tier: TierKind::Wasm, message };
+        let sandbox = std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("strata-fork".into())
+                .spawn_scoped(scope, || self.inner.fork(snapshot))
+                .map_err(|e| failed(format!("cannot start a fork thread: {e}")))?
+                .join()
+                .unwrap_or_else(|_| Err(failed("the fork thread panicked".into())))
+        })?;
+        Ok(Box::new(sandbox))
     }
 }

@@ -16,15 +16,17 @@
 //! `/tmp` (removed with the job or session), and its grants; nothing else of the host.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use strata_core::{Capabilities, ExecOptions, Limits, Outcome, PythonSource, Status, TierError, TierKind};
 use wasmtime::{Extern, Store, TypedFunc};
 
 use crate::exec::{
-    self, ArmedStore, Captures, JobContext, JobState, Measured, Meter, Preopen, WasiSpec, arm_store, guarded,
-    new_store, set_fuel, status_of,
+    self, ArmedStore, Captures, GuestClock, JobContext, JobState, Measured, Meter, Preopen, WasiSpec, arm_store,
+    guarded, new_store, set_fuel, status_of,
 };
-use crate::runtime::{Prepared, Runtime};
+use crate::image::MemoryImage;
+use crate::runtime::{Allocation, Prepared, Runtime};
 use crate::tools::ToolHost;
 
 /// Where the guest finds the standard library.
@@ -277,6 +279,7 @@ pub(crate) fn run_once(
         caps: job.caps,
         stdin: job.stdin,
         preopens: preopens(artifacts, job.caps, scratch.as_ref().map(|d| d.path()))?,
+        clock: None,
     };
     let wasi = exec::wasi_ctx(spec, &captures)?;
     let ArmedStore { mut store, measured, wall_deadline, _running } =
@@ -304,34 +307,89 @@ fn internal(message: impl std::fmt::Display) -> TierError {
 pub(crate) struct PythonSession {
     /// `None` once the session has ended.
     live: Option<(Store<JobState>, PythonExports)>,
+    /// The instance, for the snapshot-ready module's exported globals.
+    instance: Option<wasmtime::Instance>,
     captures: Captures,
     metered: bool,
+    /// The engine the instance lives in.
+    allocation: Allocation,
+    /// What makes a snapshot of it possible: the snapshot-ready runtime, or why there is none.
+    snapshots: Result<crate::snapshot::ReadyRuntime, String>,
+    /// The guest's monotonic clock.
+    clock: GuestClock,
+    /// Descriptors 0.. below this are stdio and preopens; any other open one blocks a snapshot.
+    first_free_fd: u32,
     ended: Option<String>,
     /// Removed when the session is dropped, after the instance.
-    _scratch: Option<tempfile::TempDir>,
+    scratch: Option<tempfile::TempDir>,
 }
 
 /// How long `close` lets the interpreter finalise.
 const SHUTDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// The module a session runs, and where its memory starts from.
+pub(crate) struct SessionModule {
+    pub(crate) prepared: Arc<Prepared>,
+    pub(crate) allocation: Allocation,
+    /// The snapshot-ready runtime, or why the plain one runs instead.
+    pub(crate) snapshots: Result<crate::snapshot::ReadyRuntime, String>,
+}
+
+/// Where a new session's state comes from besides the module: nothing (a fresh interpreter), or a snapshot.
+pub(crate) struct Restore {
+    /// The memory image the instance maps.
+    pub(crate) memory: Arc<MemoryImage>,
+    /// The exported globals' values.
+    pub(crate) globals: Vec<crate::snapshot::GlobalValue>,
+    /// The scratch `/tmp`, already filled from the snapshot.
+    pub(crate) scratch: Option<tempfile::TempDir>,
+    /// The monotonic clock's reading at the snapshot.
+    pub(crate) clock_ns: u64,
+}
+
+/// Reseeds the guest's pseudo-random generators from WASI's random source (fresh per fork) after a restore:
+/// a fork must not repeat its siblings' `random.random()` or `numpy.random` draws.
+const RESEED: &str = "import sys as __strata_sys
+for __strata_name in ('random', 'numpy.random'):
+    __strata_module = __strata_sys.modules.get(__strata_name)
+    if __strata_module is not None:
+        try:
+            __strata_module.seed()
+        except BaseException:
+            pass
+del __strata_sys, __strata_name, __strata_module
+";
+
 impl PythonSession {
-    /// Starts an interpreter with the sandbox's capabilities.
+    /// Starts an interpreter with the sandbox's capabilities: fresh, or restored from a snapshot.
     pub(crate) fn start(
         runtime: &Runtime,
-        prepared: &Prepared,
+        module: &SessionModule,
         artifacts: &PythonArtifacts,
         caps: &Capabilities,
         limits: &Limits,
         tools: ToolHost,
+        restore: Option<Restore>,
     ) -> Result<PythonSession, TierError> {
-        let scratch = scratch(caps)?;
+        let (scratch, clock) = match &restore {
+            Some(restore) => (None, GuestClock::starting_at(restore.clock_ns)),
+            None => (scratch(caps)?, GuestClock::starting_at(0)),
+        };
+        let mut restore = restore;
+        let scratch = match restore.as_mut() {
+            Some(restore) => restore.scratch.take(),
+            None => scratch,
+        };
         let captures = Captures::new(caps, limits, None);
+        let preopens = preopens(artifacts, caps, scratch.as_ref().map(|d| d.path()))?;
+        let first_free_fd = u32::try_from(3 + preopens.len() + caps.grants.len()).unwrap_or(u32::MAX);
         let spec = WasiSpec {
             args: vec![PYTHON_EXECUTABLE.into()],
             base_env: base_env(),
             caps,
             stdin: &caps.stdin,
-            preopens: preopens(artifacts, caps, scratch.as_ref().map(|d| d.path()))?,
+            preopens,
+            clock: Some(clock),
         };
         let wasi = exec::wasi_ctx(spec, &captures)?;
         let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
@@ -340,34 +398,109 @@ impl PythonSession {
         set_fuel(runtime, &mut store, limits)?;
         store.set_epoch_deadline(1);
         let wall_deadline = store.data().meter.wall_deadline;
-        let ended = guarded(
-            async {
-                let instance = prepared.pre.instantiate_async(&mut store).await?;
-                exports(&mut store, &instance)
-            },
-            wall_deadline,
-            None,
-        )?;
+        let instantiate = |store: &mut Store<JobState>| {
+            guarded(
+                async {
+                    let instance = module.prepared.pre.instantiate_async(&mut *store).await?;
+                    let exports = exports(&mut *store, &instance)?;
+                    Ok((instance, exports))
+                },
+                wall_deadline,
+                None,
+            )
+        };
+        let image = match (&restore, &module.snapshots) {
+            (Some(restore), _) => Some(restore.memory.clone()),
+            (None, Ok(ready)) => Some(ready.base_image.clone()),
+            (None, Err(_)) => None,
+        };
+        let ended = match (image, &module.snapshots) {
+            (Some(image), Ok(ready)) => {
+                crate::image::with_image(image, ready.minimum_pages, || instantiate(&mut store))
+            }
+            _ => instantiate(&mut store),
+        }?;
         let stop = store.data().meter.stop;
-        let exports = match ended {
-            exec::Ended::Returned(Ok(exports)) => exports,
+        let (instance, exports) = match ended {
+            exec::Ended::Returned(Ok(pair)) => pair,
             other => {
                 let status = status_of(other, stop, |_| Status::Exited { code: 0 })?;
                 return Err(TierError::SessionEnded { reason: format!("the interpreter did not start: {status}") });
             }
         };
-        Ok(PythonSession {
+        let memory_bytes = exports.memory.data_size(&store) as u64;
+        store.data_mut().meter.note_memory(memory_bytes);
+        let mut session = PythonSession {
             live: Some((store, exports)),
+            instance: Some(instance),
             captures,
             metered: runtime.metered,
+            allocation: module.allocation,
+            snapshots: module.snapshots.clone(),
+            clock,
+            first_free_fd,
             ended: None,
-            _scratch: scratch,
-        })
+            scratch,
+        };
+        if let Some(restore) = restore {
+            session.restore_globals(&restore.globals)?;
+            let limits = Limits { wall: SHUTDOWN_DEADLINE, cpu: SHUTDOWN_DEADLINE, ..limits.clone() };
+            let outcome =
+                session.turn(runtime, &PythonSource::Code(RESEED.into()), &[], &limits, &ExecOptions::default())?;
+            if outcome.status != (Status::Exited { code: 0 }) {
+                return Err(TierError::SessionEnded {
+                    reason: format!("the restored interpreter failed its first turn: {}", outcome.status),
+                });
+            }
+        }
+        Ok(session)
     }
 
     /// Whether the session runs fuel-metered code.
     pub(crate) fn metered(&self) -> bool {
         self.metered
+    }
+
+    /// The engine the session's instance lives in.
+    pub(crate) fn allocation(&self) -> Allocation {
+        self.allocation
+    }
+
+    fn restore_globals(&mut self, globals: &[crate::snapshot::GlobalValue]) -> Result<(), TierError> {
+        let (Some((store, _)), Some(instance)) = (self.live.as_mut(), self.instance) else {
+            return Err(TierError::SessionEnded { reason: "the session is closed".into() });
+        };
+        crate::snapshot::set_globals(store, &instance, globals)
+    }
+
+    /// Saves the interpreter's state into `dir` (a snapshot being written): its memory as `memory.img`, its
+    /// scratch `/tmp` as `tmp/`; returns the rest.
+    pub(crate) fn snapshot(&mut self, dir: &Path) -> Result<crate::snapshot::PythonState, TierError> {
+        if let Some(reason) = &self.ended {
+            return Err(TierError::SessionEnded { reason: reason.clone() });
+        }
+        let ready = self.snapshots.clone().map_err(|reason| TierError::Unsupported {
+            tier: TierKind::Wasm,
+            what: format!("snapshots of this Python runtime ({reason})"),
+        })?;
+        let (Some((store, exports)), Some(instance)) = (self.live.as_mut(), self.instance) else {
+            return Err(TierError::SessionEnded { reason: "the session is closed".into() });
+        };
+        crate::snapshot::check_descriptors(store, self.first_free_fd)?;
+        let globals = crate::snapshot::read_globals(store, &instance)?;
+        let memory = exports.memory.data(&*store);
+        crate::snapshot::write_memory(&dir.join(crate::snapshot::MEMORY_FILE), memory)?;
+        if let Some(scratch) = &self.scratch {
+            crate::snapshot::copy_tree(scratch.path(), &dir.join(crate::snapshot::SCRATCH_DIR))?;
+        }
+        Ok(crate::snapshot::PythonState {
+            runtime: ready.identity(),
+            metered: self.metered,
+            memory_bytes: memory.len() as u64,
+            globals,
+            monotonic_ns: self.clock.now_ns(),
+            scratch: self.scratch.is_some(),
+        })
     }
 
     /// Runs one turn.
@@ -436,6 +569,7 @@ impl PythonSession {
     fn end(&mut self, reason: String) {
         self.ended = Some(reason);
         self.live = None;
+        self.instance = None;
     }
 
     /// Finalises the interpreter (atexit handlers, buffered output) and releases the instance.

@@ -103,7 +103,17 @@ impl Hasher for DigestHasher {
     }
 }
 
-fn engine_config(settings: &WasmTierConfig, metered: bool) -> Config {
+/// How an engine allocates instances.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Allocation {
+    /// The pooling allocator with copy-on-write images of the modules' data: one-shot jobs.
+    Pooled,
+    /// On demand, each linear memory mapped from a memory image ([`crate::image`]): snapshot-ready sessions
+    /// and their forks.
+    Mapped,
+}
+
+fn engine_config(settings: &WasmTierConfig, metered: bool, allocation: Allocation) -> Config {
     let slots = settings.max_instances.max(1);
     let mut pool = PoolingAllocationConfig::new();
     pool.total_core_instances(slots)
@@ -136,12 +146,17 @@ fn engine_config(settings: &WasmTierConfig, metered: bool) -> Config {
         .memory_init_cow(true)
         .cranelift_opt_level(OptLevel::Speed)
         .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    if allocation == Allocation::Mapped {
+        config
+            .allocation_strategy(InstanceAllocationStrategy::OnDemand)
+            .with_host_memory(Arc::new(crate::image::MappedMemoryCreator));
+    }
     config
 }
 
 impl Runtime {
-    pub(crate) fn new(settings: &WasmTierConfig, metered: bool) -> Result<Runtime, TierError> {
-        let engine = Engine::new(&engine_config(settings, metered))
+    pub(crate) fn new(settings: &WasmTierConfig, metered: bool, allocation: Allocation) -> Result<Runtime, TierError> {
+        let engine = Engine::new(&engine_config(settings, metered, allocation))
             .map_err(|e| internal(format!("cannot create the wasmtime engine: {e}")))?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p1::add_to_linker_async(&mut linker, |state: &mut JobState| &mut state.wasi)

@@ -7,7 +7,10 @@ use std::sync::Arc;
 
 use cap_std::ambient_authority;
 use cap_std::fs::Dir;
-use strata_core::{Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, Outcome, Sandbox, TierError, TierKind};
+use strata_core::{
+    Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, Outcome, Sandbox, Snapshot, SnapshotWriter, TierError,
+    TierKind,
+};
 
 use crate::TierInner;
 use crate::python::PythonSession;
@@ -18,6 +21,8 @@ pub struct WasmSandbox {
     caps: Capabilities,
     limits: Limits,
     python: Option<PythonSession>,
+    /// The id of the snapshot it was forked from.
+    parent: Option<String>,
 }
 
 impl std::fmt::Debug for WasmSandbox {
@@ -28,7 +33,18 @@ impl std::fmt::Debug for WasmSandbox {
 
 impl WasmSandbox {
     pub(crate) fn new(tier: Arc<TierInner>, caps: Capabilities, limits: Limits) -> WasmSandbox {
-        WasmSandbox { tier, caps, limits, python: None }
+        WasmSandbox { tier, caps, limits, python: None, parent: None }
+    }
+
+    /// A sandbox forked from a snapshot, with its restored interpreter (if it had one).
+    pub(crate) fn restored(
+        tier: Arc<TierInner>,
+        caps: Capabilities,
+        limits: Limits,
+        python: Option<PythonSession>,
+        parent: Option<String>,
+    ) -> WasmSandbox {
+        WasmSandbox { tier, caps, limits, python, parent }
     }
 
     /// Finds the grant holding `guest_path` (the longest matching guest prefix) and the path inside it.
@@ -80,15 +96,15 @@ impl Sandbox for WasmSandbox {
         };
         if self.python.is_none() {
             // The session's fuel mode is the sandbox's: fuel-metered code only when its limits set fuel.
-            let runtime = self.tier.runtime(self.limits.fuel.limit().is_some())?;
-            let (artifacts, prepared, _) = self.tier.python(runtime)?;
+            let (artifacts, module, runtime) = self.tier.python_session(self.limits.fuel.limit().is_some())?;
             let tools = self.tier.tools(&self.caps)?;
-            self.python = Some(PythonSession::start(runtime, &prepared, &artifacts, &self.caps, &self.limits, tools)?);
+            self.python =
+                Some(PythonSession::start(runtime, &module, &artifacts, &self.caps, &self.limits, tools, None)?);
         }
         let Some(session) = self.python.as_mut() else {
             return Err(TierError::SessionEnded { reason: "the session did not start".into() });
         };
-        let runtime = self.tier.runtime(session.metered())?;
+        let runtime = self.tier.runtime_of(session.metered(), session.allocation())?;
         session.turn(runtime, source, args, &limits, &opts)
     }
 
@@ -109,6 +125,22 @@ impl Sandbox for WasmSandbox {
             .map_err(|e| TierError::GuestPath { path: guest_path.to_owned(), reason: format!("cannot read: {e}") })
     }
 
+    fn snapshot(&mut self, destination: &Path) -> Result<Snapshot, TierError> {
+        let writer = SnapshotWriter::create(destination)?;
+        let python = match self.python.as_mut() {
+            Some(session) => Some(session.snapshot(writer.dir())?),
+            None => None,
+        };
+        let state = crate::snapshot::SandboxState {
+            format: crate::snapshot::STATE_FORMAT,
+            caps: self.caps.clone(),
+            limits: self.limits.clone(),
+            python,
+        };
+        state.write(writer.dir())?;
+        Ok(writer.commit(TierKind::Wasm, self.parent.clone(), state.persists(), state.meta())?)
+    }
+
     fn close(mut self: Box<Self>) -> Result<(), TierError> {
         self.shutdown();
         Ok(())
@@ -120,7 +152,7 @@ impl WasmSandbox {
     /// instance is gone when it returns.
     fn shutdown(&mut self) {
         if let Some(mut session) = self.python.take()
-            && let Ok(runtime) = self.tier.runtime(session.metered())
+            && let Ok(runtime) = self.tier.runtime_of(session.metered(), session.allocation())
         {
             session.close(runtime);
         }

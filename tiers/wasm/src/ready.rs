@@ -1,0 +1,130 @@
+//! The snapshot-ready form of the Python runtime ([`crate::instrument`]), made once per runtime and kept in the
+//! module cache directory beside the compiled code:
+//!
+//! ```text
+//! <id>.image       the initial memory of a fresh interpreter (the module's data segments, laid out)
+//! <id>.image.sum   `blake3 HASH LEN` of it, checked once per process before it is mapped
+//! <id>.refused     why the runtime cannot be made snapshot-ready (sessions then run the plain runtime)
+//! ```
+//!
+//! `<id>` is derived from the runtime's sha256 and this rewrite's version; the rewritten module is compiled
+//! into the module cache under the same id, and rewritten again only when that entry must be compiled.
+
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use strata_core::TierError;
+
+use crate::cache::{Digest, ModuleCache, write_atomically};
+use crate::image::MemoryImage;
+use crate::instrument::{WASM_PAGE, instrument};
+use crate::python::PythonArtifacts;
+use crate::snapshot::ReadyRuntime;
+
+/// The identity of the snapshot-ready form of the runtime whose sha256 is `runtime`.
+pub(crate) fn ready_digest(runtime: &Digest) -> Digest {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(b"strata snapshot-ready python v2\0");
+    hasher.update(runtime);
+    *hasher.finalize().as_bytes()
+}
+
+fn hex(digest: &Digest) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn paths(dir: &Path, digest: &Digest) -> (PathBuf, PathBuf, PathBuf) {
+    let name = hex(digest);
+    (dir.join(format!("{name}.image")), dir.join(format!("{name}.image.sum")), dir.join(format!("{name}.refused")))
+}
+
+/// The snapshot-ready runtime (or why there is none), and the rewritten module when it was made just now.
+pub(crate) type Made = (Result<ReadyRuntime, String>, Option<Arc<[u8]>>);
+
+/// Loads the snapshot-ready runtime's base image from the cache, or rewrites the runtime to make it.
+pub(crate) fn load_or_make(cache: Option<&ModuleCache>, artifacts: &PythonArtifacts) -> Result<Made, TierError> {
+    let digest = ready_digest(&artifacts.snapshot_digest);
+    if let Some(cache) = cache {
+        let (image_path, sum_path, refused_path) = paths(cache.dir(), &digest);
+        if let Ok(reason) = fs::read_to_string(&refused_path) {
+            return Ok((Err(reason), None));
+        }
+        if let Some(image) = load_image(&image_path, &sum_path) {
+            return Ok((Ok(ready(digest, image)), None));
+        }
+    }
+    let bytes = read_runtime(&artifacts.snapshot)?;
+    let done = match instrument(&bytes) {
+        Ok(done) => done,
+        Err(err) => {
+            let reason = format!("the runtime cannot be made snapshot-ready: {err}");
+            log::warn!("{reason}; Python sessions run without snapshots");
+            if let Some(cache) = cache {
+                let (_, _, refused_path) = paths(cache.dir(), &digest);
+                let _ =
+                    fs::create_dir_all(cache.dir()).and_then(|()| write_atomically(&refused_path, reason.as_bytes()));
+            }
+            return Ok((Err(reason), None));
+        }
+    };
+    let image = store_image(cache, &digest, &done.image)?;
+    Ok((Ok(ready(digest, image)), Some(Arc::from(done.module))))
+}
+
+/// The rewritten module, for a compile.
+pub(crate) fn instrumented_module(runtime: &Path) -> Result<Arc<[u8]>, TierError> {
+    let bytes = read_runtime(runtime)?;
+    let done = instrument(&bytes).map_err(|err| TierError::InvalidModule {
+        name: "the Python runtime".into(),
+        reason: format!("cannot be made snapshot-ready: {err}"),
+    })?;
+    Ok(Arc::from(done.module))
+}
+
+fn read_runtime(path: &Path) -> Result<Vec<u8>, TierError> {
+    fs::read(path).map_err(|source| TierError::ReadInput { path: path.to_owned(), source })
+}
+
+fn ready(digest: Digest, base_image: Arc<MemoryImage>) -> ReadyRuntime {
+    let minimum_pages = base_image.len() as u64 / WASM_PAGE;
+    ReadyRuntime { digest, base_image, minimum_pages }
+}
+
+/// The cached image, if it is there and matches its checksum.
+fn load_image(image_path: &Path, sum_path: &Path) -> Option<Arc<MemoryImage>> {
+    let sum = fs::read_to_string(sum_path).ok()?;
+    let mut words = sum.split_whitespace();
+    let (Some("blake3"), Some(hash), Some(len)) = (words.next(), words.next(), words.next()) else {
+        return None;
+    };
+    let len: u64 = len.parse().ok()?;
+    let mut file = File::open(image_path).ok()?;
+    let mut hasher = blake3::Hasher::new();
+    let read = io::copy(&mut file, &mut hasher).ok()?;
+    if read != len || hasher.finalize().to_hex().as_str() != hash {
+        log::warn!("{} does not match its checksum; making it again", image_path.display());
+        return None;
+    }
+    MemoryImage::new(file).ok().map(Arc::new)
+}
+
+fn store_image(cache: Option<&ModuleCache>, digest: &Digest, bytes: &[u8]) -> Result<Arc<MemoryImage>, TierError> {
+    let Some(cache) = cache else {
+        // No cache directory: an unnamed file of this process's own.
+        let fail =
+            |source| TierError::Storage { what: "cannot write a memory image in", path: std::env::temp_dir(), source };
+        let mut file = tempfile::tempfile().map_err(fail)?;
+        file.write_all(bytes).map_err(fail)?;
+        return MemoryImage::new(file).map(Arc::new).map_err(fail);
+    };
+    let (image_path, sum_path, _) = paths(cache.dir(), digest);
+    let fail = |source| TierError::Storage { what: "cannot write the memory image", path: image_path.clone(), source };
+    fs::create_dir_all(cache.dir()).map_err(fail)?;
+    write_atomically(&image_path, bytes).map_err(fail)?;
+    let sum = format!("blake3 {} {}\n", blake3::hash(bytes).to_hex(), bytes.len());
+    write_atomically(&sum_path, sum.as_bytes()).map_err(fail)?;
+    let file = File::open(&image_path).map_err(fail)?;
+    MemoryImage::new(file).map(Arc::new).map_err(fail)
+}
