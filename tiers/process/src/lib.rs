@@ -21,6 +21,7 @@
 
 pub mod jail;
 mod sandbox;
+pub mod snapshot;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -28,8 +29,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use strata_core::{
-    Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox, Status, Stream,
-    Tier, TierError, TierKind, Truncated, Usage,
+    Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox, Snapshot,
+    Status, Stream, Tier, TierError, TierKind, Truncated, Usage,
 };
 use strata_jail::proto::{Bind, Exec, IdMap};
 use strata_wasi_shims::OutputCapture;
@@ -150,6 +151,7 @@ impl ProcessTier {
                 cpus: limits.vcpus,
             },
             id_map: self.user_namespaces.load(Ordering::Relaxed).then_some(JAIL_IDS),
+            restore_upper: None,
         })
     }
 
@@ -158,8 +160,15 @@ impl ProcessTier {
         self.user_namespaces.load(Ordering::Relaxed)
     }
 
-    fn start_jail(&self, caps: &Capabilities, limits: &Limits, one_shot: bool) -> Result<Jail, TierError> {
+    fn start_jail(
+        &self,
+        caps: &Capabilities,
+        limits: &Limits,
+        one_shot: bool,
+        restore_upper: Option<PathBuf>,
+    ) -> Result<Jail, TierError> {
         let mut config = self.jail_config(caps, limits, one_shot)?;
+        config.restore_upper = restore_upper;
         match Jail::start(&self.cgroups, &config) {
             Err(JailError::Setup { stage, message })
                 if config.id_map.is_some() && (stage == "user namespace" || stage == "idmapped image") =>
@@ -209,7 +218,7 @@ impl Tier for ProcessTier {
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let prepared = PreparedJob::new(job, caps, limits)?;
-        let mut jail = self.start_jail(caps, limits, true)?;
+        let mut jail = self.start_jail(caps, limits, true, None)?;
         let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
         let outcome = run_in(&mut jail, prepared, caps, limits, stdin, opts.sink.clone(), &opts);
         jail.close();
@@ -217,8 +226,15 @@ impl Tier for ProcessTier {
     }
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
-        let jail = self.start_jail(caps, limits, false)?;
-        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone())))
+        let jail = self.start_jail(caps, limits, false, None)?;
+        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.config.rootfs.clone(), None)))
+    }
+
+    /// A fork of a snapshot with the capabilities and limits it was taken with (see [`snapshot`] for what a fork
+    /// gets). A snapshot taken with secrets is refused here, since their values are never written to disk: fork
+    /// it with [`ProcessTier::fork_with`].
+    fn fork(&self, snapshot: &Snapshot) -> Result<Box<dyn Sandbox>, TierError> {
+        Ok(Box::new(self.fork_recorded(snapshot)?))
     }
 }
 

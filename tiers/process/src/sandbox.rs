@@ -1,6 +1,8 @@
 //! A live jail that runs several jobs in turn: its filesystem (the overlay's upper layer) persists between them.
 
-use strata_core::{Capabilities, ExecOptions, Job, Limits, Outcome, Sandbox, TierError, TierKind};
+use std::path::{Path, PathBuf};
+
+use strata_core::{Capabilities, ExecOptions, Job, Limits, Outcome, Sandbox, Snapshot, TierError, TierKind};
 
 use crate::jail::{Jail, JailError};
 use crate::{PreparedJob, jail_error, run_in};
@@ -14,14 +16,29 @@ pub struct ProcessSandbox {
     jail: Option<Jail>,
     caps: Capabilities,
     limits: Limits,
+    /// The image under the overlay (recorded in snapshots: a fork must stand on the same one).
+    rootfs: PathBuf,
+    /// The snapshot this sandbox was forked from.
+    parent: Option<String>,
 }
 
 impl ProcessSandbox {
-    pub(crate) fn new(jail: Jail, caps: Capabilities, limits: Limits) -> ProcessSandbox {
-        ProcessSandbox { jail: Some(jail), caps, limits }
+    pub(crate) fn new(
+        jail: Jail,
+        caps: Capabilities,
+        limits: Limits,
+        rootfs: PathBuf,
+        parent: Option<String>,
+    ) -> ProcessSandbox {
+        ProcessSandbox { jail: Some(jail), caps, limits, rootfs, parent }
     }
 
-    fn jail(&mut self) -> Result<&mut Jail, TierError> {
+    /// The id of the snapshot this sandbox was forked from, if it was.
+    pub fn parent(&self) -> Option<&str> {
+        self.parent.as_deref()
+    }
+
+    pub(crate) fn jail(&mut self) -> Result<&mut Jail, TierError> {
         match &mut self.jail {
             Some(jail) if !jail.has_ended() => Ok(jail),
             _ => Err(TierError::SessionEnded { reason: "the sandbox's jail has ended".into() }),
@@ -65,6 +82,12 @@ impl Sandbox for ProcessSandbox {
     fn read_file(&mut self, path: &str) -> Result<Vec<u8>, TierError> {
         let path = guest_path(path)?;
         self.jail()?.read_file(path, MAX_READ).map_err(|e| file_error(path, e))
+    }
+
+    fn snapshot(&mut self, destination: &Path) -> Result<Snapshot, TierError> {
+        let (caps, limits, rootfs, parent) =
+            (self.caps.clone(), self.limits.clone(), self.rootfs.clone(), self.parent.clone());
+        crate::snapshot::take(self.jail()?, destination, &caps, &limits, &rootfs, parent)
     }
 
     fn close(mut self: Box<Self>) -> Result<(), TierError> {

@@ -31,6 +31,7 @@ use nix::unistd::{ForkResult, Pid, chdir, execve, fork, pivot_root, sethostname,
 
 use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
 use crate::seccomp;
+use crate::tree;
 use crate::userns::UserNamespace;
 
 /// Where the old root is kept between `pivot_root` and its detachment.
@@ -54,8 +55,8 @@ pub fn main() -> i32 {
         eprintln!("strata-jail: standard input is not Strata's control socket; this program is started by Strata");
         return 2;
     };
-    let setup = match proto::recv::<HostFrame>(ctl.as_fd()) {
-        Ok(Some((HostFrame::Setup(setup), _))) => setup,
+    let (setup, mut fds) = match proto::recv::<HostFrame>(ctl.as_fd()) {
+        Ok(Some((HostFrame::Setup(setup), fds))) => (setup, fds),
         // The host went away before the jail existed: nothing to clean up.
         Ok(None) => return 0,
         Ok(Some((other, _))) => return fail(&ctl, "protocol", format!("expected Setup, got {other:?}")),
@@ -64,6 +65,11 @@ pub fn main() -> i32 {
     if setup.version != PROTOCOL_VERSION {
         return fail(&ctl, "protocol", format!("version {} (this jail speaks {PROTOCOL_VERSION})", setup.version));
     }
+    let restore = match (setup.restore_upper, fds.pop(), fds.is_empty()) {
+        (false, None, true) => None,
+        (true, Some(tree), true) => Some(tree),
+        _ => return fail(&ctl, "protocol", "Setup came with the wrong descriptors".into()),
+    };
     for file in &setup.join_cgroup {
         if let Err(err) = fs::write(file, "0") {
             return fail(&ctl, "cgroup", format!("{}: {err}", file.display()));
@@ -81,9 +87,9 @@ pub fn main() -> i32 {
     // SAFETY: this process is single-threaded (main has spawned no threads), so the child may run arbitrary code.
     match unsafe { fork() } {
         Err(errno) => fail(&ctl, "fork", errno.desc().to_owned()),
-        Ok(ForkResult::Child) => pid1(ctl, setup),
+        Ok(ForkResult::Child) => pid1(ctl, setup, restore),
         Ok(ForkResult::Parent { child }) => {
-            drop(ctl);
+            drop((ctl, restore));
             keep(child)
         }
     }
@@ -135,15 +141,15 @@ fn step<T>(stage: impl Into<String>, result: Result<T, impl std::fmt::Display>) 
     result.map_err(|e| StepError { stage: stage.into(), message: e.to_string() })
 }
 
-fn pid1(ctl: OwnedFd, setup: Setup) -> i32 {
+fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
     // SAFETY: prctl with PR_SET_PDEATHSIG and a valid signal number only changes this process's attributes.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
     // The host's /proc is still mounted: its /proc/self names this process by its PID outside the namespace.
     let host_pid =
         fs::read_link("/proc/self").ok().and_then(|p| p.to_str().and_then(|s| s.parse::<i32>().ok())).unwrap_or(0);
     let mut notes = Vec::new();
-    let built = build(&setup, &mut notes).and_then(|userns| Ok((userns, step("seccomp", seccomp::filters())?)));
-    let (userns, filters) = match built {
+    let built = build(&setup, restore, &mut notes).and_then(|built| Ok((built, step("seccomp", seccomp::filters())?)));
+    let ((userns, upper), filters) = match built {
         Ok(built) => built,
         Err(StepError { stage, message }) => return fail(&ctl, &stage, message),
     };
@@ -159,12 +165,17 @@ fn pid1(ctl: OwnedFd, setup: Setup) -> i32 {
     if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid, notes }, &[]).is_err() {
         return 1;
     }
-    Init { ctl, userns, one_shot: setup.one_shot, job: None }.serve()
+    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None }.serve()
 }
 
 /// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
-/// Returns the jobs' user namespace, when one was asked for.
-fn build(setup: &Setup, notes: &mut Vec<String>) -> Result<Option<UserNamespace>, StepError> {
+/// `restore` is a [`tree`] file the upper layer starts from (a fork). Returns the jobs' user namespace, when one
+/// was asked for, and a descriptor of the upper directory (for snapshots).
+fn build(
+    setup: &Setup,
+    restore: Option<OwnedFd>,
+    notes: &mut Vec<String>,
+) -> Result<(Option<UserNamespace>, OwnedFd), StepError> {
     step(
         "mount propagation",
         mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>),
@@ -205,7 +216,26 @@ fn build(setup: &Setup, notes: &mut Vec<String>) -> Result<Option<UserNamespace>
         }
         None => setup.lower.clone(),
     };
-    let overlay = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
+    let upper_fd: OwnedFd = step(
+        "scratch dirs",
+        fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW).open(&upper),
+    )?
+    .into();
+    if let Some(tree_fd) = restore {
+        // Before the overlay is mounted over it: overlayfs does not allow its layers to change under it. PID 1
+        // is already in the jail's cgroup, so the tmpfs pages are charged to the fork.
+        let input = std::io::BufReader::with_capacity(256 * 1024, fs::File::from(tree_fd));
+        let id_map = userns.as_ref().map(UserNamespace::map);
+        step("restore upper layer", tree::extract_tree(input, upper_fd.as_fd(), id_map))?;
+    }
+    // The upper layer must stand on its own (a snapshot stores it; a fork mounts it over the same image): no
+    // redirects or metadata-only copy-ups that point into the lower layer, no inode index.
+    let overlay = format!(
+        "lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off,index=off",
+        lower.display(),
+        upper.display(),
+        work.display()
+    );
     step("overlay", mount(Some("strata-root"), &root, Some("overlay"), MsFlags::empty(), Some(overlay.as_str())))?;
     step("hostname", sethostname(&setup.hostname))?;
     step("loopback", loopback_up())?;
@@ -223,7 +253,7 @@ fn build(setup: &Setup, notes: &mut Vec<String>) -> Result<Option<UserNamespace>
     step("/run/strata", create_dirs(Path::new("/run/strata"), userns.as_ref()))?;
     step("detach host root", umount2(OLD_ROOT, MntFlags::MNT_DETACH))?;
     step("detach host root", fs::remove_dir(OLD_ROOT))?;
-    Ok(userns)
+    Ok((userns, upper_fd))
 }
 
 /// Creates `dir` and its missing parents (mode 0755), each given to the jail's root when there is a user
@@ -353,6 +383,8 @@ fn loopback_up() -> Result<(), Errno> {
 struct Init {
     ctl: OwnedFd,
     userns: Option<UserNamespace>,
+    /// The overlay's upper directory (close-on-exec; jobs never get it).
+    upper: OwnedFd,
     one_shot: bool,
     job: Option<Pid>,
 }
@@ -438,6 +470,10 @@ impl Init {
                 }
             }
             HostFrame::WriteFile { path, mode } => write_file(&path, mode, fds, self.userns.as_ref()),
+            HostFrame::OpenUpper => {
+                let _ = proto::send(self.ctl.as_fd(), &JailFrame::UpperOpened, &[self.upper.as_fd()]);
+                return;
+            }
             HostFrame::ReadFile { path } => match open_for_read(&path) {
                 Ok((file, size)) => {
                     let _ = proto::send(self.ctl.as_fd(), &JailFrame::FileOpened { size }, &[file.as_fd()]);

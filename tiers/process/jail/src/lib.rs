@@ -2,7 +2,7 @@
 //!
 //! [`proto`] is the control protocol the host (crate `strata-tier-process`) speaks with the jail; [`init`] is
 //! the jail's own code (the `strata-jail` binary: the keeper and PID 1); [`seccomp`] is the job's system-call
-//! allowlist. The host side, which spawns the jail, sets up its cgroup and runs jobs, lives in
+//! allowlist; [`tree`] stores and restores the overlay's upper layer (snapshots and forks). The host side, which spawns the jail, sets up its cgroup and runs jobs, lives in
 //! `strata-tier-process`'s `jail` module.
 
 #![warn(missing_docs)]
@@ -10,4 +10,5 @@
 pub mod init;
 pub mod proto;
 pub mod seccomp;
+pub mod tree;
 pub mod userns;

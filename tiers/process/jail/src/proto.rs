@@ -19,7 +19,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// The protocol version; [`Setup::version`] must equal it.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The control socket's descriptor number when the jail process starts: its standard input.
 pub const CONTROL_FD: RawFd = 0;
@@ -58,6 +58,9 @@ pub enum HostFrame {
         /// Absolute path in the jail.
         path: String,
     },
+    /// Hand over a descriptor of the overlay's upper directory (for a snapshot; the host walks it with `*at`
+    /// calls only). Answered by `UpperOpened` with the descriptor.
+    OpenUpper,
     /// End the jail: PID 1 exits and the kernel kills everything in its PID namespace.
     Shutdown,
 }
@@ -87,6 +90,9 @@ pub struct Setup {
     /// Run jobs in a user namespace with this mapping (and mount the image and grants idmapped through it);
     /// `None` runs them as host root with every capability dropped.
     pub id_map: Option<IdMap>,
+    /// The upper layer starts as the [`crate::tree`] file passed as this frame's descriptor (a fork), restored
+    /// before the overlay is mounted; otherwise it starts empty.
+    pub restore_upper: bool,
 }
 
 /// A user namespace's ID mapping: IDs `0..count` inside are `base..base + count` on the host.
@@ -176,6 +182,8 @@ pub enum JailFrame {
         /// Its size when opened.
         size: u64,
     },
+    /// The descriptor of the overlay's upper directory is attached.
+    UpperOpened,
     /// A file operation failed.
     FileError {
         /// The OS error number.

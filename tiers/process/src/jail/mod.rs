@@ -68,6 +68,8 @@ pub struct JailConfig {
     /// Jobs run in a user namespace with this mapping (the image and grants mounted idmapped through it);
     /// `None` runs them as host root with every capability dropped.
     pub id_map: Option<IdMap>,
+    /// A [`strata_jail::tree`] file the upper layer starts from (a fork of a snapshot); `None` starts it empty.
+    pub restore_upper: Option<PathBuf>,
 }
 
 /// Why a jail could not be started or used.
@@ -180,6 +182,7 @@ pub struct Jail {
     pidfd: Option<OwnedFd>,
     one_shot: bool,
     ended: bool,
+    id_map: Option<IdMap>,
 }
 
 /// The embedded binary in a sealed memfd, created once per process.
@@ -237,6 +240,7 @@ impl Jail {
             pidfd: None,
             one_shot: config.one_shot,
             ended: false,
+            id_map: config.id_map,
         };
         // The jail process moves itself into its cgroup (see `Cgroup::self_join_files`) before it does anything
         // else; nothing runs in the jail outside it.
@@ -250,8 +254,18 @@ impl Jail {
             hostname: config.hostname.clone(),
             one_shot: config.one_shot,
             id_map: config.id_map,
+            restore_upper: config.restore_upper.is_some(),
         };
-        proto::send(jail.ctl.as_fd(), &HostFrame::Setup(setup), &[])?;
+        let tree = match &config.restore_upper {
+            Some(path) => Some(File::open(path).map_err(|e| JailError::Setup {
+                stage: "restore upper layer".into(),
+                message: format!("{}: {e}", path.display()),
+            })?),
+            None => None,
+        };
+        let fds: Vec<BorrowedFd<'_>> = tree.iter().map(|f| f.as_fd()).collect();
+        proto::send(jail.ctl.as_fd(), &HostFrame::Setup(setup), &fds)?;
+        drop(tree);
         if !wait_readable(jail.ctl.as_fd(), SETUP_TIMEOUT) {
             return Err(JailError::Setup {
                 stage: "timeout".into(),
@@ -289,6 +303,70 @@ impl Jail {
     /// Whether the jail has ended.
     pub fn has_ended(&self) -> bool {
         self.ended
+    }
+
+    /// The ID mapping of its jobs' user namespace (`None`: jobs run as host IDs).
+    pub fn id_map(&self) -> Option<IdMap> {
+        self.id_map
+    }
+
+    /// A descriptor of the overlay's upper directory, from PID 1, for storing the jail's filesystem. Walk it with
+    /// `*at` calls that never follow a symlink: the jail's processes own what is in it.
+    pub fn open_upper(&mut self) -> Result<OwnedFd, JailError> {
+        if self.ended {
+            return Err(JailError::Ended);
+        }
+        proto::send(self.ctl.as_fd(), &HostFrame::OpenUpper, &[])?;
+        match self.reply()? {
+            (JailFrame::UpperOpened, mut fds) if fds.len() == 1 => Ok(fds.pop().expect("one descriptor")),
+            (other, _) => Err(JailError::Protocol(format!("unexpected {other:?} for OpenUpper"))),
+        }
+    }
+
+    /// Stops every process of the jail but PID 1 (`SIGSTOP`), so its filesystem holds still while it is stored;
+    /// the processes that were stopped already are left out of the returned list, which
+    /// [`resume`](Jail::resume) continues. Repeats until no new process shows up (a stopped process cannot fork).
+    pub fn pause(&mut self) -> Vec<Pid> {
+        let keeper = self.keeper.as_ref().map(|k| k.id() as i32);
+        let mut stopped: Vec<Pid> = Vec::new();
+        let mut seen: std::collections::HashSet<i32> = std::collections::HashSet::new();
+        for _ in 0..1000 {
+            let fresh: Vec<i32> = self
+                .cgroup
+                .pids()
+                .into_iter()
+                .filter(|pid| *pid != self.pid1.as_raw() && Some(*pid) != keeper && seen.insert(*pid))
+                .collect();
+            if fresh.is_empty() {
+                break;
+            }
+            for pid in fresh {
+                if process_state(pid) == Some('T') {
+                    continue;
+                }
+                let pid = Pid::from_raw(pid);
+                if nix::sys::signal::kill(pid, Signal::SIGSTOP).is_ok() {
+                    stopped.push(pid);
+                }
+            }
+        }
+        // SIGSTOP takes effect when the process next runs in the kernel: wait until each says it is stopped.
+        let deadline = Instant::now() + Duration::from_millis(500);
+        for pid in &stopped {
+            while !matches!(process_state(pid.as_raw()), Some('T' | 't' | 'Z' | 'X') | None)
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        stopped
+    }
+
+    /// Continues the processes [`pause`](Jail::pause) stopped.
+    pub fn resume(&mut self, stopped: Vec<Pid>) {
+        for pid in stopped {
+            let _ = nix::sys::signal::kill(pid, Signal::SIGCONT);
+        }
     }
 
     /// Runs one job and waits for it, feeding stdin, capturing output and enforcing `watch`.
@@ -525,6 +603,12 @@ impl Drop for Jail {
             self.shutdown();
         }
     }
+}
+
+/// The state letter of `/proc/<pid>/stat` (`R`, `S`, `T`, ...), `None` when the process is gone.
+fn process_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 fn pidfd_open(pid: i32) -> Result<OwnedFd, Errno> {

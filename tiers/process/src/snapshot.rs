@@ -1,0 +1,226 @@
+//! Snapshots and forks of process-tier sandboxes.
+//!
+//! A snapshot of a [`ProcessSandbox`] is its filesystem: the overlay's upper layer (everything the jobs wrote,
+//! `/tmp` included — it is part of the overlay, not a tmpfs of its own — and whiteouts for what they deleted from
+//! the image), stored as one [`strata_jail::tree`] file, `upper.tree`, beside the manifest, whose meta records what
+//! rebuilding the jail needs: the image it stood on, the capabilities (grants are host paths, recorded as such;
+//! secrets by name only, their values are never written to disk), the limits and the user-namespace mapping the
+//! owners were read through. `persists` is `["filesystem"]`: no process, no memory, no open descriptor is kept
+//! (processes a job left running are paused while the layer is read, and go on in the sandbox afterwards, but not
+//! in forks).
+//!
+//! A fork is a fresh jail — new namespaces, cgroup, tmpfs — whose PID 1 restores the tree into its empty upper
+//! directory before it mounts the overlay: each fork has its own copy, so forks are independent of each other and
+//! of the snapshot directory (which is only ever read). Randomness is the kernel's, so fresh in every fork; the
+//! clock is the host's, so it only moves forward; the identity is the new jail's (PIDs, and a new
+//! `/etc/machine-id` when the setup job had made one). The fork's capabilities are decided when it is made:
+//! [`Tier::fork`](strata_core::Tier::fork) re-applies the recorded ones (grants re-resolved on the host, so a
+//! grant that vanished is refused), [`ProcessTier::fork_with`] applies the caller's own — the way to fork a
+//! snapshot taken with secrets, or to give a fork other grants or limits.
+//!
+//! Live forks that share memory (a zygote kept stopped, `fork()`ed into each new jail) are not built yet.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+use strata_core::{Capabilities, Limits, Persisted, Snapshot, SnapshotWriter, TierError, TierKind};
+use strata_jail::tree::{self, TreeError};
+
+use crate::jail::Jail;
+use crate::{ProcessSandbox, ProcessTier, internal, jail_error};
+
+/// The upper layer's file in a snapshot directory.
+pub const UPPER_FILE: &str = "upper.tree";
+
+/// What the manifest says about processes.
+const PROCESSES: &str = "not kept: a fork starts with no process but its jail's PID 1; processes the setup job \
+                         left running are paused while the filesystem is read and go on only in the sandbox";
+
+/// What the manifest says about memory.
+const MEMORY: &str = "not kept: the process tier stores the filesystem only";
+
+fn tree_error(err: TreeError) -> TierError {
+    match err {
+        TreeError::Unsupported { path, reason } => {
+            TierError::Unsupported { tier: TierKind::Process, what: format!("snapshotting /{path}: {reason}") }
+        }
+        other => internal(format!("storing the upper layer: {other}")),
+    }
+}
+
+fn invalid_meta(dir: &Path, message: impl Into<String>) -> TierError {
+    TierError::Snapshot(strata_core::SnapshotError::InvalidManifest { dir: dir.to_owned(), message: message.into() })
+}
+
+/// Writes a snapshot of `jail`'s filesystem to `destination`.
+pub(crate) fn take(
+    jail: &mut Jail,
+    destination: &Path,
+    caps: &Capabilities,
+    limits: &Limits,
+    rootfs: &Path,
+    parent: Option<String>,
+) -> Result<Snapshot, TierError> {
+    let writer = SnapshotWriter::create(destination)?;
+    let upper = jail.open_upper().map_err(jail_error)?;
+    let id_map = jail.id_map();
+    let machine_id =
+        jail.read_file("/etc/machine-id", 4096).map(|id| id.iter().any(|b| !b.is_ascii_whitespace())).unwrap_or(false);
+    let path = writer.dir().join(UPPER_FILE);
+    let file = File::create(&path).map_err(|source| TierError::Storage {
+        what: "snapshot upper layer",
+        path: path.clone(),
+        source,
+    })?;
+    let stopped = jail.pause();
+    let written = {
+        let mut out = BufWriter::with_capacity(256 * 1024, &file);
+        tree::write_tree(upper.as_fd(), &mut out, id_map).and_then(|stats| {
+            out.flush()?;
+            Ok(stats)
+        })
+    };
+    jail.resume(stopped);
+    let stats = written.map_err(tree_error)?;
+    drop(file);
+
+    let mut recorded = caps.clone();
+    let secret_names: Vec<String> = recorded.secrets.drain(..).map(|s| s.name).collect();
+    let skipped: Vec<Value> =
+        stats.skipped.iter().map(|s| json!({"path": s.path, "what": s.what, "reason": s.reason})).collect();
+    let meta = json!({
+        "upper": {
+            "file": UPPER_FILE,
+            "format": tree::FORMAT,
+            "entries": stats.entries,
+            "data_bytes": stats.data_bytes,
+            "whiteouts": stats.whiteouts,
+            "skipped": skipped,
+            "skipped_count": stats.skipped_count,
+            "owners": "as the jail sees them (0 is the jail's root)",
+        },
+        "jail": {
+            "rootfs": rootfs,
+            "user_namespace": id_map.map(|m| json!({"base": m.base, "count": m.count})),
+        },
+        "caps": recorded,
+        "secret_names": secret_names,
+        "limits": limits,
+        "machine_id": if machine_id { "regenerated in every fork" } else { "none" },
+        "processes": PROCESSES,
+        "memory": MEMORY,
+    });
+    Ok(writer.commit(TierKind::Process, parent, vec![Persisted::Filesystem], meta)?)
+}
+
+/// What a fork needs from a snapshot's manifest.
+#[derive(Debug)]
+struct ForkPlan {
+    snapshot: Snapshot,
+    caps: Capabilities,
+    limits: Limits,
+    secret_names: Vec<String>,
+    machine_id: bool,
+}
+
+impl ForkPlan {
+    /// Verifies the snapshot again (every file's sha256: the directory may have changed since it was opened)
+    /// and reads its meta.
+    fn read(tier: &ProcessTier, snapshot: &Snapshot) -> Result<ForkPlan, TierError> {
+        let snapshot = Snapshot::open_for(&snapshot.dir, TierKind::Process)?;
+        let dir = snapshot.dir.clone();
+        let meta = &snapshot.manifest.meta;
+        if !snapshot.manifest.persists.contains(&Persisted::Filesystem) {
+            return Err(invalid_meta(&dir, "a process snapshot without its filesystem"));
+        }
+        let format = meta.pointer("/upper/format").and_then(Value::as_str);
+        if format != Some(tree::FORMAT) {
+            return Err(invalid_meta(
+                &dir,
+                format!("upper layer format {format:?}, this build reads {}", tree::FORMAT),
+            ));
+        }
+        if meta.pointer("/upper/file").and_then(Value::as_str) != Some(UPPER_FILE)
+            || !snapshot.manifest.files.iter().any(|f| f.path == UPPER_FILE)
+        {
+            return Err(invalid_meta(&dir, format!("no {UPPER_FILE}")));
+        }
+        let rootfs = meta.pointer("/jail/rootfs").and_then(Value::as_str).map(PathBuf::from);
+        if rootfs.as_deref() != Some(tier.config.rootfs.as_path()) {
+            return Err(TierError::Unsupported {
+                tier: TierKind::Process,
+                what: format!(
+                    "forking a snapshot taken over another image ({}; this tier runs {})",
+                    rootfs.as_deref().unwrap_or(Path::new("?")).display(),
+                    tier.config.rootfs.display()
+                ),
+            });
+        }
+        let caps: Capabilities = serde_json::from_value(meta.get("caps").cloned().unwrap_or(Value::Null))
+            .map_err(|e| invalid_meta(&dir, format!("caps: {e}")))?;
+        let limits: Limits = serde_json::from_value(meta.get("limits").cloned().unwrap_or(Value::Null))
+            .map_err(|e| invalid_meta(&dir, format!("limits: {e}")))?;
+        let secret_names = meta
+            .get("secret_names")
+            .and_then(Value::as_array)
+            .map(|names| names.iter().filter_map(Value::as_str).map(str::to_owned).collect())
+            .unwrap_or_default();
+        let machine_id = meta.get("machine_id").and_then(Value::as_str) == Some("regenerated in every fork");
+        Ok(ForkPlan { snapshot, caps, limits, secret_names, machine_id })
+    }
+}
+
+impl ProcessTier {
+    /// A fork of `snapshot` with the capabilities and limits it was taken with (its grants re-resolved on the
+    /// host). Refused when the snapshot was taken with secrets, whose values were not stored.
+    pub fn fork_recorded(&self, snapshot: &Snapshot) -> Result<ProcessSandbox, TierError> {
+        let plan = ForkPlan::read(self, snapshot)?;
+        if !plan.secret_names.is_empty() {
+            return Err(TierError::Unsupported {
+                tier: TierKind::Process,
+                what: format!(
+                    "forking a snapshot taken with secrets ({}) without them: their values are never written to \
+                     disk; fork it with ProcessTier::fork_with and the capabilities",
+                    plan.secret_names.join(", ")
+                ),
+            });
+        }
+        let (caps, limits) = (plan.caps.clone(), plan.limits.clone());
+        self.fork_plan(plan, &caps, &limits)
+    }
+
+    /// A fork of `snapshot` with the caller's capabilities and limits instead of the recorded ones (the fork's
+    /// filesystem is the snapshot's either way; `limits.disk` must hold it).
+    pub fn fork_with(
+        &self,
+        snapshot: &Snapshot,
+        caps: &Capabilities,
+        limits: &Limits,
+    ) -> Result<ProcessSandbox, TierError> {
+        let plan = ForkPlan::read(self, snapshot)?;
+        self.fork_plan(plan, caps, limits)
+    }
+
+    fn fork_plan(&self, plan: ForkPlan, caps: &Capabilities, limits: &Limits) -> Result<ProcessSandbox, TierError> {
+        let upper = plan.snapshot.file(UPPER_FILE);
+        let mut jail = self.start_jail(caps, limits, false, Some(upper))?;
+        if plan.machine_id {
+            let id = fresh_machine_id()?;
+            jail.write_file("/etc/machine-id", id.as_bytes(), 0o444).map_err(jail_error)?;
+        }
+        let parent = Some(plan.snapshot.manifest.id.clone());
+        Ok(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.config.rootfs.clone(), parent))
+    }
+}
+
+/// 32 random hex digits and a newline, as `/etc/machine-id` holds.
+fn fresh_machine_id() -> Result<String, TierError> {
+    let mut bytes = [0u8; 16];
+    File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+        .map_err(|source| TierError::Storage { what: "randomness", path: "/dev/urandom".into(), source })?;
+    Ok(format!("{}\n", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()))
+}
