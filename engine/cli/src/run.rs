@@ -274,7 +274,7 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
     let Prepared { engine, job, caps, limits, tier, snapshot, json } = &prepared;
     let outcome = execute(*json, limits, |opts| match snapshot {
         Some(snapshot) => {
-            let opts = ExecOptions { stdin: Some(caps.stdin.clone()), ..opts };
+            let opts = ExecOptions { stdin: (!caps.stdin.is_empty()).then(|| caps.stdin.clone()), ..opts };
             engine.run_from_snapshot(*tier, snapshot, job, limits, opts)
         }
         None => engine.run_on(*tier, job, caps, limits, opts),

@@ -84,7 +84,7 @@ fn create(args: CreateArgs) -> Result<i32, Failure> {
         None => Origin::Fresh(*tier),
     };
     let created = execute(*json, limits, |opts| {
-        let opts = strata_core::ExecOptions { stdin: Some(caps.stdin.clone()), ..opts };
+        let opts = strata_core::ExecOptions { stdin: (!caps.stdin.is_empty()).then(|| caps.stdin.clone()), ..opts };
         let (outcome, snapshot) = engine.snapshot_create(origin, job, caps, limits, &output, opts)?;
         Ok(Created { outcome, snapshot })
     })?;
@@ -102,7 +102,7 @@ fn create(args: CreateArgs) -> Result<i32, Failure> {
                     "strata: snapshot {} ({} tier, {}, keeps {})",
                     snapshot.dir.display(),
                     snapshot.tier,
-                    strata_core::ByteSize(snapshot.manifest.total_bytes),
+                    human(snapshot.manifest.total_bytes),
                     persists.join(", ")
                 );
             }
@@ -118,4 +118,19 @@ fn create(args: CreateArgs) -> Result<i32, Failure> {
             code => code,
         },
     })
+}
+
+/// `41943705` → `40.0 MiB`.
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
 }
