@@ -4,6 +4,7 @@ mod native;
 mod python;
 mod python_image;
 mod routing;
+mod snapshot_process;
 mod snapshot_wasm;
 mod util;
 mod wasm_basics;
