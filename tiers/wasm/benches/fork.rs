@@ -4,6 +4,7 @@
 //! |----------------------|----------------------------------------------------------|-----------------------------------|
 //! | `fork_first_output`  | `Tier::fork` of a session that ran `import numpy as np;  | a one-shot job that imports numpy |
 //! |                      | x = 41`, then `exec("print(x + 1)")` until `42` is back   | and prints `x + 1` cold           |
+//! | `fork_only`, `fork_second_job` | the fork alone, and a second `print(x + 1)` in it (for reading) | —  |
 //! | `idle_forks_pss`     | Pss (`/proc/self/smaps_rollup`) of 100 idle forks        | the snapshot's memory size × 100  |
 //!
 //! Uses the Python runtime under `$STRATA_HOME` (installed and compiled on first use, as the tests do). Ratios
@@ -92,14 +93,21 @@ fn main() -> anyhow::Result<()> {
     // Strata: fork, then the first job's output.
     let first = code("print(x + 1)");
     let mut forks = Figures::new("fork_first_output");
+    let mut fork_only = Figures::new("fork_only");
+    let mut second_job = Figures::new("fork_second_job");
     for i in 0..iters + iters / 10 + 1 {
         let t = Instant::now();
         let mut fork = tier.fork(&snapshot)?;
+        let forked = t.elapsed();
         let outcome = fork.exec(&first, ExecOptions::default())?;
         let elapsed = t.elapsed();
         expect_output(&outcome, "42\n")?;
+        let t = Instant::now();
+        expect_output(&fork.exec(&first, ExecOptions::default())?, "42\n")?;
         if i > iters / 10 {
             forks.record(elapsed);
+            fork_only.record(forked);
+            second_job.record(t.elapsed());
         }
         fork.close()?;
     }
@@ -116,6 +124,8 @@ fn main() -> anyhow::Result<()> {
             cold_runs.record(elapsed);
         }
     }
+    fork_only.print("strata fork (returned)");
+    second_job.print("strata second job in the fork");
     forks.print("strata fork + exec");
     cold_runs.print("cold one-shot import numpy");
     ratio("fork_first_output", &forks, &cold_runs, "cold");

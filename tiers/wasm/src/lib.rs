@@ -13,6 +13,11 @@
 //!   symlinks; read-only grants refuse every change), env and secrets become the environment, stdin is a byte
 //!   buffer, and there is no network.
 //!
+//! - Snapshots and forks ([`snapshot`](Tier::fork)): Python sessions run a snapshot-ready form of the runtime
+//!   (its mutable globals exported, its data segments moved into a memory image) whose linear memory is mapped
+//!   copy-on-write from an image file; a snapshot saves the memory, the globals and the scratch `/tmp`, and a
+//!   fork maps the saved memory instead of the base image: no compile, no copy, pages shared by every fork.
+//!
 //! Jobs run on the caller's thread, which blocks until the job ends. Called from inside an async runtime, a
 //! job runs on a scoped thread of its own instead, so it never stalls the runtime's own machinery; servers
 //! should still call from `spawn_blocking` to keep their workers free.
