@@ -159,6 +159,8 @@ fn damaged_foreign_and_secret_snapshots_are_refused_with_typed_errors() {
     let corrupt = dir.path().join("corrupt");
     copy_dir(&snapshot.dir, &corrupt);
     let opened = Snapshot::open_for(&corrupt, TierKind::Process).expect("whole before the flip");
+    // Forked once while whole (the tier then skips re-hashing an unchanged directory), then damaged in place.
+    drop(tier.fork_with(&opened, &caps, &Limits::default()).expect("fork while whole"));
     let mut bytes = std::fs::read(corrupt.join("upper.tree")).expect("read");
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x40;

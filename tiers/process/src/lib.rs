@@ -73,6 +73,8 @@ pub struct ProcessTier {
     /// Whether jails get a user namespace; cleared (with a warning) the first time the kernel refuses one or
     /// the idmapped image mount it needs.
     user_namespaces: AtomicBool,
+    /// Snapshot directories already verified in full by a fork.
+    verified: snapshot::Verified,
 }
 
 impl ProcessTier {
@@ -110,6 +112,7 @@ impl ProcessTier {
             config: ProcessTierConfig { rootfs, run_dir: config.run_dir },
             cgroups,
             user_namespaces: AtomicBool::new(true),
+            verified: snapshot::Verified::default(),
         })
     }
 

@@ -127,10 +127,12 @@ struct ForkPlan {
 }
 
 impl ForkPlan {
-    /// Verifies the snapshot again (every file's sha256: the directory may have changed since it was opened)
-    /// and reads its meta.
+    /// Verifies the snapshot again (the directory may have changed since it was opened) and reads its meta.
+    /// Every file's sha256 is checked the first time this tier forks the directory; later forks re-hash only
+    /// when a file's identity, size, modification or change time moved since (any write moves the change time,
+    /// which no one but the clock sets), so forking a large snapshot many times reads it once.
     fn read(tier: &ProcessTier, snapshot: &Snapshot) -> Result<ForkPlan, TierError> {
-        let snapshot = Snapshot::open_for(&snapshot.dir, TierKind::Process)?;
+        let snapshot = tier.verified.open(&snapshot.dir)?;
         let dir = snapshot.dir.clone();
         let meta = &snapshot.manifest.meta;
         if !snapshot.manifest.persists.contains(&Persisted::Filesystem) {
@@ -213,6 +215,56 @@ impl ProcessTier {
         }
         let parent = Some(plan.snapshot.manifest.id.clone());
         Ok(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.config.rootfs.clone(), parent))
+    }
+}
+
+/// A file's identity and times: unchanged stamps mean unchanged contents.
+type Stamp = (u64, u64, u64, i64, i64, i64, i64);
+
+fn stamps(dir: &Path, manifest: &strata_core::Manifest) -> Option<Vec<Stamp>> {
+    use std::os::unix::fs::MetadataExt;
+    let names = std::iter::once(strata_core::snapshot::MANIFEST).chain(manifest.files.iter().map(|f| f.path.as_str()));
+    names
+        .map(|name| {
+            let m = std::fs::symlink_metadata(dir.join(name)).ok()?;
+            Some((m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec()))
+        })
+        .collect()
+}
+
+/// Snapshot directories this tier verified in full, with the stamps of their files then.
+#[derive(Debug, Default)]
+pub(crate) struct Verified(std::sync::Mutex<std::collections::HashMap<PathBuf, Vec<Stamp>>>);
+
+/// Directories remembered at most (then the memory starts over).
+const VERIFIED_MAX: usize = 256;
+
+impl Verified {
+    fn open(&self, dir: &Path) -> Result<Snapshot, TierError> {
+        let known = self.0.lock().unwrap_or_else(|e| e.into_inner()).get(dir).cloned();
+        if let Some(known) = known {
+            // The manifest is still parsed and checked in full; only the hashing is skipped.
+            let manifest = Snapshot::read_manifest(dir)?;
+            if manifest.tier == TierKind::Process && stamps(dir, &manifest).as_ref() == Some(&known) {
+                return Ok(Snapshot { tier: TierKind::Process, dir: dir.to_owned(), manifest });
+            }
+        }
+        let before = Snapshot::read_manifest(dir).ok().and_then(|m| stamps(dir, &m));
+        let snapshot = Snapshot::open_for(dir, TierKind::Process)?;
+        let after = stamps(dir, &snapshot.manifest);
+        let mut cache = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match (before, after) {
+            (Some(before), Some(after)) if before == after => {
+                if cache.len() >= VERIFIED_MAX {
+                    cache.clear();
+                }
+                cache.insert(dir.to_owned(), after);
+            }
+            _ => {
+                cache.remove(dir);
+            }
+        }
+        Ok(snapshot)
     }
 }
 
