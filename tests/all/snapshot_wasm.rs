@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use strata_core::{
-    Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, Persisted, PythonSource, Sandbox, Snapshot,
+    Capabilities, EnvVar, ExecOptions, Grant, GrantMode, Job, Limits, Persisted, PythonSource, Sandbox, Snapshot,
     SnapshotError, SnapshotWriter, Status, Tier, TierError, TierKind,
 };
 use strata_test_programs as programs;
@@ -188,4 +188,29 @@ fn a_plain_wasm_sandbox_forks_with_its_capabilities() {
     let outcome = forked.exec(&job(programs::FS, &["read", "/work/a.txt"]), ExecOptions::default()).expect("exec");
     assert_eq!(outcome.stdout, b"before");
     forked.close().expect("close");
+}
+
+#[test]
+fn secrets_are_never_written_to_a_snapshot() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let caps = Capabilities {
+        secrets: vec![EnvVar { name: "TOKEN".into(), value: "s3cr3t-value".into() }],
+        ..Capabilities::default()
+    };
+    // A Python session holds the value in its memory: no snapshot of it.
+    let mut session = python_engine().wasm().start(&caps, &Limits::default()).expect("start");
+    py(session.as_mut(), "import os\nassert os.environ['TOKEN']");
+    let err = session.snapshot(&dir.path().join("python")).expect_err("refused");
+    assert!(matches!(err, TierError::Unsupported { .. }) && err.to_string().contains("TOKEN"), "{err}");
+    assert!(!dir.path().join("python").exists());
+
+    // A sandbox without an interpreter records the secret's name only, and its fork is refused without it.
+    let mut sandbox = engine().wasm().start(&caps, &Limits::default()).expect("start");
+    let snapshot = sandbox.snapshot(&dir.path().join("plain")).expect("snapshot");
+    for file in std::fs::read_dir(&snapshot.dir).expect("ls") {
+        let text = std::fs::read(file.expect("entry").path()).expect("read");
+        assert!(!String::from_utf8_lossy(&text).contains("s3cr3t-value"));
+    }
+    let err = engine().wasm().fork(&snapshot).err().expect("refused");
+    assert!(matches!(err, TierError::Unsupported { .. }) && err.to_string().contains("TOKEN"), "{err}");
 }

@@ -322,6 +322,16 @@ impl TierInner {
     /// Starts a sandbox from a snapshot of this tier.
     fn fork(self: &Arc<Self>, snapshot: &Snapshot) -> Result<WasmSandbox, TierError> {
         let state = snapshot::SandboxState::read(snapshot)?;
+        if !state.caps.secrets.is_empty() {
+            let names: Vec<&str> = state.caps.secrets.iter().map(|s| s.name.as_str()).collect();
+            return Err(TierError::Unsupported {
+                tier: TierKind::Wasm,
+                what: format!(
+                    "forking a snapshot taken with secrets ({}): their values are never written to disk",
+                    names.join(", ")
+                ),
+            });
+        }
         exec::check_caps(&state.caps, &self.config.tools)?;
         let parent = Some(snapshot.manifest.id.clone());
         let Some(python) = &state.python else {

@@ -125,7 +125,24 @@ impl Sandbox for WasmSandbox {
             .map_err(|e| TierError::GuestPath { path: guest_path.to_owned(), reason: format!("cannot read: {e}") })
     }
 
+    /// Secrets are never written to disk: a snapshot records their names only, and a Python session started
+    /// with secrets (whose values are in the interpreter's memory) is not snapshotted at all.
     fn snapshot(&mut self, destination: &Path) -> Result<Snapshot, TierError> {
+        let secret_names: Vec<&str> = self.caps.secrets.iter().map(|s| s.name.as_str()).collect();
+        if self.python.is_some() && !secret_names.is_empty() {
+            return Err(TierError::Unsupported {
+                tier: TierKind::Wasm,
+                what: format!(
+                    "snapshots of a Python session started with secrets ({}): their values are in the \
+                     interpreter's memory, and secrets are never written to disk",
+                    secret_names.join(", ")
+                ),
+            });
+        }
+        let mut caps = self.caps.clone();
+        for secret in &mut caps.secrets {
+            secret.value.clear();
+        }
         let writer = SnapshotWriter::create(destination)?;
         let python = match self.python.as_mut() {
             Some(session) => Some(session.snapshot(writer.dir())?),
@@ -133,7 +150,7 @@ impl Sandbox for WasmSandbox {
         };
         let state = crate::snapshot::SandboxState {
             format: crate::snapshot::STATE_FORMAT,
-            caps: self.caps.clone(),
+            caps,
             limits: self.limits.clone(),
             python,
         };

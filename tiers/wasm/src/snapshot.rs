@@ -20,8 +20,10 @@
 //! snapshot's reading.
 //!
 //! Refused with a typed error rather than snapshotted wrongly: a session with guest files open beyond stdio
-//! and the preopens (their host descriptors cannot be carried over), a session that ended, and a Python runtime
-//! that could not be made snapshot-ready.
+//! and the preopens (their host descriptors cannot be carried over), a session that ended, a Python runtime
+//! that could not be made snapshot-ready, and a Python session started with secrets (their values are in its
+//! memory; secrets are never written to disk). A sandbox without an interpreter records its secrets by name
+//! only, and its snapshot cannot be forked without them.
 
 use std::fs::{self, File};
 use std::io::{Seek, SeekFrom, Write};
@@ -105,7 +107,7 @@ pub(crate) struct PythonState {
 pub(crate) struct SandboxState {
     /// [`STATE_FORMAT`].
     pub(crate) format: u32,
-    /// The sandbox's capabilities (secrets included: they are in the guest's memory anyway).
+    /// The sandbox's capabilities, secrets by name only (their values are never written to disk).
     pub(crate) caps: Capabilities,
     /// The sandbox's limits.
     pub(crate) limits: Limits,
