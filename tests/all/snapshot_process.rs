@@ -261,3 +261,19 @@ fn a_hundred_forks_leave_nothing_behind() {
         "before {before:?}, after {after:?}"
     );
 }
+
+#[test]
+fn a_fork_whose_disk_limit_cannot_hold_the_snapshot_is_refused() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(tier) = tier("a_fork_whose_disk_limit_cannot_hold_the_snapshot") else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut sandbox = tier.start(&Capabilities::default(), &Limits::default()).expect("start");
+    run(sandbox.as_mut(), "head -c 6291456 /dev/zero > /root/six-mib");
+    let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
+    let small = Limits { disk: strata_core::ByteSize(2 << 20), ..Limits::default() };
+    let err = tier.fork_with(&snapshot, &Capabilities::default(), &small).err().expect("too small");
+    assert_eq!(err.code(), "unsupported", "{err}");
+    assert!(err.to_string().contains("disk limit"), "{err}");
+    let mut fork = tier.fork(&snapshot).expect("fork with the recorded limits");
+    assert_eq!(stdout(&run(fork.as_mut(), "wc -c < /root/six-mib")), "6291456\n");
+}

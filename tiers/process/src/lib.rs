@@ -208,6 +208,14 @@ fn jail_error(err: JailError) -> TierError {
             TierError::ProgramNotFound { program: message }
         }
         JailError::NotStarted { message, .. } => TierError::ExecFailed { message },
+        // A fork whose PID 1 could not rebuild the snapshot's upper layer (a disk limit too small for it, a tree
+        // that is not one).
+        JailError::Setup { stage, message } if stage == "restore upper layer" => {
+            TierError::Snapshot(strata_core::SnapshotError::Io {
+                path: PathBuf::from(snapshot::UPPER_FILE),
+                source: std::io::Error::other(message),
+            })
+        }
         JailError::Ended => TierError::SessionEnded { reason: "the jail has ended".into() },
         other => internal(other),
     }

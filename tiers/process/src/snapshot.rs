@@ -207,6 +207,16 @@ impl ProcessTier {
     }
 
     fn fork_plan(&self, plan: ForkPlan, caps: &Capabilities, limits: &Limits) -> Result<ProcessSandbox, TierError> {
+        let data = plan.snapshot.manifest.meta.pointer("/upper/data_bytes").and_then(Value::as_u64).unwrap_or(0);
+        if data > limits.disk.0 {
+            return Err(TierError::Unsupported {
+                tier: TierKind::Process,
+                what: format!(
+                    "forking a snapshot holding {data} bytes of files into a disk limit of {} bytes",
+                    limits.disk.0
+                ),
+            });
+        }
         let upper = plan.snapshot.file(UPPER_FILE);
         let mut jail = self.start_jail(caps, limits, false, Some(upper))?;
         if plan.machine_id {
