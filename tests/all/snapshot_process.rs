@@ -271,7 +271,7 @@ fn a_fork_whose_disk_limit_cannot_hold_the_snapshot_is_refused() {
     run(sandbox.as_mut(), "head -c 6291456 /dev/zero > /root/six-mib");
     let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
     let small = Limits { disk: strata_core::ByteSize(2 << 20), ..Limits::default() };
-    let err = tier.fork_with(&snapshot, &Capabilities::default(), &small).err().expect("too small");
+    let err = tier.fork_with(&snapshot, &Capabilities::default(), &small).expect_err("too small");
     assert_eq!(err.code(), "unsupported", "{err}");
     assert!(err.to_string().contains("disk limit"), "{err}");
     let mut fork = tier.fork(&snapshot).expect("fork with the recorded limits");
