@@ -29,6 +29,17 @@ pub enum SerialError {
     /// The interrupt eventfd could not be created.
     #[error("cannot create the serial interrupt eventfd")]
     EventFd(#[source] io::Error),
+    /// A saved state holds more received bytes than the UART's FIFO.
+    #[error("serial state holds {len} received bytes, the FIFO holds {max}")]
+    FifoOverflow {
+        /// Bytes in the saved FIFO.
+        len: usize,
+        /// The FIFO's capacity.
+        max: usize,
+    },
+    /// The restored UART could not raise its pending interrupt.
+    #[error("cannot raise the restored serial interrupt")]
+    Restore(#[source] vm_superio::serial::Error<io::Error>),
 }
 
 #[derive(Debug)]
@@ -137,6 +148,70 @@ impl SerialDevice {
     }
 }
 
+/// The UART's registers and receive FIFO, as a snapshot saves them ([`SerialDevice::save_state`]).
+#[allow(missing_docs)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SerialDeviceState {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    /// Received bytes the guest has not read (at most [`SERIAL_FIFO_SIZE`]).
+    pub in_buffer: Vec<u8>,
+}
+
+/// The UART's receive FIFO size (vm-superio's).
+pub const SERIAL_FIFO_SIZE: usize = 64;
+
+impl SerialDevice {
+    /// The registers and receive FIFO.
+    pub fn save_state(&self) -> SerialDeviceState {
+        let s = self.serial.state();
+        SerialDeviceState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+
+    /// A UART continuing from `state`, logging into `log`, interrupting through a fresh eventfd (signalled at once
+    /// when the state has an enabled interrupt pending).
+    pub fn from_state(state: &SerialDeviceState, log: SerialLog) -> Result<SerialDevice, SerialError> {
+        if state.in_buffer.len() > SERIAL_FIFO_SIZE {
+            return Err(SerialError::FifoOverflow { len: state.in_buffer.len(), max: SERIAL_FIFO_SIZE });
+        }
+        let registers = vm_superio::serial::SerialState {
+            baud_divisor_low: state.baud_divisor_low,
+            baud_divisor_high: state.baud_divisor_high,
+            interrupt_enable: state.interrupt_enable,
+            interrupt_identification: state.interrupt_identification,
+            line_control: state.line_control,
+            line_status: state.line_status,
+            modem_control: state.modem_control,
+            modem_status: state.modem_status,
+            scratch: state.scratch,
+            in_buffer: state.in_buffer.clone(),
+        };
+        let event = EventFd::new(libc::EFD_NONBLOCK).map_err(SerialError::EventFd)?;
+        let serial = Serial::from_state(&registers, EventFdTrigger(event), NoEvents, LogWriter(log.clone()))
+            .map_err(SerialError::Restore)?;
+        Ok(SerialDevice { serial, log })
+    }
+}
+
 impl BusDevice for SerialDevice {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         match (u8::try_from(offset), data) {
@@ -194,6 +269,25 @@ mod tests {
         assert_eq!(wide, [0; 4]);
         serial.read(u64::MAX, &mut wide[..1]);
         assert!(serial.log().contents().is_empty());
+    }
+
+    #[test]
+    fn state_round_trips_and_an_overfull_fifo_is_refused() {
+        let mut serial = SerialDevice::new(16).expect("serial");
+        serial.write(7, &[0x5a]); // scratch
+        serial.write(3, &[0x83]); // LCR with DLAB
+        serial.write(0, &[0x0c]); // divisor low
+        let state = serial.save_state();
+        assert_eq!((state.scratch, state.line_control, state.baud_divisor_low), (0x5a, 0x83, 0x0c));
+        let restored = SerialDevice::from_state(&state, SerialLog::new(16)).expect("restore");
+        assert_eq!(restored.save_state(), state);
+        let json = serde_json::to_string(&state).expect("serialize");
+        assert_eq!(serde_json::from_str::<SerialDeviceState>(&json).expect("deserialize"), state);
+        let full = SerialDeviceState { in_buffer: vec![0; SERIAL_FIFO_SIZE + 1], ..state };
+        assert!(matches!(
+            SerialDevice::from_state(&full, SerialLog::new(16)),
+            Err(SerialError::FifoOverflow { len: 65, max: 64 })
+        ));
     }
 
     #[test]
