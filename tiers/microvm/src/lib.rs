@@ -6,6 +6,8 @@
 //! - [`devices`]: the buses the vCPUs' port and MMIO exits dispatch to, the serial console, and the virtio-mmio
 //!   devices (vsock, block). Every guest-controlled value is bounds-checked: a hostile guest breaks its own device,
 //!   never the host.
+//! - [`snapshot`]: pausing a VM at a safe point, saving it into a snapshot directory, restoring it into a new
+//!   monitor and forking it over its memory file mapped copy-on-write.
 
 #![warn(missing_docs)]
 
@@ -14,5 +16,6 @@ pub mod builder;
 pub mod devices;
 pub mod grants;
 pub mod guest;
+pub mod snapshot;
 pub mod tier;
 pub mod vstate;
