@@ -313,6 +313,11 @@ pub(crate) fn write_memory(path: &Path, memory: &[u8]) -> Result<(), TierError> 
 /// symlink the guest made) is refused, as a snapshot holds regular files only.
 pub(crate) fn copy_tree(from: &Path, to: &Path) -> Result<(), TierError> {
     fs::create_dir(to).map_err(storage("cannot create the snapshot directory", to))?;
+    copy_into(from, to)
+}
+
+/// Copies the contents of `from` into the existing directory `to`; see [`copy_tree`].
+fn copy_into(from: &Path, to: &Path) -> Result<(), TierError> {
     let mut pending = vec![(from.to_owned(), to.to_owned())];
     while let Some((src, dst)) = pending.pop() {
         for entry in fs::read_dir(&src).map_err(storage("cannot read the scratch directory", &src))? {
@@ -347,8 +352,7 @@ pub(crate) fn restore_scratch(snapshot: &Snapshot) -> Result<tempfile::TempDir, 
     })?;
     let saved = snapshot.file(SCRATCH_DIR);
     if saved.is_dir() {
-        fs::remove_dir(dir.path()).map_err(storage("cannot prepare the scratch directory", dir.path()))?;
-        copy_tree(&saved, dir.path())?;
+        copy_into(&saved, dir.path())?;
     }
     Ok(dir)
 }
