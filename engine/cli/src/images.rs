@@ -125,6 +125,8 @@ fn build_python(engine: &Engine, metered: bool) -> Result<i32, Failure> {
         let label = if limits.fuel.limit().is_some() { "fuel-metered" } else { "unmetered" };
         let outcome = engine.wasm().prepare_python(&limits).map_err(EngineError::from)?;
         say(&format!("python runtime ({label}) compiled code: {outcome:?}"));
+        engine.wasm().prepare_python_sessions(&limits).map_err(EngineError::from)?;
+        say(&format!("python runtime ({label}) for sessions and snapshots: ready"));
     }
     Ok(0)
 }

@@ -168,6 +168,14 @@ impl WasmTier {
         let runtime = self.inner.runtime(limits.fuel.limit().is_some())?;
         self.inner.python(runtime).map(|(_, _, outcome)| outcome)
     }
+
+    /// Prepares what Python sessions (and their snapshots and forks) run for `limits`' fuel mode: the
+    /// snapshot-ready runtime, made and compiled once (minutes the first time, with progress) and cached like
+    /// [`WasmTier::prepare_python`]'s. A runtime that cannot be made snapshot-ready is not an error here: its
+    /// sessions run the plain runtime and refuse snapshots, saying why.
+    pub fn prepare_python_sessions(&self, limits: &Limits) -> Result<(), TierError> {
+        self.inner.python_session(limits.fuel.limit().is_some()).map(|_| ())
+    }
 }
 
 impl TierInner {
