@@ -24,7 +24,8 @@
 //! LAPIC, vCPU events, MP state, TSC frequency); for the VM the KVM clock and, with the in-kernel irqchip, both PICs,
 //! the IOAPIC and the PIT; the serial UART's registers; each virtio-mmio transport's registers and queues (addresses,
 //! sizes, `next_avail`/`next_used`) with its device's own state (vsock: the CID; blk: capacity and disk ID). Guest
-//! RAM goes to [`MEMORY_FILE`], laid end to end without the MMIO gap. vsock connections are not saved: as in
+//! RAM goes to [`MEMORY_FILE`], laid end to end without the MMIO gap, as a sparse file: a page of zeros is a hole
+//! (not written on save, not copied on restore, read as zeros by a fork). vsock connections are not saved: as in
 //! Firecracker the restored device starts without them and sends the guest a transport-reset event.
 //!
 //! **The state file** is a 20-byte header (magic `STRATAVM`, format version, body length; little endian) and a
@@ -44,8 +45,9 @@
 //! disk images, extra devices on the buses.
 
 use std::fs::File;
-use std::io::{self, Read, Seek, Write};
+use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -56,6 +58,7 @@ use kvm_bindings::{
 };
 use serde::{Deserialize, Serialize};
 use strata_core::{Persisted, Snapshot, SnapshotError, SnapshotWriter, TierKind};
+use vm_memory::Address;
 
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::serial::{
@@ -69,7 +72,7 @@ use crate::devices::virtio::mmio::{BackendThread, BackendThreadError, MMIO_LEN, 
 use crate::devices::virtio::persist::{MmioPersistError, MmioTransportConstructorArgs, MmioTransportState, Persist};
 use crate::devices::virtio::vsock::VsockDevice;
 use crate::devices::virtio::vsock::persist::{VsockConstructorArgs, VsockPersistError, VsockState};
-use crate::vstate::memory::{GuestMemory, MemoryError, ram_layout};
+use crate::vstate::memory::{Backing, GuestMemory, MemoryError, PAGE_SIZE, ram_layout};
 use crate::vstate::vcpu::state::VcpuState;
 use crate::vstate::vcpu::{Vcpu, VcpuError, VcpuExit, VcpuThread};
 use crate::vstate::vm::{ClockState, Vm, VmConfig, VmError};
@@ -1004,6 +1007,118 @@ pub fn complete_pending_io(vcpu: &mut Vcpu) -> Result<(), VmSnapshotError> {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Guest memory, sparse: a page of zeros is a hole in the memory file and is never written into a restored memfd.
+
+/// The chunk memory is copied in.
+const COPY_CHUNK: usize = 1 << 20;
+
+/// Data extents of `file` as `(offset, len)`, by `SEEK_DATA`/`SEEK_HOLE`; all of `0..size` when the filesystem
+/// cannot tell.
+fn data_extents(file: &File, size: u64) -> Vec<(u64, u64)> {
+    use nix::unistd::{Whence, lseek};
+    let whole = vec![(0, size)];
+    let mut extents = Vec::new();
+    let mut pos: u64 = 0;
+    while pos < size {
+        let Ok(offset) = i64::try_from(pos) else { return whole };
+        let start = match lseek(file, offset, Whence::SeekData) {
+            Ok(start) => start,
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(_) => return whole,
+        };
+        let Ok(end) = lseek(file, start, Whence::SeekHole) else { return whole };
+        let (Ok(start), Ok(end)) = (u64::try_from(start), u64::try_from(end)) else { return whole };
+        let end = end.min(size);
+        if end <= start {
+            break;
+        }
+        extents.push((start, end - start));
+        pos = end;
+    }
+    extents
+}
+
+/// Copies memory into `out` chunk by chunk, writing only the runs of pages that are not all zeros.
+struct SparseCopy<'a> {
+    out: &'a File,
+    buf: Vec<u8>,
+}
+
+impl<'a> SparseCopy<'a> {
+    fn new(out: &'a File) -> SparseCopy<'a> {
+        SparseCopy { out, buf: vec![0; COPY_CHUNK] }
+    }
+
+    /// Copies `start..start + len` (file offsets): `read` fills a buffer from an offset.
+    fn copy_range(
+        &mut self,
+        start: u64,
+        len: u64,
+        mut read: impl FnMut(u64, &mut [u8]) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let end = start.checked_add(len).ok_or_else(|| io::Error::other("memory range overflows"))?;
+        let mut offset = start;
+        while offset < end {
+            let n = usize::try_from(end - offset).unwrap_or(usize::MAX).min(self.buf.len());
+            let chunk = &mut self.buf[..n];
+            read(offset, chunk)?;
+            write_nonzero_runs(self.out, offset, chunk)?;
+            offset += n as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Writes the runs of not-all-zero pages of `chunk` (which sits at file offset `offset`) to `out`.
+fn write_nonzero_runs(out: &File, offset: u64, chunk: &[u8]) -> io::Result<()> {
+    let page = PAGE_SIZE as usize;
+    let mut run: Option<usize> = None;
+    for (i, bytes) in chunk.chunks(page).enumerate() {
+        let zero = bytes.iter().all(|b| *b == 0);
+        match (zero, run) {
+            (false, None) => run = Some(i * page),
+            (true, Some(from)) => {
+                out.write_all_at(&chunk[from..i * page], offset + from as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(from) = run {
+        out.write_all_at(&chunk[from..], offset + from as u64)?;
+    }
+    Ok(())
+}
+
+/// Writes guest RAM to `out` as the memory file (RAM laid end to end), sparse: zero pages are holes. A memfd is
+/// read with `pread` between its holes (reading its mapping would allocate every page); a fork's private mapping is
+/// read through the mapping, which holds its own writes.
+fn write_memory(memory: &GuestMemory, out: &File) -> io::Result<()> {
+    let size = memory.size();
+    let mut copy = SparseCopy::new(out);
+    match memory.backing() {
+        Backing::Memfd => {
+            let file = memory.file();
+            for (start, len) in data_extents(file, size) {
+                copy.copy_range(start, len, |offset, buf| file.read_exact_at(buf, offset))?;
+            }
+        }
+        Backing::PrivateFile => {
+            let mut file_offset = 0u64;
+            for (addr, len, _) in memory.regions() {
+                let base = file_offset;
+                copy.copy_range(base, len, |offset, buf| {
+                    let at = addr.checked_add(offset - base).ok_or_else(|| io::Error::other("address overflow"))?;
+                    memory.read(at, buf).map_err(io::Error::other)
+                })?;
+                file_offset += len;
+            }
+        }
+    }
+    out.set_len(size)
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Snapshots on disk.
 
 /// Host resources a restored or forked machine is built with: what a snapshot cannot carry.
@@ -1044,8 +1159,8 @@ impl VmSnapshot {
             let bytes = state.to_bytes()?;
             File::create(&path).and_then(|mut f| f.write_all(&bytes)).map_err(io_error(&path))?;
             let path = writer.dir().join(MEMORY_FILE);
-            let mut file = File::create(&path).map_err(io_error(&path))?;
-            memory.dump_to(&mut file)?;
+            let file = File::create(&path).map_err(io_error(&path))?;
+            write_memory(memory, &file).map_err(io_error(&path))?;
             Ok(state.clone())
         })?;
         let meta = serde_json::json!({
@@ -1107,18 +1222,21 @@ impl VmSnapshot {
         self.snapshot.file(MEMORY_FILE)
     }
 
-    /// Rebuilds the machine with its own copy of RAM (a fresh memfd filled from the memory file): independent of
-    /// the snapshot's files once it returns. The vCPUs are paused.
+    /// Rebuilds the machine with its own copy of RAM (a fresh memfd, the memory file's non-zero pages written
+    /// into it): independent of the snapshot's files once it returns. The vCPUs are paused.
     pub fn restore(&self, args: RestoreArgs) -> Result<Machine, VmSnapshotError> {
         let memory = GuestMemory::new(self.state.memory_bytes)?;
         let path = self.memory_path();
-        let mut source = File::open(&path).map_err(io_error(&path))?;
-        let mut target = memory.file();
-        target.rewind().map_err(io_error(&path))?;
-        // copy_file_range where the filesystems allow it: no pass through this process's memory.
-        let copied = io::copy(&mut source, &mut target).map_err(io_error(&path))?;
-        if copied != self.state.memory_bytes {
-            return Err(VmSnapshotError::MemorySize { expected: self.state.memory_bytes, found: copied });
+        let source = File::open(&path).map_err(io_error(&path))?;
+        let found = source.metadata().map_err(io_error(&path))?.len();
+        if found != self.state.memory_bytes {
+            return Err(VmSnapshotError::MemorySize { expected: self.state.memory_bytes, found });
+        }
+        // Only the pages that hold data: the memfd's holes read as zero, and cost nothing until the guest uses them.
+        let size = self.state.memory_bytes;
+        let mut sparse = SparseCopy::new(memory.file());
+        for (start, len) in data_extents(&source, size) {
+            sparse.copy_range(start, len, |offset, buf| source.read_exact_at(buf, offset)).map_err(io_error(&path))?;
         }
         self.build(memory, args)
     }

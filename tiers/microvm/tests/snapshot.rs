@@ -8,7 +8,7 @@ mod common;
 
 use std::fs::OpenOptions;
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::time::Duration;
 
@@ -67,6 +67,8 @@ fn a_paused_guest_continues_from_exactly_its_state_in_a_new_monitor() {
     assert_eq!(snap.snapshot().tier, TierKind::Microvm);
     assert_eq!(snap.snapshot().manifest.persists, vec![Persisted::Memory, Persisted::Cpu, Persisted::Devices]);
     assert_eq!(std::fs::read(path.join(MEMORY_FILE)).expect("memory file"), original_memory);
+    let allocated = std::fs::metadata(path.join(MEMORY_FILE)).expect("metadata").blocks() * 512;
+    assert!(allocated < MEM_SIZE / 4, "the memory file is sparse: {allocated} bytes allocated");
     drop(machine);
 
     // Another monitor: opened from disk (checksums, state validation), rebuilt, nothing shared with the first.
@@ -205,6 +207,10 @@ fn two_forks_of_one_snapshot_have_independent_memory() {
     let mut c = fork(7, "c.sock");
     assert_eq!(read_mem(c.memory(), 0x5000, 0x1000), vec![0; 0x1000]);
     assert_eq!(read_mem(c.memory(), 0, MEM_SIZE as usize), memory_file);
+    // A fork's snapshot holds the fork's own writes (read through its private mapping).
+    let of_a = a.snapshot(&dir.path().join("of-a"), Some(snap.snapshot().manifest.id.clone())).expect("snapshot");
+    let a_memory = read_mem(a.memory(), 0, MEM_SIZE as usize);
+    assert_eq!(std::fs::read(of_a.memory_path()).expect("memory file"), a_memory);
     // Each fork carries the parent's transport, with its own identity.
     let parent_transport = machine.save_state().expect("state").devices.virtio[0].transport.clone();
     for fork in [&mut a, &mut b, &mut c] {

@@ -91,7 +91,12 @@ pub struct Parts {
 
 /// Memory with the boot tables and `code`, a VM, COM1 (irqfd on GSI 4 with the irqchip).
 pub fn parts(code: &[u8], irqchip: bool) -> Parts {
-    let memory = GuestMemory::new(MEM_SIZE).expect("memory");
+    parts_with_memory(code, irqchip, MEM_SIZE)
+}
+
+/// As [`parts`], with `memory_bytes` of RAM.
+pub fn parts_with_memory(code: &[u8], irqchip: bool, memory_bytes: u64) -> Parts {
+    let memory = GuestMemory::new(memory_bytes).expect("memory");
     boot::write_boot_tables(&memory, BootProtocol::Linux64).expect("boot tables");
     memory.write(GuestAddress(CODE), code).expect("code");
     let mut vm = Vm::new(&VmConfig { irqchip }).expect("vm");
