@@ -5,7 +5,7 @@
 //! let mut machine = Machine::new(vm, memory, vcpus, devices);   // a VM the monitor built
 //! machine.resume()?;                                             // vCPU threads run the guest
 //! machine.pause()?;                                              // kicked out of KVM_RUN, pending I/O completed
-//! let snap = machine.snapshot(dest, None)?;                      // = VmSnapshot::save(&machine, dest, None)
+//! let snap = machine.snapshot(dest, None)?;                      // = VmSnapshot::save(&mut machine, dest, None)
 //!
 //! let snap = VmSnapshot::open(dest)?;                            // sha256 of every file, then the state checked
 //! let again = snap.restore(RestoreArgs::default())?;             // RAM copied into a fresh memfd
