@@ -36,3 +36,15 @@ else
 fi
 echo "==> cargo bench"
 cargo bench --quiet -p strata-benches -- "$@"
+
+# Snapshots and forks, tier by tier (issue 6): fork-to-first-output against a cold start, and the memory of idle
+# forks. For reference, Firecracker publishes snapshot restores in single-digit milliseconds (guest memory loaded
+# on demand from a MAP_PRIVATE file), which is what the microVM figures here are built to meet on hardware KVM.
+echo "==> snapshots and forks: wasm (a numpy session), process (a jail's filesystem), microVM (tiny guests)"
+cargo bench --quiet -p strata-tier-wasm --bench fork
+cargo bench --quiet -p strata-tier-process --bench fork
+cargo bench --quiet -p strata-tier-microvm --bench snapshot
+echo "==> the microVM tier: tiny guests, the vsock device, and (hardware KVM only) a Linux boot beside qemu"
+cargo bench --quiet -p strata-tier-microvm --bench tiny_guest
+cargo bench --quiet -p strata-tier-microvm --bench vsock
+cargo bench --quiet -p strata-tier-microvm --bench linux_boot
