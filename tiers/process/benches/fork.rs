@@ -11,6 +11,11 @@
 //! (below 1.0: the fork is faster). Uses the Debian image under `$STRATA_HOME` (`strata images build debian`);
 //! skips with a line when it or root is missing. `FORK_ITERS` sets the number of timed runs (default 200, 30
 //! with `--quick`).
+//!
+//! Then `idle_forks`: 100 forks kept alive at once after their first job, and the PSS of their processes (every
+//! descendant of this process, from `/proc/<pid>/smaps_rollup`) per fork. A fork's restored layer lives in its
+//! jail's tmpfs, which no process maps: it is charged to the fork's cgroup, not counted here (the snapshot's size
+//! is printed beside).
 
 use std::path::PathBuf;
 
@@ -92,5 +97,70 @@ fn main() -> anyhow::Result<()> {
         cold.print("cold start (setup + cat)");
         ratio(name, &fork, &cold, "cold");
     }
+    idle_forks(&tier, 100)
+}
+
+/// Keeps `count` forks alive after their first job and prints the PSS of their processes.
+fn idle_forks(tier: &ProcessTier, count: usize) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut sandbox = tier.start(&Capabilities::default(), &Limits::default())?;
+    let outcome = sandbox.exec(&sh("echo 41 > /tmp/x"), ExecOptions::default())?;
+    anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "setup: {outcome:?}");
+    let snapshot = sandbox.snapshot(&dir.path().join("snap"))?;
+    sandbox.close()?;
+    let before = descendants_pss_kib()?;
+    let mut forks = Vec::with_capacity(count);
+    for _ in 0..count {
+        let mut fork = tier.fork(&snapshot)?;
+        expect_41(&fork.exec(&sh("cat /tmp/x"), ExecOptions::default())?)?;
+        forks.push(fork);
+    }
+    let after = descendants_pss_kib()?;
+    let per_fork = after.saturating_sub(before) as f64 / count as f64;
+    println!(
+        "{:<26} {count} forks alive: {:.1} MiB PSS in all, {per_fork:.0} KiB per fork (+ a {} B layer each in its tmpfs)",
+        "idle_forks",
+        after.saturating_sub(before) as f64 / 1024.0,
+        snapshot.manifest.total_bytes
+    );
+    for fork in forks {
+        fork.close()?;
+    }
     Ok(())
+}
+
+/// The summed PSS (KiB) of every process descending from this one.
+fn descendants_pss_kib() -> anyhow::Result<u64> {
+    let mut parents = std::collections::HashMap::new();
+    for entry in std::fs::read_dir("/proc")?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            parents.insert(pid, ppid);
+        }
+    }
+    let me = std::process::id();
+    let descends = |mut pid: u32| {
+        while let Some(&parent) = parents.get(&pid) {
+            if parent == me {
+                return true;
+            }
+            if parent <= 1 {
+                return false;
+            }
+            pid = parent;
+        }
+        false
+    };
+    let mut total = 0;
+    for &pid in parents.keys().filter(|&&pid| descends(pid)) {
+        let Ok(rollup) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) else { continue };
+        for line in rollup.lines() {
+            if let Some(kib) = line.strip_prefix("Pss:").and_then(|v| v.trim().strip_suffix("kB")) {
+                total += kib.trim().parse::<u64>().unwrap_or(0);
+            }
+        }
+    }
+    Ok(total)
 }
