@@ -29,9 +29,12 @@ use crate::devices::virtio::Interrupt;
 use crate::devices::virtio::block::{BlockConfig, BlockDevice};
 use crate::devices::virtio::mmio::{BackendThread, MMIO_LEN, MmioTransport, kernel_cmdline_device};
 use crate::devices::virtio::vsock::{VsockConfig, VsockDevice};
+use crate::snapshot::{
+    Devices, Machine, RestoreArgs, SnapshotExtra, VirtioSlot, VirtioTransport, VmSnapshot, VmSnapshotError,
+};
 use crate::vstate::memory::{GuestMemory, MMIO_GAP_START};
 use crate::vstate::vcpu::cpuid::CpuidProfile;
-use crate::vstate::vcpu::{Vcpu, VcpuConfig, VcpuExit, VcpuThread};
+use crate::vstate::vcpu::{Vcpu, VcpuConfig, VcpuExit};
 use crate::vstate::vm::{Vm, VmConfig};
 
 /// The guest's vsock CID (one VM per vsock device, so it can be the same for every VM).
@@ -123,17 +126,14 @@ fn device_error(what: &'static str) -> impl FnOnce(std::io::Error) -> BuildError
     move |err| BuildError::Device { what, message: err.to_string() }
 }
 
-/// A running microVM.
+/// A running microVM: a [`Machine`] (so it can be paused and snapshotted like any other), its console and the host
+/// socket of its vsock device.
 #[derive(Debug)]
 pub struct Microvm {
-    vcpus: Vec<VcpuThread>,
-    backends: Vec<BackendThread>,
+    machine: Machine,
     serial: SerialLog,
     vsock_uds: PathBuf,
     started: Instant,
-    // Kept alive for the vCPUs and devices; dropped last.
-    _vm: Vm,
-    _memory: GuestMemory,
 }
 
 impl Microvm {
@@ -148,7 +148,9 @@ impl Microvm {
             .map_err(|e| BuildError::Device { what: "serial console", message: e.to_string() })?;
         vm.register_irqfd(serial.interrupt_evt(), SERIAL_GSI)?;
         let serial_log = serial.log();
-        io.insert(Arc::new(Mutex::new(serial)), SERIAL_PORT_BASE, SERIAL_PORT_LEN)?;
+        let serial = Arc::new(Mutex::new(serial));
+        io.insert(serial.clone(), SERIAL_PORT_BASE, SERIAL_PORT_LEN)?;
+        let mut devices = Devices { serial: Some(serial), virtio: Vec::new() };
 
         let mut mmio = Bus::new();
         let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(cmdline_error)?;
@@ -181,9 +183,10 @@ impl Microvm {
                 .map_err(|e| BuildError::Device { what: "vsock transport", message: e.to_string() })?,
         ));
         mmio.insert(transport.clone(), base, MMIO_LEN)?;
-        let backend = BackendThread::spawn(transport)
+        let backend = BackendThread::spawn(transport.clone())
             .map_err(|e| BuildError::Device { what: "vsock backend", message: e.to_string() })?;
         backends.push(backend);
+        devices.virtio.push(VirtioSlot { base, gsi, transport: VirtioTransport::Vsock(transport) });
 
         if let Some(disk) = &config.root_disk {
             let block = BlockDevice::new(BlockConfig { path: disk.clone(), id: Some("strata-root".into()) })
@@ -193,7 +196,9 @@ impl Microvm {
             vm.register_irqfd(interrupt.irqfd(), gsi)?;
             let transport = MmioTransport::new(memory.mmap().clone(), block, interrupt)
                 .map_err(|e| BuildError::Device { what: "root disk transport", message: e.to_string() })?;
-            mmio.insert(Arc::new(Mutex::new(transport)), base, MMIO_LEN)?;
+            let transport = Arc::new(Mutex::new(transport));
+            mmio.insert(transport.clone(), base, MMIO_LEN)?;
+            devices.virtio.push(VirtioSlot { base, gsi, transport: VirtioTransport::Block(transport) });
             args.push_str(" strata.root=/dev/vda strata.rootfstype=squashfs");
         }
         cmdline.insert_str(&args).map_err(cmdline_error)?;
@@ -214,12 +219,67 @@ impl Microvm {
             }
             vcpus.push(vcpu);
         }
-        let started = Instant::now();
-        let mut threads = Vec::new();
-        for vcpu in vcpus {
-            threads.push(vcpu.start()?);
+        let mut machine = Machine::new(vm, memory, vcpus, devices);
+        for backend in backends {
+            machine.add_backend(backend);
         }
-        Ok(Microvm { vcpus: threads, backends, serial: serial_log, vsock_uds, started, _vm: vm, _memory: memory })
+        let started = Instant::now();
+        machine.resume().map_err(|e| BuildError::Device { what: "vCPU threads", message: e.to_string() })?;
+        Ok(Microvm { machine, serial: serial_log, vsock_uds, started })
+    }
+
+    /// A fork of `snapshot` in a new monitor: its memory file mapped copy-on-write ([`VmSnapshot::fork`]), a new
+    /// vsock socket in `run_dir`, the new guest CID `guest_cid` (the fork's identity), the root disk `root_disk`
+    /// when the snapshot has one, and the vCPUs running. The guest's vsock connections were reset: reach the agent
+    /// again with [`Microvm::connect_agent`].
+    pub fn fork(
+        snapshot: &VmSnapshot,
+        run_dir: &std::path::Path,
+        guest_cid: u64,
+        root_disk: Option<PathBuf>,
+    ) -> Result<Microvm, VmSnapshotError> {
+        let vsock_uds = run_dir.join(format!("vsock-{}-{}.sock", std::process::id(), unique()));
+        let serial = SerialLog::new(SERIAL_LOG_BYTES);
+        let args = RestoreArgs {
+            vsock_uds: Some(vsock_uds.clone()),
+            guest_cid: Some(guest_cid),
+            disks: root_disk.into_iter().collect(),
+            serial_log: Some(serial.clone()),
+            ..RestoreArgs::default()
+        };
+        let machine = snapshot.fork(args)?;
+        let mut vm = Microvm { machine, serial, vsock_uds, started: Instant::now() };
+        vm.machine.resume()?;
+        Ok(vm)
+    }
+
+    /// Pauses the vCPUs at a safe point, saves the whole VM into a new snapshot directory at `destination`
+    /// ([`VmSnapshot::save_with`]) and resumes it, whether the save worked or not. Quiesce the guest first (the
+    /// agent's `PrepareSnapshot`).
+    pub fn snapshot(
+        &mut self,
+        destination: &std::path::Path,
+        parent: Option<String>,
+        extra: SnapshotExtra,
+    ) -> Result<VmSnapshot, VmSnapshotError> {
+        let exits = self.machine.pause();
+        let saved = match exits {
+            Ok(exits) if exits.iter().all(|e| matches!(e, VcpuExit::Stopped)) => {
+                VmSnapshot::save_with(&mut self.machine, destination, parent, extra)
+            }
+            Ok(exits) => Err(VmSnapshotError::InvalidState(format!(
+                "the guest stopped on its own before the snapshot ({})",
+                exits.iter().map(describe).collect::<Vec<_>>().join(", ")
+            ))),
+            Err(err) => Err(err),
+        };
+        self.machine.resume()?;
+        saved
+    }
+
+    /// The machine: VM, memory, devices, vCPUs.
+    pub fn machine(&self) -> &Machine {
+        &self.machine
     }
 
     /// The console log.
@@ -227,9 +287,9 @@ impl Microvm {
         &self.serial
     }
 
-    /// Whether the boot vCPU has stopped (the guest rebooted, crashed or was stopped).
+    /// Whether a vCPU has stopped on its own (the guest rebooted or crashed).
     pub fn has_stopped(&self) -> bool {
-        self.vcpus.first().is_none_or(VcpuThread::is_finished)
+        self.machine.has_stopped()
     }
 
     /// Waits (up to `timeout`) for the guest agent on vsock and connects to it.
@@ -237,9 +297,8 @@ impl Microvm {
         let deadline = self.started + timeout;
         loop {
             if self.has_stopped() {
-                let exit = match self.vcpus.remove(0).join() {
-                    Ok((_, Ok(exit))) => describe(&exit),
-                    Ok((_, Err(err))) => err.to_string(),
+                let exit = match self.machine.pause() {
+                    Ok(exits) => exits.iter().map(describe).collect::<Vec<_>>().join(", "),
                     Err(err) => err.to_string(),
                 };
                 return Err(BuildError::GuestDied { exit, console: self.console_tail(20) });
@@ -276,27 +335,15 @@ impl Microvm {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
-    /// Stops every vCPU and device thread (also done on drop).
-    pub fn shutdown(mut self) {
-        self.stop();
-    }
-
-    fn stop(&mut self) {
-        for vcpu in &self.vcpus {
-            let _ = vcpu.kick();
-        }
-        for vcpu in self.vcpus.drain(..) {
-            let _ = vcpu.join();
-        }
-        for backend in self.backends.drain(..) {
-            backend.stop();
-        }
+    /// Stops every vCPU and device thread and removes the socket (as dropping it does).
+    pub fn shutdown(self) {
+        drop(self);
     }
 }
 
 impl Drop for Microvm {
     fn drop(&mut self) {
-        self.stop();
+        // The machine stops and joins its vCPU and backend threads when it is dropped, after this.
         let _ = std::fs::remove_file(&self.vsock_uds);
     }
 }

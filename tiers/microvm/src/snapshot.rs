@@ -1139,6 +1139,15 @@ pub struct RestoreArgs {
     pub serial_log: Option<SerialLog>,
 }
 
+/// What a snapshot's caller adds to the machine's own description ([`VmSnapshot::save_with`]).
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotExtra {
+    /// Kinds of state the saved memory holds besides memory, CPU and devices.
+    pub persists: Vec<Persisted>,
+    /// More keys for the manifest's meta object.
+    pub meta: serde_json::Map<String, serde_json::Value>,
+}
+
 /// A verified snapshot of a microVM: its directory (checked against its manifest) and its parsed, validated state.
 /// Restoring or forking from it any number of times reads the state once.
 #[derive(Debug, Clone)]
@@ -1153,6 +1162,18 @@ impl VmSnapshot {
     /// the memory file, written under the device locks, then sealed by [`SnapshotWriter::commit`] (sha256 of each
     /// file, fsync, atomic rename). `parent` is the snapshot the machine was forked from, if any.
     pub fn save(machine: &mut Machine, dest: &Path, parent: Option<String>) -> Result<VmSnapshot, VmSnapshotError> {
+        VmSnapshot::save_with(machine, dest, parent, SnapshotExtra::default())
+    }
+
+    /// [`VmSnapshot::save`], with what the caller knows about the guest beyond the machine: more kinds of state
+    /// that the saved memory holds (a booted Linux keeps its files and processes in RAM) and more meta keys (the
+    /// tier's capabilities and images). A key of `extra.meta` never replaces one of the machine's own.
+    pub fn save_with(
+        machine: &mut Machine,
+        dest: &Path,
+        parent: Option<String>,
+        extra: SnapshotExtra,
+    ) -> Result<VmSnapshot, VmSnapshotError> {
         let writer = SnapshotWriter::create(dest)?;
         let state = machine.save_state_with(|state, memory| {
             let path = writer.dir().join(STATE_FILE);
@@ -1176,7 +1197,19 @@ impl VmSnapshot {
                 VirtioDeviceState::Block(_) => "block",
             }).collect::<Vec<_>>(),
         });
-        let persists = vec![Persisted::Memory, Persisted::Cpu, Persisted::Devices];
+        let mut meta = meta;
+        if let Some(object) = meta.as_object_mut() {
+            for (key, value) in extra.meta {
+                object.entry(key).or_insert(value);
+            }
+        }
+        let mut persists = vec![Persisted::Memory, Persisted::Cpu, Persisted::Devices];
+        for kind in extra.persists {
+            if !persists.contains(&kind) {
+                persists.push(kind);
+            }
+        }
+        persists.sort();
         let snapshot = writer.commit(TierKind::Microvm, parent, persists, meta)?;
         Ok(VmSnapshot { snapshot, state })
     }

@@ -1,39 +1,58 @@
-//! The microVM tier: each one-shot job boots a fresh microVM ([`Microvm`]), runs in it through the guest agent and
-//! ends with it.
+//! The microVM tier: a one-shot job boots a fresh microVM ([`Microvm`]), runs in it through the guest agent and
+//! ends with it; a sandbox ([`MicrovmSandbox`], from [`Tier::start`]) is a microVM booted once that runs jobs in
+//! turn ([`crate::session`]: the one-shot path is a session of one job); a snapshot saves a sandbox's whole VM and
+//! [`Tier::fork`] starts a new one from it.
 //!
 //! Limits: `memory` is the guest's RAM (the guest's OOM killer ending the job is `limit_exceeded`/`memory`),
-//! `vcpus` its vCPUs, `wall` covers boot and job (the job is killed, then the VM), `cpu` is the job's rusage checked
-//! when it ends plus `RLIMIT_CPU` in the guest, `output` is capped by the agent and the host capture, `files` is
-//! `RLIMIT_NOFILE` in the guest, `disk` bounds the grants' files both ways.
+//! `vcpus` its vCPUs, `wall` covers boot and job for a one-shot job (the job is killed, then the VM) and each job
+//! alone in a sandbox (which boots within [`BOOT_TIMEOUT`]), `cpu` is the job's rusage checked when it ends plus
+//! `RLIMIT_CPU` in the guest, `output` is capped by the agent and the host capture, `files` is `RLIMIT_NOFILE` in
+//! the guest, `disk` bounds the grants' files both ways.
 //!
-//! Grants are copied in before the job and read-write ones copied back after it exits with 0 ([`crate::grants`]:
-//! checked listings, file by file with atomic replace, nothing applied when the guest's answer fails a check, which
-//! ends the job as `crashed`); read-only grants are never copied back. Not built yet on this tier: network egress,
-//! host tools and sessions — each a typed `unsupported` error.
+//! Grants are copied in when the VM starts and read-write ones copied back after each job that exits with 0
+//! ([`crate::grants`]: checked listings, file by file with atomic replace, nothing applied when the guest's answer
+//! fails a check, which ends the job as `crashed`); read-only grants are never copied back.
+//!
+//! **Snapshots** ([`Sandbox::snapshot`] of a [`MicrovmSandbox`]): the agent quiesces (refused while a job runs;
+//! it syncs the guest's filesystems), the vCPUs are paused at a safe point, the whole VM — vCPU, irqchip, clock and
+//! device state and guest RAM, which holds the guest's files (its tmpfs overlay) and every process a job left
+//! running — is saved by [`VmSnapshot::save_with`] into a snapshot directory of tier `microvm`, and the VM
+//! resumes. The manifest's meta records the capabilities (secrets by name only), the limits and the images the VM
+//! runs (kernel, initramfs, root disk: path and sha256). **Forks** ([`Tier::fork`]): the images must be this
+//! tier's, byte for byte; the memory file is mapped copy-on-write into a new monitor with a new vsock socket and a
+//! new guest CID; the guest's vsock connections were reset (as Firecracker does), so the host reconnects to the
+//! agent, which accepts a new connection as it does after any; the agent then reseeds the guest's randomness from
+//! the host's `getrandom` and sets its clock to the host's ([`AgentClient::after_restore`]). The fork runs with the
+//! recorded capabilities and limits; a snapshot taken with secrets is refused by [`Tier::fork`] (their values were
+//! never written) and forked with [`MicrovmTier::fork_with`] and the capabilities.
+//!
+//! Not built yet on this tier: network egress and host tools — each a typed `unsupported` error.
 //!
 //! It needs hardware KVM; the engine only builds it where `strata doctor` finds it.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use serde_json::{Value, json};
 use strata_core::{
-    Capabilities, ExecOptions, GrantMode, Job, LimitKind, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox,
-    Status, Stream, Tier, TierError, TierKind, Truncated, Usage,
+    Capabilities, ExecOptions, Job, LimitKind, Limits, Net, Outcome, Sandbox, Snapshot, Status, Tier, TierError,
+    TierKind,
 };
-use strata_guest_proto::{AgentClient, ClientError, ExecEvent, ExecLimits, ExecRequest, ExitStatus, OutputStream};
-use strata_wasi_shims::OutputCapture;
+use strata_guest_proto::{AgentClient, Entropy};
 
-use crate::builder::{BuildError, Microvm, MicrovmConfig};
-use crate::grants::{self, GrantError, HostTree};
+use crate::builder::{BuildError, GUEST_CID, Microvm, MicrovmConfig};
+use crate::session::{AgentHost, PreparedJob, Session, ended, internal, over_disk_limit, scan_grants, unsupported};
+use crate::snapshot::{SnapshotExtra, VmSnapshot, VmSnapshotError};
 use crate::vstate::vcpu::cpuid::CpuidProfile;
 
-/// Where host programs and scripts are written in the guest.
-const PROGRAM_DIR: &str = "/run/strata";
+/// How long a sandbox's VM has to boot and answer.
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The environment every job starts from.
-const BASE_ENV: &[(&str, &str)] =
-    &[("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), ("HOME", "/root"), ("LANG", "C.UTF-8")];
+/// How long a fork's agent has to answer again.
+pub const RECONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Settings of the microVM tier.
 #[derive(Debug, Clone)]
@@ -50,25 +69,284 @@ pub struct MicrovmTierConfig {
     pub cpuid: CpuidProfile,
 }
 
+/// A file's identity, size and times: unchanged stamps mean unchanged contents (images are replaced, never edited).
+type Stamp = (u64, u64, u64, i64, i64, i64, i64);
+
 /// The microVM tier.
 #[derive(Debug)]
 pub struct MicrovmTier {
     config: MicrovmTierConfig,
+    /// sha256 of the images, by path, with the stamp they were hashed at.
+    hashes: Mutex<HashMap<PathBuf, (Stamp, String)>>,
+}
+
+/// A sandbox on the microVM tier: a booted (or forked) microVM running jobs in turn.
+pub type MicrovmSandbox = Session<MicrovmGuest>;
+
+/// A microVM as the home of a session's agent, with the images it runs (recorded in its snapshots).
+#[derive(Debug)]
+pub struct MicrovmGuest {
+    vm: Microvm,
+    images: Value,
+}
+
+impl MicrovmGuest {
+    /// The VM.
+    pub fn vm(&self) -> &Microvm {
+        &self.vm
+    }
+}
+
+impl AgentHost for MicrovmGuest {
+    fn has_stopped(&self) -> bool {
+        self.vm.has_stopped()
+    }
+
+    fn console_tail(&self) -> String {
+        self.vm.console_tail(20)
+    }
+
+    fn snapshot(
+        &mut self,
+        destination: &Path,
+        parent: Option<String>,
+        mut extra: SnapshotExtra,
+    ) -> Result<Snapshot, TierError> {
+        extra.meta.insert("images".into(), self.images.clone());
+        let snapshot = self.vm.snapshot(destination, parent, extra).map_err(snapshot_error)?;
+        Ok(snapshot.snapshot().clone())
+    }
+
+    fn shut_down(self) {
+        self.vm.shutdown();
+    }
+}
+
+fn snapshot_error(err: VmSnapshotError) -> TierError {
+    match err {
+        VmSnapshotError::Store(err) => TierError::Snapshot(err),
+        other => internal(error_chain(&other)),
+    }
+}
+
+/// An error and its sources, as one line.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+fn stamp(path: &Path) -> std::io::Result<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path)?;
+    Ok((m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec()))
 }
 
 impl MicrovmTier {
     /// The tier with these images.
     pub fn new(config: MicrovmTierConfig) -> MicrovmTier {
-        MicrovmTier { config }
+        MicrovmTier { config, hashes: Mutex::new(HashMap::new()) }
+    }
+
+    /// sha256 of an image, hashed once per version of the file.
+    fn sha256(&self, path: &Path) -> Result<String, TierError> {
+        let read_error = |source| TierError::ReadInput { path: path.to_owned(), source };
+        let now = stamp(path).map_err(read_error)?;
+        let mut hashes = self.hashes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((at, sum)) = hashes.get(path)
+            && *at == now
+        {
+            return Ok(sum.clone());
+        }
+        let sum = strata_image_util::sha256_file(path).map_err(read_error)?;
+        hashes.insert(path.to_owned(), (now, sum.clone()));
+        Ok(sum)
+    }
+
+    /// The images this tier boots, as a snapshot's meta records them.
+    fn images(&self) -> Result<Value, TierError> {
+        let image =
+            |path: &Path| -> Result<Value, TierError> { Ok(json!({"path": path, "sha256": self.sha256(path)?})) };
+        let root_disk = match &self.config.root_disk {
+            Some(disk) => image(disk)?,
+            None => Value::Null,
+        };
+        Ok(json!({
+            "kernel": image(&self.config.kernel)?,
+            "initramfs": image(&self.config.initramfs)?,
+            "root_disk": root_disk,
+        }))
+    }
+
+    fn check_caps(caps: &Capabilities) -> Result<(), TierError> {
+        if let Net::Allow(_) = caps.net {
+            return Err(unsupported("network egress (the vsock egress tunnel is not built yet)"));
+        }
+        if !caps.tools.is_empty() {
+            return Err(unsupported("host tools"));
+        }
+        Ok(())
+    }
+
+    fn vm_config(&self, limits: &Limits) -> MicrovmConfig {
+        MicrovmConfig {
+            kernel: self.config.kernel.clone(),
+            initramfs: self.config.initramfs.clone(),
+            root_disk: self.config.root_disk.clone(),
+            memory_bytes: limits.memory.0.max(64 << 20),
+            vcpus: u8::try_from(limits.vcpus.clamp(1, 32)).unwrap_or(1),
+            cpuid: self.config.cpuid,
+            run_dir: self.config.run_dir.clone(),
+        }
+    }
+
+    /// Boots a VM, reaches its agent within `timeout` and copies the grants in: the session, or how the start
+    /// ended when the guest never got there.
+    fn boot_session(
+        &self,
+        caps: &Capabilities,
+        limits: &Limits,
+        timeout: Duration,
+        started: Instant,
+    ) -> Result<Result<MicrovmSandbox, Outcome>, TierError> {
+        Self::check_caps(caps)?;
+        let Some(trees) = scan_grants(caps, limits)? else {
+            return Ok(Err(ended(Status::LimitExceeded { limit: LimitKind::Disk }, started)));
+        };
+        let images = self.images()?;
+        let mut vm = Microvm::boot(&self.vm_config(limits)).map_err(internal)?;
+        let client = match vm.connect_agent(timeout) {
+            Ok(client) => client,
+            Err(BuildError::AgentTimeout { .. }) => {
+                return Ok(Err(ended(Status::LimitExceeded { limit: LimitKind::Wall }, started)));
+            }
+            Err(BuildError::GuestDied { exit, console }) => {
+                let message = format!("the guest stopped before its agent was ready ({exit})");
+                let mut outcome = ended(Status::Crashed { message }, started);
+                outcome.stderr = console.into_bytes();
+                return Ok(Err(outcome));
+            }
+            Err(err) => return Err(internal(err)),
+        };
+        Session::with_trees(MicrovmGuest { vm, images }, client, caps, limits, &trees).map(Ok)
+    }
+
+    /// A fork of `snapshot` with the caller's capabilities and limits instead of the recorded ones (the guest's
+    /// memory, vCPUs and files are the snapshot's either way; the grants' guest copies too). The way to fork a
+    /// snapshot taken with secrets.
+    pub fn fork_with(
+        &self,
+        snapshot: &Snapshot,
+        caps: &Capabilities,
+        limits: &Limits,
+    ) -> Result<MicrovmSandbox, TierError> {
+        let plan = ForkPlan::read(snapshot)?;
+        self.fork_plan(snapshot, &plan, caps, limits)
+    }
+
+    fn fork_plan(
+        &self,
+        snapshot: &Snapshot,
+        plan: &ForkPlan,
+        caps: &Capabilities,
+        limits: &Limits,
+    ) -> Result<MicrovmSandbox, TierError> {
+        Self::check_caps(caps)?;
+        for grant in &caps.grants {
+            if !grant.host.is_dir() {
+                return Err(strata_core::CapsError::GrantNotFound(grant.host.clone()).into());
+            }
+        }
+        let images = self.images()?;
+        if images != plan.images {
+            return Err(unsupported(&format!(
+                "forking a snapshot taken over other images ({}; this tier runs {})",
+                plan.images, images
+            )));
+        }
+        let vm_snapshot = VmSnapshot::from_verified(snapshot.clone()).map_err(snapshot_error)?;
+        let vm = Microvm::fork(&vm_snapshot, &self.config.run_dir, fresh_guest_cid()?, self.config.root_disk.clone())
+            .map_err(snapshot_error)?;
+        let mut guest = MicrovmGuest { vm, images };
+        let client = guest.vm.connect_agent(RECONNECT_TIMEOUT).map_err(internal)?;
+        after_restore(&client)?;
+        let parent = Some(snapshot.manifest.id.clone());
+        Ok(Session::resumed(guest, client, caps, limits, parent))
     }
 }
 
-fn unsupported(what: &str) -> TierError {
-    TierError::Unsupported { tier: TierKind::Microvm, what: what.to_owned() }
+/// Tells a restored guest's agent to reseed its randomness (64 bytes of the host's `getrandom`) and to set its
+/// clock to the host's.
+pub fn after_restore(client: &AgentClient) -> Result<(), TierError> {
+    let mut entropy = [0u8; Entropy::LEN];
+    host_random(&mut entropy)?;
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_err(internal)?;
+    let now = u64::try_from(now.as_nanos()).map_err(internal)?;
+    client.after_restore(entropy, now).map_err(|err| internal(format!("reseeding the restored guest: {err}")))
 }
 
-fn internal(message: impl std::fmt::Display) -> TierError {
-    TierError::Internal { tier: TierKind::Microvm, message: message.to_string() }
+fn host_random(buf: &mut [u8]) -> Result<(), TierError> {
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(buf))
+        .map_err(|err| internal(format!("reading host randomness: {err}")))
+}
+
+/// A guest CID for a fork: random, above the reserved ones (0-2) and the booted VMs' [`GUEST_CID`], below
+/// `VMADDR_CID_ANY`.
+fn fresh_guest_cid() -> Result<u64, TierError> {
+    let mut bytes = [0u8; 4];
+    host_random(&mut bytes)?;
+    let span = u64::from(u32::MAX - 1) - (GUEST_CID + 1);
+    Ok(GUEST_CID + 1 + u64::from(u32::from_le_bytes(bytes)) % span)
+}
+
+/// What a fork needs from a snapshot's meta.
+#[derive(Debug)]
+struct ForkPlan {
+    caps: Capabilities,
+    limits: Limits,
+    secret_names: Vec<String>,
+    images: Value,
+}
+
+fn invalid_meta(snapshot: &Snapshot, message: impl Into<String>) -> TierError {
+    TierError::Snapshot(strata_core::SnapshotError::InvalidManifest {
+        dir: snapshot.dir.clone(),
+        message: message.into(),
+    })
+}
+
+impl ForkPlan {
+    fn read(snapshot: &Snapshot) -> Result<ForkPlan, TierError> {
+        if snapshot.manifest.tier != TierKind::Microvm {
+            return Err(strata_core::SnapshotError::WrongTier {
+                dir: snapshot.dir.clone(),
+                expected: TierKind::Microvm,
+                found: snapshot.manifest.tier,
+            }
+            .into());
+        }
+        let meta = &snapshot.manifest.meta;
+        let caps: Capabilities = serde_json::from_value(meta.get("caps").cloned().unwrap_or(Value::Null))
+            .map_err(|e| invalid_meta(snapshot, format!("caps: {e}")))?;
+        let limits: Limits = serde_json::from_value(meta.get("limits").cloned().unwrap_or(Value::Null))
+            .map_err(|e| invalid_meta(snapshot, format!("limits: {e}")))?;
+        let secret_names = match meta.get("secret_names") {
+            Some(Value::Array(names)) => names
+                .iter()
+                .map(|n| n.as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| invalid_meta(snapshot, "secret_names holds a non-string"))?,
+            _ => return Err(invalid_meta(snapshot, "no secret_names list")),
+        };
+        let images = meta.get("images").cloned().ok_or_else(|| invalid_meta(snapshot, "no images"))?;
+        Ok(ForkPlan { caps, limits, secret_names, images })
+    }
 }
 
 impl Tier for MicrovmTier {
@@ -78,257 +356,43 @@ impl Tier for MicrovmTier {
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
         let limits = opts.limits.as_ref().unwrap_or(limits);
-        if let Net::Allow(_) = caps.net {
-            return Err(unsupported("network egress (the vsock egress tunnel is not built yet)"));
-        }
-        if !caps.tools.is_empty() {
-            return Err(unsupported("host tools"));
-        }
         let started = Instant::now();
-        let Some(trees) = scan_grants(caps, limits)? else {
-            return Ok(ended(Status::LimitExceeded { limit: LimitKind::Disk }, started));
+        let prepared = PreparedJob::new(job)?;
+        let mut session = match self.boot_session(caps, limits, limits.wall, started)? {
+            Ok(session) => session,
+            Err(outcome) => return Ok(outcome),
         };
-        let (argv, upload) = translate(job)?;
-        let vcpus = u8::try_from(limits.vcpus.clamp(1, 32)).unwrap_or(1);
-        let config = MicrovmConfig {
-            kernel: self.config.kernel.clone(),
-            initramfs: self.config.initramfs.clone(),
-            root_disk: self.config.root_disk.clone(),
-            memory_bytes: limits.memory.0.max(64 << 20),
-            vcpus,
-            cpuid: self.config.cpuid,
-            run_dir: self.config.run_dir.clone(),
-        };
-        let mut vm = Microvm::boot(&config).map_err(internal)?;
-        let client = match vm.connect_agent(limits.wall) {
-            Ok(client) => client,
-            Err(BuildError::AgentTimeout { .. }) => {
-                return Ok(ended(Status::LimitExceeded { limit: LimitKind::Wall }, started));
-            }
-            Err(BuildError::GuestDied { exit, console }) => {
-                let message = format!("the guest stopped before its agent was ready ({exit})");
-                let mut outcome = ended(Status::Crashed { message }, started);
-                outcome.stderr = console.into_bytes();
-                return Ok(outcome);
-            }
-            Err(err) => return Err(internal(err)),
-        };
-        for (grant, tree) in caps.grants.iter().zip(&trees) {
-            grants::copy_in(&client, tree, &grant.guest).map_err(grant_error)?;
-        }
-        if let Some((path, bytes)) = &upload {
-            client.write_file(path, 0o755, bytes).map_err(internal)?;
-        }
-        let secrets = caps.secret_values();
-        let sink: Option<Arc<dyn OutputSink>> = opts.sink.clone();
-        let stdout = OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), sink.clone());
-        let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, sink);
-        let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        for var in caps.guest_env() {
-            env.retain(|(k, _)| *k != var.name);
-            env.push((var.name.clone(), var.value.clone()));
-        }
-        let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
-        let request = ExecRequest {
-            argv,
-            env,
-            cwd: "/root".into(),
-            stdin: !stdin.is_empty(),
-            limits: ExecLimits {
-                output: Some(limits.output.0),
-                open_files: Some(u64::from(limits.files)),
-                cpu_seconds: Some(limits.cpu.as_secs().saturating_add(1)),
-            },
-        };
-        let mut handle = client.start(&request).map_err(|err| match err {
-            ClientError::ExecFailed { errno, message } if errno == libc::ENOENT => {
-                TierError::ProgramNotFound { program: message }
-            }
-            ClientError::ExecFailed { message, .. } => TierError::ExecFailed { message },
-            other => internal(other),
-        })?;
-        let control = handle.control();
-        if !stdin.is_empty() {
-            control.write_stdin(stdin).map_err(internal)?;
-            control.close_stdin().map_err(internal)?;
-        }
-        let deadline = started + limits.wall;
-        let mut stopped: Option<LimitKind> = None;
-        let report = loop {
-            if opts.cancel.as_ref().is_some_and(strata_core::CancelToken::is_cancelled) {
-                let _ = control.signal(libc::SIGKILL);
-                return Err(TierError::Cancelled);
-            }
-            let left = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(50));
-            match handle.next_event(Some(left.max(Duration::from_millis(1)))) {
-                Ok(ExecEvent::Output { stream: OutputStream::Stdout, data }) => stdout.write(&data),
-                Ok(ExecEvent::Output { stream: OutputStream::Stderr, data }) => stderr.write(&data),
-                Ok(ExecEvent::Exited(report)) => break Some(report),
-                Err(ClientError::Timeout(_)) => {
-                    if Instant::now() >= deadline && stopped.is_none() {
-                        stopped = Some(LimitKind::Wall);
-                        let _ = control.signal(libc::SIGKILL);
-                    } else if stopped.is_some() && Instant::now() >= deadline + Duration::from_secs(2) {
-                        break None;
-                    }
+        let outcome = session.exec_prepared(prepared, &opts, started);
+        Box::new(session).close()?;
+        outcome
+    }
+
+    fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
+        match self.boot_session(caps, limits, BOOT_TIMEOUT, Instant::now())? {
+            Ok(session) => Ok(Box::new(session)),
+            Err(outcome) => Err(match outcome.status {
+                Status::LimitExceeded { limit: LimitKind::Disk } => over_disk_limit(limits),
+                Status::LimitExceeded { .. } => {
+                    internal(format!("the guest agent did not answer within {BOOT_TIMEOUT:?}"))
                 }
-                Err(err) => return Err(internal(err)),
-            }
-        };
-        let wall = started.elapsed();
-        let (status, cpu, peak) = match report {
-            None => (Status::LimitExceeded { limit: LimitKind::Wall }, Duration::ZERO, 0),
-            Some(report) => {
-                let cpu = Duration::from_micros(report.rusage.user_us.saturating_add(report.rusage.sys_us));
-                let status = match (stopped, report.status) {
-                    (Some(limit), _) => Status::LimitExceeded { limit },
-                    (None, _) if report.oom_killed => Status::LimitExceeded { limit: LimitKind::Memory },
-                    (None, ExitStatus::Signal(_)) if cpu > limits.cpu => {
-                        Status::LimitExceeded { limit: LimitKind::Cpu }
-                    }
-                    (None, ExitStatus::Code(code)) => Status::Exited { code },
-                    (None, ExitStatus::Signal(signal)) => {
-                        Status::Trapped { message: format!("killed by signal {signal}") }
-                    }
-                };
-                (status, cpu, report.rusage.max_rss_kb.saturating_mul(1024))
-            }
-        };
-        let status =
-            if status == (Status::Exited { code: 0 }) { copy_back(&client, caps, limits, status)? } else { status };
-        let _ = client.power_off();
-        vm.shutdown();
-        let (out, err) = (stdout.finish(), stderr.finish());
-        Ok(Outcome {
-            tier: TierKind::Microvm,
-            status,
-            truncated: Truncated { stdout: out.truncated, stderr: err.truncated },
-            usage: Usage {
-                wall,
-                cpu,
-                fuel: None,
-                peak_memory: peak,
-                stdout_bytes: out.written,
-                stderr_bytes: err.written,
-            },
-            stdout: out.bytes,
-            stderr: err.bytes,
-            escalations: Vec::new(),
-            tools: Vec::new(),
-        })
-    }
-
-    fn start(&self, _caps: &Capabilities, _limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
-        Err(unsupported("sessions (one VM per job today)"))
-    }
-}
-
-/// Guest paths a grant may not take: the guest's kernel filesystems and where Strata puts programs.
-const RESERVED_GUEST_PATHS: &[&str] = &["/proc", "/sys", "/dev", PROGRAM_DIR];
-
-/// Checks every grant and walks its host tree; `None` when their files are over the disk limit.
-fn scan_grants(caps: &Capabilities, limits: &Limits) -> Result<Option<Vec<HostTree>>, TierError> {
-    let mut left = limits.disk.0;
-    let mut trees = Vec::with_capacity(caps.grants.len());
-    for grant in &caps.grants {
-        let reserved = |r: &&str| grant.guest == *r || grant.guest.starts_with(&format!("{r}/"));
-        if grant.guest == "/" || RESERVED_GUEST_PATHS.iter().any(reserved) {
-            return Err(TierError::GuestPath {
-                path: grant.guest.clone(),
-                reason: "is reserved in the microVM (/, /proc, /sys, /dev, /run/strata)".into(),
-            });
-        }
-        let host = grant.host.canonicalize().map_err(|_| strata_core::CapsError::GrantNotFound(grant.host.clone()))?;
-        match grants::scan(&host, left) {
-            Ok(tree) => {
-                left -= tree.bytes;
-                trees.push(tree);
-            }
-            Err(GrantError::TooLarge { .. }) => return Ok(None),
-            Err(err) => return Err(grant_error(err)),
-        }
-    }
-    Ok(Some(trees))
-}
-
-/// Copies the read-write grants back after a job that exited with 0; the status that the job ends with.
-fn copy_back(client: &AgentClient, caps: &Capabilities, limits: &Limits, status: Status) -> Result<Status, TierError> {
-    let mut left = limits.disk.0;
-    for grant in caps.grants.iter().filter(|g| g.mode == GrantMode::Rw) {
-        let host =
-            grant.host.canonicalize().map_err(|source| TierError::ReadInput { path: grant.host.clone(), source })?;
-        match grants::copy_out(client, &grant.guest, &host, left) {
-            Ok(copied) => left = left.saturating_sub(copied.bytes),
-            Err(GrantError::TooLarge { .. } | GrantError::TooManyEntries { .. }) => {
-                return Ok(Status::LimitExceeded { limit: LimitKind::Disk });
-            }
-            Err(err @ GrantError::Refused { .. }) => return Ok(Status::Crashed { message: err.to_string() }),
-            Err(err) => return Err(grant_error(err)),
-        }
-    }
-    Ok(status)
-}
-
-fn grant_error(err: GrantError) -> TierError {
-    match err {
-        GrantError::Host { path, source } => TierError::ReadInput { path, source },
-        GrantError::NotEmpty { guest } => TierError::GuestPath {
-            path: guest,
-            reason: "a microVM grant needs a guest path that is absent or empty in the image".into(),
-        },
-        GrantError::Agent(err) => internal(err),
-        other => TierError::Unsupported { tier: TierKind::Microvm, what: other.to_string() },
-    }
-}
-
-/// An outcome for a job that never ran.
-fn ended(status: Status, started: Instant) -> Outcome {
-    Outcome {
-        tier: TierKind::Microvm,
-        status,
-        stdout: Vec::new(),
-        stderr: Vec::new(),
-        truncated: Truncated::default(),
-        usage: Usage { wall: started.elapsed(), ..Usage::default() },
-        escalations: Vec::new(),
-        tools: Vec::new(),
-    }
-}
-
-/// A host file to write into the guest before the job: guest path and contents.
-type Upload = (String, Vec<u8>);
-
-/// The job's argv, and a host file to write into the guest first.
-fn translate(job: &Job) -> Result<(Vec<String>, Option<Upload>), TierError> {
-    let upload = |path: &std::path::Path, dir: &str| -> Result<Upload, TierError> {
-        let bytes = std::fs::read(path).map_err(|source| TierError::ReadInput { path: path.to_owned(), source })?;
-        let name = path.file_name().map(|n| n.to_string_lossy().replace('/', "_")).unwrap_or_else(|| "program".into());
-        Ok((format!("{PROGRAM_DIR}/{dir}/{name}"), bytes))
-    };
-    match job {
-        Job::Command { argv } if argv.first().is_some_and(|a| !a.is_empty()) => Ok((argv.clone(), None)),
-        Job::Command { .. } => Err(TierError::WrongFormat { what: "the command".into(), expected: "a non-empty argv" }),
-        Job::Native { program, args } => {
-            let (path, bytes) = upload(program, "bin")?;
-            let mut argv = vec![path.clone()];
-            argv.extend(args.iter().cloned());
-            Ok((argv, Some((path, bytes))))
-        }
-        Job::Python { source, args } => {
-            let mut argv = vec!["python3".to_owned()];
-            let mut file = None;
-            match source {
-                PythonSource::Code(code) => argv.extend(["-c".to_owned(), code.clone()]),
-                PythonSource::Module(module) => argv.extend(["-m".to_owned(), module.clone()]),
-                PythonSource::File(path) => {
-                    let (guest, bytes) = upload(path, "scripts")?;
-                    argv.push(guest.clone());
-                    file = Some((guest, bytes));
+                Status::Crashed { message } => {
+                    internal(format!("{message}; console:\n{}", String::from_utf8_lossy(&outcome.stderr)))
                 }
-            }
-            argv.extend(args.iter().cloned());
-            Ok((argv, file))
+                other => internal(format!("the microVM did not start: {other:?}")),
+            }),
         }
-        Job::Wasm { .. } => Err(TierError::WrongJob { tier: TierKind::Microvm, job: job.kind() }),
+    }
+
+    fn fork(&self, snapshot: &Snapshot) -> Result<Box<dyn Sandbox>, TierError> {
+        let plan = ForkPlan::read(snapshot)?;
+        if !plan.secret_names.is_empty() {
+            return Err(unsupported(&format!(
+                "forking a snapshot taken with secrets ({}) without them: their values are never written to disk; \
+                 fork it with MicrovmTier::fork_with and the capabilities",
+                plan.secret_names.join(", ")
+            )));
+        }
+        let (caps, limits) = (plan.caps.clone(), plan.limits.clone());
+        Ok(Box::new(self.fork_plan(snapshot, &plan, &caps, &limits)?))
     }
 }

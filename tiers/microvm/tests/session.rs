@@ -1,0 +1,403 @@
+//! Sessions end to end with the real guest agent (the embedded static binary, run as a host process over a Unix
+//! socket: its "guest" paths are temporary directories here): several jobs in turn, limits, grants copied back
+//! after exit 0 only, the file rules, snapshot meta and fork refusals, the agent's side of a restore, and that
+//! closing leaves no process behind. What needs a booted Linux (snapshot and fork of a real VM) runs on hardware
+//! KVM only: elsewhere its test prints one skip line.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use strata_core::{
+    ByteSize, Capabilities, ExecOptions, Grant, GrantMode, Job, LimitKind, Limits, Outcome, Persisted, Sandbox,
+    Snapshot, SnapshotWriter, Status, Tier, TierError, TierKind,
+};
+use strata_guest_proto::{AgentClient, ClientConfig, ClientError, ExecLimits, ExecRequest};
+use strata_tier_microvm::session::{AgentHost, Session};
+use strata_tier_microvm::snapshot::SnapshotExtra;
+use strata_tier_microvm::tier::{MicrovmTier, MicrovmTierConfig};
+use strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile;
+
+/// The agent as a host process: the session's guest in these tests.
+#[derive(Debug)]
+struct ProcessAgent {
+    child: Child,
+    workdir: String,
+    /// Meta keys the fake snapshot adds (what the VM adds: its images).
+    images: serde_json::Value,
+    _dir: tempfile::TempDir,
+}
+
+impl ProcessAgent {
+    /// The agent and its client; `None` (after one skip line) when this build has no embedded agent.
+    fn spawn(workdir: &Path) -> Option<(ProcessAgent, AgentClient)> {
+        let Ok(binary) = strata_tier_microvm::guest::agent_binary() else {
+            eprintln!("skip: this build has no guest agent (install the x86_64-unknown-linux-musl target)");
+            return None;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let exe = dir.path().join("strata-agent");
+        fs::write(&exe, binary).expect("write agent");
+        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).expect("chmod");
+        let socket = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&socket).expect("bind");
+        let child = Command::new(&exe).arg("--unix").arg(&socket).spawn().expect("spawn agent");
+        let (stream, _) = listener.accept().expect("accept");
+        let client = AgentClient::connect(stream, ClientConfig::default()).expect("connect");
+        let workdir = workdir.to_str().expect("utf-8").to_owned();
+        Some((ProcessAgent { child, workdir, images: serde_json::json!({"kernel": "none"}), _dir: dir }, client))
+    }
+}
+
+impl AgentHost for ProcessAgent {
+    fn has_stopped(&self) -> bool {
+        false
+    }
+
+    fn workdir(&self) -> &str {
+        &self.workdir
+    }
+
+    /// What the VM does, minus the VM: the manifest and meta of a microVM snapshot around a placeholder file.
+    fn snapshot(
+        &mut self,
+        destination: &Path,
+        parent: Option<String>,
+        mut extra: SnapshotExtra,
+    ) -> Result<Snapshot, TierError> {
+        let writer = SnapshotWriter::create(destination)?;
+        fs::write(writer.dir().join("memory"), b"not a VM").expect("placeholder");
+        extra.meta.insert("images".into(), self.images.clone());
+        let mut persists = vec![Persisted::Memory, Persisted::Cpu, Persisted::Devices];
+        persists.extend(extra.persists);
+        Ok(writer.commit(TierKind::Microvm, parent, persists, serde_json::Value::Object(extra.meta))?)
+    }
+
+    fn shut_down(mut self) {
+        // The agent exits on power-off; wait for it (no zombie).
+        let _ = self.child.wait();
+    }
+}
+
+struct Fixture {
+    guest_root: tempfile::TempDir,
+    rw_host: tempfile::TempDir,
+    ro_host: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let fixture = Fixture {
+            guest_root: tempfile::tempdir().expect("tempdir"),
+            rw_host: tempfile::tempdir().expect("tempdir"),
+            ro_host: tempfile::tempdir().expect("tempdir"),
+        };
+        fs::write(fixture.rw_host.path().join("start.txt"), b"from the host").expect("write");
+        fs::write(fixture.ro_host.path().join("keep.txt"), b"read me").expect("write");
+        fixture
+    }
+
+    fn guest(&self, name: &str) -> String {
+        self.guest_root.path().join(name).to_str().expect("utf-8").to_owned()
+    }
+
+    fn caps(&self) -> Capabilities {
+        Capabilities {
+            grants: vec![
+                Grant { host: self.rw_host.path().to_owned(), guest: self.guest("rw"), mode: GrantMode::Rw },
+                Grant { host: self.ro_host.path().to_owned(), guest: self.guest("ro"), mode: GrantMode::Ro },
+            ],
+            env: vec!["GREETING=hi".parse().expect("env")],
+            secrets: vec!["TOKEN=hunter2-secret".parse().expect("secret")],
+            ..Capabilities::default()
+        }
+    }
+
+    /// A session over the real agent, grants copied in.
+    fn session(&self, limits: &Limits) -> Option<(Session<ProcessAgent>, u32)> {
+        let work = self.guest_root.path().join("work");
+        fs::create_dir_all(&work).expect("workdir");
+        let (agent, client) = ProcessAgent::spawn(&work)?;
+        let pid = agent.child.id();
+        Some((Session::start(agent, client, &self.caps(), limits).expect("session"), pid))
+    }
+}
+
+fn limits() -> Limits {
+    Limits { wall: Duration::from_secs(10), output: ByteSize(1 << 20), ..Limits::default() }
+}
+
+fn sh(script: &str) -> Job {
+    Job::Command { argv: vec!["/bin/sh".into(), "-c".into(), script.into()] }
+}
+
+fn exec(session: &mut Session<ProcessAgent>, script: &str) -> Outcome {
+    session.exec(&sh(script), ExecOptions::default()).expect("exec")
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[test]
+fn several_jobs_run_in_turn_and_keep_their_files() {
+    let fixture = Fixture::new();
+    let Some((mut session, _)) = fixture.session(&limits()) else { return };
+    let first = exec(&mut session, "echo 41 > state; echo \"$GREETING $TOKEN\"; pwd");
+    assert_eq!(first.status, Status::Exited { code: 0 }, "{first:?}");
+    let stdout = String::from_utf8_lossy(&first.stdout).into_owned();
+    assert!(stdout.starts_with("hi "), "{stdout}");
+    assert!(!stdout.contains("hunter2-secret"), "a secret reached the output: {stdout}");
+    assert!(stdout.trim_end().ends_with("/work"), "jobs start in the host's workdir: {stdout}");
+    let second = exec(&mut session, "echo $(( $(cat state) + 1 ))");
+    assert_eq!(second.stdout, b"42\n");
+    let third = exec(&mut session, &format!("cat {}/start.txt {}/keep.txt", fixture.guest("rw"), fixture.guest("ro")));
+    assert_eq!(third.stdout, b"from the hostread me", "grants were copied in at start");
+    assert_eq!(exec(&mut session, "exit 3").status, Status::Exited { code: 3 });
+    assert!(matches!(exec(&mut session, "kill -9 $$").status, Status::Trapped { .. }));
+    assert_eq!(session.tier(), TierKind::Microvm);
+    Box::new(session).close().expect("close");
+}
+
+#[test]
+fn a_jobs_limits_hold_and_the_session_goes_on() {
+    let fixture = Fixture::new();
+    let Some((mut session, _)) = fixture.session(&limits()) else { return };
+    let short = Limits { wall: Duration::from_millis(300), ..limits() };
+    let started = Instant::now();
+    let outcome =
+        session.exec(&sh("sleep 30"), ExecOptions { limits: Some(short), ..ExecOptions::default() }).expect("exec");
+    assert_eq!(outcome.status, Status::LimitExceeded { limit: LimitKind::Wall });
+    assert!(started.elapsed() < Duration::from_secs(5), "the job was not stopped at its wall limit");
+
+    let capped = Limits { output: ByteSize(1000), ..limits() };
+    let outcome = session
+        .exec(
+            &sh("head -c 100000 /dev/zero | tr '\\0' x"),
+            ExecOptions { limits: Some(capped), ..ExecOptions::default() },
+        )
+        .expect("exec");
+    assert_eq!(outcome.status, Status::Exited { code: 0 });
+    assert_eq!(outcome.stdout.len(), 1000);
+    assert!(outcome.truncated.stdout && !outcome.truncated.stderr);
+    assert_eq!(outcome.usage.stdout_bytes, 100_000, "usage counts what the job wrote");
+
+    let outcome = session
+        .exec(
+            &Job::Command { argv: vec!["cat".into()] },
+            ExecOptions { stdin: Some(b"fed".to_vec()), ..ExecOptions::default() },
+        )
+        .expect("exec");
+    assert_eq!(outcome.stdout, b"fed");
+
+    let err = session.exec(&Job::Command { argv: vec!["/no/such/program".into()] }, ExecOptions::default());
+    assert_eq!(err.expect_err("missing program").code(), "program_not_found");
+    assert_eq!(exec(&mut session, "echo still here").stdout, b"still here\n", "the session survived all that");
+}
+
+#[test]
+fn rw_grants_come_back_after_exit_0_only() {
+    let fixture = Fixture::new();
+    let Some((mut session, _)) = fixture.session(&limits()) else { return };
+    let (rw, ro) = (fixture.guest("rw"), fixture.guest("ro"));
+    let failed = exec(&mut session, &format!("echo lost > {rw}/fail.txt; echo changed > {ro}/keep.txt; exit 1"));
+    assert_eq!(failed.status, Status::Exited { code: 1 });
+    assert!(!fixture.rw_host.path().join("fail.txt").exists(), "copied back after a failed job");
+    let ok = exec(&mut session, &format!("echo kept > {rw}/ok.txt"));
+    assert_eq!(ok.status, Status::Exited { code: 0 });
+    // The guest still had fail.txt: everything in the grant comes back with the next successful job.
+    assert_eq!(fs::read(fixture.rw_host.path().join("ok.txt")).expect("ok.txt"), b"kept\n");
+    assert_eq!(fs::read(fixture.rw_host.path().join("fail.txt")).expect("fail.txt"), b"lost\n");
+    assert_eq!(fs::read(fixture.ro_host.path().join("keep.txt")).expect("keep"), b"read me", "ro copied back");
+}
+
+#[test]
+fn files_follow_the_guest_path_rules() {
+    let fixture = Fixture::new();
+    let Some((mut session, _)) = fixture.session(&limits()) else { return };
+    let note = format!("{}/note.txt", fixture.guest("rw"));
+    session.write_file(&note, b"from write_file").expect("write in the rw grant");
+    assert_eq!(session.read_file(&note).expect("read"), b"from write_file");
+    assert_eq!(exec(&mut session, &format!("cat {note}")).stdout, b"from write_file");
+    assert_eq!(fs::read(fixture.rw_host.path().join("note.txt")).expect("copied back"), b"from write_file");
+    let scratch = format!("{}/scratch.txt", fixture.guest("work"));
+    session.write_file(&scratch, b"anywhere in the guest").expect("write outside grants");
+    assert_eq!(session.read_file(&scratch).expect("read"), b"anywhere in the guest");
+    assert_eq!(session.read_file(&format!("{}/keep.txt", fixture.guest("ro"))).expect("read ro"), b"read me");
+
+    let ro_file = format!("{}/keep.txt", fixture.guest("ro"));
+    assert_eq!(session.write_file(&ro_file, b"no").expect_err("ro grant").code(), "guest_path");
+    let dotdot = format!("{}/../ro/keep.txt", fixture.guest("rw"));
+    assert_eq!(session.write_file(&dotdot, b"no").expect_err("dotdot").code(), "guest_path");
+    assert_eq!(session.read_file("relative.txt").expect_err("relative").code(), "guest_path");
+    assert_eq!(session.read_file("/proc/self/environ").expect_err("proc").code(), "guest_path");
+    let absent = format!("{}/absent", fixture.guest("rw"));
+    assert_eq!(session.read_file(&absent).expect_err("absent").code(), "guest_path");
+}
+
+#[test]
+fn close_and_drop_end_the_agent() {
+    let fixture = Fixture::new();
+    let Some((session, pid)) = fixture.session(&limits()) else { return };
+    assert!(alive(pid));
+    Box::new(session).close().expect("close");
+    assert!(!alive(pid), "the agent process outlived close");
+
+    let fixture = Fixture::new();
+    let Some((session, pid)) = fixture.session(&limits()) else { return };
+    drop(session);
+    assert!(!alive(pid), "the agent process outlived drop");
+}
+
+#[test]
+fn a_snapshot_records_caps_by_name_and_refuses_a_fork_without_secrets() {
+    let fixture = Fixture::new();
+    let Some((mut session, _)) = fixture.session(&limits()) else { return };
+    assert_eq!(exec(&mut session, "echo setup > state").status, Status::Exited { code: 0 });
+    let store = tempfile::tempdir().expect("tempdir");
+    let dest = store.path().join("snap");
+    let snapshot = session.snapshot(&dest).expect("snapshot");
+    assert_eq!(snapshot.manifest.tier, TierKind::Microvm);
+    for kind in [Persisted::Memory, Persisted::Filesystem, Persisted::Processes] {
+        assert!(snapshot.manifest.persists.contains(&kind), "{:?}", snapshot.manifest.persists);
+    }
+    let meta = &snapshot.manifest.meta;
+    assert_eq!(meta["secret_names"], serde_json::json!(["TOKEN"]));
+    assert_eq!(meta["caps"]["grants"].as_array().map(Vec::len), Some(2));
+    assert_eq!(meta["caps"]["env"][0]["name"], "GREETING");
+    for entry in fs::read_dir(&dest).expect("dir").flatten() {
+        let bytes = fs::read(entry.path()).expect("read");
+        assert!(!bytes.windows(14).any(|w| w == b"hunter2-secret"), "{:?} holds the secret", entry.path());
+    }
+    assert_eq!(exec(&mut session, "cat state").stdout, b"setup\n", "the session goes on after a snapshot");
+
+    let tier = MicrovmTier::new(MicrovmTierConfig {
+        kernel: fixture.guest_root.path().join("vmlinux"),
+        initramfs: fixture.guest_root.path().join("initramfs"),
+        root_disk: None,
+        run_dir: store.path().to_owned(),
+        cpuid: CpuidProfile::Standard,
+    });
+    let opened = Snapshot::open(&dest).expect("open");
+    let Err(err) = tier.fork(&opened) else { panic!("a snapshot with secrets was forked without them") };
+    assert_eq!(err.code(), "unsupported", "{err}");
+    assert!(err.to_string().contains("TOKEN") && !err.to_string().contains("hunter2"), "{err}");
+
+    // Without secrets the fork gets as far as the images, which must be this tier's byte for byte.
+    fs::write(fixture.guest_root.path().join("vmlinux"), b"kernel").expect("write");
+    fs::write(fixture.guest_root.path().join("initramfs"), b"initramfs").expect("write");
+    let caps = Capabilities { secrets: Vec::new(), ..fixture.caps() };
+    let err = tier.fork_with(&opened, &caps, &limits()).expect_err("other images");
+    assert!(err.to_string().contains("other images"), "{err}");
+}
+
+#[test]
+fn the_agent_refuses_to_quiesce_while_a_job_runs_and_acks_a_restore() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some((agent, client)) = ProcessAgent::spawn(dir.path()) else { return };
+    let request = ExecRequest {
+        argv: vec!["sleep".into(), "30".into()],
+        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+        cwd: "/".into(),
+        stdin: false,
+        limits: ExecLimits::default(),
+    };
+    let handle = client.start(&request).expect("start");
+    assert!(matches!(client.prepare_snapshot(), Err(ClientError::Refused { .. })));
+    handle.control().signal(libc::SIGKILL).expect("kill");
+    handle.wait(|_, _| {}).expect("exit");
+    client.prepare_snapshot().expect("quiesced once idle");
+    strata_tier_microvm::tier::after_restore(&client).expect("after_restore");
+    let pid = agent.child.id();
+    client.power_off().expect("power off");
+    agent.shut_down();
+    assert!(!alive(pid));
+}
+
+fn kvm_kind() -> &'static str {
+    if !Path::new("/dev/kvm").exists() {
+        return "none";
+    }
+    let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let flags = cpuinfo.lines().find(|l| l.starts_with("flags")).unwrap_or("");
+    if flags.split_whitespace().any(|f| f == "vmx" || f == "svm") {
+        "hardware"
+    } else if Path::new("/sys/module/kvm_pvm").exists() {
+        "pvm"
+    } else {
+        "none"
+    }
+}
+
+/// A booted Linux sandbox snapshotted with a process left running, forked twice: state and the process carried
+/// into both forks, forks independent, fresh randomness in each, the clock never back. Hardware KVM only.
+#[test]
+fn a_booted_sandbox_snapshots_and_forks_on_hardware_kvm() {
+    if kvm_kind() != "hardware" {
+        eprintln!("skip: snapshot and fork of a booted microVM need hardware KVM (this host: {})", kvm_kind());
+        return;
+    }
+    let Some(home) = std::env::var_os("STRATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/strata")))
+    else {
+        eprintln!("skip: no STRATA_HOME or HOME");
+        return;
+    };
+    let Some(kernel) = strata_kernel_image::KernelImage::new(&home).ok().and_then(|k| k.installed().ok()) else {
+        eprintln!("skip: the guest kernel is not built (strata images build kernel)");
+        return;
+    };
+    let Ok(agent) = strata_tier_microvm::guest::agent_binary() else {
+        eprintln!("skip: this build has no guest agent");
+        return;
+    };
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let busybox = Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
+    let Ok(initramfs) = strata_rootfs_image::initramfs::ensure_initramfs(scratch.path(), agent, busybox) else {
+        eprintln!("skip: no static busybox for the initramfs");
+        return;
+    };
+    let tier = MicrovmTier::new(MicrovmTierConfig {
+        kernel: kernel.vmlinux,
+        initramfs: initramfs.path,
+        root_disk: None,
+        run_dir: scratch.path().to_owned(),
+        cpuid: CpuidProfile::Standard,
+    });
+    let limits = Limits { memory: ByteSize(256 << 20), wall: Duration::from_secs(20), ..Limits::default() };
+    let mut sandbox = tier.start(&Capabilities::default(), &limits).expect("start");
+    let setup = sandbox
+        .exec(&sh("echo 41 > /tmp/x; sleep 1000 > /dev/null 2>&1 & echo $! > /tmp/pid"), ExecOptions::default())
+        .expect("setup");
+    assert_eq!(setup.status, Status::Exited { code: 0 }, "{setup:?}");
+    let before = sandbox.exec(&sh("date +%s"), ExecOptions::default()).expect("date");
+    let dest = scratch.path().join("snap");
+    let snapshot = sandbox.snapshot(&dest).expect("snapshot");
+    assert!(snapshot.manifest.persists.contains(&Persisted::Processes));
+    let snapshot = Snapshot::open(&dest).expect("open");
+    let mut forks: Vec<Box<dyn Sandbox>> = (0..2).map(|_| tier.fork(&snapshot).expect("fork")).collect();
+    let mut random = Vec::new();
+    for (index, fork) in forks.iter_mut().enumerate() {
+        let run =
+            |fork: &mut Box<dyn Sandbox>, script: &str| fork.exec(&sh(script), ExecOptions::default()).expect(script);
+        assert_eq!(run(fork, "cat /tmp/x").stdout, b"41\n");
+        assert_eq!(run(fork, "kill -0 $(cat /tmp/pid)").status, Status::Exited { code: 0 }, "the process died");
+        run(fork, &format!("echo {index} > /tmp/mine"));
+        random.push(run(fork, "head -c 16 /dev/urandom | od -An -tx1").stdout);
+        let now = run(fork, "date +%s").stdout;
+        let as_secs = |b: &[u8]| String::from_utf8_lossy(b).trim().parse::<u64>().unwrap_or(0);
+        assert!(as_secs(&now) >= as_secs(&before.stdout), "the clock went back");
+    }
+    assert_ne!(random[0], random[1], "two forks read the same random bytes");
+    assert_eq!(forks[0].read_file("/tmp/mine").expect("mine"), b"0\n", "a sibling's write leaked");
+    assert_eq!(sandbox.read_file("/tmp/x").expect("parent"), b"41\n");
+    assert_eq!(sandbox.read_file("/tmp/mine").expect_err("the parent sees no fork's write").code(), "guest_path");
+    for fork in forks {
+        fork.close().expect("close fork");
+    }
+    sandbox.close().expect("close");
+}
