@@ -23,6 +23,7 @@
 
 pub mod doctor;
 pub mod policy;
+pub mod scan;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -31,8 +32,8 @@ use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 
 use strata_core::{
-    Capabilities, Escalation, ExecOptions, Job, JobKind, Limits, Outcome, PythonSource, Sandbox, Snapshot,
-    SnapshotError, Status, Tier, TierError, TierKind, ToolRegistry,
+    Capabilities, Escalation, ExecOptions, Job, JobKind, Limits, Outcome, PythonSource, RouteDecision, Sandbox,
+    Snapshot, SnapshotError, Status, Tier, TierError, TierKind, ToolRegistry,
 };
 use strata_python_image::PythonImage;
 use strata_rootfs_image::DebianImage;
@@ -81,11 +82,17 @@ pub struct Route<'e> {
     pub tier: &'e dyn Tier,
     /// Set when the preferred tier could not run here and the policy let the job fall back to this one.
     pub escalation: Option<Escalation>,
+    /// The tier and why, as the outcome's `route` reports it.
+    pub decision: RouteDecision,
 }
 
 impl fmt::Debug for Route<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Route").field("tier", &self.tier.kind()).field("escalation", &self.escalation).finish()
+        f.debug_struct("Route")
+            .field("tier", &self.tier.kind())
+            .field("escalation", &self.escalation)
+            .field("decision", &self.decision)
+            .finish()
     }
 }
 
@@ -291,6 +298,8 @@ pub struct Engine {
     process: OnceLock<Result<ProcessTier, String>>,
     /// Started on first use where the host has hardware KVM: it needs the kernel, initramfs and disk images.
     microvm: OnceLock<Result<strata_tier_microvm::tier::MicrovmTier, String>>,
+    /// What the wasm build of Python can import, for the router (generated on the first Python job).
+    wasm_modules: OnceLock<Result<scan::WasmModules, String>>,
     tools: ToolRegistry,
 }
 
@@ -312,7 +321,14 @@ impl Engine {
             python,
             tools: tools.clone(),
         });
-        Ok(Engine { config, wasm, process: OnceLock::new(), microvm: OnceLock::new(), tools })
+        Ok(Engine {
+            config,
+            wasm,
+            process: OnceLock::new(),
+            microvm: OnceLock::new(),
+            wasm_modules: OnceLock::new(),
+            tools,
+        })
     }
 
     /// The host tools jobs may call (`Capabilities::tools` picks them by name). Register tools here.
@@ -413,20 +429,29 @@ impl Engine {
         &self.wasm
     }
 
-    /// Where a job goes: the tier, and the fallback taken on the way if any. A job the chosen tier cannot run is
-    /// refused before the tier starts (which for the process tier may mean building its image); so is a tier the
-    /// policy does not allow.
-    ///
-    /// `Auto` sends WebAssembly to wasm, Python to wasm (or the policy's native tier when wasm is not allowed), and
-    /// Linux programs and commands to the policy's native tier. When that is the microVM and this host cannot run
-    /// it (no hardware KVM), a policy with `fallback` sends the job to the process tier and says so in the
-    /// returned [`Escalation`], which [`Engine::run_on`] records in the outcome.
+    /// Where a job goes, judged with the policy's default limits ([`Engine::route_with_limits`]).
     pub fn route(&self, choice: TierChoice, job: &Job) -> Result<Route<'_>, EngineError> {
+        self.route_with_limits(choice, job, self.default_limits())
+    }
+
+    /// Where a job that runs under `limits` goes: the tier, the fallback taken on the way if any, and the
+    /// decision with its reason. A job the chosen tier cannot run is refused before the tier starts (which for the
+    /// process tier may mean building its image); so is a tier the policy does not allow.
+    ///
+    /// `Auto` sends WebAssembly to wasm; Linux programs and commands to the policy's native tier; Python to wasm
+    /// unless the import scan ([`scan`]) finds what the wasm build lacks or `limits` exceed the policy's
+    /// `python_native_above`, and then to the native tier (Python stays on wasm when the policy allows no native
+    /// tier, or the native tier is unavailable here with no fallback; it goes native when wasm is not allowed).
+    /// When the native tier is the microVM and this host cannot run it (no hardware KVM), a policy with `fallback`
+    /// sends the job to the process tier and says so in the returned [`Escalation`], which [`Engine::run_on`]
+    /// records in the outcome.
+    pub fn route_with_limits(&self, choice: TierChoice, job: &Job, limits: &Limits) -> Result<Route<'_>, EngineError> {
         let policy = &self.config.policy.tiers;
         let allowed = |tier: TierKind| {
             if policy.allows(tier) { Ok(tier) } else { Err(EngineError::TierNotAllowed { tier }) }
         };
-        let tier = match choice {
+        let native_reason = |what: &str| format!("{what} → the policy's native tier");
+        let (tier, why) = match choice {
             TierChoice::Tier(tier) => {
                 let runs = match tier {
                     TierKind::Wasm => matches!(job.kind(), JobKind::Wasm | JobKind::Python),
@@ -435,27 +460,151 @@ impl Engine {
                 if !runs {
                     return Err(TierError::WrongJob { tier, job: job.kind() }.into());
                 }
-                allowed(tier)?
+                (allowed(tier)?, format!("explicit --tier {tier}"))
             }
-            TierChoice::Auto => match job.kind() {
-                JobKind::Wasm => allowed(TierKind::Wasm)?,
-                JobKind::Python if policy.allows(TierKind::Wasm) => TierKind::Wasm,
-                JobKind::Python | JobKind::Native | JobKind::Command => allowed(policy.native)?,
+            TierChoice::Auto => match job {
+                Job::Wasm { .. } => (allowed(TierKind::Wasm)?, "wasm module".to_owned()),
+                Job::Native { .. } => (allowed(policy.native)?, native_reason("ELF program")),
+                Job::Command { .. } => (allowed(policy.native)?, native_reason("command")),
+                Job::Python { source, .. } => {
+                    if !policy.allows(TierKind::Wasm) {
+                        (allowed(policy.native)?, native_reason("python: the policy does not allow wasm"))
+                    } else {
+                        match self.python_verdict(source, limits) {
+                            scan::PythonVerdict::Wasm(reason) => (TierKind::Wasm, reason),
+                            scan::PythonVerdict::Native(reason) if !policy.allows(policy.native) => {
+                                (TierKind::Wasm, format!("{reason}, but the policy allows only wasm"))
+                            }
+                            scan::PythonVerdict::Native(reason) => return self.python_native(reason),
+                        }
+                    }
+                }
             },
         };
+        self.resolve(choice, tier, why)
+    }
+
+    /// The tier for `tier`, falling back from an unavailable microVM to the process tier when the policy says so.
+    fn resolve(&self, choice: TierChoice, tier: TierKind, why: String) -> Result<Route<'_>, EngineError> {
+        let policy = &self.config.policy.tiers;
         let fallback = choice == TierChoice::Auto && policy.fallback && policy.allows(TierKind::Process);
+        let native = tier != TierKind::Wasm && choice == TierChoice::Auto;
         match self.tier(tier) {
-            Ok(tier) => Ok(Route { tier, escalation: None }),
-            Err(EngineError::TierUnavailable { tier: TierKind::Microvm, reason }) if fallback => Ok(Route {
-                tier: self.tier(TierKind::Process)?,
-                escalation: Some(Escalation {
-                    from: TierKind::Microvm,
-                    to: TierKind::Process,
-                    reason: format!("the microVM tier cannot run here: {reason}"),
-                }),
-            }),
+            Ok(found) => {
+                let reason = if native { format!("{why} ({tier})") } else { why };
+                Ok(Route { tier: found, escalation: None, decision: RouteDecision { tier, reason } })
+            }
+            Err(EngineError::TierUnavailable { tier: TierKind::Microvm, reason }) if fallback => {
+                let reason = format!("the microVM tier cannot run here: {reason}");
+                Ok(Route {
+                    tier: self.tier(TierKind::Process)?,
+                    decision: RouteDecision { tier: TierKind::Process, reason: format!("{why} (process: {reason})") },
+                    escalation: Some(Escalation { from: TierKind::Microvm, to: TierKind::Process, reason }),
+                })
+            }
             Err(err) => Err(err),
         }
+    }
+
+    /// A Python job the scan sends native; when the native tier cannot run here (and no fallback applies), it
+    /// stays on wasm, saying why.
+    fn python_native(&self, reason: String) -> Result<Route<'_>, EngineError> {
+        let native = self.config.policy.tiers.native;
+        match self.resolve(TierChoice::Auto, native, format!("{reason} → the policy's native tier")) {
+            Err(EngineError::TierUnavailable { tier, reason: why }) => Ok(Route {
+                tier: &self.wasm,
+                escalation: None,
+                decision: RouteDecision {
+                    tier: TierKind::Wasm,
+                    reason: format!("{reason}, but the {tier} tier is not available ({why})"),
+                },
+            }),
+            other => other,
+        }
+    }
+
+    /// What the import scan and the policy's `python_native_above` say about a Python job.
+    fn python_verdict(&self, source: &PythonSource, limits: &Limits) -> scan::PythonVerdict {
+        if let Some(threshold) = self.config.policy.tiers.python_native_above {
+            let over = [("wall", limits.wall), ("cpu", limits.cpu)].into_iter().find(|(_, limit)| *limit > threshold);
+            if let Some((name, limit)) = over {
+                return scan::PythonVerdict::Native(format!(
+                    "python: its {name} limit {} exceeds python_native_above ({}); CPython in wasm runs CPU-bound \
+                     code about 4× slower",
+                    strata_core::format_duration(limit),
+                    strata_core::format_duration(threshold)
+                ));
+            }
+        }
+        let refs = match source {
+            PythonSource::Module(module) => scan::scan_main_module(module),
+            PythonSource::Code(code) => match scan::scan_source(code) {
+                Ok(refs) => refs,
+                Err(err) => return scan::unparsable(&err),
+            },
+            PythonSource::File(path) => {
+                let text = match std::fs::read(path) {
+                    Ok(bytes) => bytes,
+                    Err(err) => {
+                        return scan::PythonVerdict::Wasm(format!(
+                            "python: cannot read {} ({err}); the wasm tier reports it",
+                            path.display()
+                        ));
+                    }
+                };
+                match std::str::from_utf8(&text) {
+                    Ok(text) => match scan::scan_source(text) {
+                        Ok(refs) => refs,
+                        Err(err) => return scan::unparsable(&err),
+                    },
+                    Err(_) => {
+                        return scan::PythonVerdict::Wasm(
+                            "python: the script is not UTF-8; wasm reports the SyntaxError".to_owned(),
+                        );
+                    }
+                }
+            }
+        };
+        // The module list is only needed when something is imported.
+        if refs.is_empty() {
+            return scan::route_python(&refs, None);
+        }
+        match self.wasm_modules() {
+            Ok(modules) => scan::route_python(&refs, Some(modules)),
+            Err(err) => {
+                log::warn!("routing Python without the wasm build's module list: {err}");
+                scan::route_python(&refs, None)
+            }
+        }
+    }
+
+    /// What the wasm build of Python can import: generated from the installed runtime on first use (its stdlib zip,
+    /// and `sys.builtin_module_names` from one run of the interpreter) and cached beside it.
+    pub fn wasm_modules(&self) -> Result<&scan::WasmModules, EngineError> {
+        let modules = self.wasm_modules.get_or_init(|| {
+            let image = self.python_image().map_err(|e| e.to_string())?;
+            let (installed, _) =
+                image.ensure(&|line| log::info!("python runtime: {line}")).map_err(|e| e.to_string())?;
+            let digest: String = installed.snapshot_sha256.iter().take(8).map(|b| format!("{b:02x}")).collect();
+            let cache = image.install_dir().with_file_name(format!("wasm-modules-{digest}.txt"));
+            let zip = installed.stdlib_dir.join(&installed.stdlib_zip_name);
+            scan::WasmModules::load_or_generate(&cache, &zip, || {
+                let job = Job::Python {
+                    source: PythonSource::Code("import sys\nprint('\\n'.join(sys.builtin_module_names))".into()),
+                    args: Vec::new(),
+                };
+                let outcome = self
+                    .wasm
+                    .run(&job, &Capabilities::default(), &Limits::default(), ExecOptions::default())
+                    .map_err(|e| e.to_string())?;
+                if outcome.status != (Status::Exited { code: 0 }) {
+                    return Err(format!("{}: {}", outcome.status, String::from_utf8_lossy(&outcome.stderr)));
+                }
+                Ok(String::from_utf8_lossy(&outcome.stdout).lines().map(str::to_owned).collect())
+            })
+            .map_err(|e| e.to_string())
+        });
+        modules.as_ref().map_err(|reason| EngineError::Image(reason.clone()))
     }
 
     fn tier(&self, tier: TierKind) -> Result<&dyn Tier, EngineError> {
@@ -477,8 +626,8 @@ impl Engine {
         self.run_on(TierChoice::Auto, job, caps, limits, opts)
     }
 
-    /// Runs a job on the chosen tier ([`Engine::route`]); a fallback taken on the way is the first entry of the
-    /// outcome's `escalations`.
+    /// Runs a job on the chosen tier ([`Engine::route_with_limits`]); the decision is the outcome's `route`, and a
+    /// fallback taken on the way is the first entry of its `escalations`.
     pub fn run_on(
         &self,
         choice: TierChoice,
@@ -487,11 +636,12 @@ impl Engine {
         limits: &Limits,
         opts: ExecOptions,
     ) -> Result<Outcome, EngineError> {
-        let route = self.route(choice, job)?;
+        let route = self.route_with_limits(choice, job, limits)?;
         let mut outcome = route.tier.run(job, caps, limits, opts)?;
         if let Some(escalation) = route.escalation {
             outcome.escalations.insert(0, escalation);
         }
+        outcome.route = Some(route.decision);
         Ok(outcome)
     }
 

@@ -1,8 +1,10 @@
 //! Policy files (`policies/*.toml`): their `[limits]` table, applied over the defaults of `policies/default.toml`,
 //! and their `[tiers]` table (which tiers jobs may use, where `--tier auto` sends native code, and whether it may
-//! fall back when the preferred tier cannot run on this host).
+//! fall back when the preferred tier cannot run on this host, and above which requested time limit Python goes to the
+//! native tier).
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
 use strata_core::{Limits, LimitsOverride, TierKind};
@@ -26,6 +28,9 @@ pub struct TierPolicy {
     /// When `native` cannot run on this host, `auto` runs the job on the process tier instead (recorded in the
     /// outcome's `escalations`); otherwise the job fails with `tier_unavailable`.
     pub fallback: bool,
+    /// `auto` sends a Python job whose wall or CPU limit exceeds this to the native tier (CPython in wasm runs
+    /// CPU-bound code about 4× slower than native); `None` (`"off"`) never does.
+    pub python_native_above: Option<Duration>,
 }
 
 impl Default for TierPolicy {
@@ -35,6 +40,7 @@ impl Default for TierPolicy {
             allowed: vec![TierKind::Wasm, TierKind::Process, TierKind::Microvm],
             native: TierKind::Microvm,
             fallback: true,
+            python_native_above: Some(Duration::from_secs(60)),
         }
     }
 }
@@ -90,6 +96,22 @@ struct TiersFile {
     allowed: Option<Vec<TierName>>,
     native: Option<TierName>,
     fallback: Option<bool>,
+    python_native_above: Option<Threshold>,
+}
+
+/// A duration (`"60s"`) or `"off"`.
+struct Threshold(Option<Duration>);
+
+impl<'de> Deserialize<'de> for Threshold {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        if text == "off" {
+            return Ok(Threshold(None));
+        }
+        strata_core::parse_duration(&text)
+            .map(|duration| Threshold(Some(duration)))
+            .map_err(|err| serde::de::Error::custom(format!("{err} (expected a duration such as \"60s\", or \"off\")")))
+    }
 }
 
 /// A tier as a policy spells it: `wasm`, `process`, `vm` or `microvm`.
@@ -146,7 +168,12 @@ impl Policy {
             None if !allowed.contains(&native) && allowed.contains(&TierKind::Process) => TierKind::Process,
             _ => native,
         };
-        let tiers = TierPolicy { allowed, native, fallback: file.tiers.fallback.unwrap_or(defaults.fallback) };
+        let tiers = TierPolicy {
+            allowed,
+            native,
+            fallback: file.tiers.fallback.unwrap_or(defaults.fallback),
+            python_native_above: file.tiers.python_native_above.map_or(defaults.python_native_above, |t| t.0),
+        };
         Ok(Policy { limits: file.limits.apply(&Limits::default()), tiers })
     }
 }
@@ -207,6 +234,20 @@ mod tests {
             let err = Policy::from_toml(bad, Path::new("bad.toml")).expect_err(bad).to_string();
             assert!(err.contains("bad.toml"), "{err}");
         }
+    }
+
+    #[test]
+    fn python_native_above_takes_a_duration_or_off() {
+        let parse = |text: &str| Policy::from_toml(text, Path::new("p.toml"));
+        assert_eq!(Policy::default().tiers.python_native_above, Some(Duration::from_secs(60)));
+        let policy = parse("[tiers]\npython_native_above = \"5m\"\n").expect("valid");
+        assert_eq!(policy.tiers.python_native_above, Some(Duration::from_secs(300)));
+        let policy = parse("[tiers]\npython_native_above = \"off\"\n").expect("valid");
+        assert_eq!(policy.tiers.python_native_above, None);
+        let err = parse("[tiers]\npython_native_above = \"soon\"\n").expect_err("not a duration").to_string();
+        assert!(err.contains("p.toml") && err.contains("line 2") && err.contains("python_native_above"), "{err}");
+        let err = parse("[tiers]\npython_native_abov = \"5m\"\n").expect_err("typo").to_string();
+        assert!(err.contains("python_native_abov"), "{err}");
     }
 
     #[test]

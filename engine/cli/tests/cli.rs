@@ -68,7 +68,8 @@ fn json_prints_exactly_the_outcome_object() {
     assert_eq!(run.code, 3);
     let v = json(&run);
     let keys: Vec<&str> = v.as_object().expect("object").keys().map(String::as_str).collect();
-    assert_eq!(keys, ["escalations", "status", "stderr", "stdout", "tier", "tools", "truncated", "usage"]);
+    assert_eq!(keys, ["escalations", "route", "status", "stderr", "stdout", "tier", "tools", "truncated", "usage"]);
+    assert_eq!(v["route"], serde_json::json!({"tier": "wasm", "reason": "wasm module"}));
     assert_eq!(v["tier"], "wasm");
     assert_eq!(v["status"], serde_json::json!({"kind": "exited", "code": 3}));
     assert_eq!(v["stdout"], "exiting with 3\n");

@@ -177,13 +177,25 @@ pub struct Escalation {
     pub reason: String,
 }
 
+/// Where the router sent a job, and why (`"route": {"tier": "wasm", "reason": "..."}` in the JSON).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteDecision {
+    /// The tier the job was sent to (after a fallback the policy allowed, which `escalations` also records).
+    pub tier: TierKind,
+    /// Why, in one line: `"wasm module"`, `"python: imports subprocess (needs processes)"`, `"explicit --tier
+    /// process"`.
+    pub reason: String,
+}
+
 /// The result of a job that ran.
 ///
 /// Serialized, it is exactly DESIGN §5's object:
 /// `{"tier":"wasm","status":{"kind":"exited","code":0},"stdout":"...","stderr":"...",
-/// "truncated":{"stdout":false,"stderr":false},"usage":{...},"escalations":[],"tools":[]}`. Output that is not
-/// UTF-8 is base64 with `"stdout_encoding":"base64"` (or `stderr_encoding`) beside it. `tools` lists the
-/// tool-protocol frames the job exchanged (see [`ToolCall`]).
+/// "truncated":{"stdout":false,"stderr":false},"usage":{...},"escalations":[],"tools":[]}`, with
+/// `"route":{"tier":…,"reason":…}` after `tier` when the engine routed the job ([`RouteDecision`]; a tier leaves it
+/// `None`, and then it is absent). Output that is not UTF-8 is base64 with `"stdout_encoding":"base64"` (or
+/// `stderr_encoding`) beside it. `tools` lists the tool-protocol frames the job exchanged (see [`ToolCall`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
     /// The tier that ran the job.
@@ -202,6 +214,8 @@ pub struct Outcome {
     pub escalations: Vec<Escalation>,
     /// Every tool-protocol frame the job exchanged with the host, in order.
     pub tools: Vec<ToolCall>,
+    /// The router's decision, filled by the engine (`None` from a tier or a sandbox's `exec`).
+    pub route: Option<RouteDecision>,
 }
 
 impl Outcome {
@@ -215,6 +229,8 @@ impl Outcome {
 #[serde(deny_unknown_fields)]
 struct OutcomeJson {
     tier: TierKind,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    route: Option<RouteDecision>,
     status: Status,
     stdout: String,
     #[serde(skip_serializing_if = "Option::is_none", default)]
@@ -254,6 +270,7 @@ impl Serialize for Outcome {
         let (stderr, stderr_encoding) = encode(&self.stderr);
         OutcomeJson {
             tier: self.tier,
+            route: self.route.clone(),
             status: self.status.clone(),
             stdout,
             stdout_encoding,
@@ -280,6 +297,7 @@ impl<'de> Deserialize<'de> for Outcome {
             usage: o.usage,
             escalations: o.escalations,
             tools: o.tools,
+            route: o.route,
         })
     }
 }
@@ -305,6 +323,7 @@ mod tests {
             },
             escalations: Vec::new(),
             tools: Vec::new(),
+            route: None,
         }
     }
 
@@ -315,6 +334,19 @@ mod tests {
             json,
             r#"{"tier":"wasm","status":{"kind":"exited","code":0},"stdout":"hello\n","stderr":"","truncated":{"stdout":false,"stderr":false},"usage":{"wall_ms":1.2,"cpu_ms":1.0,"fuel":12345,"peak_memory_bytes":1114112,"stdout_bytes":6,"stderr_bytes":0},"escalations":[],"tools":[]}"#
         );
+    }
+
+    #[test]
+    fn route_follows_the_tier_when_set_and_round_trips() {
+        let mut outcome = sample();
+        outcome.route = Some(RouteDecision { tier: TierKind::Wasm, reason: "wasm module".into() });
+        let json = serde_json::to_string(&outcome).expect("serializes");
+        assert!(
+            json.starts_with(r#"{"tier":"wasm","route":{"tier":"wasm","reason":"wasm module"},"status":"#),
+            "{json}"
+        );
+        let back: Outcome = serde_json::from_str(&json).expect("deserializes");
+        assert_eq!(back, outcome);
     }
 
     #[test]

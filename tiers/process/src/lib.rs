@@ -369,6 +369,7 @@ fn outcome(report: JobReport, stdout: &OutputCapture, stderr: &OutputCapture) ->
         stderr: err.bytes,
         escalations: Vec::new(),
         tools: Vec::new(),
+        route: None,
     })
 }
 

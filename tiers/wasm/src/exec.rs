@@ -418,6 +418,7 @@ impl Measured {
             stderr: err.bytes,
             escalations: Vec::new(),
             tools,
+            route: None,
         }
     }
 }
