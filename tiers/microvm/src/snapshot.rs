@@ -43,6 +43,11 @@
 //! changes — which is also why a snapshot's files must never be modified while forks of it live. Host resources
 //! that are not state come in [`RestoreArgs`]: the vsock socket path, a new guest CID for a fork's identity, the
 //! disk images, extra devices on the buses.
+//!
+//! A booted Linux VM is such a machine too: [`crate::builder::Microvm`] records every device it places in a
+//! [`Machine`], and [`crate::builder::Microvm::snapshot`] pauses, saves ([`VmSnapshot::save_with`], with the
+//! caller's meta) and resumes it; [`crate::builder::Microvm::fork`] starts a fork of one in a new monitor. The tier
+//! puts sessions on top ([`crate::tier`]: the agent quiesced before, reconnected and reseeded after).
 
 use std::fs::File;
 use std::io::{self, Read, Write};

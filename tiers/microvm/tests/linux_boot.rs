@@ -127,6 +127,12 @@ struct Inputs {
     initramfs: strata_rootfs_image::initramfs::InstalledInitramfs,
 }
 
+/// Tests that start VMs run one at a time: they count the process's vCPU threads afterwards.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: Mutex<()> = Mutex::new(());
+    ONE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn inputs() -> Option<Inputs> {
     let home = std::env::var_os("STRATA_HOME")
         .map(std::path::PathBuf::from)
@@ -160,6 +166,7 @@ fn inputs() -> Option<Inputs> {
 #[test]
 fn a_microvm_reaches_its_agent_or_reports_why_not() {
     use strata_tier_microvm::builder::{BuildError, Microvm, MicrovmConfig};
+    let _one = one_at_a_time();
     let Some(Inputs { home, kernel, kind, scratch, initramfs }) = inputs() else { return };
     let disk = strata_rootfs_image::DebianImage::new(&home)
         .and_then(|image| image.installed())
@@ -223,6 +230,7 @@ fn a_microvm_reaches_its_agent_or_reports_why_not() {
 fn the_tier_runs_a_job_or_reports_the_crash() {
     use strata_core::{Capabilities, ExecOptions, Job, Limits, Status, Tier};
     use strata_tier_microvm::tier::{MicrovmTier, MicrovmTierConfig};
+    let _one = one_at_a_time();
     let Some(Inputs { kernel, kind, scratch, initramfs, .. }) = inputs() else { return };
     let tier = MicrovmTier::new(MicrovmTierConfig {
         kernel: kernel.vmlinux,
@@ -246,4 +254,71 @@ fn the_tier_runs_a_job_or_reports_the_crash() {
     let wasm = Job::Wasm { module: strata_core::ModuleSource::File("x.wasm".into()), args: vec![] };
     let err = tier.run(&wasm, &Capabilities::default(), &limits, ExecOptions::default()).expect_err("wasm");
     assert_eq!(err.code(), "wrong_job");
+}
+
+/// The builder records every device it places, so a booted Linux VM can be paused, saved and forked into a new
+/// monitor like the tiny guests. Here the guest is still booting (on PVM it dies in the emulator later on; this only
+/// needs it to be running): the saved state holds the serial console, virtio-vsock and (with the Debian disk)
+/// virtio-blk; the fork gets its own vsock socket, and everything is released afterwards.
+#[test]
+fn a_booting_microvm_is_snapshotted_and_forked_with_its_devices() {
+    use strata_tier_microvm::builder::{Microvm, MicrovmConfig};
+    use strata_tier_microvm::snapshot::{SnapshotExtra, VirtioDeviceState, VmSnapshot};
+    let _one = one_at_a_time();
+    let Some(Inputs { home, kernel, kind, scratch, initramfs }) = inputs() else { return };
+    let disk = strata_rootfs_image::DebianImage::new(&home)
+        .and_then(|image| image.installed())
+        .and_then(|rootfs| strata_rootfs_image::disk::ensure_disk_image(&rootfs, &|_| {}))
+        .ok()
+        .map(|disk| disk.path);
+    let config = MicrovmConfig {
+        kernel: kernel.vmlinux,
+        initramfs: initramfs.path,
+        root_disk: disk.clone(),
+        memory_bytes: 128 << 20,
+        vcpus: 1,
+        cpuid: if kind == "pvm" { CpuidProfile::PvmCompat } else { CpuidProfile::Standard },
+        run_dir: scratch.path().to_owned(),
+    };
+    let mut vm = Microvm::boot(&config).expect("boot");
+    std::thread::sleep(Duration::from_millis(200));
+    let dest = scratch.path().join("snap");
+    let mut extra = SnapshotExtra::default();
+    extra.meta.insert("images".into(), serde_json::json!({"kernel": "test"}));
+    let started = Instant::now();
+    let saved = vm.snapshot(&dest, None, extra).expect("snapshot a booting VM");
+    eprintln!("saved a booting {kind} microVM in {:.1?}", started.elapsed());
+    assert!(!vm.has_stopped() || kind == "pvm", "the VM did not resume");
+    let state = saved.state();
+    assert!(state.devices.serial.is_some(), "the serial console was not recorded");
+    let kinds: Vec<&str> = state
+        .devices
+        .virtio
+        .iter()
+        .map(|slot| match slot.device {
+            VirtioDeviceState::Vsock(_) => "vsock",
+            VirtioDeviceState::Block(_) => "block",
+        })
+        .collect();
+    assert_eq!(kinds, if disk.is_some() { vec!["vsock", "block"] } else { vec!["vsock"] });
+    assert_eq!(saved.snapshot().manifest.meta["images"]["kernel"], "test");
+    assert_eq!(state.memory_bytes, 128 << 20);
+
+    let opened = VmSnapshot::open(&dest).expect("open");
+    let fork = Microvm::fork(&opened, scratch.path(), 1234, disk).expect("fork into a new monitor");
+    std::thread::sleep(Duration::from_millis(100));
+    fork.shutdown();
+    vm.shutdown();
+    let threads = std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.starts_with("strata-vcpu"))
+        .count();
+    assert_eq!(threads, 0, "vCPU threads left running");
+    let sockets = std::fs::read_dir(scratch.path())
+        .expect("dir")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".sock"))
+        .count();
+    assert_eq!(sockets, 0, "a vsock socket was left behind");
 }

@@ -337,7 +337,7 @@ fn kvm_kind() -> &'static str {
 #[test]
 fn a_booted_sandbox_snapshots_and_forks_on_hardware_kvm() {
     if kvm_kind() != "hardware" {
-        eprintln!("skip: snapshot and fork of a booted microVM need hardware KVM (this host: {})", kvm_kind());
+        eprintln!("skip: snapshot and fork of a booted Linux guest: needs hardware KVM (this host: {})", kvm_kind());
         return;
     }
     let Some(home) = std::env::var_os("STRATA_HOME")
