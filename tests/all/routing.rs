@@ -1,10 +1,11 @@
-//! Routing by policy: where `auto` sends each kind of job, the fallback from the microVM to the process tier where
-//! this host has no hardware KVM (recorded in `escalations`), and tiers a policy does not allow.
+//! Routing by policy and by content: where `auto` sends each kind of job, the fallback from the microVM to the process
+//! tier where this host has no hardware KVM (recorded in `escalations`), tiers a policy does not allow, and Python
+//! routed by a scan of its imports (the decision and its reason in the outcome's `route`).
 
 use std::path::Path;
 
 use strata_core::{Capabilities, ExecOptions, Job, Limits, Outcome, PythonSource, Status, TierKind};
-use strata_engine::{Engine, EngineConfig, EngineError, Policy, TierChoice, doctor};
+use strata_engine::{Engine, EngineConfig, EngineError, Policy, TierChoice, doctor, scan};
 
 fn engine_with(policy: &str) -> Engine {
     let policy = Policy::from_toml(policy, Path::new("test-policy.toml")).expect("policy");
@@ -87,4 +88,160 @@ fn a_tier_the_policy_does_not_allow_is_refused_whoever_picks_it() {
     let outcome = run(&native_only, TierChoice::Auto, &job).expect("python on process");
     assert_eq!(outcome.tier, TierKind::Process);
     assert_eq!(String::from_utf8_lossy(&outcome.stdout), "x86_64-linux-gnu\n");
+}
+
+fn python_code(code: &str) -> Job {
+    Job::Python { source: PythonSource::Code(code.into()), args: vec![] }
+}
+
+/// The decision `auto` makes for a job under the default limits: (tier, reason).
+fn decide(engine: &Engine, job: &Job) -> (TierKind, String) {
+    let route = engine.route_with_limits(TierChoice::Auto, job, &Limits::default()).expect("routes");
+    assert_eq!(route.tier.kind(), route.decision.tier);
+    (route.decision.tier, route.decision.reason)
+}
+
+#[test]
+fn python_goes_to_wasm_unless_its_imports_need_what_wasm_lacks() {
+    let engine = engine_with("[tiers]\nnative = \"process\"\n");
+    if !process_tier_runs(&engine, "python_goes_to_wasm_unless...") {
+        return;
+    }
+    let modules = engine.wasm_modules().expect("the wasm build's module list");
+    // Generated from the artifacts: the bundled packages and builtins are there, what was never bundled is not.
+    assert!(["numpy", "pandas", "lxml", "json", "sys", "math"].iter().all(|m| modules.has(m)), "{modules:?}");
+    assert!(!modules.has("requests") && !modules.has("torch"));
+    let corpus: &[(&str, TierKind, &str)] = &[
+        ("import numpy as np\nprint(np.arange(3).sum())\n", TierKind::Wasm, "wasm build has (numpy)"),
+        ("import pandas as pd, json\n", TierKind::Wasm, "wasm build has (pandas, json)"),
+        ("import lxml.etree\n", TierKind::Wasm, "(lxml)"),
+        ("print('no imports')\n", TierKind::Wasm, "imports nothing"),
+        ("import subprocess\nsubprocess.run(['ls'])\n", TierKind::Process, "imports subprocess (needs processes)"),
+        ("from multiprocessing import Pool\n", TierKind::Process, "multiprocessing.Pool (needs processes)"),
+        ("import requests\n", TierKind::Process, "imports requests, absent from the wasm build"),
+        ("import importlib\nimportlib.import_module('ctypes')\n", TierKind::Process, "imports ctypes"),
+        ("__import__('socket')\n", TierKind::Process, "imports socket (needs sockets)"),
+        ("def f():\n    import subprocess\n", TierKind::Process, "imports subprocess"),
+        ("import threading\nthreading.Thread(target=print).start()\n", TierKind::Process, "uses threading.Thread"),
+        ("import threading\nlock = threading.Lock()\n", TierKind::Wasm, "(threading)"),
+        ("try:\n    import requests\nexcept ImportError:\n    requests = None\n", TierKind::Wasm, "nothing"),
+    ];
+    for (code, tier, reason) in corpus {
+        let (got, why) = decide(&engine, &python_code(code));
+        assert_eq!(got, *tier, "{code}: {why}");
+        assert!(why.contains(reason), "{code}: {why:?} lacks {reason:?}");
+    }
+    // A native decision names the tier.
+    let (_, why) = decide(&engine, &python_code("import subprocess\n"));
+    assert_eq!(why, "python: imports subprocess (needs processes) → the policy's native tier (process)");
+    // `-m MODULE` is judged by the module, a script file by its text.
+    let (tier, why) = decide(&engine, &Job::Python { source: PythonSource::Module("json.tool".into()), args: vec![] });
+    assert_eq!(tier, TierKind::Wasm, "{why}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("job.py");
+    std::fs::write(&script, "import os\nos.system('true')\n").expect("write");
+    let (tier, why) = decide(&engine, &Job::Python { source: PythonSource::File(script), args: vec![] });
+    assert_eq!(
+        (tier, why.as_str()),
+        (TierKind::Process, "python: uses os.system (needs processes) → the policy's native tier (process)")
+    );
+}
+
+#[test]
+fn a_script_that_needs_processes_runs_natively_and_says_why() {
+    let engine = engine_with("[tiers]\nnative = \"process\"\n");
+    if !process_tier_runs(&engine, "a_script_that_needs_processes...") {
+        return;
+    }
+    let job = python_code(
+        "import subprocess\nprint(subprocess.run(['echo', 'forked'], capture_output=True, text=True).stdout, end='')",
+    );
+    let outcome = run(&engine, TierChoice::Auto, &job).expect("runs");
+    assert_eq!((outcome.tier, &outcome.status), (TierKind::Process, &Status::Exited { code: 0 }), "{outcome:?}");
+    assert_eq!(outcome.stdout, b"forked\n");
+    let route = outcome.route.expect("route");
+    assert_eq!(route.tier, TierKind::Process);
+    assert!(route.reason.contains("subprocess (needs processes)"), "{}", route.reason);
+}
+
+#[test]
+fn a_syntax_error_stays_on_wasm_which_reports_it() {
+    let engine = engine_with("");
+    let outcome = run(&engine, TierChoice::Auto, &python_code("import subprocess\nprint 'python 2'\n")).expect("runs");
+    assert_eq!((outcome.tier, outcome.exit_code()), (TierKind::Wasm, 1), "{outcome:?}");
+    assert!(String::from_utf8_lossy(&outcome.stderr).contains("SyntaxError"), "{outcome:?}");
+    let route = outcome.route.expect("route");
+    assert!(route.reason.starts_with("python: does not parse as Python 3 (line 2"), "{}", route.reason);
+}
+
+#[test]
+fn long_python_jobs_go_native_above_the_policy_threshold() {
+    let engine = engine_with("[tiers]\nnative = \"process\"\npython_native_above = \"10s\"\n");
+    if !process_tier_runs(&engine, "long_python_jobs...") {
+        return;
+    }
+    let job = python_code("import json\n");
+    let mut limits = Limits { wall: std::time::Duration::from_secs(5), ..Limits::default() };
+    limits.cpu = std::time::Duration::from_secs(5);
+    let route = engine.route_with_limits(TierChoice::Auto, &job, &limits).expect("short");
+    assert_eq!(route.decision.tier, TierKind::Wasm, "{:?}", route.decision);
+    limits.cpu = std::time::Duration::from_secs(20);
+    let route = engine.route_with_limits(TierChoice::Auto, &job, &limits).expect("long");
+    assert_eq!(route.decision.tier, TierKind::Process, "{:?}", route.decision);
+    assert!(route.decision.reason.contains("cpu limit 20s exceeds python_native_above (10s)"), "{:?}", route.decision);
+    let off = engine_with("[tiers]\nnative = \"process\"\npython_native_above = \"off\"\n");
+    let route = off.route_with_limits(TierChoice::Auto, &job, &limits).expect("off");
+    assert_eq!(route.decision.tier, TierKind::Wasm, "{:?}", route.decision);
+}
+
+#[test]
+fn a_wasm_only_policy_keeps_python_on_wasm_whatever_it_imports() {
+    let engine = engine_with("[tiers]\nallowed = [\"wasm\"]\n");
+    let outcome = run(&engine, TierChoice::Auto, &python_code("import subprocess\nprint('still wasm')")).expect("runs");
+    assert_eq!((outcome.tier, outcome.stdout.as_slice()), (TierKind::Wasm, &b"still wasm\n"[..]), "{outcome:?}");
+    let route = outcome.route.expect("route");
+    assert_eq!(route.reason, "python: imports subprocess (needs processes), but the policy allows only wasm");
+    // An explicit tier is the reason itself.
+    let outcome = run(&engine, TierChoice::Tier(TierKind::Wasm), &python_code("pass")).expect("runs");
+    assert_eq!(outcome.route.expect("route").reason, "explicit --tier wasm");
+}
+
+/// Every entry of the router's "needs native" list fails on the wasm tier, shown by its probe: an entry that
+/// starts working there (a newer runtime, WASI sockets) fails this test and should leave the list.
+#[test]
+fn every_needs_native_entry_fails_on_wasm() {
+    let entries: Vec<(&str, &str)> = scan::NEEDS_NATIVE.iter().map(|e| (e.name, e.probe)).collect();
+    let script = format!(
+        "import warnings, json\nwarnings.simplefilter('ignore')\nentries = json.loads({entries:?})\n{}",
+        r#"
+def attempt(name, probe):
+    parts = name.split('.')
+    ns = {}
+    for i in range(len(parts), 0, -1):
+        try:
+            exec('import ' + '.'.join(parts[:i]), ns)
+            break
+        except ImportError:
+            if i == 1:
+                raise
+    exec(probe, ns)
+for name, probe in entries:
+    try:
+        attempt(name, probe)
+        print('works', name)
+    except SyntaxError as e:
+        print('bad probe', name, e)
+    except BaseException as e:
+        print('fails', name, type(e).__name__)
+"#,
+        entries = serde_json::to_string(&entries).expect("json"),
+    );
+    let engine = engine_with("");
+    let outcome = run(&engine, TierChoice::Tier(TierKind::Wasm), &python_code(&script)).expect("runs");
+    let stdout = String::from_utf8_lossy(&outcome.stdout);
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{stdout}{}", String::from_utf8_lossy(&outcome.stderr));
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), entries.len(), "{stdout}");
+    let working: Vec<&&str> = lines.iter().filter(|line| !line.starts_with("fails ")).collect();
+    assert!(working.is_empty(), "entries that do not fail on wasm: {working:?}");
 }

@@ -256,6 +256,29 @@ fn python_code_scripts_and_modules_run() {
 }
 
 #[test]
+fn json_route_says_where_python_went_and_why() {
+    let home = shared_home();
+    let run = strata(&home, &["run", "--json", "--python", "-c", "import json, numpy; print(numpy.int8(7))"], b"");
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let v = json(&run);
+    assert_eq!(v["stdout"], "7\n");
+    assert_eq!(
+        v["route"],
+        serde_json::json!({"tier": "wasm", "reason": "python: imports only modules the wasm build has (json, numpy)"})
+    );
+    // Over the policy's python_native_above, with the native tier off: Python stays on wasm and says why.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let policy = dir.path().join("wasm-only.toml");
+    std::fs::write(&policy, "[tiers]\nallowed = [\"wasm\"]\npython_native_above = \"1s\"\n").expect("write");
+    let args =
+        ["run", "--json", "--policy", policy.to_str().expect("utf8"), "--timeout", "5s", "--python", "-c", "pass"];
+    let v = json(&strata(&home, &args, b""));
+    assert_eq!(v["route"]["tier"], "wasm", "{v}");
+    let reason = v["route"]["reason"].as_str().expect("reason");
+    assert!(reason.contains("wall limit 5s exceeds python_native_above (1s)"), "{reason}");
+}
+
+#[test]
 fn python_limits_exit_124() {
     let run =
         strata(&shared_home(), &["run", "--json", "--timeout", "300ms", "--python", "-c", "while True: pass"], b"");
