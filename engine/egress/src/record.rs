@@ -1,0 +1,157 @@
+//! The egress log: one [`EgressRecord`] per request the proxy saw.
+
+use std::time::{Duration, SystemTime};
+
+use serde::ser::{Serialize, SerializeStruct, Serializer};
+
+/// How the client asked to go out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EgressKind {
+    /// `CONNECT host:port`: a byte tunnel (TLS or plain TCP).
+    Connect,
+    /// An absolute-form `http://` request forwarded by the proxy.
+    Http,
+}
+
+impl EgressKind {
+    /// `"connect"` or `"http"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EgressKind::Connect => "connect",
+            EgressKind::Http => "http",
+        }
+    }
+}
+
+/// What the proxy decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EgressVerdict {
+    /// The allowlist allowed it and the origin was reached.
+    Allowed,
+    /// Refused by policy or as malformed: not in the allowlist, a private address behind an allowed name, an SNI
+    /// that differs from the CONNECT host, a malformed or oversized request.
+    Denied {
+        /// A short sentence saying why.
+        reason: String,
+    },
+    /// Allowed, but the origin could not be reached (name does not resolve, connection refused, timeout).
+    Failed {
+        /// A short sentence saying why.
+        reason: String,
+    },
+}
+
+impl EgressVerdict {
+    /// `"allowed"`, `"denied"` or `"failed"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EgressVerdict::Allowed => "allowed",
+            EgressVerdict::Denied { .. } => "denied",
+            EgressVerdict::Failed { .. } => "failed",
+        }
+    }
+
+    /// The reason, unless allowed.
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            EgressVerdict::Allowed => None,
+            EgressVerdict::Denied { reason } | EgressVerdict::Failed { reason } => Some(reason),
+        }
+    }
+
+    /// Whether this is [`EgressVerdict::Denied`].
+    pub fn is_denied(&self) -> bool {
+        matches!(self, EgressVerdict::Denied { .. })
+    }
+}
+
+/// One request through the proxy.
+///
+/// `bytes_up` counts what the proxy wrote to the origin (for HTTP, the rewritten request head and body; for
+/// CONNECT, the tunnelled bytes), `bytes_down` what it relayed from the origin to the client. A request refused
+/// before reaching an origin has both at 0; when the request head could not be parsed, `host` is empty and `port`
+/// is 0.
+///
+/// Serialises as `{"host","port","kind","bytes_up","bytes_down","verdict","reason"}` (the Outcome's `egress`
+/// entries; `reason` is null when allowed). `started` and `duration` are for the host's own logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressRecord {
+    /// The target host as requested (normalised).
+    pub host: String,
+    /// The target port.
+    pub port: u16,
+    /// CONNECT tunnel or forwarded HTTP request.
+    pub kind: EgressKind,
+    /// Bytes written to the origin.
+    pub bytes_up: u64,
+    /// Bytes relayed from the origin to the client.
+    pub bytes_down: u64,
+    /// What the proxy decided.
+    pub verdict: EgressVerdict,
+    /// When the client connection was accepted.
+    pub started: SystemTime,
+    /// How long the connection lasted.
+    pub duration: Duration,
+}
+
+impl Serialize for EgressRecord {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut st = s.serialize_struct("EgressRecord", 7)?;
+        st.serialize_field("host", &self.host)?;
+        st.serialize_field("port", &self.port)?;
+        st.serialize_field("kind", self.kind.as_str())?;
+        st.serialize_field("bytes_up", &self.bytes_up)?;
+        st.serialize_field("bytes_down", &self.bytes_down)?;
+        st.serialize_field("verdict", self.verdict.as_str())?;
+        st.serialize_field("reason", &self.verdict.reason())?;
+        st.end()
+    }
+}
+
+/// The records of one proxy, capped so a guest opening connections in a loop cannot grow host memory without end.
+#[derive(Debug, Default)]
+pub(crate) struct EgressLog {
+    pub(crate) records: Vec<EgressRecord>,
+    pub(crate) dropped: u64,
+    pub(crate) cap: usize,
+}
+
+impl EgressLog {
+    pub(crate) fn push(&mut self, r: EgressRecord) {
+        if self.records.len() < self.cap {
+            self.records.push(r);
+        } else {
+            self.dropped += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serialises_as_the_outcome_entry() {
+        let mut r = EgressRecord {
+            host: "example.com".into(),
+            port: 443,
+            kind: EgressKind::Connect,
+            bytes_up: 10,
+            bytes_down: 20,
+            verdict: EgressVerdict::Allowed,
+            started: SystemTime::UNIX_EPOCH,
+            duration: Duration::from_millis(3),
+        };
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"host":"example.com","port":443,"kind":"connect","bytes_up":10,"bytes_down":20,"verdict":"allowed","reason":null}"#
+        );
+        r.verdict = EgressVerdict::Denied { reason: "not in the allowlist".into() };
+        r.kind = EgressKind::Http;
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["verdict"], "denied");
+        assert_eq!(v["kind"], "http");
+        assert_eq!(v["reason"], "not in the allowlist");
+    }
+}
