@@ -3,8 +3,8 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use strata_core::{Capabilities, ExecOptions, Job, Limits, LimitsOverride, Outcome};
-use strata_engine::{Engine, EngineConfig, EngineError};
+use strata_core::{Capabilities, ExecOptions, Job, Limits, LimitsOverride, Outcome, TierKind};
+use strata_engine::{Engine, EngineConfig, EngineError, TierChoice};
 
 /// One engine for the whole test binary, caching modules in a private home, as a server process would.
 pub fn engine() -> &'static Engine {
@@ -57,9 +57,12 @@ fn register_test_tools(registry: &strata_core::ToolRegistry) {
     registry.register(fail).expect("register fail");
 }
 
+/// Runs Python `code` on the wasm tier (whatever its imports would route it to).
 pub fn python(code: &str, caps: &Capabilities, limits: &Limits) -> Outcome {
     let job = Job::Python { source: strata_core::PythonSource::Code(code.into()), args: Vec::new() };
-    python_engine().run(&job, caps, limits, ExecOptions::default()).unwrap_or_else(|e| panic!("{code}: {e}"))
+    python_engine()
+        .run_on(TierChoice::Tier(TierKind::Wasm), &job, caps, limits, ExecOptions::default())
+        .unwrap_or_else(|e| panic!("{code}: {e}"))
 }
 
 pub fn stderr(outcome: &Outcome) -> String {
