@@ -1,5 +1,6 @@
 //! Strata's integration tests: one binary, a module per area.
 
+mod egress;
 mod native;
 mod python;
 mod python_image;

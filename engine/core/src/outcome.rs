@@ -177,6 +177,27 @@ pub struct Escalation {
     pub reason: String,
 }
 
+/// One request a job made through the host egress proxy (the Outcome's `egress` entries): the proxy's record as
+/// plain data, `{"host","port","kind","bytes_up","bytes_down","verdict","reason"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressEntry {
+    /// The target host as requested (normalised; empty when the request could not be parsed).
+    pub host: String,
+    /// The target port (0 when the request could not be parsed).
+    pub port: u16,
+    /// `"connect"` (a tunnel) or `"http"` (a forwarded request).
+    pub kind: String,
+    /// Bytes written to the origin.
+    pub bytes_up: u64,
+    /// Bytes relayed from the origin to the job.
+    pub bytes_down: u64,
+    /// `"allowed"`, `"denied"` or `"failed"`.
+    pub verdict: String,
+    /// Why, unless allowed.
+    pub reason: Option<String>,
+}
+
 /// Where the router sent a job, and why (`"route": {"tier": "wasm", "reason": "..."}` in the JSON).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -216,6 +237,9 @@ pub struct Outcome {
     pub tools: Vec<ToolCall>,
     /// The router's decision, filled by the engine (`None` from a tier or a sandbox's `exec`).
     pub route: Option<RouteDecision>,
+    /// Every request the job made through the egress proxy, in the order they finished (empty without
+    /// network, and then absent from the JSON).
+    pub egress: Vec<EgressEntry>,
 }
 
 impl Outcome {
@@ -242,6 +266,8 @@ struct OutcomeJson {
     usage: Usage,
     escalations: Vec<Escalation>,
     tools: Vec<ToolCall>,
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    egress: Vec<EgressEntry>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy)]
@@ -280,6 +306,7 @@ impl Serialize for Outcome {
             usage: self.usage.clone(),
             escalations: self.escalations.clone(),
             tools: self.tools.clone(),
+            egress: self.egress.clone(),
         }
         .serialize(serializer)
     }
@@ -298,6 +325,7 @@ impl<'de> Deserialize<'de> for Outcome {
             escalations: o.escalations,
             tools: o.tools,
             route: o.route,
+            egress: o.egress,
         })
     }
 }
@@ -324,6 +352,7 @@ mod tests {
             escalations: Vec::new(),
             tools: Vec::new(),
             route: None,
+            egress: Vec::new(),
         }
     }
 

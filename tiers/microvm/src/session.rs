@@ -315,6 +315,7 @@ impl<H: AgentHost> Session<H> {
             escalations: Vec::new(),
             tools: Vec::new(),
             route: None,
+            egress: Vec::new(),
         })
     }
 
@@ -505,6 +506,7 @@ pub(crate) fn ended(status: Status, started: Instant) -> Outcome {
         escalations: Vec::new(),
         tools: Vec::new(),
         route: None,
+        egress: Vec::new(),
     }
 }
 

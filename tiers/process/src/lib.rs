@@ -9,6 +9,17 @@
 //! through it) — with every capability dropped for good (bounding set, securebits locked), `no_new_privs`, a
 //! seccomp allowlist, and rlimits; the jail's cgroup limits memory (no swap), processes and CPU bandwidth.
 //!
+//! Network, per DESIGN §3: none by default ([`Net::Deny`]: loopback only, no proxy, no socket, no proxy
+//! variables). With [`Net::Allow`] the specs are parsed into a `strata_egress::Allowlist` (a malformed one is a
+//! `wrong_format` error) and each jail (one-shot run or sandbox) gets its own host egress proxy listening on a Unix
+//! socket under [`ProcessTierConfig::egress_dir`]. The jail bind-mounts that socket at
+//! `/run/strata/egress.sock`, and its PID 1 relays TCP connections to the jail's `127.0.0.1:3128` to it
+//! (`strata_jail::forward`: part of PID 1's event loop, under the jail's seccomp filter, out of the jobs' reach).
+//! Jobs get `HTTP_PROXY`, `HTTPS_PROXY`, `http_proxy`, `https_proxy` = [`EGRESS_PROXY_URL`] and `NO_PROXY`,
+//! `no_proxy` empty. The proxy enforces the allowlist and the TLS SNI, and logs every request: each job's records
+//! (drained when it ends, after its last connections close) are its Outcome's `egress`. The proxy stops with the
+//! jail: its thread joined, its socket file removed.
+//!
 //! Limits and usage, per DESIGN §3: wall by killing the job (a one-shot jail's PID 1, and with it its whole PID
 //! namespace); CPU time from the cgroup, checked every 10 ms; memory from the cgroup's OOM kills
 //! (`limit_exceeded`/`memory`); a fork refused by the pids limit stops the job (`limit_exceeded`/`pids`); output
@@ -26,12 +37,15 @@ pub mod snapshot;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
+use strata_core::outcome::EgressEntry;
 use strata_core::{
     Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox, Snapshot,
     Status, Stream, Tier, TierError, TierKind, Truncated, Usage,
 };
+use strata_egress::{Allowlist, AllowlistError, EgressConfig, EgressHandle, EgressProxy, EgressRecord};
 use strata_jail::proto::{Bind, Exec, IdMap};
 use strata_wasi_shims::OutputCapture;
 
@@ -45,6 +59,12 @@ pub const PROGRAM_DIR: &str = "/run/strata";
 /// The environment every job starts from, before the capabilities' env and secrets.
 const BASE_ENV: &[(&str, &str)] =
     &[("PATH", strata_jail::init::DEFAULT_PATH), ("HOME", "/root"), ("LANG", "C.UTF-8"), ("HOSTNAME", "strata")];
+
+/// The proxy URL jobs get (`HTTP_PROXY` and friends) when the capabilities allow network: the jail's forwarder.
+pub const EGRESS_PROXY_URL: &str = "http://127.0.0.1:3128";
+
+/// How long the end of a job waits for its last proxied connections to finish before reading the egress log.
+const EGRESS_SETTLE: Duration = Duration::from_millis(500);
 
 /// A job's working directory.
 const WORKDIR: &str = "/root";
@@ -63,6 +83,16 @@ pub struct ProcessTierConfig {
     pub rootfs: PathBuf,
     /// A directory of Strata's own (under `$STRATA_HOME/run`) over which jails mount their private tmpfs.
     pub run_dir: PathBuf,
+}
+
+impl ProcessTierConfig {
+    /// Where the egress proxies' Unix sockets are created (`<run_dir>-egress`, beside the run directory: a jail
+    /// covers its run directory with its own tmpfs, which would hide a socket in it).
+    pub fn egress_dir(&self) -> PathBuf {
+        let mut name = self.run_dir.file_name().unwrap_or_default().to_os_string();
+        name.push("-egress");
+        self.run_dir.with_file_name(name)
+    }
 }
 
 /// The process tier.
@@ -102,6 +132,14 @@ impl ProcessTier {
             path: config.run_dir.clone(),
             source,
         })?;
+        let config = ProcessTierConfig { rootfs, run_dir: config.run_dir };
+        let egress_dir = config.egress_dir();
+        std::fs::create_dir_all(&egress_dir).map_err(|source| TierError::Storage {
+            what: "process tier egress socket directory",
+            path: egress_dir.clone(),
+            source,
+        })?;
+        remove_stale_sockets(&egress_dir);
         let cgroups = CgroupRoot::detect().map_err(|e| unsupported(&e.to_string()))?;
         let stale = cgroups.remove_stale();
         if stale > 0 {
@@ -109,11 +147,16 @@ impl ProcessTier {
         }
         log::debug!("process tier: {}", cgroups.describe());
         Ok(ProcessTier {
-            config: ProcessTierConfig { rootfs, run_dir: config.run_dir },
+            config,
             cgroups,
             user_namespaces: AtomicBool::new(true),
             verified: snapshot::Verified::default(),
         })
+    }
+
+    /// Where the egress proxies' Unix sockets live while their jails run (see [`ProcessTierConfig::egress_dir`]).
+    pub fn egress_dir(&self) -> PathBuf {
+        self.config.egress_dir()
     }
 
     /// Which cgroup hierarchy jails use, for `strata doctor` and logs.
@@ -122,9 +165,6 @@ impl ProcessTier {
     }
 
     fn jail_config(&self, caps: &Capabilities, limits: &Limits, one_shot: bool) -> Result<JailConfig, TierError> {
-        if let Net::Allow(_) = caps.net {
-            return Err(unsupported("network egress (the egress proxy is not built yet)"));
-        }
         if !caps.tools.is_empty() {
             return Err(unsupported("host tools"));
         }
@@ -155,7 +195,30 @@ impl ProcessTier {
             },
             id_map: self.user_namespaces.load(Ordering::Relaxed).then_some(JAIL_IDS),
             restore_upper: None,
+            egress_socket: None,
         })
+    }
+
+    /// Starts the egress proxy a jail with these network capabilities needs: none for [`Net::Deny`]; for
+    /// [`Net::Allow`], one proxy with that allowlist on a fresh Unix socket under [`ProcessTierConfig::egress_dir`].
+    fn start_egress(&self, net: &Net) -> Result<Option<EgressHandle>, TierError> {
+        let Net::Allow(specs) = net else {
+            return Ok(None);
+        };
+        let allowlist = Allowlist::parse(specs).map_err(|err| match err {
+            AllowlistError::Malformed { spec, why } => TierError::WrongFormat {
+                what: format!("--allow-net {spec:?} ({why})"),
+                expected: "a HOST[:PORT] allowlist entry",
+            },
+        })?;
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = format!("{}-{}.sock", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let socket = self.config.egress_dir().join(name);
+        // A socket file left by a killed engine whose PID this process reused.
+        let _ = std::fs::remove_file(&socket);
+        EgressProxy::start(EgressConfig::new(allowlist).with_unix_socket(socket))
+            .map(Some)
+            .map_err(|e| internal(format!("egress proxy: {e}")))
     }
 
     /// Whether jobs run in a user namespace (as an unprivileged host ID) rather than as host root.
@@ -172,7 +235,9 @@ impl ProcessTier {
     ) -> Result<Jail, TierError> {
         let mut config = self.jail_config(caps, limits, one_shot)?;
         config.restore_upper = restore_upper;
-        match Jail::start(&self.cgroups, &config) {
+        let egress = self.start_egress(&caps.net)?;
+        config.egress_socket = egress.as_ref().and_then(|proxy| proxy.unix_socket().map(Path::to_owned));
+        let mut jail = match Jail::start(&self.cgroups, &config) {
             Err(JailError::Setup { stage, message })
                 if config.id_map.is_some() && (stage == "user namespace" || stage == "idmapped image") =>
             {
@@ -185,12 +250,30 @@ impl ProcessTier {
                 Jail::start(&self.cgroups, &config).map_err(jail_error)
             }
             other => other.map_err(jail_error),
+        }?;
+        if let Some(proxy) = egress {
+            jail.attach_egress(proxy);
         }
+        Ok(jail)
     }
 }
 
 fn is_reserved_guest_path(guest: &str) -> bool {
     ["/proc", "/dev", PROGRAM_DIR].iter().any(|r| guest == *r || guest.starts_with(&format!("{r}/")))
+}
+
+/// Removes the egress sockets of engines that are no longer running (`<pid>-<n>.sock`).
+fn remove_stale_sockets(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_suffix(".sock")).and_then(|n| n.split_once('-')) else {
+            continue;
+        };
+        if pid.0.parse::<u32>().is_ok_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 fn unsupported(what: &str) -> TierError {
@@ -290,6 +373,13 @@ impl PreparedJob {
             Job::Wasm { .. } => return Err(TierError::WrongJob { tier: TierKind::Process, job: job.kind() }),
         };
         let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        if let Net::Allow(_) = caps.net {
+            // Every client's spelling; nothing bypasses the proxy (inside the jail there is nothing else to reach).
+            for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+                env.push((name.to_owned(), EGRESS_PROXY_URL.to_owned()));
+            }
+            env.extend([("NO_PROXY".to_owned(), String::new()), ("no_proxy".to_owned(), String::new())]);
+        }
         for var in caps.guest_env() {
             env.retain(|(k, _)| *k != var.name);
             env.push((var.name.clone(), var.value.clone()));
@@ -339,10 +429,29 @@ fn run_in(
     let io = JobIo { stdin, stdout: &stdout, stderr: &stderr };
     let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
     let report = jail.exec(&job.exec, job.program, &io, &watch).map_err(jail_error)?;
-    outcome(report, &stdout, &stderr)
+    let egress = jail.drain_egress(EGRESS_SETTLE).into_iter().map(egress_entry).collect();
+    outcome(report, &stdout, &stderr, egress)
 }
 
-fn outcome(report: JobReport, stdout: &OutputCapture, stderr: &OutputCapture) -> Result<Outcome, TierError> {
+/// The proxy's record as the Outcome's plain entry.
+fn egress_entry(record: EgressRecord) -> EgressEntry {
+    EgressEntry {
+        host: record.host,
+        port: record.port,
+        kind: record.kind.as_str().to_owned(),
+        bytes_up: record.bytes_up,
+        bytes_down: record.bytes_down,
+        verdict: record.verdict.as_str().to_owned(),
+        reason: record.verdict.reason().map(str::to_owned),
+    }
+}
+
+fn outcome(
+    report: JobReport,
+    stdout: &OutputCapture,
+    stderr: &OutputCapture,
+    egress: Vec<EgressEntry>,
+) -> Result<Outcome, TierError> {
     let status = match report.end {
         JobEnd::Exited(code) => Status::Exited { code },
         JobEnd::Signaled(signal) => {
@@ -370,6 +479,7 @@ fn outcome(report: JobReport, stdout: &OutputCapture, stderr: &OutputCapture) ->
         escalations: Vec::new(),
         tools: Vec::new(),
         route: None,
+        egress,
     })
 }
 

@@ -419,6 +419,7 @@ impl Measured {
             escalations: Vec::new(),
             tools,
             route: None,
+            egress: Vec::new(),
         }
     }
 }

@@ -8,7 +8,9 @@
 //! network namespace, installs the seccomp filter on itself (every job inherits it; PID 1 is confined too) and
 //! answers [`JailFrame::Ready`]. Then it serves frames: each job is a child that joins the user namespace as its
 //! root, drops every capability and `execve`s. PID 1 reaps every process in the namespace. When the host closes
-//! the socket (or dies), PID 1 exits, and the kernel kills everything left in the namespace.
+//! the socket (or dies), PID 1 exits, and the kernel kills everything left in the namespace. When the jail has
+//! network, `Setup::egress_socket` is bind-mounted at [`forward::GUEST_SOCKET`] and PID 1's event loop also
+//! runs the [`forward`]er on the jail's `127.0.0.1:3128`.
 //!
 //! Everything here runs single-threaded, so allocating after `fork` is sound.
 
@@ -29,6 +31,7 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, chdir, execve, fork, pivot_root, sethostname, setsid};
 
+use crate::forward::{self, Forwarder};
 use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
 use crate::seccomp;
 use crate::tree;
@@ -153,6 +156,11 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
         Ok(built) => built,
         Err(StepError { stage, message }) => return fail(&ctl, &stage, message),
     };
+    // The forwarder listens before any job runs, so no job can take its port.
+    let forwarder = match setup.egress_socket.is_some().then(|| Forwarder::bind(forward::GUEST_SOCKET)).transpose() {
+        Ok(forwarder) => forwarder,
+        Err(err) => return fail(&ctl, "egress forwarder", err.to_string()),
+    };
     // Nobody in the jail may read this process's memory or descriptors through /proc (it holds the control
     // socket and full capabilities).
     // SAFETY: prctl with PR_SET_DUMPABLE only changes this process's attributes.
@@ -165,7 +173,7 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
     if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid, notes }, &[]).is_err() {
         return 1;
     }
-    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None }.serve()
+    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None, forwarder }.serve()
 }
 
 /// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
@@ -251,6 +259,14 @@ fn build(
         mount_grant(bind, userns.as_ref(), notes)?;
     }
     step("/run/strata", create_dirs(Path::new("/run/strata"), userns.as_ref()))?;
+    if let Some(socket) = &setup.egress_socket {
+        let source = PathBuf::from(format!("{OLD_ROOT}{}", socket.display()));
+        step(
+            "egress socket",
+            fs::OpenOptions::new().create(true).append(true).mode(0o600).open(forward::GUEST_SOCKET),
+        )?;
+        step("egress socket", bind_onto(&source, forward::GUEST_SOCKET, false))?;
+    }
     step("detach host root", umount2(OLD_ROOT, MntFlags::MNT_DETACH))?;
     step("detach host root", fs::remove_dir(OLD_ROOT))?;
     Ok((userns, upper_fd))
@@ -387,6 +403,8 @@ struct Init {
     upper: OwnedFd,
     one_shot: bool,
     job: Option<Pid>,
+    /// The egress forwarder, when the jail has network.
+    forwarder: Option<Forwarder>,
 }
 
 impl Init {
@@ -401,13 +419,21 @@ impl Init {
         };
         loop {
             let mut fds =
-                [PollFd::new(self.ctl.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+                vec![PollFd::new(self.ctl.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+            if let Some(forwarder) = &self.forwarder {
+                forwarder.poll_fds(&mut fds);
+            }
             match poll(&mut fds, PollTimeout::NONE) {
                 Ok(_) | Err(Errno::EINTR) => {}
                 Err(_) => return 1,
             }
             let ctl_ready = fds[0].revents().is_some_and(|r| !r.is_empty());
             let child_ready = fds[1].revents().is_some_and(|r| !r.is_empty());
+            let net_ready = fds[2..].iter().any(|fd| fd.revents().is_some_and(|r| !r.is_empty()));
+            drop(fds);
+            if net_ready && let Some(forwarder) = &mut self.forwarder {
+                forwarder.pump();
+            }
             if child_ready {
                 while let Ok(Some(_)) = signals.read_signal() {}
                 if self.reap() {

@@ -1,12 +1,13 @@
 //! The inside of Strata's process jail.
 //!
-//! [`proto`] is the control protocol the host (crate `strata-tier-process`) speaks with the jail; [`init`] is
+//! [`forward`] relays the jail's `127.0.0.1:3128` to the host egress proxy. [`proto`] is the control protocol the host (crate `strata-tier-process`) speaks with the jail; [`init`] is
 //! the jail's own code (the `strata-jail` binary: the keeper and PID 1); [`seccomp`] is the job's system-call
 //! allowlist; [`tree`] stores and restores the overlay's upper layer (snapshots and forks). The host side, which spawns the jail, sets up its cgroup and runs jobs, lives in
 //! `strata-tier-process`'s `jail` module.
 
 #![warn(missing_docs)]
 
+pub mod forward;
 pub mod init;
 pub mod proto;
 pub mod seccomp;

@@ -93,6 +93,10 @@ pub struct Setup {
     /// The upper layer starts as the [`crate::tree`] file passed as this frame's descriptor (a fork), restored
     /// before the overlay is mounted; otherwise it starts empty.
     pub restore_upper: bool,
+    /// The host egress proxy's Unix socket: bound into the jail at [`crate::forward::GUEST_SOCKET`], with PID 1
+    /// forwarding [`crate::forward::LISTEN`] to it. `None`: no network beyond loopback.
+    #[serde(default)]
+    pub egress_socket: Option<PathBuf>,
 }
 
 /// A user namespace's ID mapping: IDs `0..count` inside are `base..base + count` on the host.

@@ -31,6 +31,7 @@ use nix::sys::signal::Signal;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use nix::unistd::Pid;
 use strata_core::{CancelToken, LimitKind};
+use strata_egress::{EgressHandle, EgressRecord};
 use strata_jail::proto::{self, Bind, Exec, HostFrame, IdMap, JailFrame, PROTOCOL_VERSION, Setup};
 use strata_wasi_shims::OutputCapture;
 
@@ -70,6 +71,9 @@ pub struct JailConfig {
     pub id_map: Option<IdMap>,
     /// A [`strata_jail::tree`] file the upper layer starts from (a fork of a snapshot); `None` starts it empty.
     pub restore_upper: Option<PathBuf>,
+    /// The host egress proxy's Unix socket, bound into the jail with a forwarder on its `127.0.0.1:3128`
+    /// ([`strata_jail::forward`]); `None`: loopback only.
+    pub egress_socket: Option<PathBuf>,
 }
 
 /// Why a jail could not be started or used.
@@ -183,6 +187,8 @@ pub struct Jail {
     one_shot: bool,
     ended: bool,
     id_map: Option<IdMap>,
+    /// The egress proxy serving this jail: stopped (threads joined, socket file removed) with it.
+    egress: Option<EgressHandle>,
 }
 
 /// The embedded binary in a sealed memfd, created once per process.
@@ -241,6 +247,7 @@ impl Jail {
             one_shot: config.one_shot,
             ended: false,
             id_map: config.id_map,
+            egress: None,
         };
         // The jail process moves itself into its cgroup (see `Cgroup::self_join_files`) before it does anything
         // else; nothing runs in the jail outside it.
@@ -255,6 +262,7 @@ impl Jail {
             one_shot: config.one_shot,
             id_map: config.id_map,
             restore_upper: config.restore_upper.is_some(),
+            egress_socket: config.egress_socket.clone(),
         };
         let tree = match &config.restore_upper {
             Some(path) => Some(File::open(path).map_err(|e| JailError::Setup {
@@ -288,6 +296,17 @@ impl Jail {
                 Err(JailError::Setup { stage: "start".into(), message: "the jail exited before it was ready".into() })
             }
         }
+    }
+
+    /// Hands the jail the egress proxy its [`JailConfig::egress_socket`] belongs to; it stops with the jail.
+    pub fn attach_egress(&mut self, proxy: EgressHandle) {
+        self.egress = Some(proxy);
+    }
+
+    /// Takes the egress records of the connections that ended since the last call, first waiting up to
+    /// `settle` for those still open (a job that has ended is closing its last ones). Empty without a proxy.
+    pub fn drain_egress(&self, settle: Duration) -> Vec<EgressRecord> {
+        self.egress.as_ref().map(|proxy| proxy.drain_records_settled(settle)).unwrap_or_default()
     }
 
     /// The jail's cgroup.
@@ -594,6 +613,8 @@ impl Jail {
         self.ended = true;
         self.cgroup.kill_all();
         self.cgroup.remove();
+        // Every process that could hold a connection is gone: the proxy stops without waiting on any.
+        self.egress.take();
     }
 }
 

@@ -1,0 +1,213 @@
+//! The jail's egress forwarder: TCP on the jail's `127.0.0.1:3128` relayed to the host egress proxy's Unix socket,
+//! bind-mounted at [`GUEST_SOCKET`].
+//!
+//! It lives in PID 1's event loop (no thread: PID 1 forks jobs and must stay single-threaded; no process of its
+//! own: a job could kill it, and `HostFrame::Kill` would). Everything is non-blocking; each connection has one
+//! bounded buffer per direction, read only when empty, so a slow side stalls its peer instead of growing memory.
+//! A half-close is relayed (`shutdown(SHUT_WR)` on the other side); an error on either side closes both. At most
+//! [`MAX_CONNECTIONS`] connections are relayed at once; more wait in the listen backlog.
+//!
+//! PID 1 runs under the jail's seccomp filter like every job; what this needs (`socket`, `bind`, `listen`,
+//! `accept4`, `connect`, `shutdown`, `poll`) is in the allowlist.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Ipv4Addr, Shutdown, SocketAddrV4, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+
+use nix::poll::{PollFd, PollFlags};
+
+/// Where the egress proxy's socket is bound in the jail.
+pub const GUEST_SOCKET: &str = "/run/strata/egress.sock";
+
+/// The forwarder's address in the jail's network namespace: jobs get `HTTP_PROXY=http://127.0.0.1:3128`.
+pub const LISTEN: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 3128);
+
+/// Connections relayed at once.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// Buffer per direction per connection.
+const BUFFER: usize = 64 * 1024;
+
+/// The listener and the connections being relayed.
+#[derive(Debug)]
+pub struct Forwarder {
+    listener: TcpListener,
+    socket: PathBuf,
+    relays: Vec<Relay>,
+}
+
+/// One direction of a connection.
+#[derive(Debug)]
+struct Pipe {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// The source reached end of file.
+    eof: bool,
+    /// The end of file was passed on (`shutdown(SHUT_WR)` of the destination).
+    done: bool,
+}
+
+#[derive(Debug)]
+struct Relay {
+    tcp: TcpStream,
+    unix: UnixStream,
+    /// Job → proxy.
+    up: Pipe,
+    /// Proxy → job.
+    down: Pipe,
+}
+
+impl Forwarder {
+    /// Listens on [`LISTEN`] (the jail's loopback must be up) and forwards to the Unix socket at `socket`.
+    pub fn bind(socket: impl Into<PathBuf>) -> std::io::Result<Forwarder> {
+        let listener = TcpListener::bind(LISTEN)?;
+        listener.set_nonblocking(true)?;
+        Ok(Forwarder { listener, socket: socket.into(), relays: Vec::new() })
+    }
+
+    /// Connections being relayed.
+    pub fn connections(&self) -> usize {
+        self.relays.len()
+    }
+
+    /// The descriptors to poll and what for, appended to `fds`.
+    pub fn poll_fds<'a>(&'a self, fds: &mut Vec<PollFd<'a>>) {
+        if self.relays.len() < MAX_CONNECTIONS {
+            fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+        }
+        for relay in &self.relays {
+            let (tcp, unix) = relay.interest();
+            fds.push(PollFd::new(relay.tcp.as_fd(), tcp));
+            fds.push(PollFd::new(relay.unix.as_fd(), unix));
+        }
+    }
+
+    /// Accepts what is waiting and moves every connection's bytes as far as they go without blocking; drops the
+    /// connections that are finished or failed.
+    pub fn pump(&mut self) {
+        while self.relays.len() < MAX_CONNECTIONS {
+            match self.listener.accept() {
+                Ok((tcp, _)) => {
+                    if let Some(relay) = self.open(tcp) {
+                        self.relays.push(relay);
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                // WouldBlock, or an error of one pending connection (ECONNABORTED): try again on the next wakeup.
+                Err(_) => break,
+            }
+        }
+        self.relays.retain_mut(|relay| relay.pump().unwrap_or(false));
+    }
+
+    fn open(&self, tcp: TcpStream) -> Option<Relay> {
+        // The connect to a local socket completes or fails at once (a full backlog fails with EAGAIN): the proxy
+        // accepts continuously.
+        let unix = UnixStream::connect(&self.socket).ok()?;
+        tcp.set_nonblocking(true).ok()?;
+        unix.set_nonblocking(true).ok()?;
+        let _ = tcp.set_nodelay(true);
+        Some(Relay { tcp, unix, up: Pipe::new(), down: Pipe::new() })
+    }
+}
+
+impl Pipe {
+    fn new() -> Pipe {
+        Pipe { buf: vec![0; BUFFER].into_boxed_slice(), start: 0, end: 0, eof: false, done: false }
+    }
+
+    fn has_data(&self) -> bool {
+        self.start < self.end
+    }
+
+    fn wants_input(&self) -> bool {
+        !self.has_data() && !self.eof
+    }
+
+    /// Moves bytes from `src` to `dst` until one would block; `shut` half-closes `dst`. Errors end the connection.
+    fn pump(
+        &mut self,
+        mut src: impl Read,
+        mut dst: impl Write,
+        shut: impl FnOnce() -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        loop {
+            if self.has_data() {
+                match dst.write(&self.buf[self.start..self.end]) {
+                    Ok(0) => return Err(ErrorKind::WriteZero.into()),
+                    Ok(n) => self.start += n,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+                continue;
+            }
+            (self.start, self.end) = (0, 0);
+            if self.eof {
+                if !self.done {
+                    self.done = true;
+                    // The peer may already be gone; the other direction then ends with its own error or EOF.
+                    let _ = shut();
+                }
+                return Ok(());
+            }
+            match src.read(&mut self.buf) {
+                Ok(0) => self.eof = true,
+                Ok(n) => self.end = n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl Relay {
+    /// Poll flags for the TCP side and the Unix side.
+    fn interest(&self) -> (PollFlags, PollFlags) {
+        let flags = |read: bool, write: bool| {
+            let mut f = PollFlags::empty();
+            if read {
+                f |= PollFlags::POLLIN;
+            }
+            if write {
+                f |= PollFlags::POLLOUT;
+            }
+            f
+        };
+        (flags(self.up.wants_input(), self.down.has_data()), flags(self.down.wants_input(), self.up.has_data()))
+    }
+
+    /// Moves bytes both ways. Returns whether the connection is still open.
+    fn pump(&mut self) -> std::io::Result<bool> {
+        let (tcp, unix) = (&self.tcp, &self.unix);
+        self.up.pump(tcp, unix, || unix.shutdown(Shutdown::Write))?;
+        self.down.pump(unix, tcp, || tcp.shutdown(Shutdown::Write))?;
+        Ok(!(self.up.done && self.down.done))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pipe_relays_then_half_closes() {
+        let (a, mut a_peer) = UnixStream::pair().unwrap();
+        let (b, mut b_peer) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        b.set_nonblocking(true).unwrap();
+        a_peer.write_all(b"hello").unwrap();
+        a_peer.shutdown(Shutdown::Write).unwrap();
+        let mut pipe = Pipe::new();
+        pipe.pump(&a, &b, || b.shutdown(Shutdown::Write)).unwrap();
+        assert!(pipe.done);
+        let mut got = Vec::new();
+        b_peer.read_to_end(&mut got).unwrap();
+        assert_eq!(got, b"hello");
+    }
+}
