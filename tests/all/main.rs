@@ -2,6 +2,7 @@
 
 mod egress;
 mod native;
+mod policy;
 mod python;
 mod python_image;
 mod routing;

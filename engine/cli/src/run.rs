@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 use strata_core::{
-    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, Limits, LimitsOverride, Net, Outcome, OutputSink,
+    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, Limits, LimitsOverride, Outcome, OutputSink,
     PythonSource, Snapshot, Status, Stream, format_duration, parse_duration,
 };
 use strata_engine::{Engine, EngineConfig, Policy, TierChoice, VmImage};
@@ -98,9 +98,13 @@ pub(crate) struct RunArgs {
     #[arg(long = "allow-net", value_name = "HOST[:PORT]")]
     allow_net: Vec<String>,
 
-    /// A policy file whose [limits] replace the defaults; flags override it.
+    /// A policy file (policies/README.md): limits, tiers, network, grant sets; flags override or add to it.
     #[arg(long, value_name = "FILE")]
     policy: Option<PathBuf>,
+
+    /// Grant the directories of the policy's grant set [grants.NAME] (repeatable); --dir adds to them.
+    #[arg(long = "grants", value_name = "NAME")]
+    grant_sets: Vec<String>,
 
     /// Run the job in a fresh fork of this snapshot (made by `strata snapshot create`); the fork keeps the
     /// snapshot's grants, environment and network.
@@ -220,19 +224,27 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
     };
     let limits = flags.apply(&policy.limits);
     if args.snapshot.is_some()
-        && (!args.dirs.is_empty() || !args.env.is_empty() || !args.secrets.is_empty() || !args.allow_net.is_empty())
+        && (!args.dirs.is_empty()
+            || !args.grant_sets.is_empty()
+            || !args.env.is_empty()
+            || !args.secrets.is_empty()
+            || !args.allow_net.is_empty())
     {
         return Err(Failure::new(
             "usage",
-            "a fork keeps its snapshot's capabilities: give --dir, --env, --secret and --allow-net to \
+            "a fork keeps its snapshot's capabilities: give --dir, --grants, --env, --secret and --allow-net to \
              `strata snapshot create`",
         ));
     }
+    let grants = policy.grants_with(&args.grant_sets, args.dirs).map_err(|err| {
+        let policy = args.policy.as_ref().map_or("the default policy".to_owned(), |path| path.display().to_string());
+        Failure::new("usage", format!("--grants: {policy}: {err}"))
+    })?;
     let caps = Capabilities {
-        grants: args.dirs,
+        grants,
         env: args.env,
         secrets: args.secrets,
-        net: if args.allow_net.is_empty() { Net::Deny } else { Net::Allow(args.allow_net) },
+        net: policy.network.net_with(&args.allow_net),
         stdin: read_stdin()?,
         tools: Vec::new(),
     };

@@ -551,3 +551,90 @@ fn a_process_snapshot_is_forked_with_its_files() {
     let run = strata(&home, &["run", "--json", "--snapshot", s2, "--", "cat", "/tmp/x"], b"");
     assert_eq!((run.code, json(&run)["error"]["kind"].as_str()), (2, Some("snapshot_invalid")), "{}", run.stdout);
 }
+
+fn repo_policy(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../policies").join(name).to_str().expect("utf8").to_owned()
+}
+
+#[test]
+fn the_strict_policy_keeps_python_on_wasm_and_refuses_the_process_tier() {
+    let home = shared_home();
+    let strict = repo_policy("strict.toml");
+    let run = strata(&home, &["run", "--json", "--policy", &strict, "--python", "-c", "print(6 * 7)"], b"");
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let v = json(&run);
+    assert_eq!((v["tier"].as_str(), v["stdout"].as_str()), (Some("wasm"), Some("42\n")), "{v}");
+    assert!(v["usage"]["fuel"].as_u64().is_some_and(|fuel| fuel > 0), "strict meters fuel: {v}");
+
+    let run = strata(&home, &["run", "--json", "--policy", &strict, "--tier", "process", "--", "echo", "hi"], b"");
+    assert_eq!(run.code, 2, "{}", run.stdout);
+    assert_eq!(json(&run)["error"]["kind"], "tier_not_allowed", "{}", run.stdout);
+    let run = strata(&home, &["run", "--policy", &strict, "--tier", "process", "--", "echo", "hi"], b"");
+    assert_eq!(run.code, 2);
+    assert!(run.stderr.contains("does not allow the process tier"), "{}", run.stderr);
+
+    // The default policy file loads too.
+    let run = strata(&home, &["run", "--policy", &repo_policy("default.toml"), programs::HELLO, "--", "d"], b"");
+    assert_eq!(run.code, 0, "{}", run.stderr);
+}
+
+#[test]
+fn grants_name_applies_a_grant_set_of_the_policy() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir(dir.path().join("inputs")).expect("mkdir");
+    std::fs::write(dir.path().join("inputs/data.txt"), "granted by name").expect("write");
+    let policy = dir.path().join("sets.toml");
+    std::fs::write(&policy, "[grants.inputs]\ndirs = [\"inputs:/inputs:ro\"]\n\n[grants.empty]\ndirs = []\n")
+        .expect("write");
+    let policy = policy.to_str().expect("utf8");
+    let home = home();
+    let read = [programs::FS, "--", "read", "/inputs/data.txt"];
+    let args = [&["run", "--policy", policy, "--grants", "inputs"][..], &read[..]].concat();
+    let run = strata(home.path(), &args, b"");
+    assert_eq!((run.code, run.stdout.as_str()), (0, "granted by name"), "{}", run.stderr);
+
+    // Without the set, the file is not there.
+    let run = strata(home.path(), &[&["run", "--policy", policy][..], &read[..]].concat(), b"");
+    assert_ne!(run.code, 0, "{}", run.stdout);
+
+    // An unknown set is a usage error naming the policy and the sets it defines.
+    let run = strata(home.path(), &["run", "--policy", policy, "--grants", "outputs", programs::HELLO], b"");
+    assert_eq!(run.code, 2);
+    assert!(run.stderr.contains("sets.toml") && run.stderr.contains("\"outputs\""), "{}", run.stderr);
+    assert!(run.stderr.contains("empty, inputs"), "{}", run.stderr);
+    let run = strata(home.path(), &["run", "--json", "--grants", "inputs", programs::HELLO], b"");
+    assert_eq!(run.code, 2);
+    let v = json(&run);
+    assert_eq!(v["error"]["kind"], "usage", "{v}");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("the default policy")), "{v}");
+}
+
+#[test]
+fn policy_network_and_escalation_keys_are_checked_and_reach_the_job() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let home = home();
+    for (text, line, key) in [
+        ("[network]\nallow = [\"http://example.com\"]\n", 2, "allow"),
+        ("[escalation]\non = [\"always\"]\n", 2, "on"),
+        ("[escalation]\nallowed = false\nbudget = 1\n", 3, "budget"),
+        ("[grants.x]\ndirs = [\"/tmp\"]\n", 2, "dirs"),
+    ] {
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, text).expect("write");
+        let run = strata(home.path(), &["run", "--policy", bad.to_str().expect("utf8"), programs::HELLO], b"");
+        assert_eq!(run.code, 2, "{text}");
+        let line = format!("line {line}");
+        assert!(
+            run.stderr.contains("bad.toml") && run.stderr.contains(&line) && run.stderr.contains(key),
+            "{text}: {}",
+            run.stderr
+        );
+    }
+    // The policy's allowlist reaches the job (the wasm tier, without network, says so), and --allow-net adds to it.
+    let net = dir.path().join("net.toml");
+    std::fs::write(&net, "[network]\nallow = [\"pypi.org:443\"]\n").expect("write");
+    let net = net.to_str().expect("utf8");
+    let run = strata(home.path(), &["run", "--policy", net, "--allow-net", "example.com", programs::HELLO], b"");
+    assert_eq!(run.code, 2);
+    assert!(run.stderr.contains("pypi.org:443,example.com"), "{}", run.stderr);
+}
