@@ -102,8 +102,12 @@ fn fetch(port: u16) -> Job {
     ))
 }
 
+/// This process's egress socket files (named `<pid>-<n>.sock`; other test processes share the directory).
 fn egress_sockets(dir: &Path) -> usize {
-    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+    let prefix = format!("{}-", std::process::id());
+    std::fs::read_dir(dir)
+        .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().starts_with(&prefix)).count())
+        .unwrap_or(0)
 }
 
 #[test]
@@ -166,6 +170,30 @@ fn denied_by_default_no_proxy_no_socket_no_env() {
         ),
         "{allowed:?}"
     );
+}
+
+#[test]
+fn a_job_holding_a_finished_connection_open_costs_no_cpu() {
+    let Some(engine) = process_engine() else { return };
+    let origin = Origin::start();
+    // The proxy closes after the response; the job keeps its end open for a second. The forwarder must drop the
+    // connection instead of polling its hung-up side in a loop (the jail's CPU time would show it).
+    let code = format!(
+        "import socket, time\n\
+         s = socket.create_connection(('127.0.0.1', 3128), timeout=20)\n\
+         s.sendall(b'GET http://127.0.0.1:{port}/ HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n\
+         data = b''\n\
+         while True:\n\
+         \x20   b = s.recv(65536)\n\
+         \x20   if not b: break\n\
+         \x20   data += b\n\
+         print(data.endswith(b'hello from the host'))\n\
+         time.sleep(1)\n",
+        port = origin.port
+    );
+    let outcome = run(engine, &python(&code), &allow(&[format!("127.0.0.1:{}", origin.port)]));
+    assert_eq!(stdout(&outcome), "True\n", "{outcome:?}");
+    assert!(outcome.usage.cpu < Duration::from_millis(500), "{:?}", outcome.usage);
 }
 
 #[test]

@@ -429,10 +429,12 @@ impl Init {
             }
             let ctl_ready = fds[0].revents().is_some_and(|r| !r.is_empty());
             let child_ready = fds[1].revents().is_some_and(|r| !r.is_empty());
-            let net_ready = fds[2..].iter().any(|fd| fd.revents().is_some_and(|r| !r.is_empty()));
+            let net: Vec<PollFlags> = fds[2..].iter().map(|fd| fd.revents().unwrap_or(PollFlags::empty())).collect();
             drop(fds);
-            if net_ready && let Some(forwarder) = &mut self.forwarder {
-                forwarder.pump();
+            if !net.iter().all(PollFlags::is_empty)
+                && let Some(forwarder) = &mut self.forwarder
+            {
+                forwarder.pump(&net);
             }
             if child_ready {
                 while let Ok(Some(_)) = signals.read_signal() {}
