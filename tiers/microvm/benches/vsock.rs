@@ -114,6 +114,12 @@ fn guest_to_host(total: u64) -> f64 {
             peer_fwd = p.hdr.fwd_cnt;
         }
     }
+    // What the host socket could not take yet is still in the device: flush it (as the backend thread would)
+    // until the reader has it all, or joining the reader waits forever.
+    while !reader.is_finished() {
+        d.transport().process_backend();
+        std::thread::yield_now();
+    }
     let (got, end) = reader.join().expect("reader");
     assert_eq!(got, total);
     mb_s(total, end - start)
