@@ -20,7 +20,7 @@ pub use caps::{Capabilities, CapsError, EnvVar, Grant, GrantMode, Net};
 pub use error::TierError;
 pub use job::{Job, JobKind, ModuleSource, PythonSource};
 pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
-pub use outcome::{Escalation, Outcome, RouteDecision, Status, TierKind, Truncated, Usage};
+pub use outcome::{EgressEntry, Escalation, Outcome, RouteDecision, Status, TierKind, Truncated, Usage};
 pub use redact::Redactor;
 pub use snapshot::{Manifest, Persisted, Snapshot, SnapshotError, SnapshotWriter};
 pub use tier::{CancelToken, ExecOptions, OutputSink, Sandbox, Stream, Tier};
