@@ -1,5 +1,6 @@
 //! Strata's integration tests: one binary, a module per area.
 
+mod capabilities;
 mod egress;
 mod native;
 mod policy;
