@@ -298,8 +298,8 @@ fn secrets_are_redacted_from_output() {
             ..Capabilities::default()
         };
         let outcome = run(engine, tier, &sh("echo token=$TOKEN; echo $TOKEN >&2"), &caps, &Limits::default());
-        assert_eq!(stdout(&outcome), "token=[REDACTED]\n");
-        assert_eq!(String::from_utf8_lossy(&outcome.stderr), "[REDACTED]\n");
+        assert_eq!(stdout(&outcome), "token=[REDACTED:TOKEN]\n");
+        assert_eq!(String::from_utf8_lossy(&outcome.stderr), "[REDACTED:TOKEN]\n");
     }
 }
 

@@ -188,7 +188,7 @@ fn damaged_foreign_and_secret_snapshots_are_refused_with_typed_errors() {
     assert_eq!(err.code(), "unsupported", "{err}");
     assert!(err.to_string().contains("TOKEN"), "{err}");
     let mut fork = tier.fork_with(&snapshot, &caps, &Limits::default()).expect("fork with the capabilities");
-    assert_eq!(stdout(&run(&mut fork, "cat /tmp/x; echo $TOKEN")), "41\n[REDACTED]\n");
+    assert_eq!(stdout(&run(&mut fork, "cat /tmp/x; echo $TOKEN")), "41\n[REDACTED:TOKEN]\n");
 }
 
 fn count(dir: &str) -> usize {

@@ -56,8 +56,8 @@ fn secrets_are_in_the_environment_but_redacted_from_output() {
     };
     let outcome = run(programs::ECHO, &["sk-live-0123456789"], &caps, &Limits::default());
     let text = stdout(&outcome);
-    assert!(text.contains("env API_KEY=[REDACTED]"), "{text}");
-    assert!(text.contains("arg[1]=[REDACTED]"), "{text}");
+    assert!(text.contains("env API_KEY=[REDACTED:API_KEY]"), "{text}");
+    assert!(text.contains("arg[1]=[REDACTED:API_KEY]"), "{text}");
     assert!(!text.contains("sk-live"), "{text}");
 }
 

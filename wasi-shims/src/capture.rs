@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use strata_core::{OutputSink, Redactor, Stream};
+use strata_core::{OutputSink, Redactor, Secret, Stream};
 use tokio::io::AsyncWrite;
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
 use wasmtime_wasi::p2::{OutputStream, Pollable, StreamError};
@@ -60,7 +60,7 @@ impl std::fmt::Debug for OutputCapture {
 
 impl OutputCapture {
     /// A capture of `stream` that keeps at most `cap` bytes, redacting `secrets`, forwarding kept bytes to `sink`.
-    pub fn new(stream: Stream, cap: u64, secrets: Vec<Vec<u8>>, sink: Option<Arc<dyn OutputSink>>) -> Self {
+    pub fn new(stream: Stream, cap: u64, secrets: Vec<Secret>, sink: Option<Arc<dyn OutputSink>>) -> Self {
         let cap = usize::try_from(cap).unwrap_or(usize::MAX);
         OutputCapture {
             state: Arc::new(Mutex::new(CaptureState {
@@ -231,11 +231,16 @@ mod tests {
     #[test]
     fn sink_sees_the_redacted_capped_bytes() {
         let sink = Arc::new(Collect::default());
-        let capture = OutputCapture::new(Stream::Stderr, 64, vec![b"s3cret".to_vec()], Some(sink.clone()));
+        let capture = OutputCapture::new(
+            Stream::Stderr,
+            64,
+            vec![Secret { name: "KEY".into(), value: b"s3cret".to_vec() }],
+            Some(sink.clone()),
+        );
         capture.write(b"key=s3c");
         capture.write(b"ret end");
         let captured = capture.finish();
-        assert_eq!(captured.bytes, b"key=[REDACTED] end");
+        assert_eq!(captured.bytes, b"key=[REDACTED:KEY] end");
         assert_eq!(*sink.0.lock().expect("lock"), captured.bytes);
         assert_eq!(captured.written, 14);
     }

@@ -123,7 +123,7 @@ fn grants_env_and_secrets_from_flags() {
     let run = strata(home.path(), &["run", "--dir", &grant, programs::FS, "--", "read", "/data/f.txt"], b"");
     assert_eq!((run.code, run.stdout.as_str()), (0, "granted"));
     let run = strata(home.path(), &["run", "--env", "A=1", "--secret", "TOKEN=abc123xyz", programs::ECHO], b"");
-    assert!(run.stdout.contains("env A=1\nenv TOKEN=[REDACTED]\n"), "{}", run.stdout);
+    assert!(run.stdout.contains("env A=1\nenv TOKEN=[REDACTED:TOKEN]\n"), "{}", run.stdout);
 }
 
 #[test]

@@ -234,9 +234,14 @@ impl Capabilities {
         self.env.iter().chain(&self.secrets)
     }
 
-    /// Secret values to redact from output (empty values are skipped: they would match everywhere).
-    pub fn secret_values(&self) -> Vec<Vec<u8>> {
-        self.secrets.iter().filter(|s| !s.value.is_empty()).map(|s| s.value.clone().into_bytes()).collect()
+    /// Secrets to redact from output, each replaced by `[REDACTED:NAME]` (empty values are skipped: they would
+    /// match everywhere).
+    pub fn secret_values(&self) -> Vec<crate::redact::Secret> {
+        self.secrets
+            .iter()
+            .filter(|s| !s.value.is_empty())
+            .map(|s| crate::redact::Secret { name: s.name.clone(), value: s.value.clone().into_bytes() })
+            .collect()
     }
 }
 

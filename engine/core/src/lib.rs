@@ -21,7 +21,7 @@ pub use error::TierError;
 pub use job::{Job, JobKind, ModuleSource, PythonSource};
 pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
 pub use outcome::{EgressEntry, Escalation, Outcome, RouteDecision, Status, TierKind, Truncated, Usage};
-pub use redact::Redactor;
+pub use redact::{Redactor, Secret};
 pub use snapshot::{Manifest, Persisted, Snapshot, SnapshotError, SnapshotWriter};
 pub use tier::{CancelToken, ExecOptions, OutputSink, Sandbox, Stream, Tier};
 pub use tools::{Tool, ToolCall, ToolDefinitionError, ToolFailure, ToolRegistry};

@@ -1,26 +1,39 @@
 //! Streaming redaction of secret values from guest output.
 
-/// What a redacted secret is replaced with.
-pub const REDACTED: &[u8] = b"[REDACTED]";
+/// A secret to redact: its name, shown in the marker that replaces it (`[REDACTED:NAME]`), and its value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Secret {
+    /// The name (the environment variable's).
+    pub name: String,
+    /// The value.
+    pub value: Vec<u8>,
+}
 
-/// Replaces every occurrence of any secret in a byte stream with [`REDACTED`], also when an occurrence is split
+/// What a secret named `name` is replaced with: `[REDACTED:name]`.
+pub fn marker(name: &str) -> Vec<u8> {
+    format!("[REDACTED:{name}]").into_bytes()
+}
+
+/// Replaces every occurrence of any secret in a byte stream with its [`marker`], also when an occurrence is split
 /// across writes. It holds back at most `longest secret - 1` bytes until the next write or [`finish`].
 ///
 /// [`finish`]: Redactor::finish
 #[derive(Debug, Clone, Default)]
 pub struct Redactor {
-    secrets: Vec<Vec<u8>>,
+    /// (value, marker), longest value first.
+    secrets: Vec<(Vec<u8>, Vec<u8>)>,
     holdback: usize,
     pending: Vec<u8>,
 }
 
 impl Redactor {
     /// A redactor for these secrets; empty secrets are ignored.
-    pub fn new(secrets: Vec<Vec<u8>>) -> Redactor {
-        let mut secrets: Vec<Vec<u8>> = secrets.into_iter().filter(|s| !s.is_empty()).collect();
+    pub fn new(secrets: Vec<Secret>) -> Redactor {
+        let mut secrets: Vec<(Vec<u8>, Vec<u8>)> =
+            secrets.into_iter().filter(|s| !s.value.is_empty()).map(|s| (s.value, marker(&s.name))).collect();
         // Longest first, so a secret that contains another is replaced whole.
-        secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
-        let holdback = secrets.first().map_or(0, |s| s.len() - 1);
+        secrets.sort_by_key(|(value, _)| std::cmp::Reverse(value.len()));
+        let holdback = secrets.first().map_or(0, |(value, _)| value.len() - 1);
         Redactor { secrets, holdback, pending: Vec::new() }
     }
 
@@ -39,13 +52,13 @@ impl Redactor {
         let mut i = 0;
         while i < self.pending.len() {
             let rest = &self.pending[i..];
-            if let Some(secret) = self.secrets.iter().find(|s| rest.starts_with(s)) {
-                out.extend_from_slice(REDACTED);
-                i += secret.len();
+            if let Some((value, marker)) = self.secrets.iter().find(|(value, _)| rest.starts_with(value)) {
+                out.extend_from_slice(marker);
+                i += value.len();
                 continue;
             }
             // Keep a tail that may be the start of a secret completed by the next write.
-            if rest.len() <= self.holdback && self.secrets.iter().any(|s| s.starts_with(rest)) {
+            if rest.len() <= self.holdback && self.secrets.iter().any(|(value, _)| value.starts_with(rest)) {
                 break;
             }
             out.push(rest[0]);
@@ -66,7 +79,9 @@ mod tests {
     use super::*;
 
     fn run(secrets: &[&str], chunks: &[&str]) -> String {
-        let mut r = Redactor::new(secrets.iter().map(|s| s.as_bytes().to_vec()).collect());
+        let named = secrets.iter().enumerate();
+        let mut r =
+            Redactor::new(named.map(|(i, s)| Secret { name: format!("S{i}"), value: s.as_bytes().to_vec() }).collect());
         let mut out = Vec::new();
         for chunk in chunks {
             out.extend(r.push(chunk.as_bytes()));
@@ -77,12 +92,12 @@ mod tests {
 
     #[test]
     fn secret_in_one_write_is_redacted() {
-        assert_eq!(run(&["hunter2"], &["pw=hunter2!\n"]), "pw=[REDACTED]!\n");
+        assert_eq!(run(&["hunter2"], &["pw=hunter2!\n"]), "pw=[REDACTED:S0]!\n");
     }
 
     #[test]
     fn secret_split_across_writes_is_redacted() {
-        assert_eq!(run(&["hunter2"], &["pw=hun", "te", "r2 ok"]), "pw=[REDACTED] ok");
+        assert_eq!(run(&["hunter2"], &["pw=hun", "te", "r2 ok"]), "pw=[REDACTED:S0] ok");
     }
 
     #[test]
@@ -92,7 +107,7 @@ mod tests {
 
     #[test]
     fn longest_secret_wins_and_empty_secrets_are_ignored() {
-        assert_eq!(run(&["abc", "abcdef", ""], &["xabcdefx abc"]), "x[REDACTED]x [REDACTED]");
+        assert_eq!(run(&["abc", "abcdef", ""], &["xabcdefx abc"]), "x[REDACTED:S1]x [REDACTED:S0]");
         assert_eq!(run(&[], &["plain"]), "plain");
     }
 }
