@@ -189,6 +189,14 @@ impl EngineError {
     }
 }
 
+/// The route of a job run in a fork: the snapshot's own tier.
+fn forked(snapshot: &Snapshot) -> RouteDecision {
+    RouteDecision {
+        tier: snapshot.tier,
+        reason: format!("a fork of snapshot {} runs on the tier it was taken on", snapshot.manifest.id),
+    }
+}
+
 /// Where the sandbox of [`Engine::snapshot_create`] comes from.
 #[derive(Debug, Clone, Copy)]
 pub enum Origin<'a> {
@@ -661,17 +669,18 @@ impl Engine {
         if destination.exists() {
             return Err(TierError::Snapshot(SnapshotError::Exists(destination.to_owned())).into());
         }
-        let (mut sandbox, escalation) = match origin {
-            Origin::Fork { choice, snapshot } => (self.fork(choice, snapshot)?, None),
+        let (mut sandbox, escalation, decision) = match origin {
+            Origin::Fork { choice, snapshot } => (self.fork(choice, snapshot)?, None, forked(snapshot)),
             Origin::Fresh(choice) => {
-                let route = self.route(choice, setup)?;
-                (route.tier.start(caps, limits)?, route.escalation)
+                let route = self.route_with_limits(choice, setup, limits)?;
+                (route.tier.start(caps, limits)?, route.escalation, route.decision)
             }
         };
         let mut outcome = sandbox.exec(setup, ExecOptions { limits: Some(limits.clone()), ..opts })?;
         if let Some(escalation) = escalation {
             outcome.escalations.insert(0, escalation);
         }
+        outcome.route = Some(decision);
         let snapshot = match outcome.status {
             Status::Exited { code: 0 } => Some(sandbox.snapshot(destination)?),
             _ => None,
@@ -707,8 +716,9 @@ impl Engine {
         let mut sandbox = self.fork(choice, snapshot)?;
         let outcome = sandbox.exec(job, ExecOptions { limits: Some(limits.clone()), ..opts });
         let closed = sandbox.close();
-        let outcome = outcome?;
+        let mut outcome = outcome?;
         closed?;
+        outcome.route = Some(forked(snapshot));
         Ok(outcome)
     }
 

@@ -539,6 +539,10 @@ fn a_process_snapshot_is_forked_with_its_files() {
     assert_eq!(run.code, 0, "{}", run.stderr);
     let run = strata(&home, &["run", "--snapshot", s2, "--", "cat", "/tmp/x"], b"");
     assert_eq!((run.code, run.stdout.as_str()), (0, "41\n"), "{}", run.stderr);
+    let run = strata(&home, &["run", "--json", "--snapshot", s2, "--", "cat", "/tmp/x"], b"");
+    let v = json(&run);
+    assert_eq!((v["tier"].as_str(), v["route"]["tier"].as_str()), (Some("process"), Some("process")), "{v}");
+    assert!(v["route"]["reason"].as_str().is_some_and(|r| r.contains("a fork of snapshot")), "{v}");
     // A corrupted snapshot is refused, never forked.
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(Path::new(s2).join("manifest.json")).expect("manifest"))
