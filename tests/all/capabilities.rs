@@ -6,65 +6,18 @@
 //! differently; where a tier legitimately does something else (no egress on wasm and the microVM yet), the case
 //! says so per tier.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::symlink;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
 use strata_core::{
     Capabilities, EnvVar, ExecOptions, Grant, GrantMode, Job, Limits, Net, Outcome, PythonSource, Status, TierKind,
 };
 use strata_engine::{Engine, TierChoice};
 
-use crate::util::python_engine;
+use crate::util::{ORIGIN_BODY, Origin, python_engine};
 
-const BODY: &str = "hello from the host";
+const BODY: &str = ORIGIN_BODY;
 const SECRET_TEXT: &str = "host secret: do not read";
-
-/// A host HTTP server on 127.0.0.1 answering every request with [`BODY`], counting the connections it accepted.
-struct Origin {
-    port: u16,
-    hits: Arc<AtomicUsize>,
-}
-
-impl Origin {
-    fn start() -> Origin {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind origin");
-        let port = listener.local_addr().expect("addr").port();
-        let hits = Arc::new(AtomicUsize::new(0));
-        let counter = hits.clone();
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                counter.fetch_add(1, Ordering::SeqCst);
-                let _ = serve(&mut stream);
-            }
-        });
-        Origin { port, hits }
-    }
-
-    fn hits(&self) -> usize {
-        self.hits.load(Ordering::SeqCst)
-    }
-}
-
-fn serve(stream: &mut TcpStream) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let response = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{BODY}", BODY.len());
-    stream.write_all(response.as_bytes())
-}
 
 /// The host side of one tier's run of the table: a read-only grant with `in.txt`, an empty read-write grant, a
 /// secret file outside both (the rw grant holds symlinks to it), and an HTTP server on the host's loopback.

@@ -4,62 +4,15 @@
 //! The origin is a small HTTP server on the host's `127.0.0.1`, which inside the jail's network namespace is not
 //! reachable directly (the jail's loopback is its own): every byte that arrives went through the proxy.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use strata_core::{Capabilities, ExecOptions, Job, Limits, Net, Outcome, PythonSource, TierKind};
 use strata_engine::{Engine, TierChoice};
 
-use crate::util::python_engine;
+use crate::util::{ORIGIN_BODY, Origin, python_engine};
 
-const BODY: &[u8] = b"hello from the host";
-
-/// A host HTTP server on 127.0.0.1 answering every request with [`BODY`], counting the connections it accepted.
-struct Origin {
-    port: u16,
-    hits: Arc<AtomicUsize>,
-}
-
-impl Origin {
-    fn start() -> Origin {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind origin");
-        let port = listener.local_addr().expect("addr").port();
-        let hits = Arc::new(AtomicUsize::new(0));
-        let counter = hits.clone();
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                counter.fetch_add(1, Ordering::SeqCst);
-                let _ = serve(&mut stream);
-            }
-        });
-        Origin { port, hits }
-    }
-
-    fn hits(&self) -> usize {
-        self.hits.load(Ordering::SeqCst)
-    }
-}
-
-fn serve(stream: &mut TcpStream) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let response = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", BODY.len());
-    stream.write_all(response.as_bytes())?;
-    stream.write_all(BODY)
-}
+const BODY: &[u8] = ORIGIN_BODY.as_bytes();
 
 /// The engine, when this host can run the process tier (else one skip line).
 fn process_engine() -> Option<&'static Engine> {

@@ -116,3 +116,54 @@ fn walk(root: &Path, dir: &Path) -> Vec<(String, Vec<u8>)> {
     }
     out
 }
+
+/// What [`Origin`] answers every request with.
+pub const ORIGIN_BODY: &str = "hello from the host";
+
+/// A host HTTP server on 127.0.0.1 answering every request with [`ORIGIN_BODY`], counting the connections it
+/// accepted.
+pub struct Origin {
+    /// Its port.
+    pub port: u16,
+    hits: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Origin {
+    /// Starts it on a thread of its own (it lives as long as the test process).
+    pub fn start() -> Origin {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind origin");
+        let port = listener.local_addr().expect("addr").port();
+        let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = hits.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let _ = serve_origin(&mut stream);
+            }
+        });
+        Origin { port, hits }
+    }
+
+    /// Connections accepted so far.
+    pub fn hits(&self) -> usize {
+        self.hits.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+fn serve_origin(stream: &mut std::net::TcpStream) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let response =
+        format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{ORIGIN_BODY}", ORIGIN_BODY.len());
+    stream.write_all(response.as_bytes())
+}
