@@ -2,12 +2,14 @@
 //! as a host process over a Unix socket: its "guest" paths are a temporary directory here), and through a hostile
 //! fake agent whose listings and files must change nothing on the host.
 
+mod agent_process;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Child;
 use std::thread;
 
 use strata_guest_proto::frame::{FrameReader, FrameWriter};
@@ -27,19 +29,7 @@ struct RealAgent {
 impl RealAgent {
     /// `None` (after one skip line) when this build has no embedded agent.
     fn spawn() -> Option<RealAgent> {
-        let Ok(binary) = strata_tier_microvm::guest::agent_binary() else {
-            eprintln!("skip: this build has no guest agent (install the x86_64-unknown-linux-musl target)");
-            return None;
-        };
-        let dir = tempfile::tempdir().expect("tempdir");
-        let exe = dir.path().join("strata-agent");
-        fs::write(&exe, binary).expect("write agent");
-        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).expect("chmod");
-        let socket = dir.path().join("agent.sock");
-        let listener = UnixListener::bind(&socket).expect("bind");
-        let child = Command::new(&exe).arg("--unix").arg(&socket).spawn().expect("spawn agent");
-        let (stream, _) = listener.accept().expect("accept");
-        let client = AgentClient::connect(stream, ClientConfig::default()).expect("connect");
+        let agent_process::Spawned { child, client, dir } = agent_process::spawn()?;
         Some(RealAgent { child, client: Some(client), _dir: dir })
     }
 

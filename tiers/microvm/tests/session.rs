@@ -4,18 +4,18 @@
 //! closing leaves no process behind. What needs a booted Linux (snapshot and fork of a real VM) runs on hardware
 //! KVM only: elsewhere its test prints one skip line.
 
+mod agent_process;
+
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use strata_core::{
     ByteSize, Capabilities, ExecOptions, Grant, GrantMode, Job, LimitKind, Limits, Outcome, Persisted, Sandbox,
     Snapshot, SnapshotWriter, Status, Tier, TierError, TierKind,
 };
-use strata_guest_proto::{AgentClient, ClientConfig, ClientError, ExecLimits, ExecRequest};
+use strata_guest_proto::{AgentClient, ClientError, ExecLimits, ExecRequest};
 use strata_tier_microvm::session::{AgentHost, Session};
 use strata_tier_microvm::snapshot::SnapshotExtra;
 use strata_tier_microvm::tier::{MicrovmTier, MicrovmTierConfig};
@@ -34,19 +34,7 @@ struct ProcessAgent {
 impl ProcessAgent {
     /// The agent and its client; `None` (after one skip line) when this build has no embedded agent.
     fn spawn(workdir: &Path) -> Option<(ProcessAgent, AgentClient)> {
-        let Ok(binary) = strata_tier_microvm::guest::agent_binary() else {
-            eprintln!("skip: this build has no guest agent (install the x86_64-unknown-linux-musl target)");
-            return None;
-        };
-        let dir = tempfile::tempdir().expect("tempdir");
-        let exe = dir.path().join("strata-agent");
-        fs::write(&exe, binary).expect("write agent");
-        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).expect("chmod");
-        let socket = dir.path().join("agent.sock");
-        let listener = UnixListener::bind(&socket).expect("bind");
-        let child = Command::new(&exe).arg("--unix").arg(&socket).spawn().expect("spawn agent");
-        let (stream, _) = listener.accept().expect("accept");
-        let client = AgentClient::connect(stream, ClientConfig::default()).expect("connect");
+        let agent_process::Spawned { child, client, dir } = agent_process::spawn()?;
         let workdir = workdir.to_str().expect("utf-8").to_owned();
         Some((ProcessAgent { child, workdir, images: serde_json::json!({"kernel": "none"}), _dir: dir }, client))
     }
