@@ -405,14 +405,4 @@ impl<T: Transport> Session<'_, T> {
     }
 }
 
-/// An error and its sources, as one line.
-pub fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+pub use strata_guest_proto::error_chain;

@@ -47,3 +47,15 @@ const _: () = assert!(MAX_TREE_BATCH * (2 * MAX_PATH + 64) + 64 <= MAX_FRAME);
 
 /// The vsock port the agent listens on unless told otherwise.
 pub const DEFAULT_AGENT_PORT: u32 = 1024;
+
+/// An error and its sources, as one line (how both ends of the channel report a failure).
+pub fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -125,20 +125,8 @@ impl AgentHost for MicrovmGuest {
 fn snapshot_error(err: VmSnapshotError) -> TierError {
     match err {
         VmSnapshotError::Store(err) => TierError::Snapshot(err),
-        other => internal(error_chain(&other)),
+        other => internal(strata_guest_proto::error_chain(&other)),
     }
-}
-
-/// An error and its sources, as one line.
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 fn stamp(path: &Path) -> std::io::Result<Stamp> {
