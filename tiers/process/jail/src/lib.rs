@@ -9,6 +9,7 @@
 
 pub mod forward;
 pub mod init;
+pub mod inject;
 pub mod proto;
 pub mod seccomp;
 pub mod tree;
