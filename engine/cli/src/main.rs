@@ -8,6 +8,7 @@
 mod doctor;
 mod images;
 mod run;
+mod serve;
 mod snapshot;
 
 use std::io::Write;
@@ -44,6 +45,8 @@ enum Command {
     Images(images::ImagesArgs),
     /// What this host can run (KVM kind, cgroups, namespaces, seccomp, overlayfs) and each tier's availability.
     Doctor(doctor::DoctorArgs),
+    /// Serve the sandbox API over HTTP and WebSocket (`/v1`, `/metrics`) until SIGTERM or SIGINT.
+    Serve(Box<serve::ServeArgs>),
 }
 
 /// A usage or input error, reported as one line (or a JSON object) with exit status 2.
@@ -120,6 +123,7 @@ fn main() -> ExitCode {
         }
         Command::Images(args) => images::images(args).map_err(|failure| (false, failure)),
         Command::Doctor(args) => doctor::doctor(args).map_err(|failure| (false, failure)),
+        Command::Serve(args) => serve::serve(*args).map_err(|failure| (false, failure)),
     };
     match result {
         // Exit codes outside 0..=255 cannot be represented; WASI limits them to 0..126 anyway.

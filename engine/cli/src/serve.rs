@@ -1,0 +1,90 @@
+//! `strata serve`: argument parsing and logging; the server is `strata-serve`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use strata_engine::{EngineConfig, Policy};
+use strata_serve::{KeyStore, ServeConfig};
+
+use crate::Failure;
+
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on. Without --keys only a loopback address is accepted.
+    #[arg(long, value_name = "ADDR", default_value = strata_serve::DEFAULT_LISTEN)]
+    listen: SocketAddr,
+
+    /// API keys file (TOML, or JSON by its .json name): [[key]] name, sha256 (hex of the key), max_sandboxes.
+    /// Without it every request is served as `anonymous` and the server listens on loopback only.
+    #[arg(long, value_name = "FILE")]
+    keys: Option<PathBuf>,
+
+    /// A policy file: its limits are every sandbox's defaults and the ceiling of what requests may ask.
+    #[arg(long, value_name = "FILE")]
+    policy: Option<PathBuf>,
+
+    /// A sandbox's time to live when its request names none, e.g. 300s, 10m.
+    #[arg(long, value_name = "DURATION", default_value = "300s", value_parser = parse_duration)]
+    ttl: Duration,
+
+    /// The longest time to live a request may ask for.
+    #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
+    max_ttl: Duration,
+
+    /// Sandboxes the server holds at most, over every key.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    max_sandboxes: usize,
+
+    /// Let requests grant host directories (`capabilities.grants`) to sandboxes.
+    #[arg(long)]
+    allow_grants: bool,
+
+    /// Log one JSON object per line instead of text.
+    #[arg(long)]
+    log_json: bool,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    strata_core::parse_duration(text).map_err(|e| e.to_string())
+}
+
+pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
+    let builder = tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(tracing::Level::INFO);
+    let installed = if args.log_json { builder.json().try_init() } else { builder.try_init() };
+    if let Err(err) = installed {
+        return Err(Failure::new("internal", format!("cannot install the logger: {err}")));
+    }
+    let policy = match &args.policy {
+        Some(path) => Policy::from_file(path).map_err(strata_engine::EngineError::from)?,
+        None => Policy::default(),
+    };
+    let keys = match &args.keys {
+        Some(path) => Some(KeyStore::from_file(path).map_err(|e| Failure::new("invalid_keys", e.to_string()))?),
+        None => None,
+    };
+    let config = ServeConfig {
+        listen: args.listen,
+        keys,
+        default_ttl: args.ttl,
+        max_ttl: args.max_ttl,
+        max_sandboxes: args.max_sandboxes,
+        allow_grants: args.allow_grants,
+        ..ServeConfig::new(EngineConfig { policy, ..EngineConfig::from_env()? })
+    };
+    strata_serve::serve(config).map_err(|e| Failure::new("serve", error_chain(&e)))?;
+    Ok(0)
+}
+
+/// An error and its sources on one line.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut message = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}

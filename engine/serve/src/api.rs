@@ -1,0 +1,774 @@
+//! The native API under `/v1`: sandboxes, jobs, files, snapshots and forks, as JSON.
+//!
+//! Every handler checks the request, then does the blocking work (starting a sandbox, running a job, closing) on
+//! a blocking thread so the async runtime stays responsive. Sandboxes and snapshots belong to the API key that
+//! made them; another key sees `sandbox_not_found`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Extension, Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use strata_core::{
+    CancelToken, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, Limits, LimitsOverride, Outcome, PythonSource,
+    TierKind,
+};
+use strata_engine::TierChoice;
+use strata_engine::policy::NetworkPolicy;
+use utoipa::{OpenApi, ToSchema};
+
+use crate::error::{ApiError, ErrorBody};
+use crate::metrics::outcome_label;
+use crate::registry::{SandboxEntry, SnapshotEntry, new_id, unix_seconds};
+use crate::{AppState, Principal};
+
+/// The largest request body (files, jobs) the API accepts.
+pub const MAX_BODY: usize = 64 << 20;
+
+/// The most forks one request may make.
+pub const MAX_FORKS: usize = 64;
+
+type Shared = State<Arc<AppState>>;
+
+/// The `/v1` routes that need an API key.
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/v1/sandboxes", post(create_sandbox).get(list_sandboxes))
+        .route("/v1/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
+        .route("/v1/sandboxes/{id}/exec", post(exec))
+        .route("/v1/sandboxes/{id}/files", get(read_file).put(write_file))
+        .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/v1/sandboxes/{id}/snapshot", post(snapshot))
+        .route("/v1/snapshots", get(list_snapshots))
+        .route("/v1/snapshots/{id}", axum::routing::delete(delete_snapshot))
+        .route("/v1/snapshots/{id}/fork", post(fork))
+        .route("/v1/run", post(run))
+}
+
+/// What a sandbox's jobs may touch.
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct CapabilitiesRequest {
+    /// Environment variables.
+    pub env: BTreeMap<String, String>,
+    /// Environment variables whose values are redacted from output (and never logged).
+    pub secrets: BTreeMap<String, String>,
+    /// Host directories, as `HOST:GUEST[:ro|:rw]`; refused unless the server runs with `--allow-grants`.
+    pub grants: Vec<String>,
+    /// Network egress allowed to these `HOST[:PORT]` patterns (added to the policy's).
+    pub allow_net: Vec<String>,
+}
+
+/// `POST /v1/sandboxes`.
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct CreateSandboxRequest {
+    /// `auto` (the default: wasm), `wasm`, `process` or `vm`.
+    pub tier: Option<String>,
+    /// What its jobs may touch (ignored with `snapshot`: a fork keeps the snapshot's).
+    pub capabilities: CapabilitiesRequest,
+    /// Limits of its jobs, over the policy's (`{"wall":"2s","memory":"256MiB"}`); none may exceed the policy's.
+    #[schema(value_type = Object)]
+    pub limits: LimitsOverride,
+    /// Seconds it lives before the reaper kills it (default 300).
+    pub ttl: Option<u64>,
+    /// Start it as a fork of this snapshot (from `POST /v1/sandboxes/{id}/snapshot`).
+    pub snapshot: Option<String>,
+}
+
+/// A job: exactly one of `command` or `python`.
+#[derive(Debug, Default, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobRequest {
+    /// A program of the guest image and its arguments (`["ls","-l","/"]`; process and microVM tiers).
+    pub command: Option<Vec<String>>,
+    /// Python source, as `python -c CODE`.
+    pub python: Option<String>,
+    /// `sys.argv[1:]` of a Python job.
+    pub args: Vec<String>,
+    /// Text the job reads on stdin.
+    pub stdin: Option<String>,
+    /// Limits of this job, over the sandbox's.
+    #[schema(value_type = Object)]
+    pub limits: LimitsOverride,
+    /// WebSocket only: read stdin from the client's messages after this one, up to an empty message (EOF),
+    /// before the job starts.
+    pub stdin_stream: bool,
+}
+
+impl JobRequest {
+    /// The engine's job.
+    pub fn to_job(&self) -> Result<Job, ApiError> {
+        let invalid = |message: &str| ApiError::bad_request("invalid_job", message);
+        match (&self.command, &self.python) {
+            (Some(argv), None) => {
+                if argv.is_empty() || argv[0].is_empty() {
+                    return Err(invalid("command must name a program"));
+                }
+                if argv.iter().any(|a| a.contains('\0')) {
+                    return Err(invalid("command arguments must not contain NUL"));
+                }
+                if !self.args.is_empty() {
+                    return Err(invalid("args belong to python jobs; put a command's arguments in command"));
+                }
+                Ok(Job::Command { argv: argv.clone() })
+            }
+            (None, Some(code)) => Ok(Job::Python { source: PythonSource::Code(code.clone()), args: self.args.clone() }),
+            (Some(_), Some(_)) => Err(invalid("a job is either command or python, not both")),
+            (None, None) => Err(invalid("a job needs command or python")),
+        }
+    }
+}
+
+/// `POST /v1/run`: a one-shot job in a fresh sandbox that is gone afterwards.
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunRequest {
+    /// `auto` (the router picks), `wasm`, `process` or `vm`.
+    pub tier: Option<String>,
+    /// The job.
+    pub job: JobRequest,
+    /// What it may touch.
+    pub capabilities: CapabilitiesRequest,
+}
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SandboxInfo {
+    /// Its id.
+    pub id: String,
+    /// `wasm`, `process` or `microvm`.
+    pub tier: String,
+    /// Created, in seconds since the Unix epoch.
+    pub created_at: u64,
+    /// When the reaper kills it, in seconds since the Unix epoch.
+    pub expires_at: u64,
+    /// Whether a job is running in it.
+    pub running: bool,
+}
+
+impl SandboxInfo {
+    fn of(entry: &SandboxEntry) -> SandboxInfo {
+        SandboxInfo {
+            id: entry.id.clone(),
+            tier: entry.tier.as_str().to_owned(),
+            created_at: unix_seconds(entry.created),
+            expires_at: entry.expires_at(),
+            running: entry.is_running(),
+        }
+    }
+}
+
+/// `GET /v1/sandboxes`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SandboxList {
+    /// The caller's sandboxes, oldest first.
+    pub sandboxes: Vec<SandboxInfo>,
+}
+
+/// `POST /v1/sandboxes/{id}/timeout`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutRequest {
+    /// Seconds from now until the reaper kills the sandbox.
+    pub timeout: u64,
+}
+
+/// `?path=` of the file endpoints.
+#[derive(Debug, Deserialize)]
+pub struct FileQuery {
+    /// The guest path.
+    pub path: String,
+}
+
+/// A snapshot as the API shows it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SnapshotInfo {
+    /// Its id.
+    pub id: String,
+    /// The tier it was taken on (forks run there).
+    pub tier: String,
+    /// The sandbox it was taken from.
+    pub source: String,
+    /// Taken, in seconds since the Unix epoch.
+    pub created_at: u64,
+}
+
+impl SnapshotInfo {
+    fn of(entry: &SnapshotEntry) -> SnapshotInfo {
+        SnapshotInfo {
+            id: entry.id.clone(),
+            tier: entry.snapshot.tier.as_str().to_owned(),
+            source: entry.source.clone(),
+            created_at: unix_seconds(entry.created),
+        }
+    }
+}
+
+/// `GET /v1/snapshots`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SnapshotList {
+    /// The caller's snapshots, oldest first.
+    pub snapshots: Vec<SnapshotInfo>,
+}
+
+/// `POST /v1/snapshots/{id}/fork`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// How many forks (1 to 64).
+    #[serde(default = "one")]
+    pub count: usize,
+    /// Seconds each fork lives (default 300).
+    #[serde(default)]
+    pub ttl: Option<u64>,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// The forks made by `POST /v1/snapshots/{id}/fork`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ForkResponse {
+    /// The new sandboxes.
+    pub sandboxes: Vec<SandboxInfo>,
+}
+
+/// The Outcome of a job, exactly as `strata run --json` prints it (DESIGN §5).
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)]
+pub struct OutcomeDoc {
+    /// `wasm`, `process` or `microvm`.
+    tier: String,
+    /// `{"kind":"exited","code":0}`, `{"kind":"limit_exceeded","limit":"wall"}`, `{"kind":"trapped"|"crashed",
+    /// "message":…}`.
+    #[schema(value_type = Object)]
+    status: (),
+    /// Captured stdout (base64 when `stdout_encoding` is `base64`).
+    stdout: String,
+    /// Captured stderr (base64 when `stderr_encoding` is `base64`).
+    stderr: String,
+    /// `{"stdout":bool,"stderr":bool}`.
+    #[schema(value_type = Object)]
+    truncated: (),
+    /// `{"wall_ms","cpu_ms","fuel","peak_memory_bytes","stdout_bytes","stderr_bytes"}`.
+    #[schema(value_type = Object)]
+    usage: (),
+    /// Tiers the job moved through.
+    #[schema(value_type = Vec<Object>)]
+    escalations: (),
+    /// Tool frames.
+    #[schema(value_type = Vec<Object>)]
+    tools: (),
+}
+
+/// The OpenAPI document of the native API.
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Strata sandbox API", description = "strata serve: sandboxes, jobs, files, snapshots and forks."),
+    paths(
+        create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout,
+        snapshot, list_snapshots, delete_snapshot, fork, run
+    ),
+    components(schemas(
+        CapabilitiesRequest, CreateSandboxRequest, JobRequest, RunRequest, SandboxInfo, SandboxList, TimeoutRequest,
+        SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail
+    )),
+    modifiers(&BearerAuth),
+    security(("api_key" = []))
+)]
+#[derive(Debug)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "api_key",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// `GET /v1/openapi.json`.
+pub async fn openapi() -> impl IntoResponse {
+    Json(ApiDoc::openapi())
+}
+
+/// Runs `f` on a thread of its own and waits for it without blocking the runtime. Not tokio's blocking pool: its
+/// threads carry the runtime's context, and the wasm tier refuses to run a sandbox's job on such a thread.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("strata-serve-job".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| ApiError::internal(format!("cannot start a worker thread: {e}")))?;
+    rx.await.map_err(|_| ApiError::internal("the worker thread panicked"))?
+}
+
+/// Cancels a job when the request's future is dropped (the client went away) before the job finished.
+pub(crate) struct CancelOnDrop(pub(crate) Option<CancelToken>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(token) = self.0.take() {
+            token.cancel();
+        }
+    }
+}
+
+fn json<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    body.map(|Json(v)| v).map_err(ApiError::from)
+}
+
+fn tier_choice(tier: Option<&str>) -> Result<TierChoice, ApiError> {
+    tier.unwrap_or("auto").parse::<TierChoice>().map_err(ApiError::from)
+}
+
+/// The capabilities of a request, checked.
+pub(crate) fn capabilities(state: &AppState, req: &CapabilitiesRequest) -> Result<Capabilities, ApiError> {
+    let invalid = |message: String| ApiError::bad_request("invalid_capability", message);
+    let var = |name: &str, value: &str| {
+        if name.is_empty() || name.contains(['=', '\0']) || value.contains('\0') {
+            return Err(invalid(format!("invalid environment variable name {name:?} (or a NUL in its value)")));
+        }
+        Ok(EnvVar { name: name.to_owned(), value: value.to_owned() })
+    };
+    let env = req.env.iter().map(|(k, v)| var(k, v)).collect::<Result<Vec<_>, _>>()?;
+    let secrets = req.secrets.iter().map(|(k, v)| var(k, v)).collect::<Result<Vec<_>, _>>()?;
+    if !req.grants.is_empty() && !state.allow_grants {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "grants_not_allowed",
+            "this server does not grant host directories (start it with --allow-grants)",
+        ));
+    }
+    let grants = req
+        .grants
+        .iter()
+        .map(|spec| spec.parse::<Grant>().map_err(|e| invalid(e.to_string())))
+        .collect::<Result<Vec<_>, _>>()?;
+    NetworkPolicy::new(req.allow_net.clone()).map_err(|e| invalid(e.to_string()))?;
+    let caps = Capabilities {
+        grants,
+        env,
+        secrets,
+        net: state.policy.network.net_with(&req.allow_net),
+        ..Capabilities::default()
+    };
+    caps.validate().map_err(|e| invalid(e.to_string()))?;
+    Ok(caps)
+}
+
+/// `over` applied to `base`, refused when a limit exceeds the policy's.
+pub(crate) fn limits(state: &AppState, base: &Limits, over: &LimitsOverride) -> Result<Limits, ApiError> {
+    let limits = over.apply(base);
+    let ceiling = &state.policy.limits;
+    let fuel_over = match (limits.fuel, ceiling.fuel) {
+        (_, Fuel::Unlimited) => false,
+        (Fuel::Unlimited, Fuel::Limited(_)) => true,
+        (Fuel::Limited(asked), Fuel::Limited(max)) => asked > max,
+    };
+    let over = [
+        ("wall", limits.wall > ceiling.wall),
+        ("cpu", limits.cpu > ceiling.cpu),
+        ("fuel", fuel_over),
+        ("memory", limits.memory.0 > ceiling.memory.0),
+        ("output", limits.output.0 > ceiling.output.0),
+        ("vcpus", limits.vcpus > ceiling.vcpus),
+        ("disk", limits.disk.0 > ceiling.disk.0),
+        ("pids", limits.pids > ceiling.pids),
+        ("files", limits.files > ceiling.files),
+    ];
+    if let Some((name, _)) = over.iter().find(|(_, over)| *over) {
+        return Err(ApiError::bad_request("limit_too_high", format!("the {name} limit exceeds the server policy's")));
+    }
+    Ok(limits)
+}
+
+/// A TTL in seconds, checked against the server's maximum.
+pub(crate) fn ttl(state: &AppState, seconds: Option<u64>) -> Result<Duration, ApiError> {
+    let ttl = seconds.map(Duration::from_secs).unwrap_or(state.default_ttl);
+    if ttl.is_zero() || ttl > state.max_ttl {
+        return Err(ApiError::bad_request(
+            "invalid_ttl",
+            format!("ttl must be between 1 and {} seconds", state.max_ttl.as_secs()),
+        ));
+    }
+    Ok(ttl)
+}
+
+/// Counts a job's result.
+pub(crate) fn record_job(
+    state: &AppState,
+    tier: TierKind,
+    op: &'static str,
+    started: Instant,
+    result: &Result<Outcome, ApiError>,
+) {
+    match result {
+        Ok(outcome) => {
+            state.metrics.job(outcome.tier, outcome_label(outcome));
+            state.metrics.latency(outcome.tier.as_str(), op, started.elapsed());
+        }
+        Err(_) => state.metrics.job(tier, "error"),
+    }
+}
+
+/// Admits `places` new sandboxes for `principal`.
+pub(crate) fn reserve(
+    state: &AppState,
+    principal: &Principal,
+    places: usize,
+) -> Result<crate::registry::Reservation, ApiError> {
+    state.admit()?;
+    state.registry.reserve(&principal.name, principal.max_sandboxes, places).map_err(|err| {
+        state.metrics.rejected(err.reason());
+        ApiError::from(err)
+    })
+}
+
+/// Starts a sandbox for `principal` (what `POST /v1/sandboxes` and the E2B layer do).
+pub(crate) async fn start_sandbox(
+    state: &Arc<AppState>,
+    principal: &Principal,
+    choice: TierChoice,
+    caps: Capabilities,
+    limits: Limits,
+    ttl: Duration,
+) -> Result<Arc<SandboxEntry>, ApiError> {
+    let mut reservation = reserve(state, principal, 1)?;
+    let started = Instant::now();
+    let engine = state.engine.clone();
+    let sandbox_limits = limits.clone();
+    let sandbox = blocking(move || engine.start(choice, &caps, &sandbox_limits).map_err(ApiError::from)).await?;
+    let tier = sandbox.tier();
+    let entry = SandboxEntry::new(new_id("sb_"), principal.name.clone(), sandbox, limits, ttl);
+    let entry = reservation.commit(entry);
+    state.metrics.sandbox_created(tier);
+    state.metrics.latency(tier.as_str(), "create", started.elapsed());
+    tracing::info!(sandbox = %entry.id, %tier, "sandbox created");
+    // A shutdown that began while it started has already drained the registry: close it now.
+    if state.draining() {
+        if let Ok(entry) = state.registry.remove(&entry.id, &principal.name) {
+            blocking(move || {
+                entry.kill();
+                Ok(())
+            })
+            .await?;
+        }
+        return Err(ApiError::shutting_down());
+    }
+    Ok(entry)
+}
+
+/// Kills a sandbox taken out of the registry and waits until it is closed.
+pub(crate) async fn kill(state: &Arc<AppState>, entry: Arc<SandboxEntry>) -> Result<(), ApiError> {
+    let started = Instant::now();
+    let tier = entry.tier;
+    blocking(move || {
+        entry.kill();
+        Ok(())
+    })
+    .await?;
+    state.metrics.latency(tier.as_str(), "delete", started.elapsed());
+    Ok(())
+}
+
+/// Runs a job in a sandbox, cancelling it if the request is dropped.
+pub(crate) async fn exec_in(
+    state: &Arc<AppState>,
+    entry: Arc<SandboxEntry>,
+    job: Job,
+    opts: ExecOptions,
+) -> Result<Outcome, ApiError> {
+    let token = opts.cancel.clone().unwrap_or_default();
+    let mut guard = CancelOnDrop(Some(token.clone()));
+    let opts = ExecOptions { cancel: Some(token), ..opts };
+    let started = Instant::now();
+    let tier = entry.tier;
+    let result = blocking(move || entry.exec(&job, opts)).await;
+    guard.0 = None;
+    record_job(state, tier, "exec", started, &result);
+    result
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
+    responses((status = 201, body = SandboxInfo), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)))]
+async fn create_sandbox(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    body: Result<Json<CreateSandboxRequest>, JsonRejection>,
+) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
+    let req = json(body)?;
+    let choice = tier_choice(req.tier.as_deref())?;
+    let limits = limits(&state, state.engine.default_limits(), &req.limits)?;
+    let ttl = ttl(&state, req.ttl)?;
+    let entry = match &req.snapshot {
+        Some(id) => {
+            let snapshot = state.registry.snapshot(id, &principal.name)?;
+            let mut forks = fork_sandboxes(&state, &principal, snapshot, choice, 1, limits, ttl).await?;
+            forks.pop().ok_or_else(|| ApiError::internal("the fork made no sandbox"))?
+        }
+        None => {
+            let caps = capabilities(&state, &req.capabilities)?;
+            start_sandbox(&state, &principal, choice, caps, limits, ttl).await?
+        }
+    };
+    Ok((StatusCode::CREATED, Json(SandboxInfo::of(&entry))))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes", tag = "sandboxes", responses((status = 200, body = SandboxList)))]
+async fn list_sandboxes(State(state): Shared, Extension(principal): Extension<Principal>) -> Json<SandboxList> {
+    let sandboxes = state.registry.list(Some(&principal.name)).iter().map(|e| SandboxInfo::of(e)).collect();
+    Json(SandboxList { sandboxes })
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes",
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
+async fn get_sandbox(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    let entry = state.registry.get(&id, &principal.name)?;
+    Ok(Json(SandboxInfo::of(&entry)))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes",
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+async fn delete_sandbox(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let entry = state.registry.remove(&id, &principal.name)?;
+    kill(&state, entry).await?;
+    tracing::info!(sandbox = %id, "sandbox deleted");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", tag = "jobs", request_body = JobRequest,
+    responses((status = 200, body = OutcomeDoc, description = "the Outcome, as `strata run --json` prints it"),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+async fn exec(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Result<Json<JobRequest>, JsonRejection>,
+) -> Result<Json<Outcome>, ApiError> {
+    state.admit()?;
+    let req = json(body)?;
+    let entry = state.registry.get(&id, &principal.name)?;
+    let job = req.to_job()?;
+    let limits = limits(&state, &entry.limits, &req.limits)?;
+    let opts = ExecOptions { limits: Some(limits), stdin: req.stdin.map(String::into_bytes), ..ExecOptions::default() };
+    Ok(Json(exec_in(&state, entry, job, opts).await?))
+}
+
+#[utoipa::path(post, path = "/v1/run", tag = "jobs", request_body = RunRequest,
+    responses((status = 200, body = OutcomeDoc, description = "the Outcome, as `strata run --json` prints it"),
+        (status = 400, body = ErrorBody), (status = 429, body = ErrorBody)))]
+async fn run(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    body: Result<Json<RunRequest>, JsonRejection>,
+) -> Result<Json<Outcome>, ApiError> {
+    let req = json(body)?;
+    let choice = tier_choice(req.tier.as_deref())?;
+    let job = req.job.to_job()?;
+    let caps = capabilities(&state, &req.capabilities)?;
+    let limits = limits(&state, state.engine.default_limits(), &req.job.limits)?;
+    let _reservation = reserve(&state, &principal, 1)?;
+    let token = CancelToken::new();
+    let mut guard = CancelOnDrop(Some(token.clone()));
+    let opts =
+        ExecOptions { stdin: req.job.stdin.map(String::into_bytes), cancel: Some(token), ..ExecOptions::default() };
+    let engine = state.engine.clone();
+    let started = Instant::now();
+    let result = blocking(move || engine.run_on(choice, &job, &caps, &limits, opts).map_err(ApiError::from)).await;
+    guard.0 = None;
+    let tier = match choice {
+        TierChoice::Tier(tier) => tier,
+        TierChoice::Auto => TierKind::Wasm,
+    };
+    record_job(&state, tier, "run", started, &result);
+    Ok(Json(result?))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files", tag = "files", params(("path" = String, Query)),
+    responses((status = 200, content_type = "application/octet-stream", body = Vec<u8>),
+        (status = 404, body = ErrorBody)))]
+async fn read_file(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    query: Result<Query<FileQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query?;
+    let entry = state.registry.get(&id, &principal.name)?;
+    let started = Instant::now();
+    let tier = entry.tier;
+    let bytes = blocking(move || entry.with_sandbox(|sandbox| sandbox.read_file(&query.path))).await?;
+    state.metrics.latency(tier.as_str(), "file_read", started.elapsed());
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+}
+
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/files", tag = "files", params(("path" = String, Query)),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+async fn write_file(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    query: Result<Query<FileQuery>, QueryRejection>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    state.admit()?;
+    let Query(query) = query?;
+    let entry = state.registry.get(&id, &principal.name)?;
+    let started = Instant::now();
+    let tier = entry.tier;
+    blocking(move || entry.with_sandbox(|sandbox| sandbox.write_file(&query.path, &body))).await?;
+    state.metrics.latency(tier.as_str(), "file_write", started.elapsed());
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/timeout", tag = "sandboxes", request_body = TimeoutRequest,
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+async fn set_timeout(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Result<Json<TimeoutRequest>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    let req = json(body)?;
+    let entry = state.registry.get(&id, &principal.name)?;
+    entry.set_ttl(ttl(&state, Some(req.timeout))?);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", tag = "snapshots",
+    responses((status = 201, body = SnapshotInfo), (status = 404, body = ErrorBody), (status = 501, body = ErrorBody)))]
+async fn snapshot(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
+    state.admit()?;
+    let entry = state.registry.get(&id, &principal.name)?;
+    let snap_id = new_id("snap_");
+    let dir = state.snapshot_dir.join(&snap_id);
+    let started = Instant::now();
+    let tier = entry.tier;
+    let target = dir.clone();
+    let snapshot = blocking(move || entry.snapshot(&target)).await?;
+    state.metrics.latency(tier.as_str(), "snapshot", started.elapsed());
+    let entry = state.registry.add_snapshot(SnapshotEntry {
+        id: snap_id,
+        owner: principal.name.clone(),
+        source: id,
+        created: std::time::SystemTime::now(),
+        snapshot,
+        dir,
+    });
+    Ok((StatusCode::CREATED, Json(SnapshotInfo::of(&entry))))
+}
+
+#[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots", responses((status = 200, body = SnapshotList)))]
+async fn list_snapshots(State(state): Shared, Extension(principal): Extension<Principal>) -> Json<SnapshotList> {
+    Json(SnapshotList {
+        snapshots: state.registry.snapshots(&principal.name).iter().map(|s| SnapshotInfo::of(s)).collect(),
+    })
+}
+
+#[utoipa::path(delete, path = "/v1/snapshots/{id}", tag = "snapshots",
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+async fn delete_snapshot(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let entry = state.registry.remove_snapshot(&id, &principal.name)?;
+    blocking(move || {
+        std::fs::remove_dir_all(&entry.dir)
+            .map_err(|e| ApiError::internal(format!("cannot remove snapshot {}: {e}", entry.id)))
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(post, path = "/v1/snapshots/{id}/fork", tag = "snapshots", request_body = ForkRequest,
+    responses((status = 201, body = ForkResponse), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody)))]
+async fn fork(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Result<Json<ForkRequest>, JsonRejection>,
+) -> Result<(StatusCode, Json<ForkResponse>), ApiError> {
+    let req = json(body)?;
+    if req.count == 0 || req.count > MAX_FORKS {
+        return Err(ApiError::bad_request("invalid_count", format!("count must be between 1 and {MAX_FORKS}")));
+    }
+    let ttl = ttl(&state, req.ttl)?;
+    let snapshot = state.registry.snapshot(&id, &principal.name)?;
+    let limits = state.engine.default_limits().clone();
+    let forks = fork_sandboxes(&state, &principal, snapshot, TierChoice::Auto, req.count, limits, ttl).await?;
+    Ok((StatusCode::CREATED, Json(ForkResponse { sandboxes: forks.iter().map(|e| SandboxInfo::of(e)).collect() })))
+}
+
+/// Starts `count` forks of a snapshot, all or none.
+async fn fork_sandboxes(
+    state: &Arc<AppState>,
+    principal: &Principal,
+    snapshot: Arc<SnapshotEntry>,
+    choice: TierChoice,
+    count: usize,
+    limits: Limits,
+    ttl: Duration,
+) -> Result<Vec<Arc<SandboxEntry>>, ApiError> {
+    let mut reservation = reserve(state, principal, count)?;
+    let engine = state.engine.clone();
+    let started = Instant::now();
+    let sandboxes = blocking(move || {
+        let mut sandboxes = Vec::with_capacity(count);
+        for _ in 0..count {
+            match engine.fork(choice, &snapshot.snapshot) {
+                Ok(sandbox) => sandboxes.push(sandbox),
+                Err(err) => {
+                    for sandbox in sandboxes {
+                        let _ = sandbox.close();
+                    }
+                    return Err(ApiError::from(err));
+                }
+            }
+        }
+        Ok(sandboxes)
+    })
+    .await?;
+    let mut entries = Vec::with_capacity(count);
+    for sandbox in sandboxes {
+        let tier = sandbox.tier();
+        state.metrics.sandbox_created(tier);
+        state.metrics.latency(tier.as_str(), "fork", started.elapsed() / count as u32);
+        let entry = SandboxEntry::new(new_id("sb_"), principal.name.clone(), sandbox, limits.clone(), ttl);
+        entries.push(reservation.commit(entry));
+    }
+    Ok(entries)
+}

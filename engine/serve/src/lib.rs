@@ -1,0 +1,417 @@
+//! `strata serve`: Strata's sandbox API over HTTP/1.1 and WebSocket (issue 8).
+//!
+//! One process serves, on one port:
+//! - the native API under `/v1` ([`api`]): sandboxes (create, list, get, delete, set timeout), jobs in them (exec,
+//!   and exec streamed over a WebSocket, [`ws`]), one-shot runs, files, snapshots and forks; JSON everywhere, errors
+//!   as `{"error":{"code":"...","message":"..."}}` ([`ApiError`]); its OpenAPI document at `/v1/openapi.json`;
+//! - `/metrics` in the Prometheus text format ([`metrics`]) and `/health`.
+//!
+//! Requests carry an API key (`Authorization: Bearer KEY` or `X-API-Key: KEY`) checked against a file of hashed keys
+//! with per-key quotas ([`auth`]). Without a keys file the server accepts every request as `anonymous`, and for that
+//! reason refuses to listen on anything but a loopback address ([`ServeError::OpenNonLoopback`]).
+//!
+//! Sandboxes live until deleted or until their TTL passes (a reaper task kills and frees them). Jobs run on
+//! blocking threads, never on the async runtime. On shutdown ([`Server::run`]'s future, SIGTERM/SIGINT under
+//! [`serve`]) the server refuses new work with 503 `shutting_down`, kills running jobs, closes every sandbox and
+//! removes its snapshots.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), strata_serve::ServeError> {
+//! let config = strata_serve::ServeConfig::new(strata_engine::EngineConfig::from_env()?);
+//! let server = strata_serve::Server::bind(config).await?;
+//! println!("listening on {}", server.local_addr());
+//! server.run(strata_serve::shutdown_signal()).await
+//! # }
+//! ```
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod api;
+pub mod auth;
+pub mod error;
+pub mod metrics;
+pub mod registry;
+pub mod ws;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::HeaderValue;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use strata_engine::{Engine, EngineConfig, EngineError, Policy};
+use tokio::net::TcpListener;
+use tracing::Instrument;
+
+pub use auth::{KeyStore, KeysError, Principal, hash_key};
+pub use error::ApiError;
+pub use metrics::Metrics;
+pub use registry::{Registry, SandboxEntry};
+
+/// The address `strata serve` listens on by default.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:3000";
+
+/// How to run a server.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Where to listen (port 0 picks a free port; [`Server::local_addr`] says which).
+    pub listen: SocketAddr,
+    /// The engine's configuration (its policy's limits are the defaults and the ceiling of every request).
+    pub engine: EngineConfig,
+    /// Accepted API keys; `None` accepts every request as `anonymous` (loopback addresses only).
+    pub keys: Option<KeyStore>,
+    /// A sandbox's TTL when its request names none.
+    pub default_ttl: Duration,
+    /// The longest TTL a request may ask for.
+    pub max_ttl: Duration,
+    /// Sandboxes the server holds at most, over every key.
+    pub max_sandboxes: usize,
+    /// Whether requests may grant host directories to sandboxes (off: a `grants` capability is refused).
+    pub allow_grants: bool,
+    /// How often the reaper looks for expired sandboxes.
+    pub reap_interval: Duration,
+    /// Where the server keeps its snapshots (a fresh directory under it, removed at shutdown); `None` is
+    /// `$STRATA_HOME/run/serve`, else the system's temporary directory.
+    pub state_dir: Option<PathBuf>,
+}
+
+impl ServeConfig {
+    /// The defaults: [`DEFAULT_LISTEN`], no keys, TTL 300 s (at most 24 h), 256 sandboxes, no grants.
+    pub fn new(engine: EngineConfig) -> ServeConfig {
+        ServeConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
+            engine,
+            keys: None,
+            default_ttl: Duration::from_secs(300),
+            max_ttl: Duration::from_secs(24 * 3600),
+            max_sandboxes: 256,
+            allow_grants: false,
+            reap_interval: Duration::from_secs(1),
+            state_dir: None,
+        }
+    }
+}
+
+/// The server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// No keys file, and an address other than loopback: every client on the network would be anonymous.
+    #[error("refusing to listen on {0} without API keys: pass --keys FILE, or listen on a loopback address")]
+    OpenNonLoopback(SocketAddr),
+    /// The address could not be bound.
+    #[error("cannot listen on {addr}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The engine could not be built.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The keys file could not be used.
+    #[error(transparent)]
+    Keys(#[from] KeysError),
+    /// The state directory could not be created.
+    #[error("cannot create the server's state directory {}", path.display())]
+    StateDir {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The async runtime could not start or the server failed while serving.
+    #[error("server I/O error")]
+    Io(#[source] std::io::Error),
+}
+
+/// What every request handler shares.
+#[derive(Debug)]
+pub struct AppState {
+    /// The engine.
+    pub engine: Arc<Engine>,
+    /// The engine's policy (limits, network).
+    pub policy: Policy,
+    /// Live sandboxes and snapshots.
+    pub registry: Arc<Registry>,
+    /// Counters and histograms.
+    pub metrics: Metrics,
+    /// Accepted keys (`None`: anonymous).
+    pub keys: Option<KeyStore>,
+    /// See [`ServeConfig::default_ttl`].
+    pub default_ttl: Duration,
+    /// See [`ServeConfig::max_ttl`].
+    pub max_ttl: Duration,
+    /// See [`ServeConfig::allow_grants`].
+    pub allow_grants: bool,
+    /// This server's snapshot directory.
+    pub snapshot_dir: PathBuf,
+    draining: AtomicBool,
+}
+
+impl AppState {
+    /// Whether the server is shutting down (new work gets 503 `shutting_down`).
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Refuses new work while shutting down.
+    pub fn admit(&self) -> Result<(), ApiError> {
+        if self.draining() {
+            self.metrics.rejected("shutting_down");
+            return Err(ApiError::shutting_down());
+        }
+        Ok(())
+    }
+
+    /// Starts shutting down: refuses new work, kills every sandbox and removes every snapshot. Blocks until the
+    /// sandboxes are closed; call it on a blocking thread.
+    pub fn drain_blocking(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        let all = self.registry.take_all();
+        let count = all.len();
+        std::thread::scope(|scope| {
+            for entry in &all {
+                scope.spawn(|| entry.kill());
+            }
+        });
+        if let Err(err) = std::fs::remove_dir_all(&self.snapshot_dir)
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %self.snapshot_dir.display(), error = %err, "removing the snapshot directory failed");
+        }
+        tracing::info!(sandboxes = count, "closed every sandbox");
+    }
+}
+
+/// A bound server, ready to [`run`](Server::run).
+#[derive(Debug)]
+pub struct Server {
+    listener: TcpListener,
+    state: Arc<AppState>,
+}
+
+impl Server {
+    /// Builds the engine and binds the address. Without keys, only a loopback address is accepted.
+    pub async fn bind(config: ServeConfig) -> Result<Server, ServeError> {
+        if config.keys.is_none() && !config.listen.ip().is_loopback() {
+            return Err(ServeError::OpenNonLoopback(config.listen));
+        }
+        let engine = Arc::new(Engine::new(config.engine.clone())?);
+        Server::bind_with_engine(engine, config).await
+    }
+
+    /// Binds a server over an engine the caller built (and may share); `config.engine` gives only the policy
+    /// (limits, network) requests are checked against, which should be the engine's.
+    pub async fn bind_with_engine(engine: Arc<Engine>, config: ServeConfig) -> Result<Server, ServeError> {
+        if config.keys.is_none() && !config.listen.ip().is_loopback() {
+            return Err(ServeError::OpenNonLoopback(config.listen));
+        }
+        let base = match &config.state_dir {
+            Some(dir) => dir.clone(),
+            None => match engine.home() {
+                Some(home) => home.join("run/serve"),
+                None => std::env::temp_dir().join("strata-serve"),
+            },
+        };
+        let snapshot_dir = base.join(registry::new_id("server-"));
+        std::fs::create_dir_all(&snapshot_dir)
+            .map_err(|source| ServeError::StateDir { path: snapshot_dir.clone(), source })?;
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| ServeError::Bind { addr: config.listen, source })?;
+        if config.keys.is_none() {
+            tracing::warn!("no API keys (--keys): every request is served as `anonymous`, on loopback only");
+        }
+        let state = Arc::new(AppState {
+            engine,
+            policy: config.engine.policy.clone(),
+            registry: Arc::new(Registry::new(config.max_sandboxes)),
+            metrics: Metrics::default(),
+            keys: config.keys,
+            default_ttl: config.default_ttl,
+            max_ttl: config.max_ttl,
+            allow_grants: config.allow_grants,
+            snapshot_dir,
+            draining: AtomicBool::new(false),
+        });
+        spawn_reaper(&state, config.reap_interval);
+        Ok(Server { listener, state })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        // A bound listener has an address; the configured one is a fallback that cannot be reached.
+        self.listener.local_addr().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// The shared state (for embedders and tests: the registry, the metrics).
+    pub fn state(&self) -> Arc<AppState> {
+        self.state.clone()
+    }
+
+    /// Serves until `shutdown` completes, then drains: new work is refused with 503, running jobs are killed,
+    /// every sandbox is closed and the snapshots removed; in-flight requests finish (with the outcome of their
+    /// killed job) before this returns.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServeError> {
+        let state = self.state.clone();
+        let app = router(state.clone());
+        let drain_state = state.clone();
+        let graceful = async move {
+            shutdown.await;
+            tracing::info!("shutting down: refusing new work, killing sandboxes");
+            let drained = api::blocking(move || {
+                drain_state.drain_blocking();
+                Ok(())
+            })
+            .await;
+            if let Err(err) = drained {
+                tracing::error!(error = %err, "draining failed");
+            }
+        };
+        let served = axum::serve(self.listener, app).with_graceful_shutdown(graceful).await;
+        // Anything created while the last requests finished.
+        let last = state.clone();
+        let _ = api::blocking(move || {
+            last.drain_blocking();
+            Ok(())
+        })
+        .await;
+        served.map_err(ServeError::Io)
+    }
+}
+
+/// Kills sandboxes past their TTL, every `interval`.
+fn spawn_reaper(state: &Arc<AppState>, interval: Duration) {
+    let weak = Arc::downgrade(state);
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let Some(state) = weak.upgrade() else { return };
+            if state.draining() {
+                return;
+            }
+            let expired = state.registry.take_expired(Instant::now());
+            for entry in expired {
+                tracing::info!(sandbox = %entry.id, owner = %entry.owner, "sandbox expired; killing it");
+                let state = state.clone();
+                let _ = std::thread::Builder::new().name("strata-serve-reap".into()).spawn(move || {
+                    let started = Instant::now();
+                    entry.kill();
+                    state.metrics.latency(entry.tier.as_str(), "expire", started.elapsed());
+                });
+            }
+        }
+    });
+}
+
+/// Completes on SIGTERM or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => tracing::info!("SIGINT received"),
+        () = term => tracing::info!("SIGTERM received"),
+    }
+}
+
+/// Runs a server on a multi-threaded runtime of its own until SIGTERM or SIGINT (what `strata serve` calls).
+pub fn serve(config: ServeConfig) -> Result<(), ServeError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("strata-serve")
+        .build()
+        .map_err(ServeError::Io)?;
+    runtime.block_on(async move {
+        let server = Server::bind(config).await?;
+        tracing::info!(addr = %server.local_addr(), "strata serve listening");
+        server.run(shutdown_signal()).await
+    })
+}
+
+/// The whole application: `/v1`, `/metrics`, `/health`, with request ids, logs and authentication.
+pub fn router(state: Arc<AppState>) -> Router {
+    let authed =
+        api::routes().merge(ws::routes()).layer(axum::middleware::from_fn_with_state(state.clone(), authenticate));
+    Router::new()
+        .merge(authed)
+        .route("/v1/openapi.json", axum::routing::get(api::openapi))
+        .route("/metrics", axum::routing::get(metrics_text))
+        .route("/health", axum::routing::get(|| async { axum::http::StatusCode::NO_CONTENT }))
+        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
+        .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), request_log))
+        .with_state(state)
+}
+
+async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let text = state.metrics.render(&state.registry.active_by_tier());
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}
+
+/// Checks the API key and attaches the request's [`Principal`].
+async fn authenticate(State(state): State<Arc<AppState>>, mut request: Request, next: Next) -> Response {
+    let principal = match &state.keys {
+        None => Principal::anonymous(),
+        Some(keys) => match keys.authenticate(request.headers()) {
+            Ok(principal) => principal,
+            Err(err) => {
+                state.metrics.rejected("unauthorized");
+                return err.into_response();
+            }
+        },
+    };
+    tracing::Span::current().record("key", principal.name.as_str());
+    request.extensions_mut().insert(principal);
+    next.run(request).await
+}
+
+/// Gives every request an id (`x-request-id`, taken from the request when it has a short printable one), a
+/// tracing span carrying it, and one log line when it ends. Bodies and headers are never logged (they may carry
+/// secrets and keys).
+async fn request_log(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+    let id = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(|| format!("req-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed)));
+    let method = request.method().clone();
+    let path = request.uri().path().to_owned();
+    let span = tracing::info_span!("request", id = %id, %method, %path, key = tracing::field::Empty);
+    let started = Instant::now();
+    let mut response = next.run(request).instrument(span.clone()).await;
+    let status = response.status().as_u16();
+    state.metrics.response(status);
+    span.in_scope(|| {
+        tracing::info!(status, ms = started.elapsed().as_secs_f64() * 1e3, "request done");
+    });
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
+}

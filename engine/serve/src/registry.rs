@@ -1,0 +1,410 @@
+//! The live sandboxes and snapshots the server holds, with their owners, deadlines and admission counts.
+//!
+//! Locks here are `std` mutexes held for a few instructions, never across an `await` or a job: a sandbox's own
+//! lock is taken only on blocking threads (exec, files, close), and [`SandboxEntry::kill`] cancels the running job
+//! before it waits for that lock.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use strata_core::{CancelToken, ExecOptions, Job, Limits, Outcome, Sandbox, Snapshot, TierError, TierKind};
+
+use crate::error::ApiError;
+
+/// Locks a mutex, taking the data of a poisoned one (a panic elsewhere must not wedge the server).
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_seconds(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// A fresh identifier with a prefix: `sb_…` for sandboxes, `snap_…` for snapshots.
+pub(crate) fn new_id(prefix: &str) -> String {
+    let uuid = uuid::Uuid::new_v4().simple().to_string();
+    format!("{prefix}{}", &uuid[..20])
+}
+
+/// Why a sandbox was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    /// The key already holds its quota of concurrent sandboxes.
+    #[error("API key {owner} already has {limit} sandboxes (its quota)")]
+    Quota {
+        /// The key's name.
+        owner: String,
+        /// Its quota.
+        limit: usize,
+    },
+    /// The server holds its maximum of sandboxes.
+    #[error("the server holds its maximum of {limit} sandboxes")]
+    Capacity {
+        /// The server's maximum.
+        limit: usize,
+    },
+}
+
+impl AdmissionError {
+    /// The label of this rejection in `/metrics`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AdmissionError::Quota { .. } => "quota",
+            AdmissionError::Capacity { .. } => "capacity",
+        }
+    }
+}
+
+impl From<AdmissionError> for ApiError {
+    fn from(err: AdmissionError) -> ApiError {
+        let code = match err {
+            AdmissionError::Quota { .. } => "quota_exceeded",
+            AdmissionError::Capacity { .. } => "server_at_capacity",
+        };
+        ApiError::new(axum::http::StatusCode::TOO_MANY_REQUESTS, code, err.to_string())
+    }
+}
+
+/// A live sandbox and what the server knows about it.
+pub struct SandboxEntry {
+    /// Its identifier.
+    pub id: String,
+    /// The name of the API key that created it.
+    pub owner: String,
+    /// The tier it runs on.
+    pub tier: TierKind,
+    /// Limits of its jobs unless a job brings its own.
+    pub limits: Limits,
+    /// When it was created.
+    pub created: SystemTime,
+    deadline: Mutex<(Instant, SystemTime)>,
+    sandbox: Mutex<Option<Box<dyn Sandbox>>>,
+    running: Mutex<Option<CancelToken>>,
+    killed: AtomicBool,
+}
+
+impl std::fmt::Debug for SandboxEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SandboxEntry")
+            .field("id", &self.id)
+            .field("owner", &self.owner)
+            .field("tier", &self.tier)
+            .finish()
+    }
+}
+
+impl SandboxEntry {
+    /// An entry for a sandbox that lives for `ttl` from now.
+    pub fn new(id: String, owner: String, sandbox: Box<dyn Sandbox>, limits: Limits, ttl: Duration) -> SandboxEntry {
+        let now = SystemTime::now();
+        SandboxEntry {
+            id,
+            owner,
+            tier: sandbox.tier(),
+            limits,
+            created: now,
+            deadline: Mutex::new((Instant::now() + ttl, now + ttl)),
+            sandbox: Mutex::new(Some(sandbox)),
+            running: Mutex::new(None),
+            killed: AtomicBool::new(false),
+        }
+    }
+
+    /// When it expires, in seconds since the Unix epoch.
+    pub fn expires_at(&self) -> u64 {
+        unix_seconds(lock(&self.deadline).1)
+    }
+
+    /// Whether its deadline has passed.
+    pub fn expired(&self, now: Instant) -> bool {
+        lock(&self.deadline).0 <= now
+    }
+
+    /// Sets its deadline to `ttl` from now.
+    pub fn set_ttl(&self, ttl: Duration) {
+        *lock(&self.deadline) = (Instant::now() + ttl, SystemTime::now() + ttl);
+    }
+
+    /// Whether a job is running in it now.
+    pub fn is_running(&self) -> bool {
+        lock(&self.running).is_some()
+    }
+
+    /// Runs `f` on the sandbox; blocks, so call it on a blocking thread. A sandbox that is busy with another request
+    /// is `sandbox_busy`; one that was killed is `sandbox_not_found`.
+    pub fn with_sandbox<T>(&self, f: impl FnOnce(&mut dyn Sandbox) -> Result<T, TierError>) -> Result<T, ApiError> {
+        let mut guard = match self.sandbox.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => return Err(ApiError::busy(&self.id)),
+        };
+        let sandbox = guard.as_mut().ok_or_else(|| ApiError::sandbox_not_found(&self.id))?;
+        f(sandbox.as_mut()).map_err(ApiError::from)
+    }
+
+    /// Runs a job in the sandbox (blocking). `opts.cancel` is set when absent; killing the sandbox cancels it.
+    pub fn exec(&self, job: &Job, mut opts: ExecOptions) -> Result<Outcome, ApiError> {
+        let token = opts.cancel.get_or_insert_with(CancelToken::new).clone();
+        self.with_sandbox(|sandbox| {
+            *lock(&self.running) = Some(token.clone());
+            // `kill` sets `killed` before it looks at `running`: one of the two sees the other.
+            if self.killed.load(Ordering::SeqCst) {
+                token.cancel();
+            }
+            let outcome = sandbox.exec(job, opts);
+            *lock(&self.running) = None;
+            outcome
+        })
+    }
+
+    /// Snapshots the sandbox into `destination` (blocking).
+    pub fn snapshot(&self, destination: &std::path::Path) -> Result<Snapshot, ApiError> {
+        self.with_sandbox(|sandbox| sandbox.snapshot(destination))
+    }
+
+    /// Kills the running job if any, waits for it, and closes the sandbox (blocking). Idempotent.
+    pub fn kill(&self) {
+        self.killed.store(true, Ordering::SeqCst);
+        if let Some(token) = lock(&self.running).as_ref() {
+            token.cancel();
+        }
+        let sandbox = lock(&self.sandbox).take();
+        if let Some(sandbox) = sandbox
+            && let Err(err) = sandbox.close()
+        {
+            tracing::warn!(sandbox = %self.id, error = %err, "closing the sandbox failed");
+        }
+    }
+}
+
+/// A snapshot the server took, kept in its state directory until deleted or the server stops.
+#[derive(Debug)]
+pub struct SnapshotEntry {
+    /// Its identifier.
+    pub id: String,
+    /// The name of the API key that took it.
+    pub owner: String,
+    /// The sandbox it was taken from.
+    pub source: String,
+    /// When it was taken.
+    pub created: SystemTime,
+    /// The opened snapshot.
+    pub snapshot: Snapshot,
+    /// Its directory.
+    pub dir: PathBuf,
+}
+
+#[derive(Default)]
+struct Inner {
+    sandboxes: HashMap<String, Arc<SandboxEntry>>,
+    snapshots: HashMap<String, Arc<SnapshotEntry>>,
+    /// Live and reserved sandboxes per owner.
+    per_owner: HashMap<String, usize>,
+    /// Live and reserved sandboxes in all.
+    total: usize,
+}
+
+/// Every live sandbox and snapshot, by id.
+#[derive(Default)]
+pub struct Registry {
+    inner: Mutex<Inner>,
+    max_sandboxes: usize,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = lock(&self.inner);
+        f.debug_struct("Registry").field("sandboxes", &inner.sandboxes.len()).field("total", &inner.total).finish()
+    }
+}
+
+/// Places for sandboxes, held between admission and creation; dropping it gives back the places not used.
+#[derive(Debug)]
+pub struct Reservation {
+    registry: Arc<Registry>,
+    owner: String,
+    places: usize,
+}
+
+impl Reservation {
+    /// Adds a created sandbox, using one place.
+    pub fn commit(&mut self, entry: SandboxEntry) -> Arc<SandboxEntry> {
+        let entry = Arc::new(entry);
+        let mut inner = lock(&self.registry.inner);
+        inner.sandboxes.insert(entry.id.clone(), entry.clone());
+        self.places = self.places.saturating_sub(1);
+        entry
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.places > 0 {
+            let mut inner = lock(&self.registry.inner);
+            inner.release(&self.owner, self.places);
+        }
+    }
+}
+
+impl Inner {
+    fn release(&mut self, owner: &str, places: usize) {
+        self.total = self.total.saturating_sub(places);
+        if let Some(count) = self.per_owner.get_mut(owner) {
+            *count = count.saturating_sub(places);
+            if *count == 0 {
+                self.per_owner.remove(owner);
+            }
+        }
+    }
+}
+
+impl Registry {
+    /// A registry that holds at most `max_sandboxes` sandboxes.
+    pub fn new(max_sandboxes: usize) -> Registry {
+        Registry { inner: Mutex::default(), max_sandboxes }
+    }
+
+    /// Reserves `places` sandboxes for `owner`, whose quota is `quota` (none: unlimited).
+    pub fn reserve(
+        self: &Arc<Self>,
+        owner: &str,
+        quota: Option<usize>,
+        places: usize,
+    ) -> Result<Reservation, AdmissionError> {
+        let mut inner = lock(&self.inner);
+        let held = inner.per_owner.get(owner).copied().unwrap_or(0);
+        if let Some(limit) = quota
+            && held + places > limit
+        {
+            return Err(AdmissionError::Quota { owner: owner.to_owned(), limit });
+        }
+        if inner.total + places > self.max_sandboxes {
+            return Err(AdmissionError::Capacity { limit: self.max_sandboxes });
+        }
+        inner.total += places;
+        *inner.per_owner.entry(owner.to_owned()).or_default() += places;
+        Ok(Reservation { registry: self.clone(), owner: owner.to_owned(), places })
+    }
+
+    /// The sandbox `id` if `owner` may use it (else not found: ids of other keys are not revealed).
+    pub fn get(&self, id: &str, owner: &str) -> Result<Arc<SandboxEntry>, ApiError> {
+        match lock(&self.inner).sandboxes.get(id) {
+            Some(entry) if entry.owner == owner => Ok(entry.clone()),
+            _ => Err(ApiError::sandbox_not_found(id)),
+        }
+    }
+
+    /// Takes the sandbox `id` out of the registry (its place is free at once); the caller kills it.
+    pub fn remove(&self, id: &str, owner: &str) -> Result<Arc<SandboxEntry>, ApiError> {
+        let mut inner = lock(&self.inner);
+        match inner.sandboxes.get(id) {
+            Some(entry) if entry.owner == owner => {}
+            _ => return Err(ApiError::sandbox_not_found(id)),
+        }
+        let entry = inner.sandboxes.remove(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
+        inner.release(&entry.owner, 1);
+        Ok(entry)
+    }
+
+    /// The sandboxes of `owner` (every sandbox when `None`), oldest first.
+    pub fn list(&self, owner: Option<&str>) -> Vec<Arc<SandboxEntry>> {
+        let inner = lock(&self.inner);
+        let mut list: Vec<_> =
+            inner.sandboxes.values().filter(|e| owner.is_none_or(|o| e.owner == o)).cloned().collect();
+        list.sort_by(|a, b| a.created.cmp(&b.created).then_with(|| a.id.cmp(&b.id)));
+        list
+    }
+
+    /// Live sandboxes per tier.
+    pub fn active_by_tier(&self) -> HashMap<TierKind, usize> {
+        let mut counts = HashMap::new();
+        for entry in lock(&self.inner).sandboxes.values() {
+            *counts.entry(entry.tier).or_default() += 1;
+        }
+        counts
+    }
+
+    /// Takes every sandbox whose deadline has passed out of the registry; the caller kills them.
+    pub fn take_expired(&self, now: Instant) -> Vec<Arc<SandboxEntry>> {
+        let mut inner = lock(&self.inner);
+        let expired: Vec<String> = inner.sandboxes.values().filter(|e| e.expired(now)).map(|e| e.id.clone()).collect();
+        let mut taken = Vec::new();
+        for id in expired {
+            if let Some(entry) = inner.sandboxes.remove(&id) {
+                inner.release(&entry.owner, 1);
+                taken.push(entry);
+            }
+        }
+        taken
+    }
+
+    /// Takes every sandbox out of the registry; the caller kills them.
+    pub fn take_all(&self) -> Vec<Arc<SandboxEntry>> {
+        let mut inner = lock(&self.inner);
+        let all: Vec<_> = inner.sandboxes.drain().map(|(_, e)| e).collect();
+        for entry in &all {
+            inner.release(&entry.owner, 1);
+        }
+        all
+    }
+
+    /// Adds a snapshot.
+    pub fn add_snapshot(&self, entry: SnapshotEntry) -> Arc<SnapshotEntry> {
+        let entry = Arc::new(entry);
+        lock(&self.inner).snapshots.insert(entry.id.clone(), entry.clone());
+        entry
+    }
+
+    /// The snapshot `id` if `owner` may use it.
+    pub fn snapshot(&self, id: &str, owner: &str) -> Result<Arc<SnapshotEntry>, ApiError> {
+        match lock(&self.inner).snapshots.get(id) {
+            Some(entry) if entry.owner == owner => Ok(entry.clone()),
+            _ => Err(ApiError::snapshot_not_found(id)),
+        }
+    }
+
+    /// The snapshots of `owner`, oldest first.
+    pub fn snapshots(&self, owner: &str) -> Vec<Arc<SnapshotEntry>> {
+        let mut list: Vec<_> = lock(&self.inner).snapshots.values().filter(|e| e.owner == owner).cloned().collect();
+        list.sort_by(|a, b| a.created.cmp(&b.created).then_with(|| a.id.cmp(&b.id)));
+        list
+    }
+
+    /// Takes the snapshot `id` out of the registry; the caller removes its directory.
+    pub fn remove_snapshot(&self, id: &str, owner: &str) -> Result<Arc<SnapshotEntry>, ApiError> {
+        let mut inner = lock(&self.inner);
+        match inner.snapshots.get(id) {
+            Some(entry) if entry.owner == owner => {}
+            _ => return Err(ApiError::snapshot_not_found(id)),
+        }
+        inner.snapshots.remove(id).ok_or_else(|| ApiError::snapshot_not_found(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quota_counts_reserved_places_and_frees_them_on_drop() {
+        let registry = Arc::new(Registry::new(10));
+        let first = registry.reserve("a", Some(2), 2).expect("within quota");
+        assert!(matches!(registry.reserve("a", Some(2), 1), Err(AdmissionError::Quota { limit: 2, .. })));
+        assert!(registry.reserve("b", Some(2), 1).is_ok());
+        drop(first);
+        assert!(registry.reserve("a", Some(2), 2).is_ok());
+    }
+
+    #[test]
+    fn server_capacity_is_shared_by_every_key() {
+        let registry = Arc::new(Registry::new(3));
+        let _a = registry.reserve("a", None, 2).expect("fits");
+        let err = registry.reserve("b", None, 2).expect_err("over capacity");
+        assert_eq!(err, AdmissionError::Capacity { limit: 3 });
+        assert_eq!(err.reason(), "capacity");
+    }
+}

@@ -1,0 +1,218 @@
+//! The native API's endpoints, happy paths and errors.
+
+use serde_json::{Value, json};
+
+use crate::util::{TestServer, code, process_tier};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_openapi_and_metrics_are_served() {
+    let server = TestServer::start().await;
+    let response = server.client.get(server.url("/health")).send().await.expect("health");
+    assert_eq!(response.status().as_u16(), 204);
+    assert!(response.headers().contains_key("x-request-id"));
+    let (status, doc) = server.get("/v1/openapi.json").await;
+    assert_eq!(status, 200);
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with('3')), "{doc}");
+    for path in ["/v1/sandboxes", "/v1/sandboxes/{id}/exec", "/v1/run", "/v1/snapshots/{id}/fork"] {
+        assert!(doc["paths"].get(path).is_some(), "openapi lacks {path}");
+    }
+    assert!(doc["components"]["schemas"].get("CreateSandboxRequest").is_some());
+    let text = server.client.get(server.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
+    assert!(text.contains("# TYPE strata_jobs_total counter"), "{text}");
+    assert!(text.contains("strata_sandboxes_active{tier=\"wasm\"} 0"), "{text}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wasm_sandbox_create_exec_list_get_delete() {
+    let server = TestServer::start().await;
+    let id = server.create(json!({"tier": "wasm", "ttl": 60, "capabilities": {"env": {"GREETING": "hi"}}})).await;
+    let (status, list) = server.get("/v1/sandboxes").await;
+    assert_eq!(status, 200);
+    assert!(list["sandboxes"].as_array().expect("list").iter().any(|s| s["id"] == id.as_str()), "{list}");
+    let (status, info) = server.get(&format!("/v1/sandboxes/{id}")).await;
+    assert_eq!((status, info["tier"].as_str()), (200, Some("wasm")), "{info}");
+    assert!(info["expires_at"].as_u64() > info["created_at"].as_u64());
+
+    // One interpreter across jobs: state persists.
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let (status, outcome) =
+        server.post(&exec, json!({"python": "import os\nx = 41\nprint(os.environ['GREETING'])"})).await;
+    assert_eq!(status, 200, "{outcome}");
+    assert_eq!(outcome["status"], json!({"kind": "exited", "code": 0}), "{outcome}");
+    assert_eq!(outcome["stdout"], "hi\n");
+    assert_eq!(outcome["tier"], "wasm");
+    assert!(outcome["usage"]["wall_ms"].is_number() && outcome["truncated"].is_object(), "{outcome}");
+    let (_, outcome) = server.post(&exec, json!({"python": "print(x + 1)"})).await;
+    assert_eq!(outcome["stdout"], "42\n", "{outcome}");
+    // A wasm Python session takes stdin only when it starts: a typed refusal, not a silent drop.
+    let (status, json) =
+        server.post(&exec, json!({"python": "import sys\nprint(sys.stdin.read())", "stdin": "abc"})).await;
+    assert_eq!((status, code(&json)), (501, "unsupported"), "{json}");
+
+    // The Outcome is the engine's own serde: it deserializes back into strata_core::Outcome.
+    let (_, outcome) = server.post(&exec, json!({"python": "raise SystemExit(3)"})).await;
+    let parsed: strata_core::Outcome = serde_json::from_value(outcome.clone()).expect("an Outcome");
+    assert_eq!(parsed.status, strata_core::Status::Exited { code: 3 }, "{outcome}");
+
+    assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 204);
+    let (status, body) = server.get(&format!("/v1/sandboxes/{id}")).await;
+    assert_eq!((status, code(&body)), (404, "sandbox_not_found"));
+    assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 404);
+    let metrics = server.client.get(server.url("/metrics")).send().await.expect("m").text().await.expect("t");
+    assert!(metrics.contains("strata_jobs_total{tier=\"wasm\",outcome=\"ok\"} 2"), "{metrics}");
+    assert!(metrics.contains("strata_jobs_total{tier=\"wasm\",outcome=\"nonzero\"} 1"), "{metrics}");
+    assert!(metrics.contains("strata_jobs_total{tier=\"wasm\",outcome=\"error\"} 1"), "{metrics}");
+    assert!(metrics.contains("strata_operation_duration_seconds_count{tier=\"wasm\",op=\"exec\"} 3"), "{metrics}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_shot_run_returns_the_routed_outcome() {
+    let server = TestServer::start().await;
+    let (status, outcome) = server.post("/v1/run", json!({"job": {"python": "print(6 * 7)"}})).await;
+    assert_eq!(status, 200, "{outcome}");
+    assert_eq!(outcome["stdout"], "42\n");
+    let job = json!({"job": {"python": "import sys\nprint(sys.stdin.read().upper())", "stdin": "abc"}});
+    let (_, outcome) = server.post("/v1/run", job).await;
+    assert_eq!(outcome["stdout"], "ABC\n", "{outcome}");
+    assert_eq!(outcome["route"]["tier"], "wasm", "{outcome}");
+    let (status, outcome) = server
+        .post("/v1/run", json!({"tier": "wasm", "job": {"python": "while True: pass", "limits": {"wall": "300ms"}}}))
+        .await;
+    assert_eq!(status, 200, "{outcome}");
+    assert_eq!(outcome["status"], json!({"kind": "limit_exceeded", "limit": "wall"}), "{outcome}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_typed_errors() {
+    let server = TestServer::start().await;
+    let cases: Vec<(&str, Value, u16, &str)> = vec![
+        ("/v1/sandboxes/sb_nope/exec", json!({"python": "1"}), 404, "sandbox_not_found"),
+        ("/v1/sandboxes", json!({"tier": "mainframe"}), 400, "unknown_tier"),
+        ("/v1/sandboxes", json!({"colour": "blue"}), 400, "invalid_request"),
+        ("/v1/sandboxes", json!({"ttl": 0}), 400, "invalid_ttl"),
+        ("/v1/sandboxes", json!({"limits": {"wall": "100h"}}), 400, "limit_too_high"),
+        ("/v1/sandboxes", json!({"limits": {"wall": "soon"}}), 400, "invalid_request"),
+        ("/v1/sandboxes", json!({"capabilities": {"grants": ["/tmp:/data"]}}), 403, "grants_not_allowed"),
+        ("/v1/sandboxes", json!({"capabilities": {"env": {"A=B": "x"}}}), 400, "invalid_capability"),
+        ("/v1/sandboxes", json!({"capabilities": {"allow_net": ["exa mple.com"]}}), 400, "invalid_capability"),
+        ("/v1/sandboxes", json!({"snapshot": "snap_nope"}), 404, "snapshot_not_found"),
+        ("/v1/run", json!({"job": {}}), 400, "invalid_job"),
+        ("/v1/run", json!({"job": {"python": "1", "command": ["ls"]}}), 400, "invalid_job"),
+        ("/v1/run", json!({"tier": "wasm", "job": {"command": ["ls"]}}), 400, "wrong_job"),
+        ("/v1/snapshots/snap_nope/fork", json!({"count": 1}), 404, "snapshot_not_found"),
+        ("/v1/sandboxes/sb_nope/timeout", json!({"timeout": 5}), 404, "sandbox_not_found"),
+        ("/v1/sandboxes/sb_nope/snapshot", json!({}), 404, "sandbox_not_found"),
+    ];
+    for (path, body, status, expected) in cases {
+        let (got, json) = server.post(path, body.clone()).await;
+        assert_eq!((got, code(&json)), (status, expected), "POST {path} {body}: {json}");
+        assert!(json["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{json}");
+    }
+    // Malformed JSON and a missing content type.
+    let response = server
+        .client
+        .post(server.url("/v1/sandboxes"))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .expect("request");
+    let (status, json) = crate::util::status_json(response).await;
+    assert_eq!((status, code(&json)), (400, "invalid_json"), "{json}");
+    let response = server.client.post(server.url("/v1/sandboxes")).body("{}").send().await.expect("request");
+    let (status, json) = crate::util::status_json(response).await;
+    assert_eq!((status, code(&json)), (415, "unsupported_media_type"), "{json}");
+    let (status, json) = server.get("/v1/nothing-here").await;
+    assert_eq!((status, code(&json)), (404, "not_found"));
+    let (status, json) = server.get("/v1/sandboxes/sb_nope/files?path=/x").await;
+    assert_eq!((status, code(&json)), (404, "sandbox_not_found"));
+    let id = server.create(json!({"tier": "wasm"})).await;
+    let (status, json) = server.get(&format!("/v1/sandboxes/{id}/files")).await;
+    assert_eq!((status, code(&json)), (400, "invalid_query"), "{json}");
+    let (status, json) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"command": ["ls"]})).await;
+    assert_eq!((status, code(&json)), (400, "wrong_job"), "{json}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_sandbox_runs_commands_and_moves_files() {
+    if !process_tier("process_sandbox_runs_commands_and_moves_files") {
+        return;
+    }
+    let server = TestServer::start().await;
+    let id = server.create(json!({"tier": "process", "capabilities": {"secrets": {"TOKEN": "hunter2"}}})).await;
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let (status, outcome) = server.post(&exec, json!({"command": ["sh", "-c", "echo hi; echo $TOKEN"]})).await;
+    assert_eq!(status, 200, "{outcome}");
+    assert_eq!(outcome["stdout"], "hi\n[REDACTED:TOKEN]\n", "{outcome}");
+    assert_eq!(outcome["tier"], "process");
+    let (_, outcome) = server.post(&exec, json!({"command": ["sh", "-c", "exit 3"]})).await;
+    assert_eq!(outcome["status"], json!({"kind": "exited", "code": 3}), "{outcome}");
+
+    let file = server.url(&format!("/v1/sandboxes/{id}/files?path=/tmp/a.txt"));
+    let response = server.client.put(&file).body(b"x\x00y".to_vec()).send().await.expect("put");
+    assert_eq!(response.status().as_u16(), 204);
+    let response = server.client.get(&file).send().await.expect("get");
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.headers()["content-type"], "application/octet-stream");
+    assert_eq!(response.bytes().await.expect("bytes").as_ref(), b"x\x00y");
+    let (_, outcome) = server.post(&exec, json!({"command": ["wc", "-c", "/tmp/a.txt"]})).await;
+    assert_eq!(outcome["stdout"], "3 /tmp/a.txt\n", "{outcome}");
+    let (_, _) = server.post(&exec, json!({"command": ["sh", "-c", "echo made > /tmp/b.txt"]})).await;
+    let response =
+        server.client.get(server.url(&format!("/v1/sandboxes/{id}/files?path=/tmp/b.txt"))).send().await.expect("get");
+    assert_eq!(response.text().await.expect("text"), "made\n");
+    let (status, json) = server.get(&format!("/v1/sandboxes/{id}/files?path=/tmp/missing")).await;
+    assert_eq!(status, 404, "{json}");
+
+    let (status, outcome) =
+        server.post("/v1/run", json!({"tier": "process", "job": {"command": ["uname", "-s"]}})).await;
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("Linux\n")), "{outcome}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_forks_are_independent_copies() {
+    let server = TestServer::start().await;
+    let id = server.create(json!({"tier": "wasm"})).await;
+    let (status, _) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"python": "x = 5"})).await;
+    assert_eq!(status, 200);
+    let (status, snap) = server.post(&format!("/v1/sandboxes/{id}/snapshot"), json!({})).await;
+    assert_eq!(status, 201, "{snap}");
+    let snap_id = snap["id"].as_str().expect("snapshot id").to_owned();
+    assert_eq!((snap["tier"].as_str(), snap["source"].as_str()), (Some("wasm"), Some(id.as_str())));
+    let (status, list) = server.get("/v1/snapshots").await;
+    assert_eq!((status, list["snapshots"].as_array().map(Vec::len)), (200, Some(1)));
+
+    let (status, forks) = server.post(&format!("/v1/snapshots/{snap_id}/fork"), json!({"count": 2})).await;
+    assert_eq!(status, 201, "{forks}");
+    let forks: Vec<String> = forks["sandboxes"]
+        .as_array()
+        .expect("forks")
+        .iter()
+        .map(|f| f["id"].as_str().expect("id").to_owned())
+        .collect();
+    assert_eq!(forks.len(), 2);
+    let (_, outcome) =
+        server.post(&format!("/v1/sandboxes/{}/exec", forks[0]), json!({"python": "x += 1\nprint(x)"})).await;
+    assert_eq!(outcome["stdout"], "6\n", "{outcome}");
+    let (_, outcome) = server.post(&format!("/v1/sandboxes/{}/exec", forks[1]), json!({"python": "print(x)"})).await;
+    assert_eq!(outcome["stdout"], "5\n", "{outcome}");
+    let (_, outcome) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"python": "print(x)"})).await;
+    assert_eq!(outcome["stdout"], "5\n", "{outcome}");
+    // A sandbox can start from a snapshot too.
+    let from = server.create(json!({"snapshot": snap_id})).await;
+    let (_, outcome) = server.post(&format!("/v1/sandboxes/{from}/exec"), json!({"python": "print(x * 2)"})).await;
+    assert_eq!(outcome["stdout"], "10\n", "{outcome}");
+    let (status, json) = server.post(&format!("/v1/snapshots/{snap_id}/fork"), json!({"count": 0})).await;
+    assert_eq!((status, code(&json)), (400, "invalid_count"));
+
+    assert_eq!(server.delete(&format!("/v1/snapshots/{snap_id}")).await, 204);
+    assert_eq!(server.delete(&format!("/v1/snapshots/{snap_id}")).await, 404);
+    let dir = server.state.snapshot_dir.clone();
+    server.stop().await;
+    assert!(!dir.exists(), "the server's snapshot directory {} is removed at shutdown", dir.display());
+}
