@@ -17,11 +17,16 @@
 //! Debian image's CPython in a jail) and microVM (the same jobs in a KVM guest of their own, where the host has
 //! hardware KVM; elsewhere asking for it is a typed [`EngineError::TierUnavailable`] at once, and `Auto` falls back
 //! to the process tier when the policy allows, recorded in the outcome's `escalations`).
+//!
+//! A Python job `Auto` sent to wasm that fails there for a reason the policy's `[escalation]` marks escalatable (a
+//! module the wasm build lacks, an OS call WASI does not support) re-runs on the native tier from a clean state,
+//! recorded in `escalations` too ([`escalate`]).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod doctor;
+pub mod escalate;
 pub mod policy;
 pub mod scan;
 
@@ -157,6 +162,9 @@ pub enum EngineError {
     /// A guest image could not be built or checked.
     #[error("{0}")]
     Image(String),
+    /// The writes of a job that ran against scratch copies of its read-write grants could not be committed.
+    #[error(transparent)]
+    Scratch(#[from] escalate::ScratchError),
     /// A snapshot asked to run on another tier than the one it was taken on.
     #[error("the snapshot was taken on the {snapshot} tier; it cannot be forked on the {asked} tier")]
     SnapshotTier {
@@ -183,6 +191,7 @@ impl EngineError {
             EngineError::Policy(_) => "invalid_policy",
             EngineError::UnknownFileKind(_) => "wrong_format",
             EngineError::Image(_) => "artifact",
+            EngineError::Scratch(_) => "scratch",
             EngineError::SnapshotTier { .. } => "snapshot_tier",
             EngineError::NoHome(_) => "no_home",
         }
@@ -222,11 +231,20 @@ pub struct EngineConfig {
     pub max_wasm_instances: u32,
     /// The microVM tier's root filesystem.
     pub vm_image: VmImage,
+    /// Where a job that may escalate keeps the scratch copies of its read-write grants ([`escalate`]); `None`:
+    /// `run/scratch` under `home`, else the system's temporary directory.
+    pub scratch_dir: Option<PathBuf>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { home: None, policy: Policy::default(), max_wasm_instances: 64, vm_image: VmImage::default() }
+        EngineConfig {
+            home: None,
+            policy: Policy::default(),
+            max_wasm_instances: 64,
+            vm_image: VmImage::default(),
+            scratch_dir: None,
+        }
     }
 }
 
@@ -636,6 +654,14 @@ impl Engine {
 
     /// Runs a job on the chosen tier ([`Engine::route_with_limits`]); the decision is the outcome's `route`, and a
     /// fallback taken on the way is the first entry of its `escalations`.
+    ///
+    /// A Python job that `Auto` sent to wasm may escalate ([`escalate`]): when the wasm run fails for a reason the
+    /// policy's `[escalation]` allows (a module the wasm build lacks, an OS call WASI does not support), the job
+    /// re-runs on the policy's native tier (or its fallback) with the same capabilities, limits and stdin, and the
+    /// outcome is the native run's, with `{from: wasm, to, reason}` in `escalations` (`route` stays the router's
+    /// decision). Until the wasm attempt is known to be the result, it writes to scratch copies of the read-write
+    /// grants, committed to the host only then, and its streamed output is held back from `opts.sink`; an explicit
+    /// tier never escalates.
     pub fn run_on(
         &self,
         choice: TierChoice,
@@ -645,12 +671,121 @@ impl Engine {
         opts: ExecOptions,
     ) -> Result<Outcome, EngineError> {
         let route = self.route_with_limits(choice, job, limits)?;
+        if self.may_escalate(choice, job, &route) {
+            return self.run_escalating(route, job, caps, limits, opts);
+        }
         let mut outcome = route.tier.run(job, caps, limits, opts)?;
         if let Some(escalation) = route.escalation {
             outcome.escalations.insert(0, escalation);
         }
         outcome.route = Some(route.decision);
         Ok(outcome)
+    }
+
+    /// Whether a failed run of `job` on `route` may re-run natively: `Auto` sent Python to wasm, and the policy
+    /// allows escalation for some reason and allows its native tier.
+    fn may_escalate(&self, choice: TierChoice, job: &Job, route: &Route<'_>) -> bool {
+        let policy = &self.config.policy;
+        choice == TierChoice::Auto
+            && job.kind() == JobKind::Python
+            && route.decision.tier == TierKind::Wasm
+            && policy.escalation.allowed
+            && !policy.escalation.on.is_empty()
+            && policy.tiers.allows(policy.tiers.native)
+    }
+
+    /// Where the scratch copies of escalatable jobs' read-write grants go.
+    fn scratch_dir(&self) -> PathBuf {
+        match (&self.config.scratch_dir, &self.config.home) {
+            (Some(dir), _) => dir.clone(),
+            (None, Some(home)) => home.join("run/scratch"),
+            (None, None) => std::env::temp_dir(),
+        }
+    }
+
+    /// Runs a job `Auto` sent to wasm, re-running it on the native tier when it fails there for an escalatable
+    /// reason (see [`Engine::run_on`] and [`escalate`]).
+    fn run_escalating(
+        &self,
+        route: Route<'_>,
+        job: &Job,
+        caps: &Capabilities,
+        limits: &Limits,
+        opts: ExecOptions,
+    ) -> Result<Outcome, EngineError> {
+        let finish = |mut outcome: Outcome, decision: RouteDecision| {
+            outcome.route = Some(decision);
+            outcome
+        };
+        let scratch = match escalate::ScratchGrants::prepare(caps, limits.disk.0, &self.scratch_dir()) {
+            Ok(scratch) => scratch,
+            Err(err) => {
+                // Never refuse a job for it: it runs as it would without escalation.
+                log::warn!("this job will not escalate to a native tier: {err}");
+                return Ok(finish(route.tier.run(job, caps, limits, opts)?, route.decision));
+            }
+        };
+        let wasm_caps = match &scratch {
+            Some(scratch) => std::borrow::Cow::Owned(scratch.caps(caps)),
+            None => std::borrow::Cow::Borrowed(caps),
+        };
+        let held = opts.sink.as_ref().map(|_| Arc::new(escalate::HeldOutput::default()));
+        let wasm_opts =
+            ExecOptions { sink: held.clone().map(|held| held as Arc<dyn strata_core::OutputSink>), ..opts.clone() };
+        // A tier error means the job never ran: the copies go with `scratch`.
+        let attempt = route.tier.run(job, &wasm_caps, limits, wasm_opts)?;
+        let cancelled = opts.cancel.as_ref().is_some_and(|cancel| cancel.is_cancelled());
+        let failure = if cancelled { None } else { self.escalatable(&attempt) };
+        let native = match failure {
+            Some(failure) => match self.native_route() {
+                Ok(native) => Some((failure, native)),
+                Err(err) => {
+                    log::warn!("the job failed on wasm ({}) but cannot escalate: {err}", failure.what);
+                    None
+                }
+            },
+            None => None,
+        };
+        let Some((failure, native)) = native else {
+            // The wasm attempt is the result: its output and its writes are the job's.
+            if let (Some(held), Some(sink)) = (&held, &opts.sink) {
+                held.release(sink.as_ref());
+            }
+            if let Some(scratch) = scratch {
+                scratch.commit()?;
+            }
+            return Ok(finish(attempt, route.decision));
+        };
+        // The failed attempt's writes and output are discarded; the native run sees the host grants as they were.
+        drop(scratch);
+        let mut reason = failure.describe(&attempt);
+        if let Some(fallback) = &native.escalation {
+            reason.push_str(&format!("; the native tier is process: {}", fallback.reason));
+        }
+        let mut outcome = native.tier.run(job, caps, limits, opts)?;
+        outcome.escalations.insert(0, Escalation { from: TierKind::Wasm, to: native.decision.tier, reason });
+        Ok(finish(outcome, route.decision))
+    }
+
+    /// Why a wasm attempt's failure may escalate under the policy, if it may.
+    fn escalatable(&self, attempt: &Outcome) -> Option<escalate::WasmFailure> {
+        let failure = match self.wasm_modules() {
+            Ok(modules) => escalate::diagnose(attempt, Some(modules)),
+            Err(err) => {
+                log::warn!("judging a failed wasm run without the wasm build's module list: {err}");
+                escalate::diagnose_call(attempt)
+            }
+        }?;
+        self.config.policy.escalation.permits(failure.reason).then_some(failure)
+    }
+
+    /// The policy's native tier for an escalation, or the process tier when it falls back.
+    fn native_route(&self) -> Result<Route<'_>, EngineError> {
+        let native = self.config.policy.tiers.native;
+        if !self.config.policy.tiers.allows(native) {
+            return Err(EngineError::TierNotAllowed { tier: native });
+        }
+        self.resolve(TierChoice::Auto, native, "escalation".to_owned())
     }
 
     /// Runs `setup` in a fresh sandbox (or in a fork of a snapshot, see [`Origin`]) on the tier the router picks for it and, when it
