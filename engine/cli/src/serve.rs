@@ -51,7 +51,11 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
-    let builder = tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(tracing::Level::INFO);
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_max_level(tracing::Level::INFO);
     let installed = if args.log_json { builder.json().try_init() } else { builder.try_init() };
     if let Err(err) = installed {
         return Err(Failure::new("internal", format!("cannot install the logger: {err}")));

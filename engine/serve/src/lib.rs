@@ -189,7 +189,9 @@ impl AppState {
         {
             tracing::warn!(dir = %self.snapshot_dir.display(), error = %err, "removing the snapshot directory failed");
         }
-        tracing::info!(sandboxes = count, "closed every sandbox");
+        if count > 0 {
+            tracing::info!(sandboxes = count, "closed every sandbox");
+        }
     }
 }
 
@@ -408,7 +410,8 @@ async fn request_log(State(state): State<Arc<AppState>>, request: Request, next:
     let status = response.status().as_u16();
     state.metrics.response(status);
     span.in_scope(|| {
-        tracing::info!(status, ms = started.elapsed().as_secs_f64() * 1e3, "request done");
+        let ms = (started.elapsed().as_secs_f64() * 1e6).round() / 1e3;
+        tracing::info!(status, ms, "request done");
     });
     if let Ok(value) = HeaderValue::from_str(&id) {
         response.headers_mut().insert("x-request-id", value);
