@@ -2,6 +2,7 @@
 
 mod capabilities;
 mod egress;
+mod escalation;
 mod native;
 mod policy;
 mod python;
