@@ -178,12 +178,13 @@ impl WasmFailure {
     /// The escalation's reason, as the outcome's `escalations` records it: what failed, then what the wasm attempt
     /// printed and how it ended.
     pub fn describe(&self, attempt: &Outcome) -> String {
-        format!(
-            "{} (the wasm attempt failed after {}: {}; its output is discarded)",
-            self.what,
-            strata_core::format_duration(attempt.usage.wall),
-            self.exception
-        )
+        let wall = attempt.usage.wall;
+        let after = if wall.as_secs() == 0 {
+            format!("{} ms", wall.as_millis())
+        } else {
+            format!("{:.1} s", wall.as_secs_f64())
+        };
+        format!("{} (the wasm attempt failed after {after}: {}; its output is discarded)", self.what, self.exception)
     }
 }
 
@@ -922,11 +923,16 @@ mod tests {
 
     #[test]
     fn the_reason_says_what_the_wasm_attempt_did() {
-        let outcome = failed(&traceback("ModuleNotFoundError: No module named 'resource'"));
+        let mut outcome = failed(&traceback("ModuleNotFoundError: No module named 'resource'"));
+        outcome.usage.wall = std::time::Duration::from_micros(31_500);
         let failure = diagnose(&outcome, Some(&modules())).expect("escalates");
-        let reason = failure.describe(&outcome);
-        assert!(reason.starts_with("missing module 'resource' (the wasm attempt failed after "), "{reason}");
-        assert!(reason.contains("ModuleNotFoundError: No module named 'resource'"), "{reason}");
+        assert_eq!(
+            failure.describe(&outcome),
+            "missing module 'resource' (the wasm attempt failed after 31 ms: ModuleNotFoundError: No module named \
+             'resource'; its output is discarded)"
+        );
+        outcome.usage.wall = std::time::Duration::from_millis(2_300);
+        assert!(failure.describe(&outcome).contains(" failed after 2.3 s: "), "{}", failure.describe(&outcome));
     }
 
     #[test]
