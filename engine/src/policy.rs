@@ -29,8 +29,7 @@ pub struct Policy {
     pub grant_sets: BTreeMap<String, Vec<Grant>>,
 }
 
-/// The `[escalation]` table: the rules dynamic escalation (wasm → the native tier) obeys. Escalation itself is not
-/// built yet; these are parsed, checked and exposed so that it has them when it is.
+/// The `[escalation]` table: the rules dynamic escalation (wasm → the native tier, [`crate::escalate`]) obeys.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EscalationPolicy {
     /// Whether a failed wasm run may be re-run on the native tier at all.
@@ -91,6 +90,12 @@ impl NetworkPolicy {
     pub fn new(specs: Vec<String>) -> Result<NetworkPolicy, strata_egress::AllowlistError> {
         let allowlist = Allowlist::parse(&specs)?;
         Ok(NetworkPolicy { specs, allowlist })
+    }
+
+    /// Checks one `HOST[:PORT]` spec as `--allow-net` and `[network] allow` take it, with the egress proxy's own
+    /// parser.
+    pub fn check_spec(spec: &str) -> Result<(), strata_egress::AllowlistError> {
+        spec.parse::<AllowRule>().map(|_| ())
     }
 
     /// The specs as the policy wrote them.

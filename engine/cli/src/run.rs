@@ -95,7 +95,7 @@ pub(crate) struct RunArgs {
     secrets: Vec<EnvVar>,
 
     /// Allow network egress to HOST[:PORT] (repeatable; not available on the wasm tier yet).
-    #[arg(long = "allow-net", value_name = "HOST[:PORT]")]
+    #[arg(long = "allow-net", value_name = "HOST[:PORT]", value_parser = parse_net)]
     allow_net: Vec<String>,
 
     /// A policy file (policies/README.md): limits, tiers, network, grant sets; flags override or add to it.
@@ -149,6 +149,11 @@ fn parse_fuel(s: &str) -> Result<Fuel, String> {
 
 fn parse_grant(s: &str) -> Result<Grant, String> {
     s.parse().map_err(|e: strata_core::CapsError| e.to_string())
+}
+
+/// An `--allow-net` spec, checked as the egress proxy will read it (a malformed one is a usage error at once).
+fn parse_net(s: &str) -> Result<String, String> {
+    strata_engine::policy::NetworkPolicy::check_spec(s).map(|()| s.to_owned()).map_err(|e| e.to_string())
 }
 
 fn parse_env(s: &str) -> Result<EnvVar, String> {

@@ -642,3 +642,39 @@ fn policy_network_and_escalation_keys_are_checked_and_reach_the_job() {
     assert_eq!(run.code, 2);
     assert!(run.stderr.contains("pypi.org:443,example.com"), "{}", run.stderr);
 }
+
+#[test]
+fn a_malformed_allow_net_is_a_usage_error_before_anything_runs() {
+    let home = home();
+    for spec in ["http://example.com", "example.com:99999", "exa mple.com", ""] {
+        let run = strata(home.path(), &["run", "--allow-net", spec, programs::HELLO], b"");
+        assert_eq!(run.code, 2, "{spec:?}: {}", run.stderr);
+        assert!(run.stderr.contains("--allow-net") && run.stderr.lines().count() == 1, "{spec:?}: {}", run.stderr);
+        let run = strata(home.path(), &["run", "--json", "--allow-net", spec, programs::HELLO], b"");
+        assert_eq!((run.code, json(&run)["error"]["kind"].as_str()), (2, Some("usage")), "{spec:?}");
+    }
+    let run = strata(home.path(), &["run", "--allow-net", "*.example.com:443", programs::HELLO], b"");
+    assert!(!run.stderr.contains("malformed"), "{}", run.stderr);
+}
+
+#[test]
+fn json_shows_a_dynamic_escalation() {
+    let home = shared_home();
+    if !process_tier_available(&home) {
+        return;
+    }
+    let code = "import importlib, sys\nimportlib.import_module('res' + 'ource')\nprint('on', sys.platform)";
+    let run = strata(&home, &["run", "--json", "--python", "-c", code], b"");
+    assert_eq!(run.code, 0, "{}", run.stdout);
+    let v = json(&run);
+    assert_eq!((v["stdout"].as_str(), v["route"]["tier"].as_str()), (Some("on linux\n"), Some("wasm")), "{v}");
+    let escalations = v["escalations"].as_array().expect("escalations");
+    assert_eq!(escalations.len(), 1, "{v}");
+    assert_eq!((escalations[0]["from"].as_str(), &escalations[0]["to"]), (Some("wasm"), &v["tier"]), "{v}");
+    let reason = escalations[0]["reason"].as_str().expect("reason");
+    assert!(reason.starts_with("missing module 'resource' (the wasm attempt failed after "), "{reason}");
+    // --tier wasm never escalates: the wasm failure is the result.
+    let run = strata(&home, &["run", "--json", "--tier", "wasm", "--python", "-c", code], b"");
+    assert_eq!(run.code, 1);
+    assert_eq!(json(&run)["escalations"], serde_json::json!([]));
+}
