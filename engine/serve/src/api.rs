@@ -451,6 +451,7 @@ pub(crate) async fn start_sandbox(
     caps: Capabilities,
     limits: Limits,
     ttl: Duration,
+    e2b: Option<crate::e2b::E2bMeta>,
 ) -> Result<Arc<SandboxEntry>, ApiError> {
     let mut reservation = reserve(state, principal, 1)?;
     let started = Instant::now();
@@ -458,7 +459,10 @@ pub(crate) async fn start_sandbox(
     let sandbox_limits = limits.clone();
     let sandbox = blocking(move || engine.start(choice, &caps, &sandbox_limits).map_err(ApiError::from)).await?;
     let tier = sandbox.tier();
-    let entry = SandboxEntry::new(new_id("sb_"), principal.name.clone(), sandbox, limits, ttl);
+    let mut entry = SandboxEntry::new(new_id("sb_"), principal.name.clone(), sandbox, limits, ttl);
+    if let Some(meta) = e2b {
+        entry = entry.with_e2b(meta);
+    }
     let entry = reservation.commit(entry);
     state.metrics.sandbox_created(tier);
     state.metrics.latency(tier.as_str(), "create", started.elapsed());
@@ -528,7 +532,7 @@ async fn create_sandbox(
         }
         None => {
             let caps = capabilities(&state, &req.capabilities)?;
-            start_sandbox(&state, &principal, choice, caps, limits, ttl).await?
+            start_sandbox(&state, &principal, choice, caps, limits, ttl, None).await?
         }
     };
     Ok((StatusCode::CREATED, Json(SandboxInfo::of(&entry))))

@@ -29,6 +29,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod e2b;
 pub mod error;
 pub mod metrics;
 pub mod registry;
@@ -155,6 +156,8 @@ pub struct AppState {
     pub allow_grants: bool,
     /// This server's snapshot directory.
     pub snapshot_dir: PathBuf,
+    /// The E2B layer's running commands.
+    pub e2b: e2b::E2bState,
     draining: AtomicBool,
 }
 
@@ -244,6 +247,7 @@ impl Server {
             max_ttl: config.max_ttl,
             allow_grants: config.allow_grants,
             snapshot_dir,
+            e2b: e2b::E2bState::default(),
             draining: AtomicBool::new(false),
         });
         spawn_reaper(&state, config.reap_interval);
@@ -355,13 +359,16 @@ pub fn serve(config: ServeConfig) -> Result<(), ServeError> {
 
 /// The whole application: `/v1`, `/metrics`, `/health`, with request ids, logs and authentication.
 pub fn router(state: Arc<AppState>) -> Router {
-    let authed =
-        api::routes().merge(ws::routes()).layer(axum::middleware::from_fn_with_state(state.clone(), authenticate));
+    let authed = api::routes()
+        .merge(ws::routes())
+        .merge(e2b::control_routes())
+        .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(authed)
+        .merge(e2b::envd_routes())
         .route("/v1/openapi.json", axum::routing::get(api::openapi))
         .route("/metrics", axum::routing::get(metrics_text))
-        .route("/health", axum::routing::get(|| async { axum::http::StatusCode::NO_CONTENT }))
+        .route("/health", axum::routing::get(e2b::health))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY))
         .layer(axum::middleware::from_fn_with_state(state.clone(), request_log))

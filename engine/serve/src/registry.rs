@@ -85,6 +85,8 @@ pub struct SandboxEntry {
     sandbox: Mutex<Option<Box<dyn Sandbox>>>,
     running: Mutex<Option<CancelToken>>,
     killed: AtomicBool,
+    /// What the E2B-compatible layer knows about it (`None` for sandboxes of the native API).
+    pub e2b: Option<crate::e2b::E2bMeta>,
 }
 
 impl std::fmt::Debug for SandboxEntry {
@@ -111,7 +113,14 @@ impl SandboxEntry {
             sandbox: Mutex::new(Some(sandbox)),
             running: Mutex::new(None),
             killed: AtomicBool::new(false),
+            e2b: None,
         }
+    }
+
+    /// The same entry, marked as an E2B sandbox.
+    pub fn with_e2b(mut self, meta: crate::e2b::E2bMeta) -> SandboxEntry {
+        self.e2b = Some(meta);
+        self
     }
 
     /// When it expires, in seconds since the Unix epoch.
@@ -296,6 +305,11 @@ impl Registry {
             Some(entry) if entry.owner == owner => Ok(entry.clone()),
             _ => Err(ApiError::sandbox_not_found(id)),
         }
+    }
+
+    /// The sandbox `id` whoever owns it (for the E2B envd layer, which checks the sandbox's access token instead).
+    pub fn get_any(&self, id: &str) -> Option<Arc<SandboxEntry>> {
+        lock(&self.inner).sandboxes.get(id).cloned()
     }
 
     /// Takes the sandbox `id` out of the registry (its place is free at once); the caller kills it.

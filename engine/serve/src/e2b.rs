@@ -1,0 +1,762 @@
+//! The E2B-compatible layer, over the same sandbox registry as the native API, so that the official E2B SDK works
+//! unmodified with `E2B_API_URL` and `E2B_SANDBOX_URL` both set to this server (`../shared/e2b-protocol.md`).
+//!
+//! - Control plane (API key in `X-API-Key`): `POST /sandboxes` and `/v2/sandboxes` (201 with `templateID`,
+//!   `sandboxID`, `clientID`, `envdVersion`, `envdAccessToken`), `GET /sandboxes` and `/v2/sandboxes`,
+//!   `GET /sandboxes/{id}`, `DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/timeout`, `POST /sandboxes/{id}/connect`,
+//!   `POST /sandboxes/{id}/refreshes`. Errors are `{"code":<status>,"message":…}`.
+//! - The in-sandbox agent ("envd"), routed by the `E2b-Sandbox-Id` header and authorised by the sandbox's
+//!   `X-Access-Token`: Connect-RPC (JSON, 5-byte envelopes, end-of-stream frame) `process.Process/Start` streaming the
+//!   start event, stdout/stderr data and the end event; `process.Process/SendSignal` and `List`; `GET`/`POST /files`
+//!   (multipart or octet-stream); `GET /health`.
+//! - The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` streaming NDJSON, the cell run by the
+//!   sandbox's Python with the value of its last expression as the main result.
+//!
+//! An E2B sandbox runs `/bin/bash -l -c CMD`, so it lives on the process tier.
+
+use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Extension, FromRequest, Multipart, Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use strata_core::{
+    CancelToken, Capabilities, EnvVar, ExecOptions, Job, Limits, OutputSink, PythonSource, Status, Stream, TierKind,
+};
+use strata_engine::TierChoice;
+use tokio::sync::mpsc;
+
+use crate::api::{CancelOnDrop, blocking, record_job, start_sandbox};
+use crate::error::ApiError;
+use crate::registry::{SandboxEntry, lock, new_id};
+use crate::{AppState, Principal};
+
+/// The envd version this server reports: new enough for octet-stream uploads and `stdin: false` (≥ 0.5.7).
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// What the E2B layer keeps about one of its sandboxes.
+#[derive(Debug)]
+pub struct E2bMeta {
+    /// The template the client asked for (`base`, `code-interpreter-v1`, …); every template is the same image.
+    pub template: String,
+    /// The token envd calls must carry in `X-Access-Token`.
+    pub access_token: String,
+    /// The client's metadata, returned as given.
+    pub metadata: Value,
+    /// Cells run by `/execute`.
+    pub executions: AtomicU64,
+}
+
+/// A command started through `process.Process/Start` that has not ended.
+#[derive(Debug)]
+struct RunningCommand {
+    cancel: CancelToken,
+    cmd: String,
+    args: Vec<String>,
+}
+
+/// The E2B layer's own state: running commands by sandbox and pid.
+#[derive(Debug, Default)]
+pub struct E2bState {
+    next_pid: AtomicU32,
+    running: std::sync::Mutex<HashMap<(String, u32), RunningCommand>>,
+}
+
+impl E2bState {
+    fn pid(&self) -> u32 {
+        // Small positive pids, as a shell would see them.
+        1000 + self.next_pid.fetch_add(1, Ordering::Relaxed) % 4_000_000
+    }
+}
+
+/// The control-plane routes (behind API-key authentication).
+pub fn control_routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/sandboxes", post(create).get(list))
+        .route("/v2/sandboxes", post(create).get(list))
+        .route("/sandboxes/{id}", get(detail).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/refreshes", post(refresh))
+}
+
+/// The envd and code-interpreter routes (authorised by each sandbox's access token).
+pub fn envd_routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/process.Process/Start", post(process_start))
+        .route("/process.Process/SendSignal", post(process_signal))
+        .route("/process.Process/List", post(process_list))
+        .route("/files", get(files_read).post(files_write))
+        .route("/execute", post(execute))
+}
+
+/// A control-plane error: `{"code":<status>,"message":…}`.
+struct ControlError(ApiError);
+
+impl From<ApiError> for ControlError {
+    fn from(err: ApiError) -> ControlError {
+        ControlError(err)
+    }
+}
+
+impl IntoResponse for ControlError {
+    fn into_response(self) -> Response {
+        let status = self.0.status;
+        (status, Json(json!({"code": status.as_u16(), "message": self.0.message}))).into_response()
+    }
+}
+
+/// RFC 3339 UTC time, as E2B's API prints it.
+fn rfc3339(time: SystemTime) -> String {
+    let since = time.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = since.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        since.subsec_micros()
+    )
+}
+
+/// `POST /sandboxes`, `POST /v2/sandboxes`: the body the SDK sends (unknown fields are ignored: SDK versions add
+/// options this server does not have).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CreateRequest {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<u64>,
+    #[serde(default)]
+    metadata: Option<Value>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+}
+
+fn sandbox_json(entry: &SandboxEntry, meta: &E2bMeta) -> Value {
+    json!({
+        "templateID": meta.template,
+        "sandboxID": entry.id,
+        "alias": meta.template,
+        "clientID": "strata",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": meta.access_token,
+    })
+}
+
+fn listed_json(entry: &SandboxEntry, meta: &E2bMeta) -> Value {
+    let end = UNIX_EPOCH + Duration::from_secs(entry.expires_at());
+    json!({
+        "templateID": meta.template,
+        "alias": meta.template,
+        "sandboxID": entry.id,
+        "clientID": "strata",
+        "startedAt": rfc3339(entry.created),
+        "endAt": rfc3339(end),
+        "cpuCount": entry.limits.vcpus,
+        "memoryMB": entry.limits.memory.0 >> 20,
+        "diskSizeMB": entry.limits.disk.0 >> 20,
+        "metadata": meta.metadata,
+        "state": "running",
+        "envdVersion": ENVD_VERSION,
+    })
+}
+
+/// The sandbox `id` of `principal` if it is an E2B sandbox.
+fn e2b_sandbox(state: &AppState, id: &str, principal: &Principal) -> Result<Arc<SandboxEntry>, ControlError> {
+    let entry = state.registry.get(id, &principal.name)?;
+    if entry.e2b.is_none() {
+        return Err(ApiError::sandbox_not_found(id).into());
+    }
+    Ok(entry)
+}
+
+async fn create(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    body: Bytes,
+) -> Result<Response, ControlError> {
+    let req: CreateRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request("invalid_json", format!("invalid sandbox request: {e}")))?;
+    let env = req
+        .env_vars
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(name, value)| {
+            if name.is_empty() || name.contains(['=', '\0']) || value.contains('\0') {
+                return Err(ApiError::bad_request("invalid_capability", format!("invalid envVars name {name:?}")));
+            }
+            Ok(EnvVar { name, value })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let caps = Capabilities { env, net: state.policy.network.net_with(&[]), ..Capabilities::default() };
+    let ttl = crate::api::ttl(&state, req.timeout)?;
+    let meta = E2bMeta {
+        template: req.template_id.unwrap_or_else(|| "base".to_owned()),
+        access_token: new_id("tok_") + &new_id(""),
+        metadata: req.metadata.unwrap_or_else(|| json!({})),
+        executions: AtomicU64::new(0),
+    };
+    let limits = state.engine.default_limits().clone();
+    let choice = TierChoice::Tier(TierKind::Process);
+    let entry = start_sandbox(&state, &principal, choice, caps, limits, ttl, Some(meta)).await?;
+    let meta = entry.e2b.as_ref().ok_or_else(|| ApiError::internal("the sandbox lost its E2B metadata"))?;
+    Ok((StatusCode::CREATED, Json(sandbox_json(&entry, meta))).into_response())
+}
+
+async fn list(State(state): State<Arc<AppState>>, Extension(principal): Extension<Principal>) -> Json<Value> {
+    let list = state
+        .registry
+        .list(Some(&principal.name))
+        .iter()
+        .filter_map(|entry| entry.e2b.as_ref().map(|meta| listed_json(entry, meta)))
+        .collect();
+    Json(Value::Array(list))
+}
+
+async fn detail(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ControlError> {
+    let entry = e2b_sandbox(&state, &id, &principal)?;
+    let meta = entry.e2b.as_ref().ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    let mut detail = listed_json(&entry, meta);
+    detail["envdAccessToken"] = json!(meta.access_token);
+    Ok(Json(detail))
+}
+
+async fn kill(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ControlError> {
+    e2b_sandbox(&state, &id, &principal)?;
+    let entry = state.registry.remove(&id, &principal.name)?;
+    cancel_commands(&state, &id);
+    crate::api::kill(&state, entry).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize)]
+struct TimeoutRequest {
+    timeout: u64,
+}
+
+async fn set_timeout(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ControlError> {
+    let req: TimeoutRequest =
+        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?;
+    let entry = e2b_sandbox(&state, &id, &principal)?;
+    entry.set_ttl(crate::api::ttl(&state, Some(req.timeout))?);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn connect(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ControlError> {
+    let entry = e2b_sandbox(&state, &id, &principal)?;
+    if let Ok(req) = serde_json::from_slice::<TimeoutRequest>(&body) {
+        entry.set_ttl(crate::api::ttl(&state, Some(req.timeout))?);
+    }
+    let meta = entry.e2b.as_ref().ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    Ok(Json(sandbox_json(&entry, meta)))
+}
+
+async fn refresh(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ControlError> {
+    e2b_sandbox(&state, &id, &principal)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Cancels every command still running in sandbox `id`.
+fn cancel_commands(state: &AppState, id: &str) {
+    for ((sandbox, _), command) in lock(&state.e2b.running).iter() {
+        if sandbox == id {
+            command.cancel.cancel();
+        }
+    }
+}
+
+// ---- envd ----
+
+/// An envd error: Connect's unary form `{"code":"not_found","message":…}` with its HTTP status.
+fn rpc_error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    (status, Json(json!({"code": code, "message": message.into()}))).into_response()
+}
+
+/// An envd REST error: `{"code":<status>,"message":…}`.
+fn rest_error(err: &ApiError) -> Response {
+    (err.status, Json(json!({"code": err.status.as_u16(), "message": err.message}))).into_response()
+}
+
+/// The sandbox an envd request is for, by `E2b-Sandbox-Id`, checked against its access token.
+fn envd_sandbox(state: &AppState, headers: &HeaderMap) -> Result<Arc<SandboxEntry>, ApiError> {
+    let id = headers
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| ApiError::bad_request("missing_sandbox_id", "envd calls need the E2b-Sandbox-Id header"))?;
+    let entry = state.registry.get_any(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
+    let meta = entry.e2b.as_ref().ok_or_else(|| ApiError::sandbox_not_found(id))?;
+    let token = headers.get("x-access-token").and_then(|v| v.to_str().ok());
+    if token != Some(meta.access_token.as_str()) {
+        return Err(ApiError::unauthorized("missing or wrong X-Access-Token for this sandbox"));
+    }
+    Ok(entry)
+}
+
+/// `GET /health` with an `E2b-Sandbox-Id` header: 204 while the sandbox runs, 502 when it does not.
+pub async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> StatusCode {
+    match headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()) {
+        None => StatusCode::NO_CONTENT,
+        Some(id) => match state.registry.get_any(id) {
+            Some(entry) if entry.e2b.is_some() => StatusCode::NO_CONTENT,
+            _ => StatusCode::BAD_GATEWAY,
+        },
+    }
+}
+
+/// One Connect envelope: flags, big-endian length, JSON.
+fn envelope(flags: u8, body: &Value) -> Bytes {
+    let payload = body.to_string().into_bytes();
+    let mut frame = Vec::with_capacity(payload.len() + 5);
+    frame.push(flags);
+    frame.extend_from_slice(&u32::try_from(payload.len()).unwrap_or(u32::MAX).to_be_bytes());
+    frame.extend_from_slice(&payload);
+    Bytes::from(frame)
+}
+
+/// The JSON message of a request made of one uncompressed envelope.
+fn parse_envelope(body: &[u8]) -> Result<Value, String> {
+    let header = body.get(..5).ok_or("the request is shorter than a Connect envelope")?;
+    if header[0] & 1 != 0 {
+        return Err("compressed envelopes are not supported".to_owned());
+    }
+    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+    let payload = body.get(5..5 + len).ok_or("the envelope is longer than the request")?;
+    serde_json::from_slice(payload).map_err(|e| format!("invalid message: {e}"))
+}
+
+#[derive(Debug, Deserialize)]
+struct StartRequest {
+    process: ProcessConfig,
+}
+
+#[derive(Debug, Deserialize)]
+struct ProcessConfig {
+    cmd: String,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default)]
+    envs: BTreeMap<String, String>,
+    #[serde(default)]
+    cwd: Option<String>,
+}
+
+/// Forwards output as data events; never blocks.
+struct EventSink(mpsc::UnboundedSender<Bytes>);
+
+impl OutputSink for EventSink {
+    fn output(&self, stream: Stream, chunk: &[u8]) {
+        let key = match stream {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        };
+        let _ = self.0.send(envelope(0, &json!({"event": {"data": {key: BASE64.encode(chunk)}}})));
+    }
+}
+
+/// The argv of a process config: `env -C CWD K=V … CMD ARGS` when it sets a directory or variables.
+fn command_argv(config: ProcessConfig) -> Result<Vec<String>, ApiError> {
+    let mut argv = Vec::new();
+    if config.cwd.is_some() || !config.envs.is_empty() {
+        argv.push("/usr/bin/env".to_owned());
+        if let Some(cwd) = config.cwd {
+            argv.push("-C".to_owned());
+            argv.push(cwd);
+        }
+        for (name, value) in config.envs {
+            if name.is_empty() || name.contains(['=', '\0']) {
+                return Err(ApiError::bad_request("invalid_argument", format!("invalid environment name {name:?}")));
+            }
+            argv.push(format!("{name}={value}"));
+        }
+    }
+    argv.push(config.cmd);
+    argv.extend(config.args);
+    if argv.iter().any(|a| a.contains('\0')) {
+        return Err(ApiError::bad_request("invalid_argument", "arguments must not contain NUL"));
+    }
+    Ok(argv)
+}
+
+/// The wall limit of a command: the sandbox's, or the client's `connect-timeout-ms` when shorter.
+fn command_limits(entry: &SandboxEntry, headers: &HeaderMap) -> Limits {
+    let mut limits = entry.limits.clone();
+    let asked = headers.get("connect-timeout-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if let Some(ms) = asked.filter(|ms| *ms > 0) {
+        limits.wall = limits.wall.min(Duration::from_millis(ms));
+    }
+    limits
+}
+
+async fn process_start(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let entry = match envd_sandbox(&state, &headers) {
+        Ok(entry) => entry,
+        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
+    };
+    let request = parse_envelope(&body)
+        .and_then(|value| serde_json::from_value::<StartRequest>(value).map_err(|e| e.to_string()));
+    let argv = match request.map_err(|e| ApiError::bad_request("invalid_argument", e)).and_then(|r| {
+        let (cmd, args) = (r.process.cmd.clone(), r.process.args.clone());
+        command_argv(r.process).map(|argv| (argv, cmd, args))
+    }) {
+        Ok(argv) => argv,
+        Err(err) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", err.message),
+    };
+    let (argv, cmd, args) = argv;
+    let limits = command_limits(&entry, &headers);
+    let pid = state.e2b.pid();
+    let token = CancelToken::new();
+    let key = (entry.id.clone(), pid);
+    lock(&state.e2b.running).insert(key.clone(), RunningCommand { cancel: token.clone(), cmd, args });
+    let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+    let _ = tx.send(envelope(0, &json!({"event": {"start": {"pid": pid}}})));
+    let task_state = state.clone();
+    tokio::spawn(async move {
+        let mut guard = CancelOnDrop(Some(token.clone()));
+        let opts = ExecOptions {
+            limits: Some(limits),
+            stdin: None,
+            sink: Some(Arc::new(EventSink(tx.clone()))),
+            cancel: Some(token.clone()),
+        };
+        let started = Instant::now();
+        let tier = entry.tier;
+        let job = Job::Command { argv };
+        let job_entry = entry.clone();
+        let mut exec = std::pin::pin!(blocking(move || job_entry.exec(&job, opts)));
+        let result = tokio::select! {
+            result = &mut exec => result,
+            () = tx.closed() => {
+                // The client went away: cancel, and let the job end before the pid is forgotten.
+                token.cancel();
+                exec.await
+            }
+        };
+        guard.0 = None;
+        record_job(&task_state, tier, "e2b_command", started, &result);
+        lock(&task_state.e2b.running).remove(&key);
+        let end = match result {
+            Ok(outcome) => {
+                let exited = matches!(outcome.status, Status::Exited { .. });
+                let mut end = json!({
+                    "exitCode": outcome.status.exit_code(),
+                    "exited": exited,
+                    "status": match &outcome.status {
+                        Status::Exited { code } => format!("exit status {code}"),
+                        other => other.to_string(),
+                    },
+                });
+                if !exited {
+                    end["error"] = json!(outcome.status.to_string());
+                }
+                let _ = tx.send(envelope(0, &json!({"event": {"end": end}})));
+                json!({})
+            }
+            Err(err) => json!({"error": {"code": connect_code(&err), "message": err.message}}),
+        };
+        let _ = tx.send(envelope(2, &end));
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|frame| (Ok::<Bytes, Infallible>(frame), rx))
+    });
+    ([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(stream)).into_response()
+}
+
+/// The Connect code of an API error.
+fn connect_code(err: &ApiError) -> &'static str {
+    match err.status.as_u16() {
+        400 => "invalid_argument",
+        401 => "unauthenticated",
+        403 => "permission_denied",
+        404 => "not_found",
+        409 => "aborted",
+        429 => "resource_exhausted",
+        499 => "canceled",
+        501 => "unimplemented",
+        503 => "unavailable",
+        _ => "internal",
+    }
+}
+
+async fn process_signal(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let entry = match envd_sandbox(&state, &headers) {
+        Ok(entry) => entry,
+        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
+    };
+    let request: Value = match serde_json::from_slice(&body) {
+        Ok(value) => value,
+        Err(e) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", e.to_string()),
+    };
+    let Some(pid) = request["process"]["pid"].as_u64().and_then(|p| u32::try_from(p).ok()) else {
+        return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", "process.pid is required");
+    };
+    match lock(&state.e2b.running).get(&(entry.id.clone(), pid)) {
+        Some(command) => {
+            // Every signal ends the command: the engine cancels jobs, it does not deliver signals.
+            command.cancel.cancel();
+            Json(json!({})).into_response()
+        }
+        None => rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} not found")),
+    }
+}
+
+async fn process_list(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let entry = match envd_sandbox(&state, &headers) {
+        Ok(entry) => entry,
+        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
+    };
+    let processes: Vec<Value> = lock(&state.e2b.running)
+        .iter()
+        .filter(|((sandbox, _), _)| *sandbox == entry.id)
+        .map(|((_, pid), command)| json!({"pid": pid, "config": {"cmd": command.cmd, "args": command.args}}))
+        .collect();
+    Json(json!({ "processes": processes })).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct FileQuery {
+    path: Option<String>,
+}
+
+async fn files_read(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(query): Query<FileQuery>,
+) -> Response {
+    let result = async {
+        let entry = envd_sandbox(&state, &headers)?;
+        let path = query.path.ok_or_else(|| ApiError::bad_request("invalid_query", "path is required"))?;
+        blocking(move || entry.with_sandbox(|sandbox| sandbox.read_file(&path))).await
+    }
+    .await;
+    match result {
+        Ok(bytes) => ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response(),
+        Err(err) => rest_error(&err),
+    }
+}
+
+async fn files_write(State(state): State<Arc<AppState>>, Query(query): Query<FileQuery>, request: Request) -> Response {
+    let headers = request.headers().clone();
+    let result = async {
+        let entry = envd_sandbox(&state, &headers)?;
+        let multipart = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("multipart/form-data"));
+        let mut files: Vec<(String, Bytes)> = Vec::new();
+        if multipart {
+            let mut form = Multipart::from_request(request, &state)
+                .await
+                .map_err(|e| ApiError::bad_request("invalid_argument", e.body_text()))?;
+            while let Some(field) =
+                form.next_field().await.map_err(|e| ApiError::bad_request("invalid_argument", e.body_text()))?
+            {
+                let name = field.file_name().map(str::to_owned);
+                let data = field.bytes().await.map_err(|e| ApiError::bad_request("invalid_argument", e.body_text()))?;
+                let path = match (&query.path, name) {
+                    (Some(path), _) if files.is_empty() => path.clone(),
+                    (_, Some(name)) if name.starts_with('/') => name,
+                    _ => return Err(ApiError::bad_request("invalid_argument", "a file part needs an absolute path")),
+                };
+                files.push((path, data));
+            }
+        } else {
+            if headers.get(header::CONTENT_ENCODING).is_some_and(|v| v != "identity") {
+                return Err(ApiError::bad_request("invalid_argument", "compressed uploads are not supported"));
+            }
+            let path = query.path.clone().ok_or_else(|| ApiError::bad_request("invalid_query", "path is required"))?;
+            let body = axum::body::to_bytes(request.into_body(), crate::api::MAX_BODY)
+                .await
+                .map_err(|e| ApiError::bad_request("invalid_argument", e.to_string()))?;
+            files.push((path, body));
+        }
+        let written: Vec<Value> = files
+            .iter()
+            .map(|(path, _)| {
+                let name = path.rsplit('/').next().unwrap_or(path);
+                json!({"name": name, "type": "file", "path": path})
+            })
+            .collect();
+        blocking(move || {
+            entry.with_sandbox(|sandbox| {
+                for (path, data) in &files {
+                    sandbox.write_file(path, data)?;
+                }
+                Ok(())
+            })
+        })
+        .await?;
+        Ok(written)
+    }
+    .await;
+    match result {
+        Ok(written) => Json(Value::Array(written)).into_response(),
+        Err(err) => rest_error(&err),
+    }
+}
+
+/// Runs a cell: every statement, then the last one's value (if it is an expression) as the main result, which it
+/// reports after a record separator on stderr with any exception.
+const CELL_DRIVER: &str = r#"import ast, json, sys, traceback
+out = {"result": None, "error": None}
+try:
+    tree = ast.parse(sys.argv[1], "<cell>", "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    ns = {"__name__": "__main__"}
+    exec(compile(tree, "<cell>", "exec"), ns)
+    if last is not None:
+        value = eval(compile(last, "<cell>", "eval"), ns)
+        if value is not None:
+            out["result"] = repr(value)
+except BaseException as e:
+    out["error"] = {"name": type(e).__name__, "value": str(e), "traceback": traceback.format_exc()}
+sys.stdout.flush()
+sys.stderr.write("\x1eSTRATA-CELL " + json.dumps(out) + "\n")
+sys.stderr.flush()
+"#;
+
+const CELL_MARKER: &str = "\u{1e}STRATA-CELL ";
+
+#[derive(Debug, Deserialize)]
+struct ExecuteRequest {
+    code: String,
+}
+
+async fn execute(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let entry = match envd_sandbox(&state, &headers) {
+        Ok(entry) => entry,
+        Err(err) => return rest_error(&err),
+    };
+    let request: ExecuteRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(e) => return rest_error(&ApiError::bad_request("invalid_json", e.to_string())),
+    };
+    let job = Job::Python { source: PythonSource::Code(CELL_DRIVER.to_owned()), args: vec![request.code] };
+    let limits = command_limits(&entry, &headers);
+    let count = entry.e2b.as_ref().map(|m| m.executions.fetch_add(1, Ordering::Relaxed) + 1).unwrap_or(1);
+    let opts = ExecOptions { limits: Some(limits), ..ExecOptions::default() };
+    let outcome = match crate::api::exec_in(&state, entry, job, opts).await {
+        Ok(outcome) => outcome,
+        Err(err) => return rest_error(&err),
+    };
+    let now = rfc3339(SystemTime::now());
+    let stderr = String::from_utf8_lossy(&outcome.stderr).into_owned();
+    let (stderr, trailer) = match stderr.rfind(CELL_MARKER) {
+        Some(at) => {
+            let trailer = stderr[at + CELL_MARKER.len()..].trim_end();
+            (stderr[..at].to_owned(), serde_json::from_str::<Value>(trailer).ok())
+        }
+        None => (stderr, None),
+    };
+    let mut lines = vec![json!({"type": "number_of_executions", "execution_count": count})];
+    let stdout = String::from_utf8_lossy(&outcome.stdout);
+    if !stdout.is_empty() {
+        lines.push(json!({"type": "stdout", "text": stdout, "timestamp": now}));
+    }
+    if !stderr.is_empty() {
+        lines.push(json!({"type": "stderr", "text": stderr, "timestamp": now}));
+    }
+    match trailer {
+        Some(trailer) => {
+            if let Some(text) = trailer["result"].as_str() {
+                lines.push(json!({"type": "result", "text": text, "is_main_result": true}));
+            }
+            if trailer["error"].is_object() {
+                let error = &trailer["error"];
+                lines.push(json!({"type": "error", "name": error["name"], "value": error["value"],
+                    "traceback": error["traceback"]}));
+            }
+        }
+        None => lines.push(json!({"type": "error", "name": "SandboxError", "value": outcome.status.to_string(),
+            "traceback": ""})),
+    }
+    lines.push(json!({"type": "end_of_execution"}));
+    let mut text = String::new();
+    for line in lines {
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], text).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_prints_utc_dates() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000000Z");
+        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)), "2000-02-29T00:00:00.000000Z");
+        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_millis(1_796_105_201_500)), "2026-12-01T06:06:41.500000Z");
+    }
+
+    #[test]
+    fn envelopes_round_trip_and_bad_ones_are_refused() {
+        let frame = envelope(0, &json!({"process": {"cmd": "/bin/bash"}}));
+        assert_eq!(parse_envelope(&frame), Ok(json!({"process": {"cmd": "/bin/bash"}})));
+        assert!(parse_envelope(&frame[..3]).is_err());
+        assert!(parse_envelope(&frame[..frame.len() - 1]).is_err());
+        let mut compressed = frame.to_vec();
+        compressed[0] = 1;
+        assert!(parse_envelope(&compressed).is_err());
+    }
+
+    #[test]
+    fn cwd_and_envs_become_an_env_prefix() {
+        let config = ProcessConfig {
+            cmd: "/bin/bash".into(),
+            args: vec!["-c".into(), "pwd".into()],
+            envs: BTreeMap::from([("A".to_owned(), "1".to_owned())]),
+            cwd: Some("/tmp".into()),
+        };
+        assert_eq!(
+            command_argv(config).expect("argv"),
+            ["/usr/bin/env", "-C", "/tmp", "A=1", "/bin/bash", "-c", "pwd"].map(String::from).to_vec()
+        );
+    }
+}

@@ -1,0 +1,220 @@
+//! The E2B-compatible layer: its protocol spoken by hand, and the official Python SDK run unmodified.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::{Value, json};
+
+use crate::util::{TestServer, process_tier};
+
+/// Splits a Connect stream into `(flags, message)` envelopes.
+fn envelopes(mut body: &[u8]) -> Vec<(u8, Value)> {
+    let mut frames = Vec::new();
+    while body.len() >= 5 {
+        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+        let message = serde_json::from_slice(&body[5..5 + len]).expect("json envelope");
+        frames.push((body[0], message));
+        body = &body[5 + len..];
+    }
+    assert!(body.is_empty(), "trailing bytes");
+    frames
+}
+
+fn start_request(command: &str) -> Vec<u8> {
+    let message = json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", command]}, "stdin": false});
+    let payload = message.to_string().into_bytes();
+    let mut body = vec![0];
+    body.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    body.extend_from_slice(&payload);
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_protocol_by_hand() {
+    if !process_tier("e2b_protocol_by_hand") {
+        return;
+    }
+    let server = TestServer::start().await;
+    let client = &server.client;
+    let response = client
+        .post(server.url("/v2/sandboxes"))
+        .header("X-API-KEY", "e2b_0000000000000000000000000000000000000000")
+        .json(&json!({"templateID": "base", "metadata": {"who": "test"}, "envVars": {"GREETING": "hello"}}))
+        .send()
+        .await
+        .expect("create");
+    assert_eq!(response.status().as_u16(), 201);
+    let created: Value = response.json().await.expect("json");
+    for key in ["templateID", "sandboxID", "clientID", "envdVersion", "envdAccessToken"] {
+        assert!(created[key].is_string(), "{key} in {created}");
+    }
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
+    let token = created["envdAccessToken"].as_str().expect("token").to_owned();
+    let envd = |method: reqwest::Method, path: &str| {
+        client
+            .request(method, server.url(path))
+            .header("E2b-Sandbox-Id", &id)
+            .header("E2b-Sandbox-Port", "49983")
+            .header("X-Access-Token", &token)
+    };
+
+    let response = envd(reqwest::Method::POST, "/process.Process/Start")
+        .header("content-type", "application/connect+json")
+        .body(start_request("echo $GREETING; echo oops >&2; exit 3"))
+        .send()
+        .await
+        .expect("start");
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.headers()["content-type"], "application/connect+json");
+    let frames = envelopes(&response.bytes().await.expect("body"));
+    assert!(frames[0].1["event"]["start"]["pid"].is_u64(), "{frames:?}");
+    let data = |key: &str| -> String {
+        frames
+            .iter()
+            .filter_map(|(_, m)| m["event"]["data"][key].as_str())
+            .map(|b64| {
+                use base64::Engine as _;
+                String::from_utf8(base64::engine::general_purpose::STANDARD.decode(b64).expect("base64")).expect("utf8")
+            })
+            .collect()
+    };
+    assert_eq!((data("stdout"), data("stderr")), ("hello\n".to_owned(), "oops\n".to_owned()));
+    let (flags, end) = &frames[frames.len() - 2];
+    assert_eq!((*flags, &end["event"]["end"]["exitCode"]), (0, &json!(3)), "{frames:?}");
+    assert_eq!(frames.last().map(|(flags, m)| (*flags, m.clone())), Some((2, json!({}))));
+
+    let response = client
+        .post(server.url("/process.Process/Start"))
+        .header("E2b-Sandbox-Id", &id)
+        .header("X-Access-Token", "wrong")
+        .body(start_request("true"))
+        .send()
+        .await
+        .expect("start");
+    assert_eq!(response.status().as_u16(), 401);
+
+    // Files: octet-stream and multipart in, bytes out; a missing one is 404 with E2B's error shape.
+    let response =
+        envd(reqwest::Method::POST, "/files?path=%2Ftmp%2Fa.txt").header("content-type", "application/octet-stream");
+    let written: Value = response.body("x").send().await.expect("write").json().await.expect("json");
+    assert_eq!(written, json!([{"name": "a.txt", "type": "file", "path": "/tmp/a.txt"}]));
+    let form = reqwest::multipart::Form::new()
+        .part("file", reqwest::multipart::Part::bytes(b"yz".to_vec()).file_name("/tmp/b.txt"));
+    let response = envd(reqwest::Method::POST, "/files?path=%2Ftmp%2Fb.txt").multipart(form).send().await.expect("mp");
+    assert_eq!(response.status().as_u16(), 200, "{:?}", response.text().await);
+    let read = envd(reqwest::Method::GET, "/files?path=%2Ftmp%2Fb.txt").send().await.expect("read");
+    assert_eq!(read.text().await.expect("text"), "yz");
+    let missing = envd(reqwest::Method::GET, "/files?path=%2Ftmp%2Fnope").send().await.expect("read");
+    assert_eq!(missing.status().as_u16(), 404);
+    let body: Value = missing.json().await.expect("json");
+    assert_eq!(body["code"], 404, "{body}");
+
+    // The code interpreter: the last expression is the main result; files are the sandbox's.
+    let response = envd(reqwest::Method::POST, "/execute")
+        .header("E2b-Sandbox-Port", "49999")
+        .json(&json!({"code": "print(open('/tmp/a.txt').read())\n6 * 7", "context_id": null}))
+        .send()
+        .await
+        .expect("execute");
+    let text = response.text().await.expect("ndjson");
+    let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).expect("json line")).collect();
+    assert!(lines.iter().any(|l| l["type"] == "stdout" && l["text"] == "x\n"), "{text}");
+    assert!(lines.iter().any(|l| l["type"] == "result" && l["text"] == "42" && l["is_main_result"] == true), "{text}");
+
+    let health = |sandbox: &str| client.get(server.url("/health")).header("E2b-Sandbox-Id", sandbox.to_owned()).send();
+    assert_eq!(health(&id).await.expect("health").status().as_u16(), 204);
+    assert_eq!(health("sb_gone").await.expect("health").status().as_u16(), 502);
+
+    let (status, list) = server.get("/v2/sandboxes").await;
+    assert_eq!(status, 200);
+    assert_eq!(list[0]["metadata"], json!({"who": "test"}), "{list}");
+    let (status, _) = server.post(&format!("/sandboxes/{id}/timeout"), json!({"timeout": 60})).await;
+    assert_eq!(status, 204);
+    let (status, body) = server.post("/sandboxes/sb_gone/timeout", json!({"timeout": 60})).await;
+    assert_eq!((status, &body["code"]), (404, &json!(404)), "{body}");
+    assert_eq!(server.delete(&format!("/sandboxes/{id}")).await, 204);
+    assert_eq!(server.delete(&format!("/sandboxes/{id}")).await, 404);
+    server.stop().await;
+}
+
+/// A venv with the pinned E2B SDK under `$STRATA_HOME/e2b-sdk`, installed once; `None` (with a line saying why)
+/// when it cannot be made here.
+fn sdk_python() -> Option<PathBuf> {
+    let home = strata_engine::strata_home()?;
+    let venv = home.join("e2b-sdk-2.63.0");
+    let python = venv.join("bin/python");
+    let ready = venv.join(".installed");
+    if ready.exists() {
+        return Some(python);
+    }
+    let made = Command::new("python3").arg("-m").arg("venv").arg(&venv).status().is_ok_and(|s| s.success())
+        && Command::new(&python)
+            .args(["-m", "pip", "install", "-q", "e2b==2.63.0", "e2b-code-interpreter==2.11.5"])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !made {
+        eprintln!("skipping e2b_sdk_runs_unmodified: cannot install the pinned E2B SDK into {}", venv.display());
+        return None;
+    }
+    let _ = std::fs::write(&ready, b"");
+    Some(python)
+}
+
+const SDK_SCRIPT: &str = r#"
+from e2b import Sandbox, CommandExitException, FileNotFoundException
+from e2b_code_interpreter import Sandbox as CodeSandbox
+
+sbx = Sandbox.create()
+r = sbx.commands.run("echo hi; echo err >&2")
+assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "err\n", 0), r
+try:
+    sbx.commands.run("exit 3")
+    raise SystemExit("no CommandExitException")
+except CommandExitException as e:
+    assert e.exit_code == 3
+sbx.files.write("/tmp/a.txt", "x")
+assert sbx.files.read("/tmp/a.txt") == "x"
+assert sbx.commands.run("cat /tmp/a.txt").stdout == "x"
+try:
+    sbx.files.read("/tmp/missing")
+    raise SystemExit("no FileNotFoundException")
+except FileNotFoundException:
+    pass
+sbx.set_timeout(120)
+assert sbx.is_running()
+assert sbx.kill() is True
+
+ci = CodeSandbox.create()
+assert ci.run_code("1+1").text == "2"
+ex = ci.run_code("open('/tmp/ci.txt', 'w').write('z')\nprint('hello')")
+assert ex.logs.stdout == ["hello\n"], ex.logs
+assert ci.commands.run("cat /tmp/ci.txt").stdout == "z"
+assert ci.run_code("1/0").error.name == "ZeroDivisionError"
+ci.kill()
+print("SDK OK")
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdk_runs_unmodified() {
+    if !process_tier("e2b_sdk_runs_unmodified") {
+        return;
+    }
+    let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") else { return };
+    let server = TestServer::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let output = tokio::process::Command::new(python)
+        .arg("-c")
+        .arg(SDK_SCRIPT)
+        .current_dir(dir.path())
+        .env("E2B_API_KEY", "e2b_0000000000000000000000000000000000000000")
+        .env("E2B_API_URL", &server.base)
+        .env("E2B_SANDBOX_URL", &server.base)
+        .output()
+        .await
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success() && stdout.contains("SDK OK"), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(server.state.registry.list(None).is_empty(), "the SDK killed its sandboxes");
+    server.stop().await;
+}
