@@ -27,7 +27,8 @@
 //! is walked one component at a time with `O_NOFOLLOW` from the grant's own descriptor, so no path leads outside
 //! the grant whatever links the host tree holds. When the job escalates, the copies are discarded and the native
 //! run sees the host grants exactly as they were: nothing the failed attempt did is applied, nothing is applied
-//! twice. The temporary directory is removed in every case (it is removed when [`ScratchGrants`] is dropped).
+//! twice. The temporary directory is removed in every case (it is removed when [`ScratchGrants`] is dropped); one
+//! left by an engine process that was killed mid-job is removed by the next job that makes copies there.
 //!
 //! **Size bound.** Copying costs time and disk, so the read-write grants' files together may hold at most the
 //! job's disk limit (and [`MAX_ENTRIES`] entries each). A job over it, or with a grant that holds something other
@@ -445,8 +446,9 @@ impl ScratchGrants {
         }
         check_overlaps(caps)?;
         std::fs::create_dir_all(parent).map_err(|source| ScratchError::Copy { path: parent.to_owned(), source })?;
+        sweep_stale(parent);
         let dir = tempfile::Builder::new()
-            .prefix("scratch-")
+            .prefix(&format!("scratch-{}-", std::process::id()))
             .tempdir_in(parent)
             .map_err(|source| ScratchError::Copy { path: parent.to_owned(), source })?;
         let mut budget = Budget { bytes: cap, cap, entries: 0 };
@@ -488,6 +490,25 @@ impl ScratchGrants {
             commit_grant(grant, &mut done)?;
         }
         Ok(done)
+    }
+}
+
+/// Removes the scratch directories under `parent` of engine processes that are gone (killed before they could
+/// remove their own): each is named `scratch-PID-…`.
+fn sweep_stale(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("scratch-")).and_then(|n| n.split('-').next()) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
+            // remove_dir_all never follows a link out of the tree it removes.
+            if let Err(err) = std::fs::remove_dir_all(entry.path()) {
+                log::warn!("cannot remove stale scratch directory {}: {err}", entry.path().display());
+            }
+        }
     }
 }
 
@@ -1086,6 +1107,23 @@ mod tests {
         assert_eq!(read(fx.path("rw/change.txt")), "old");
         assert_eq!(read(fx.path("rw/delete.txt")), "delete me");
         assert!(fx.scratch_is_empty());
+    }
+
+    #[test]
+    fn scratch_left_by_a_dead_engine_is_swept() {
+        let fx = Fixture::new();
+        // No process has PID u32::MAX (Linux PIDs stay below 2^22); this process is alive.
+        let stale = fx.path("scratch/scratch-4294967295-abc");
+        let live = fx.path(&format!("scratch/scratch-{}-abc", std::process::id()));
+        let other = fx.path("scratch/unrelated");
+        for dir in [&stale, &live, &other] {
+            std::fs::create_dir_all(dir.join("0")).expect("mkdir");
+        }
+        symlink(fx.path("outside"), stale.join("0/link")).expect("symlink");
+        let scratch = ScratchGrants::prepare(&fx.caps(), 1 << 20, &fx.path("scratch")).expect("prepare");
+        assert!(!stale.exists() && live.exists() && other.exists());
+        assert_eq!(read(fx.path("outside/secret.txt")), "secret");
+        drop(scratch);
     }
 
     #[test]
