@@ -53,6 +53,7 @@ impl Fixture {
         let (out, scratch) = (root.path().join("out"), root.path().join("scratch"));
         std::fs::create_dir(&out).expect("mkdir out");
         std::fs::write(out.join("log.txt"), "start\n").expect("write log");
+        std::fs::write(out.join("doomed.txt"), "the wasm attempt deletes me").expect("write doomed");
         Fixture { _root: root, out, scratch }
     }
 
@@ -129,7 +130,8 @@ fn a_missing_module_escalates_and_only_the_native_run_writes() {
     }
     let collected = Arc::new(Collect::default());
     let opts = ExecOptions { sink: Some(collected.clone()), ..ExecOptions::default() };
-    let outcome = run(&engine, TierChoice::Auto, &script(IMPORT_RESOURCE), &fx.caps(), opts);
+    let tail = format!("if where == 'wasm':\n    os.remove('/data/out/doomed.txt')\n{IMPORT_RESOURCE}");
+    let outcome = run(&engine, TierChoice::Auto, &script(&tail), &fx.caps(), opts);
     assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", stderr(&outcome));
     assert_ne!(outcome.tier, TierKind::Wasm);
     assert_eq!(outcome.stdout, b"before native from stdin\nafter native True\n", "{}", stderr(&outcome));
@@ -146,6 +148,7 @@ fn a_missing_module_escalates_and_only_the_native_run_writes() {
     // The failed attempt's writes never reached the host; the native run's were applied once.
     assert!(fx.has("attempt-native.txt") && !fx.has("attempt-wasm.txt"));
     assert_eq!(fx.log(), "start\nline\n");
+    assert!(fx.has("doomed.txt"), "the failed attempt's deletion reached the host");
     fx.assert_no_scratch_left();
     // A streaming caller saw only the native run's output.
     assert_eq!(collected.stdout(), outcome.stdout);
