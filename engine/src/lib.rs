@@ -769,6 +769,10 @@ impl Engine {
 
     /// Why a wasm attempt's failure may escalate under the policy, if it may.
     fn escalatable(&self, attempt: &Outcome) -> Option<escalate::WasmFailure> {
+        // Only an uncaught exception can escalate; nothing else needs the module list (made on first use).
+        if attempt.status != (Status::Exited { code: 1 }) {
+            return None;
+        }
         let failure = match self.wasm_modules() {
             Ok(modules) => escalate::diagnose(attempt, Some(modules)),
             Err(err) => {
