@@ -33,6 +33,7 @@
 pub mod jail;
 mod sandbox;
 pub mod snapshot;
+pub mod zygote;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -196,6 +197,7 @@ impl ProcessTier {
             id_map: self.user_namespaces.load(Ordering::Relaxed).then_some(JAIL_IDS),
             restore_upper: None,
             egress_socket: None,
+            zygote: false,
         })
     }
 
@@ -235,6 +237,10 @@ impl ProcessTier {
     ) -> Result<Jail, TierError> {
         let mut config = self.jail_config(caps, limits, one_shot)?;
         config.restore_upper = restore_upper;
+        self.start_jail_with(config, caps)
+    }
+
+    fn start_jail_with(&self, mut config: JailConfig, caps: &Capabilities) -> Result<Jail, TierError> {
         let egress = self.start_egress(&caps.net)?;
         config.egress_socket = egress.as_ref().and_then(|proxy| proxy.unix_socket().map(Path::to_owned));
         let mut jail = match Jail::start(&self.cgroups, &config) {
@@ -300,6 +306,9 @@ fn jail_error(err: JailError) -> TierError {
             })
         }
         JailError::Ended => TierError::SessionEnded { reason: "the jail has ended".into() },
+        JailError::ZygoteRefused(message) => {
+            TierError::Unsupported { tier: TierKind::Process, what: format!("this job as a zygote: {message}") }
+        }
         other => internal(other),
     }
 }
@@ -459,6 +468,7 @@ fn outcome(
         }
         JobEnd::Limit(limit) => Status::LimitExceeded { limit },
         JobEnd::Cancelled => return Err(TierError::Cancelled),
+        JobEnd::ZygoteReady => Status::Exited { code: 0 },
         JobEnd::JailLost => Status::Crashed { message: "the jail's init process died".into() },
     };
     let (out, err) = (stdout.finish(), stderr.finish());

@@ -36,9 +36,11 @@ use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_
 use crate::seccomp;
 use crate::tree;
 use crate::userns::UserNamespace;
+use crate::zygote;
+use seccompiler::BpfProgram;
 
 /// Where the old root is kept between `pivot_root` and its detachment.
-const OLD_ROOT: &str = "/.strata-oldroot";
+pub(crate) const OLD_ROOT: &str = "/.strata-oldroot";
 
 /// Device nodes bound from the host into the jail's `/dev`.
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
@@ -135,12 +137,12 @@ fn fail(ctl: &OwnedFd, stage: &str, message: String) -> i32 {
 }
 
 /// A setup step that failed.
-struct StepError {
-    stage: String,
-    message: String,
+pub(crate) struct StepError {
+    pub(crate) stage: String,
+    pub(crate) message: String,
 }
 
-fn step<T>(stage: impl Into<String>, result: Result<T, impl std::fmt::Display>) -> Result<T, StepError> {
+pub(crate) fn step<T>(stage: impl Into<String>, result: Result<T, impl std::fmt::Display>) -> Result<T, StepError> {
     result.map_err(|e| StepError { stage: stage.into(), message: e.to_string() })
 }
 
@@ -151,7 +153,8 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
     let host_pid =
         fs::read_link("/proc/self").ok().and_then(|p| p.to_str().and_then(|s| s.parse::<i32>().ok())).unwrap_or(0);
     let mut notes = Vec::new();
-    let built = build(&setup, restore, &mut notes).and_then(|built| Ok((built, step("seccomp", seccomp::filters())?)));
+    let filters = if setup.zygote { seccomp::zygote_pid1_filters() } else { seccomp::filters() };
+    let built = build(&setup, restore, &mut notes).and_then(|built| Ok((built, step("seccomp", filters)?)));
     let ((userns, upper), filters) = match built {
         Ok(built) => built,
         Err(StepError { stage, message }) => return fail(&ctl, &stage, message),
@@ -173,7 +176,11 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
     if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid, notes }, &[]).is_err() {
         return 1;
     }
-    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None, forwarder }.serve()
+    let zygote = match setup.zygote.then(seccomp::zygote_filter).transpose() {
+        Ok(filter) => filter.map(|filter| zygote::Zygote::new(filter, setup.binds.clone())),
+        Err(err) => return fail(&ctl, "seccomp", err.to_string()),
+    };
+    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None, forwarder, zygote }.serve()
 }
 
 /// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
@@ -289,14 +296,20 @@ fn mount_proc() -> Result<(), StepError> {
     let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     step("/proc", fs::DirBuilder::new().recursive(true).mode(0o555).create("/proc"))?;
     step("/proc", mount(Some("proc"), "/proc", Some("proc"), flags, None::<&str>))?;
+    confine_proc("/proc", &format!("{OLD_ROOT}/dev/null"))
+}
+
+/// Hides [`PROC_MASKED`] behind `null` (a path to `/dev/null`) and makes [`PROC_READ_ONLY`] read-only in the
+/// procfs mounted at `proc`.
+pub(crate) fn confine_proc(proc: &str, null: &str) -> Result<(), StepError> {
     for entry in PROC_MASKED {
-        let path = format!("/proc/{entry}");
+        let path = format!("{proc}/{entry}");
         if Path::new(&path).exists() {
-            step(format!("mask {path}"), bind_onto(Path::new(&format!("{OLD_ROOT}/dev/null")), &path, true))?;
+            step(format!("mask {path}"), bind_onto(Path::new(null), &path, true))?;
         }
     }
     for entry in PROC_READ_ONLY {
-        let path = format!("/proc/{entry}");
+        let path = format!("{proc}/{entry}");
         if Path::new(&path).is_dir() {
             step(format!("read-only {path}"), bind_onto(Path::new(&path), &path, true))?;
         }
@@ -305,17 +318,23 @@ fn mount_proc() -> Result<(), StepError> {
 }
 
 fn mount_dev() -> Result<(), StepError> {
+    mount_dev_at("/dev", &format!("{OLD_ROOT}/dev"))
+}
+
+/// Mounts a minimal `/dev` at `dev`: a tmpfs with [`DEVICES`] bound from the directory `devices`, the usual
+/// links and a private `/dev/shm`.
+pub(crate) fn mount_dev_at(dev: &str, devices: &str) -> Result<(), StepError> {
     let flags = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
-    step("/dev", fs::DirBuilder::new().recursive(true).mode(0o755).create("/dev"))?;
-    step("/dev", mount(Some("strata-dev"), "/dev", Some("tmpfs"), flags, Some("size=64k,mode=0755")))?;
-    for dev in DEVICES {
-        let path = format!("/dev/{dev}");
+    step("/dev", fs::DirBuilder::new().recursive(true).mode(0o755).create(dev))?;
+    step("/dev", mount(Some("strata-dev"), dev, Some("tmpfs"), flags, Some("size=64k,mode=0755")))?;
+    for name in DEVICES {
+        let path = format!("{dev}/{name}");
         step(
-            format!("/dev/{dev}"),
+            format!("/dev/{name}"),
             fs::OpenOptions::new().create(true).truncate(true).write(true).mode(0o666).open(&path),
         )?;
         // A device node works only on a mount without `nodev`.
-        step(format!("/dev/{dev}"), bind_with(Path::new(&format!("{OLD_ROOT}/dev/{dev}")), &path, MsFlags::MS_NOEXEC))?;
+        step(format!("/dev/{name}"), bind_with(Path::new(&format!("{devices}/{name}")), &path, MsFlags::MS_NOEXEC))?;
     }
     for (link, target) in [
         ("fd", "/proc/self/fd"),
@@ -323,10 +342,11 @@ fn mount_dev() -> Result<(), StepError> {
         ("stdout", "/proc/self/fd/1"),
         ("stderr", "/proc/self/fd/2"),
     ] {
-        step(format!("/dev/{link}"), std::os::unix::fs::symlink(target, format!("/dev/{link}")))?;
+        step(format!("/dev/{link}"), std::os::unix::fs::symlink(target, format!("{dev}/{link}")))?;
     }
-    step("/dev/shm", fs::DirBuilder::new().mode(0o1777).create("/dev/shm"))?;
-    step("/dev/shm", mount(Some("shm"), "/dev/shm", Some("tmpfs"), flags | MsFlags::MS_NODEV, Some("mode=1777")))?;
+    let shm = format!("{dev}/shm");
+    step("/dev/shm", fs::DirBuilder::new().mode(0o1777).create(&shm))?;
+    step("/dev/shm", mount(Some("shm"), shm.as_str(), Some("tmpfs"), flags | MsFlags::MS_NODEV, Some("mode=1777")))?;
     Ok(())
 }
 
@@ -362,7 +382,7 @@ fn mount_grant(bind: &Bind, userns: Option<&UserNamespace>, notes: &mut Vec<Stri
 
 /// Bind-mounts `source` at `target`, then remounts it `nosuid,nodev` (and read-only when asked): a bind mount
 /// takes its flags only from a remount.
-fn bind_onto(source: &Path, target: &str, read_only: bool) -> Result<(), Errno> {
+pub(crate) fn bind_onto(source: &Path, target: &str, read_only: bool) -> Result<(), Errno> {
     bind_with(source, target, if read_only { MsFlags::MS_RDONLY | MsFlags::MS_NODEV } else { MsFlags::MS_NODEV })
 }
 
@@ -374,7 +394,7 @@ fn bind_with(source: &Path, target: &str, extra: MsFlags) -> Result<(), Errno> {
 }
 
 /// Brings the loopback interface of the new network namespace up: the only interface it has.
-fn loopback_up() -> Result<(), Errno> {
+pub(crate) fn loopback_up() -> Result<(), Errno> {
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
     let sock = socket(AddressFamily::Inet, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
     // SAFETY: ifreq is plain old data; all-zero is a valid value.
@@ -405,6 +425,8 @@ struct Init {
     job: Option<Pid>,
     /// The egress forwarder, when the jail has network.
     forwarder: Option<Forwarder>,
+    /// The zygote and its forks, in a jail set up for one.
+    zygote: Option<zygote::Zygote>,
 }
 
 impl Init {
@@ -420,6 +442,11 @@ impl Init {
         loop {
             let mut fds =
                 vec![PollFd::new(self.ctl.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+            let zygote_fd = self.zygote.as_ref().and_then(zygote::Zygote::ready_fd);
+            if let Some(fd) = zygote_fd {
+                fds.push(PollFd::new(fd, PollFlags::POLLIN));
+            }
+            let net_from = fds.len();
             if let Some(forwarder) = &self.forwarder {
                 forwarder.poll_fds(&mut fds);
             }
@@ -429,8 +456,18 @@ impl Init {
             }
             let ctl_ready = fds[0].revents().is_some_and(|r| !r.is_empty());
             let child_ready = fds[1].revents().is_some_and(|r| !r.is_empty());
-            let net: Vec<PollFlags> = fds[2..].iter().map(|fd| fd.revents().unwrap_or(PollFlags::empty())).collect();
+            let zygote_ready = zygote_fd.is_some() && fds[2].revents().is_some_and(|r| !r.is_empty());
+            let net: Vec<PollFlags> =
+                fds[net_from..].iter().map(|fd| fd.revents().unwrap_or(PollFlags::empty())).collect();
             drop(fds);
+            if zygote_ready
+                && let Some(zygote) = &mut self.zygote
+                && let Some(reply) = zygote.on_ready()
+            {
+                // Held or killed: either way no longer the job (its end is not reported as one).
+                self.job = None;
+                let _ = proto::send(self.ctl.as_fd(), &reply, &[]);
+            }
             if !net.iter().all(PollFlags::is_empty)
                 && let Some(forwarder) = &mut self.forwarder
             {
@@ -465,6 +502,9 @@ impl Init {
                 WaitStatus::Signaled(pid, signal, _) => (pid, None, Some(signal as i32)),
                 _ => continue,
             };
+            if let Some(zygote) = &mut self.zygote {
+                zygote.reaped(pid, code, signal);
+            }
             if self.job == Some(pid) {
                 self.job = None;
                 let _ = proto::send(self.ctl.as_fd(), &JailFrame::Exited { code, signal }, &[]);
@@ -484,11 +524,49 @@ impl Init {
                 let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
                 return;
             }
+            HostFrame::Zygote(exec) => {
+                let started = match &mut self.zygote {
+                    None => Err(exec_failed("protocol", libc::EINVAL, "this jail was not set up for a zygote".into())),
+                    Some(zygote) if !zygote.is_unused() || self.job.is_some() => {
+                        Err(exec_failed("busy", libc::EBUSY, "the jail already has a zygote or a job".into()))
+                    }
+                    Some(zygote) => zygote.prepare(fds),
+                };
+                match started.and_then(|fds| {
+                    let filter = self.zygote.as_ref().map(zygote::Zygote::filter);
+                    self.spawn(&exec, fds, filter)
+                }) {
+                    Ok(pid) => {
+                        self.job = Some(pid);
+                        if let Some(zygote) = &mut self.zygote {
+                            zygote.started(pid);
+                        }
+                        JailFrame::Started { pid: pid.as_raw() }
+                    }
+                    Err(failed) => {
+                        if let Some(zygote) = &mut self.zygote {
+                            zygote.reset();
+                        }
+                        failed
+                    }
+                }
+            }
+            HostFrame::Fork(fork) => match &mut self.zygote {
+                Some(zygote) => match zygote.fork(&fork, fds, self.userns.as_ref()) {
+                    Ok((pid, pidfd)) => {
+                        let _ =
+                            proto::send(self.ctl.as_fd(), &JailFrame::Forked { pid: pid.as_raw() }, &[pidfd.as_fd()]);
+                        return;
+                    }
+                    Err(failed) => failed,
+                },
+                None => JailFrame::ForkFailed { stage: "protocol".into(), message: "this jail has no zygote".into() },
+            },
             HostFrame::Exec(exec) => {
                 if self.job.is_some() {
                     exec_failed("busy", libc::EBUSY, "a job is already running".into())
                 } else {
-                    match self.spawn(&exec, fds) {
+                    match self.spawn(&exec, fds, None) {
                         Ok(pid) => {
                             self.job = Some(pid);
                             JailFrame::Started { pid: pid.as_raw() }
@@ -513,11 +591,14 @@ impl Init {
         let _ = proto::send(self.ctl.as_fd(), &reply, &[]);
     }
 
-    fn spawn(&self, exec: &Exec, mut fds: Vec<OwnedFd>) -> Result<Pid, JailFrame> {
+    /// Spawns a job with `fds` as its descriptors 0, 1, 2 (and 3, 4 for a zygote), plus the program to copy in
+    /// last when the job has one; `filter` is stacked on the jail's before `execve`.
+    fn spawn(&self, exec: &Exec, mut fds: Vec<OwnedFd>, filter: Option<&BpfProgram>) -> Result<Pid, JailFrame> {
         if exec.argv.is_empty() {
             return Err(exec_failed("argv", libc::EINVAL, "empty argument vector".into()));
         }
-        let expected = 3 + usize::from(exec.program_copy.is_some());
+        let stdio = if filter.is_some() { zygote::ZYGOTE_FDS } else { 3 };
+        let expected = stdio + usize::from(exec.program_copy.is_some());
         if fds.len() != expected {
             return Err(exec_failed(
                 "protocol",
@@ -542,7 +623,13 @@ impl Init {
             Err(errno) => Err(exec_failed("fork", errno as i32, errno.desc().into())),
             Ok(ForkResult::Child) => {
                 drop(report_r);
-                let (stage, errno) = self.become_job(exec, &fds, &path, &argv, &env);
+                // The report pipe must stay clear of the numbers the job's descriptors go to.
+                let report_w = match nix::fcntl::fcntl(&report_w, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(16)) {
+                    // SAFETY: F_DUPFD_CLOEXEC just returned this new descriptor; nothing else owns it.
+                    Ok(moved) => unsafe { OwnedFd::from_raw_fd(moved) },
+                    Err(_) => report_w,
+                };
+                let (stage, errno) = self.become_job(exec, &fds, &path, &argv, &env, filter);
                 let mut report = fs::File::from(report_w);
                 let _ = report.write_all(format!("{stage}\0{}", errno as i32).as_bytes());
                 // SAFETY: _exit ends this forked child without running the parent's atexit handlers.
@@ -573,6 +660,7 @@ impl Init {
         path: &CString,
         argv: &[CString],
         env: &[CString],
+        filter: Option<&BpfProgram>,
     ) -> (&'static str, Errno) {
         macro_rules! check {
             ($stage:expr, $e:expr) => {
@@ -582,23 +670,42 @@ impl Init {
             };
         }
         check!("setsid", setsid());
-        for (target, fd) in fds.iter().enumerate() {
-            // SAFETY: dup2 onto 0..=2 replaces this child's standard streams with descriptors it owns; the sources
-            // are numbered 3 and up (PID 1's own 0..=2 are open), so no source is overwritten before it is used.
-            if unsafe { libc::dup2(fd.as_raw_fd(), target as RawFd) } < 0 {
+        // Limits first: raising a hard limit needs a capability of the host's user namespace.
+        check!("rlimits", set_limits(exec));
+        // Before the descriptors move: the namespace's descriptor may sit on a number the job's streams take.
+        if let Some(userns) = &self.userns {
+            check!("user namespace", userns.enter_as_root());
+        }
+        // The sources are numbered 3 and up (PID 1's own 0..=2 are open). Any of them that sits on a lower target
+        // than its own is moved above every target first, so no dup2 overwrites a source still to be used.
+        let mut sources: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+        for source in &mut sources {
+            if (*source as usize) < fds.len() {
+                // SAFETY: F_DUPFD duplicates a descriptor this child owns onto a free number >= fds.len().
+                let moved = unsafe { libc::fcntl(*source, libc::F_DUPFD, fds.len() as libc::c_int) };
+                if moved < 0 {
+                    return ("stdio", Errno::last());
+                }
+                *source = moved;
+            }
+        }
+        for (target, source) in sources.iter().enumerate() {
+            // SAFETY: dup2 onto 0..n replaces this child's low descriptors with ones it owns; the copy is not
+            // close-on-exec.
+            if unsafe { libc::dup2(*source, target as RawFd) } < 0 {
                 return ("stdio", Errno::last());
             }
         }
         // Everything else but the CLOEXEC report pipe goes; the pipe closes itself on exec.
-        check!("close fds", close_from_3_except_cloexec());
+        check!("close fds", close_from_except_cloexec(fds.len() as u32));
         check!("signals", sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None));
-        // Limits first: raising a hard limit needs a capability of the host's user namespace.
-        check!("rlimits", set_limits(exec));
-        if let Some(userns) = &self.userns {
-            check!("user namespace", userns.enter_as_root());
-        }
         check!("chdir", chdir(exec.cwd.as_str()));
         check!("capabilities", drop_capabilities());
+        if let Some(filter) = filter
+            && seccomp::install_one(filter).is_err()
+        {
+            return ("seccomp", Errno::last());
+        }
         match execve(path, argv, env) {
             Err(errno) => ("exec", errno),
             Ok(never) => match never {},
@@ -637,10 +744,10 @@ fn resolve(program: &str, env: &[(String, String)]) -> Option<PathBuf> {
         .find(|candidate| fs::metadata(candidate).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
-/// Closes every descriptor from 3 up that is not close-on-exec (those close themselves at `execve`).
-fn close_from_3_except_cloexec() -> Result<(), Errno> {
+/// Marks every descriptor from `first` up close-on-exec (so they close themselves at `execve`).
+fn close_from_except_cloexec(first: u32) -> Result<(), Errno> {
     // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only marks descriptors close-on-exec; nothing is closed here.
-    let rc = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
+    let rc = unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
     if rc < 0 { Err(Errno::last()) } else { Ok(()) }
 }
 

@@ -14,3 +14,4 @@ pub mod proto;
 pub mod seccomp;
 pub mod tree;
 pub mod userns;
+pub mod zygote;

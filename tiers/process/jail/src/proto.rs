@@ -19,7 +19,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// The protocol version; [`Setup::version`] must equal it.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The control socket's descriptor number when the jail process starts: its standard input.
 pub const CONTROL_FD: RawFd = 0;
@@ -34,7 +34,7 @@ pub const MAX_SPILL: u64 = 16 * 1024 * 1024;
 pub const SPILL: &[u8] = b"@spill";
 
 /// The most descriptors one message carries.
-pub const MAX_FDS: usize = 4;
+pub const MAX_FDS: usize = 10;
 
 /// What the host asks of the jail.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -58,6 +58,16 @@ pub enum HostFrame {
         /// Absolute path in the jail.
         path: String,
     },
+    /// Start the zygote: a job that sets itself up, writes a byte to descriptor 3 when it is ready and then blocks
+    /// reading descriptor 0 (which PID 1 supplies and never writes). Descriptors: stdout, stderr. Answered by
+    /// `Started`, then `ZygoteReady` once it is held stopped at that read — or `ZygoteRefused` (it was killed)
+    /// or `Exited` (it ended before it was ready). Only in a jail set up with [`Setup::zygote`], once.
+    Zygote(Exec),
+    /// Fork the zygote into a fresh jail of its own and let the fork resume the zygote's read on its own stdin.
+    /// Descriptors: stdin, stdout, stderr, the status pipe (PID 1 writes the fork's `Exited` frame there, as
+    /// JSON, when it ends), then the fork's cgroup files (PID 1 writes the fork's PID into each before it runs).
+    /// Answered by `Forked` with a pidfd of the fork, or `ForkFailed`.
+    Fork(Fork),
     /// Hand over a descriptor of the overlay's upper directory (for a snapshot; the host walks it with `*at`
     /// calls only). Answered by `UpperOpened` with the descriptor.
     OpenUpper,
@@ -97,6 +107,20 @@ pub struct Setup {
     /// forwarding [`crate::forward::LISTEN`] to it. `None`: no network beyond loopback.
     #[serde(default)]
     pub egress_socket: Option<PathBuf>,
+    /// The jail holds a zygote ([`HostFrame::Zygote`]) and forks it: PID 1 keeps `ptrace`, `setns` and the mount
+    /// calls (it builds each fork), and the zygote gets a filter of its own that takes them away again.
+    #[serde(default)]
+    pub zygote: bool,
+}
+
+/// One fork of the zygote.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fork {
+    /// The fork's hostname.
+    pub hostname: String,
+    /// Size of the fork's private tmpfs (its writable layer over the zygote's filesystem, its `/dev/shm`).
+    pub scratch_bytes: u64,
 }
 
 /// A user namespace's ID mapping: IDs `0..count` inside are `base..base + count` on the host.
@@ -178,6 +202,28 @@ pub enum JailFrame {
         code: Option<i32>,
         /// The signal that killed it, when one did.
         signal: Option<i32>,
+    },
+    /// The zygote is held stopped at its read of descriptor 0, ready to fork.
+    ZygoteReady {
+        /// Its PID inside the jail.
+        pid: i32,
+    },
+    /// The zygote could not be held as one (it was killed; the jail can fork nothing).
+    ZygoteRefused {
+        /// Why.
+        message: String,
+    },
+    /// A fork runs; its pidfd is attached.
+    Forked {
+        /// Its PID inside the zygote's jail.
+        pid: i32,
+    },
+    /// A fork could not be made (nothing of it is left).
+    ForkFailed {
+        /// Which step.
+        stage: String,
+        /// The error.
+        message: String,
     },
     /// A `WriteFile` completed.
     FileWritten,

@@ -337,10 +337,71 @@ pub struct JailFilters {
     pub allow: BpfProgram,
     /// `ENOSYS` for calls whose fallback the filter can check.
     pub enosys: BpfProgram,
+    /// A zygote jail's: `clone` with namespace flags goes to the tracer.
+    pub trace: Option<BpfProgram>,
 }
+
+/// What PID 1 of a zygote jail may do besides what every job may: trace the zygote and its forks, join the
+/// forks' namespaces and build their filesystems, and stack the zygote's own filter.
+const ZYGOTE_PID1: &[libc::c_long] = &[
+    libc::SYS_ptrace,
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_pivot_root,
+    libc::SYS_fsopen,
+    libc::SYS_fsconfig,
+    libc::SYS_fsmount,
+    libc::SYS_move_mount,
+    libc::SYS_seccomp,
+    libc::SYS_sethostname,
+];
+
+/// What the zygote's own filter takes away again: everything [`ZYGOTE_PID1`] adds, and `setns`.
+const ZYGOTE_DENIED: &[libc::c_long] = &[
+    libc::SYS_ptrace,
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_pivot_root,
+    libc::SYS_fsopen,
+    libc::SYS_fsconfig,
+    libc::SYS_fsmount,
+    libc::SYS_move_mount,
+    libc::SYS_sethostname,
+    libc::SYS_setns,
+    libc::SYS_process_vm_readv,
+    libc::SYS_process_vm_writev,
+];
 
 /// Compiles the jail's filters for this machine's architecture.
 pub fn filters() -> Result<JailFilters, SeccompBuildError> {
+    build(false)
+}
+
+/// The filters of a zygote jail's PID 1 (every process of the jail inherits them): the jail's allowlist plus
+/// [`ZYGOTE_PID1`], `setns` into any namespace, and `clone` with namespace flags answered by
+/// `SECCOMP_RET_TRACE` — which, with no tracer, fails with `ENOSYS`, and which PID 1 allows only for the `clone`
+/// it injects into the zygote to fork it. The zygote adds [`zygote_filter`] on top.
+pub fn zygote_pid1_filters() -> Result<JailFilters, SeccompBuildError> {
+    build(true)
+}
+
+/// The zygote's own filter (stacked on [`zygote_pid1_filters`], inherited by every fork): `EPERM` for
+/// [`ZYGOTE_DENIED`].
+pub fn zygote_filter() -> Result<BpfProgram, SeccompBuildError> {
+    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
+    let rules = ZYGOTE_DENIED.iter().map(|&call| (call, Vec::new())).collect();
+    SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch)
+        .map_err(err)?
+        .try_into()
+        .map_err(err)
+}
+
+/// Installs one more filter on the calling thread (`no_new_privs` is already set by [`install`]).
+pub fn install_one(filter: &BpfProgram) -> Result<(), SeccompBuildError> {
+    seccompiler::apply_filter(filter).map_err(err)
+}
+
+fn build(zygote: bool) -> Result<JailFilters, SeccompBuildError> {
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for &call in ALLOWED.iter().chain(NOT_IMPLEMENTED) {
@@ -350,15 +411,40 @@ pub fn filters() -> Result<JailFilters, SeccompBuildError> {
         let cond = SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(mask), 0).map_err(err)?;
         Ok(vec![SeccompRule::new(vec![cond]).map_err(err)?])
     };
-    rules.insert(libc::SYS_clone, no_namespaces(CLONE_NAMESPACE_FLAGS)?);
     rules.insert(libc::SYS_unshare, no_namespaces(NAMESPACE_FLAGS)?);
-    let user_ns =
-        SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::CLONE_NEWUSER as u64).map_err(err)?;
-    rules.insert(libc::SYS_setns, vec![SeccompRule::new(vec![user_ns]).map_err(err)?]);
+    if zygote {
+        // `clone` is checked by the trace filter below; `setns` and the rest are PID 1's to build forks with.
+        for &call in ZYGOTE_PID1.iter().chain([&libc::SYS_clone, &libc::SYS_setns]) {
+            rules.insert(call, Vec::new());
+        }
+    } else {
+        rules.insert(libc::SYS_clone, no_namespaces(CLONE_NAMESPACE_FLAGS)?);
+        let user_ns = SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::CLONE_NEWUSER as u64)
+            .map_err(err)?;
+        rules.insert(libc::SYS_setns, vec![SeccompRule::new(vec![user_ns]).map_err(err)?]);
+    }
     let allow = SeccompFilter::new(rules, SeccompAction::Errno(libc::EPERM as u32), SeccompAction::Allow, arch)
         .map_err(err)?
         .try_into()
         .map_err(err)?;
+    let trace = if zygote {
+        // One rule per namespace bit: `clone` with any of them set goes to the tracer.
+        let mut any_namespace = Vec::new();
+        for bit in (0..64).map(|b| 1u64 << b).filter(|bit| CLONE_NAMESPACE_FLAGS & bit != 0) {
+            let cond =
+                SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(bit), bit).map_err(err)?;
+            any_namespace.push(SeccompRule::new(vec![cond]).map_err(err)?);
+        }
+        let rules = [(libc::SYS_clone, any_namespace)].into_iter().collect();
+        Some(
+            SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Trace(0), arch)
+                .map_err(err)?
+                .try_into()
+                .map_err(err)?,
+        )
+    } else {
+        None
+    };
 
     let enosys_rules = NOT_IMPLEMENTED.iter().map(|&call| (call, Vec::new())).collect();
     let enosys =
@@ -366,13 +452,16 @@ pub fn filters() -> Result<JailFilters, SeccompBuildError> {
             .map_err(err)?
             .try_into()
             .map_err(err)?;
-    Ok(JailFilters { allow, enosys })
+    Ok(JailFilters { allow, enosys, trace })
 }
 
 /// Installs the filters on the calling thread (which also sets `no_new_privs`); its children inherit them. The
 /// `ENOSYS` filter goes first: once the allowlist is in, `seccomp` itself is refused.
 pub fn install(filters: &JailFilters) -> Result<(), SeccompBuildError> {
     seccompiler::apply_filter(&filters.enosys).map_err(err)?;
+    if let Some(trace) = &filters.trace {
+        seccompiler::apply_filter(trace).map_err(err)?;
+    }
     seccompiler::apply_filter(&filters.allow).map_err(err)
 }
 

@@ -87,6 +87,12 @@ impl UserNamespace {
         nix::unistd::setresuid(root_uid, root_uid, root_uid)
     }
 
+    /// Moves the calling process into the namespace with every capability in it (IDs unchanged): how a helper of
+    /// PID 1 writes the ID maps of a namespace nested in this one. Must be called single-threaded.
+    pub fn enter(&self) -> Result<(), Errno> {
+        nix::sched::setns(&self.fd, CloneFlags::CLONE_NEWUSER)
+    }
+
     /// Mounts `source` at `target` idmapped through this namespace (a detached clone of the source tree, its
     /// attributes set, then moved into place), `nosuid,nodev`, read-only when asked.
     pub fn mount_idmapped(&self, source: &Path, target: &Path, read_only: bool) -> Result<(), Errno> {

@@ -74,6 +74,8 @@ pub struct JailConfig {
     /// The host egress proxy's Unix socket, bound into the jail with a forwarder on its `127.0.0.1:3128`
     /// ([`strata_jail::forward`]); `None`: loopback only.
     pub egress_socket: Option<PathBuf>,
+    /// The jail holds a zygote and forks it ([`Jail::start_zygote`], [`Jail::fork`]).
+    pub zygote: bool,
 }
 
 /// Why a jail could not be started or used.
@@ -106,6 +108,17 @@ pub enum JailError {
         stage: String,
         /// The OS error number.
         errno: i32,
+        /// The error.
+        message: String,
+    },
+    /// The zygote could not be held (it was killed).
+    #[error("the zygote was refused: {0}")]
+    ZygoteRefused(String),
+    /// A fork of the zygote could not be made.
+    #[error("forking the zygote failed at {stage}: {message}")]
+    Fork {
+        /// Which step.
+        stage: String,
         /// The error.
         message: String,
     },
@@ -158,6 +171,8 @@ pub enum JobEnd {
     Limit(LimitKind),
     /// It was cancelled.
     Cancelled,
+    /// It is a zygote, set up and held stopped, ready to fork.
+    ZygoteReady,
     /// The jail died under it (not through a limit).
     JailLost,
 }
@@ -263,6 +278,7 @@ impl Jail {
             id_map: config.id_map,
             restore_upper: config.restore_upper.is_some(),
             egress_socket: config.egress_socket.clone(),
+            zygote: config.zygote,
         };
         let tree = match &config.restore_upper {
             Some(path) => Some(File::open(path).map_err(|e| JailError::Setup {
@@ -396,6 +412,24 @@ impl Jail {
         io: &JobIo<'_>,
         watch: &JobWatch,
     ) -> Result<JobReport, JailError> {
+        self.run(exec, program, io, watch, false)
+    }
+
+    /// Starts the zygote (in a jail made with [`JailConfig::zygote`]) and waits until it is held ready to fork
+    /// ([`JobEnd::ZygoteReady`]) or ends, capturing the setup's output and enforcing `watch` meanwhile. Its stdin
+    /// is PID 1's (see [`strata_jail::zygote`]); `io.stdin` is not used.
+    pub fn start_zygote(&mut self, exec: &Exec, io: &JobIo<'_>, watch: &JobWatch) -> Result<JobReport, JailError> {
+        self.run(exec, None, io, watch, true)
+    }
+
+    fn run(
+        &mut self,
+        exec: &Exec,
+        program: Option<File>,
+        io: &JobIo<'_>,
+        watch: &JobWatch,
+        zygote: bool,
+    ) -> Result<JobReport, JailError> {
         if self.ended {
             return Err(JailError::Ended);
         }
@@ -412,16 +446,20 @@ impl Jail {
         let pids0 = self.cgroup.pids_refusals();
         let start = Instant::now();
         {
-            let mut fds = vec![stdin_r.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()];
-            if let Some(program) = &program {
-                fds.push(program.as_fd());
+            if zygote {
+                proto::send(self.ctl.as_fd(), &HostFrame::Zygote(exec.clone()), &[stdout_w.as_fd(), stderr_w.as_fd()])?;
+            } else {
+                let mut fds = vec![stdin_r.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()];
+                if let Some(program) = &program {
+                    fds.push(program.as_fd());
+                }
+                proto::send(self.ctl.as_fd(), &HostFrame::Exec(exec.clone()), &fds)?;
             }
-            proto::send(self.ctl.as_fd(), &HostFrame::Exec(exec.clone()), &fds)?;
         }
         drop((stdin_r, stdout_w, stderr_w, program));
 
         let mut pump = Pump {
-            stdin: if io.stdin.is_empty() { None } else { Some(stdin_w) },
+            stdin: if io.stdin.is_empty() || zygote { None } else { Some(stdin_w) },
             stdin_data: io.stdin,
             stdout: Some(stdout_r),
             stderr: Some(stderr_r),
@@ -470,6 +508,13 @@ impl Jail {
                     }
                     Ok(Some((JailFrame::ExecFailed { stage, errno, message }, _))) => {
                         return Err(JailError::NotStarted { stage, errno, message });
+                    }
+                    Ok(Some((JailFrame::ZygoteReady { .. }, _))) if zygote => {
+                        exited_at = Some(Instant::now());
+                        exit = Some(JobEnd::ZygoteReady);
+                    }
+                    Ok(Some((JailFrame::ZygoteRefused { message }, _))) if zygote => {
+                        return Err(JailError::ZygoteRefused(message));
                     }
                     Ok(Some((other, _))) => {
                         return Err(JailError::Protocol(format!("unexpected {other:?} during a job")));
@@ -538,6 +583,30 @@ impl Jail {
             signal_pidfd(pidfd, Signal::SIGKILL);
         }
         self.ended = true;
+    }
+
+    /// Forks the held zygote into a fresh jail of its own (see [`strata_jail::zygote`]): `stdio` are the fork's
+    /// stdin, stdout and stderr, `status` the pipe its end is reported on, `cgroup_files` the fork's cgroup files
+    /// its PID is written into before it runs. Returns its PID in the zygote's jail and a pidfd of it.
+    pub fn fork(
+        &mut self,
+        request: &strata_jail::proto::Fork,
+        stdio: [BorrowedFd<'_>; 3],
+        status: BorrowedFd<'_>,
+        cgroup_files: &[File],
+    ) -> Result<(i32, OwnedFd), JailError> {
+        if self.ended {
+            return Err(JailError::Ended);
+        }
+        let mut fds = stdio.to_vec();
+        fds.push(status);
+        fds.extend(cgroup_files.iter().map(AsFd::as_fd));
+        proto::send(self.ctl.as_fd(), &HostFrame::Fork(request.clone()), &fds)?;
+        match self.reply()? {
+            (JailFrame::Forked { pid }, mut fds) if fds.len() == 1 => Ok((pid, fds.pop().expect("one descriptor"))),
+            (JailFrame::ForkFailed { stage, message }, _) => Err(JailError::Fork { stage, message }),
+            (other, _) => Err(JailError::Protocol(format!("unexpected {other:?} for Fork"))),
+        }
     }
 
     /// Writes a file in the jail (parents created), replacing any file there.
@@ -624,6 +693,110 @@ impl Drop for Jail {
             self.shutdown();
         }
     }
+}
+
+/// A fork of a zygote while it runs: its pipes, pidfd and cgroup (see [`Jail::fork`]).
+#[derive(Debug)]
+pub struct ForkHandle {
+    /// The host ends: stdin (write), stdout and stderr (read), the status pipe (read).
+    pub stdin: OwnedFd,
+    /// Read end of the fork's stdout.
+    pub stdout: OwnedFd,
+    /// Read end of the fork's stderr.
+    pub stderr: OwnedFd,
+    /// Where PID 1 reports the fork's end.
+    pub status: OwnedFd,
+    /// A pidfd of the fork's first process (its PID namespace's init: killing it ends the fork).
+    pub pidfd: OwnedFd,
+    /// The fork's cgroup.
+    pub cgroup: Cgroup,
+}
+
+/// Feeds a fork its stdin, captures its output and enforces `watch` on its cgroup until it ends; kills it on a
+/// limit or a cancel. The cgroup is emptied and removed afterwards.
+pub fn run_fork(fork: ForkHandle, io: &JobIo<'_>, watch: &JobWatch) -> JobReport {
+    let ForkHandle { stdin, stdout, stderr, status, pidfd, cgroup } = fork;
+    for fd in [&stdin, &stdout, &stderr, &status] {
+        let _ = set_nonblocking(fd.as_fd());
+    }
+    let start = Instant::now();
+    let mut pump = Pump {
+        stdin: if io.stdin.is_empty() { None } else { Some(stdin) },
+        stdin_data: io.stdin,
+        stdout: Some(stdout),
+        stderr: Some(stderr),
+    };
+    let mut status = Some(status);
+    let mut report = Vec::new();
+    let mut exit: Option<JobEnd> = None;
+    let mut stopped: Option<JobEnd> = None;
+    let mut ended_at: Option<Instant> = None;
+    loop {
+        if let Some(at) = ended_at
+            && (pump.drained() || at.elapsed() > DRAIN_TIMEOUT)
+        {
+            break;
+        }
+        let ready = pump.poll(status.as_ref().map(AsFd::as_fd), WATCH_INTERVAL);
+        if ready.ctl
+            && let Some(fd) = &status
+        {
+            let mut buf = [0u8; 256];
+            match nix::unistd::read(fd.as_fd(), &mut buf) {
+                Ok(0) | Err(Errno::EBADF | Errno::EIO) => {
+                    status = None;
+                    let frame = serde_json::from_slice::<JailFrame>(&report).ok();
+                    exit = Some(match frame {
+                        Some(JailFrame::Exited { code: Some(code), .. }) => JobEnd::Exited(code),
+                        Some(JailFrame::Exited { signal: Some(signal), .. }) => JobEnd::Signaled(signal),
+                        _ => JobEnd::JailLost,
+                    });
+                    ended_at.get_or_insert_with(Instant::now);
+                }
+                Ok(n) => report.extend_from_slice(&buf[..n.min(4096 - report.len().min(4096))]),
+                Err(_) => {}
+            }
+        }
+        pump.transfer(&ready, io);
+        if stopped.is_none() && exit.is_none() {
+            let reason = if watch.cancel.as_ref().is_some_and(CancelToken::is_cancelled) {
+                Some(JobEnd::Cancelled)
+            } else if cgroup.oom_kills() > 0 {
+                Some(JobEnd::Limit(LimitKind::Memory))
+            } else if cgroup.pids_refusals() > 0 {
+                Some(JobEnd::Limit(LimitKind::Pids))
+            } else if start.elapsed() >= watch.wall {
+                Some(JobEnd::Limit(LimitKind::Wall))
+            } else if cgroup.cpu_time() > watch.cpu {
+                Some(JobEnd::Limit(LimitKind::Cpu))
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                stopped = Some(reason);
+                signal_pidfd(&pidfd, Signal::SIGKILL);
+                ended_at.get_or_insert_with(Instant::now);
+            }
+        }
+    }
+    let end_time = Instant::now();
+    let end = match (stopped, exit) {
+        (Some(reason), _) => reason,
+        (None, Some(_)) if cgroup.oom_kills() > 0 => JobEnd::Limit(LimitKind::Memory),
+        (None, Some(_)) if cgroup.pids_refusals() > 0 => JobEnd::Limit(LimitKind::Pids),
+        (None, Some(end)) => end,
+        (None, None) => JobEnd::JailLost,
+    };
+    let report = JobReport {
+        end,
+        wall: end_time.duration_since(start),
+        cpu: cgroup.cpu_time(),
+        peak_memory: cgroup.peak_memory(),
+    };
+    signal_pidfd(&pidfd, Signal::SIGKILL);
+    cgroup.kill_all();
+    cgroup.remove();
+    report
 }
 
 /// The state letter of `/proc/<pid>/stat` (`R`, `S`, `T`, ...), `None` when the process is gone.
