@@ -3,14 +3,15 @@
 //!
 //! - Control plane (API key in `X-API-Key`): `POST /sandboxes` and `/v2/sandboxes` (201 with `templateID`,
 //!   `sandboxID`, `clientID`, `envdVersion`, `envdAccessToken`), `GET /sandboxes` and `/v2/sandboxes`,
-//!   `GET /sandboxes/{id}`, `DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/timeout`, `POST /sandboxes/{id}/connect`,
+//!   `GET /sandboxes/{id}`, `DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/timeout`, `POST /sandboxes/{id}/connect` (and `/v2/…`),
 //!   `POST /sandboxes/{id}/refreshes`. Errors are `{"code":<status>,"message":…}`.
 //! - The in-sandbox agent ("envd"), routed by the `E2b-Sandbox-Id` header and authorised by the sandbox's
 //!   `X-Access-Token`: Connect-RPC (JSON, 5-byte envelopes, end-of-stream frame) `process.Process/Start` streaming the
 //!   start event, stdout/stderr data and the end event; `process.Process/SendSignal` and `List`; `GET`/`POST /files`
 //!   (multipart or octet-stream); `GET /health`.
 //! - The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` streaming NDJSON, the cell run by the
-//!   sandbox's Python with the value of its last expression as the main result.
+//!   sandbox's Python with the value of its last expression as the main result; imports, definitions and picklable
+//!   values carry over to the next cell.
 //!
 //! An E2B sandbox runs `/bin/bash -l -c CMD`, so it lives on the process tier.
 
@@ -87,6 +88,7 @@ pub fn control_routes() -> Router<Arc<AppState>> {
         .route("/sandboxes/{id}", get(detail).delete(kill))
         .route("/sandboxes/{id}/timeout", post(set_timeout))
         .route("/sandboxes/{id}/connect", post(connect))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/refreshes", post(refresh))
 }
 
@@ -101,7 +103,7 @@ pub fn envd_routes() -> Router<Arc<AppState>> {
 }
 
 /// A control-plane error: `{"code":<status>,"message":…}`.
-struct ControlError(ApiError);
+pub(crate) struct ControlError(pub(crate) ApiError);
 
 impl From<ApiError> for ControlError {
     fn from(err: ApiError) -> ControlError {
@@ -638,26 +640,70 @@ async fn files_write(State(state): State<Arc<AppState>>, Query(query): Query<Fil
     }
 }
 
-/// Runs a cell: every statement, then the last one's value (if it is an expression) as the main result, which it
-/// reports after a record separator on stderr with any exception.
-const CELL_DRIVER: &str = r#"import ast, json, sys, traceback
-out = {"result": None, "error": None}
+/// Runs a cell in `__main__`: every statement, then the last one's value (if it is an expression) as the main result,
+/// which it reports after a record separator on stderr with any exception.
+///
+/// Each cell is a fresh `python3`, so state is carried in `/tmp/.strata-cells`: the source of every top-level
+/// import, `def` and `class` is replayed before the next cell, and every picklable value is restored. What does not
+/// pickle (open files, generators, sockets) does not survive from one cell to the next.
+const CELL_DRIVER: &str = r#"import ast as _s_ast, json as _s_json, os as _s_os, pickle as _s_pickle, sys as _s_sys
+import traceback as _s_tb, types as _s_types
+_s_ns = globals()
+_s_path = "/tmp/.strata-cells"
+_s_out = {"result": None, "error": None}
+_s_saved = {"defs": [], "values": {}}
 try:
-    tree = ast.parse(sys.argv[1], "<cell>", "exec")
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
-    ns = {"__name__": "__main__"}
-    exec(compile(tree, "<cell>", "exec"), ns)
-    if last is not None:
-        value = eval(compile(last, "<cell>", "eval"), ns)
-        if value is not None:
-            out["result"] = repr(value)
-except BaseException as e:
-    out["error"] = {"name": type(e).__name__, "value": str(e), "traceback": traceback.format_exc()}
-sys.stdout.flush()
-sys.stderr.write("\x1eSTRATA-CELL " + json.dumps(out) + "\n")
-sys.stderr.flush()
+    with open(_s_path, "rb") as _s_f:
+        _s_saved = _s_pickle.load(_s_f)
+except Exception:
+    pass
+for _s_src in _s_saved["defs"]:
+    try:
+        exec(compile(_s_src, "<history>", "exec"), _s_ns)
+    except BaseException:
+        pass
+for _s_name, _s_blob in _s_saved["values"].items():
+    try:
+        _s_ns[_s_name] = _s_pickle.loads(_s_blob)
+    except BaseException:
+        pass
+_s_cell = _s_sys.argv[1]
+try:
+    _s_tree = _s_ast.parse(_s_cell, "<cell>", "exec")
+    for _s_node in _s_tree.body:
+        if isinstance(_s_node, (_s_ast.Import, _s_ast.ImportFrom, _s_ast.FunctionDef, _s_ast.AsyncFunctionDef,
+                                _s_ast.ClassDef)):
+            _s_src = _s_ast.get_source_segment(_s_cell, _s_node)
+            if _s_src:
+                _s_saved["defs"].append(_s_src)
+    _s_last = None
+    if _s_tree.body and isinstance(_s_tree.body[-1], _s_ast.Expr):
+        _s_last = _s_ast.Expression(_s_tree.body.pop().value)
+    exec(compile(_s_tree, "<cell>", "exec"), _s_ns)
+    if _s_last is not None:
+        _s_value = eval(compile(_s_last, "<cell>", "eval"), _s_ns)
+        if _s_value is not None:
+            _s_out["result"] = repr(_s_value)
+except BaseException as _s_e:
+    _s_out["error"] = {"name": type(_s_e).__name__, "value": str(_s_e), "traceback": _s_tb.format_exc()}
+_s_values = {}
+for _s_name, _s_value in list(_s_ns.items()):
+    if _s_name.startswith(("_s_", "__")) or isinstance(_s_value, (_s_types.ModuleType, _s_types.FunctionType, type)):
+        continue
+    try:
+        _s_values[_s_name] = _s_pickle.dumps(_s_value)
+    except BaseException:
+        pass
+_s_saved["values"] = _s_values
+try:
+    with open(_s_path + ".tmp", "wb") as _s_f:
+        _s_pickle.dump(_s_saved, _s_f)
+    _s_os.replace(_s_path + ".tmp", _s_path)
+except Exception:
+    pass
+_s_sys.stdout.flush()
+_s_sys.stderr.write("\x1eSTRATA-CELL " + _s_json.dumps(_s_out) + "\n")
+_s_sys.stderr.flush()
 "#;
 
 const CELL_MARKER: &str = "\u{1e}STRATA-CELL ";

@@ -388,7 +388,11 @@ async fn authenticate(State(state): State<Arc<AppState>>, mut request: Request, 
             Ok(principal) => principal,
             Err(err) => {
                 state.metrics.rejected("unauthorized");
-                return err.into_response();
+                // The E2B SDK parses its own error shape; everything under /v1 gets the native one.
+                if request.uri().path().starts_with("/v1/") {
+                    return err.into_response();
+                }
+                return e2b::ControlError(err).into_response();
             }
         },
     };

@@ -182,7 +182,15 @@ except FileNotFoundException:
     pass
 sbx.set_timeout(120)
 assert sbx.is_running()
+again = Sandbox.connect(sbx.sandbox_id)
+assert again.commands.run("cat /tmp/a.txt").stdout == "x"
+assert [s.sandbox_id for s in Sandbox.list().next_items()] == [sbx.sandbox_id]
+assert sbx.get_info().template_id == "base"
+handle = sbx.commands.run("sleep 30", background=True)
+assert sbx.commands.kill(handle.pid) is True
+assert sbx.commands.kill(999999) is False
 assert sbx.kill() is True
+assert Sandbox.list().next_items() == []
 
 ci = CodeSandbox.create()
 assert ci.run_code("1+1").text == "2"
@@ -190,6 +198,10 @@ ex = ci.run_code("open('/tmp/ci.txt', 'w').write('z')\nprint('hello')")
 assert ex.logs.stdout == ["hello\n"], ex.logs
 assert ci.commands.run("cat /tmp/ci.txt").stdout == "z"
 assert ci.run_code("1/0").error.name == "ZeroDivisionError"
+# State across cells: values, imports and definitions.
+ci.run_code("import math\nx = 41\ndef inc(v):\n    return v + 1")
+assert ci.run_code("inc(x)").text == "42"
+assert ci.run_code("math.sqrt(x + 8)").text == "7.0"
 ci.kill()
 print("SDK OK")
 "#;
