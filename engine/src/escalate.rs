@@ -458,10 +458,16 @@ impl ScratchGrants {
                 continue;
             }
             let copy = dir.path().join(index.to_string());
+            // The grant's own path may be a link the user named (as the tiers follow it); nothing below it is.
+            let host = std::fs::canonicalize(&grant.host)
+                .map_err(|source| ScratchError::Copy { path: grant.host.clone(), source })?;
+            if !host.is_dir() {
+                return Err(ScratchError::Unsupported(grant.host.clone()));
+            }
             budget.entries = 0;
-            copy_tree(&grant.host, &copy, &mut budget)?;
+            copy_tree(&host, &copy, &mut budget)?;
             let baseline = walk(&copy).map_err(|source| ScratchError::Copy { path: copy.clone(), source })?;
-            grants.push(ScratchGrant { index, host: grant.host.clone(), copy, baseline });
+            grants.push(ScratchGrant { index, host, copy, baseline });
         }
         settle_clock(dir.path()).map_err(|source| ScratchError::Copy { path: dir.path().to_owned(), source })?;
         Ok(Some(ScratchGrants { grants, dir }))
@@ -1094,6 +1100,23 @@ mod tests {
         // The link the job replaced by a directory was replaced on the host too, not followed.
         assert!(fx.path("rw/link").is_dir() && !fx.path("rw/link").is_symlink());
         assert!(fx.scratch_is_empty());
+    }
+
+    #[test]
+    fn a_grant_named_through_a_link_is_copied_and_committed_as_its_directory() {
+        let fx = Fixture::new();
+        symlink(fx.path("rw"), fx.path("rw-link")).expect("symlink");
+        let caps = Capabilities {
+            grants: vec![Grant::new(fx.path("rw-link"), "/out", GrantMode::Rw).expect("grant")],
+            ..Capabilities::default()
+        };
+        let scratch = ScratchGrants::prepare(&caps, 1 << 20, &fx.path("scratch")).expect("prepare").expect("rw");
+        let copy = scratch.caps(&caps).grants[0].host.clone();
+        assert!(copy.is_dir() && !copy.is_symlink(), "a copy, not a link to the host directory");
+        std::fs::write(copy.join("change.txt"), "new").expect("change");
+        assert_eq!(read(fx.path("rw/change.txt")), "old");
+        scratch.commit().expect("commit");
+        assert_eq!(read(fx.path("rw/change.txt")), "new");
     }
 
     #[test]
