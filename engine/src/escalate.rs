@@ -32,9 +32,9 @@
 //!
 //! **Size bound.** Copying costs time and disk, so the read-write grants' files together may hold at most the
 //! job's disk limit (and [`MAX_ENTRIES`] entries each). A job over it, or with a grant that holds something other
-//! than files, directories and links, or whose read-write grant overlaps another grant, gets no scratch copy and
-//! does **not** escalate: its wasm run writes to the host grants directly and is its result (the engine logs a
-//! warning saying why). No job is refused for it.
+//! than files, directories and links (or cannot be copied at all), or whose read-write grant overlaps another
+//! grant, gets no scratch copy and does **not** escalate: its wasm run writes to the host grants directly and is its
+//! result (the engine logs a warning saying why). No job is refused for it.
 //!
 //! **Streamed output.** The wasm attempt's output is held back ([`HeldOutput`]) while it may still be discarded,
 //! and passed to the caller's sink only when the wasm attempt is the result; after an escalation the sink sees only
@@ -197,7 +197,7 @@ pub fn diagnose(outcome: &Outcome, modules: Option<&WasmModules>) -> Option<Wasm
     }
     let stderr = String::from_utf8_lossy(&outcome.stderr);
     let line = final_exception(&stderr)?;
-    let (reason, what) = match missing_module(line, modules?) {
+    let (reason, what) = match modules.and_then(|modules| missing_module(line, modules)) {
         Some(module) => (EscalationReason::MissingModule, format!("missing module '{module}'")),
         None => (EscalationReason::UnsupportedCall, format!("unsupported call: {}", unsupported_call(line)?)),
     };
@@ -886,6 +886,10 @@ mod tests {
         let outcome = failed(&traceback("ModuleNotFoundError: No module named 'resource'"));
         assert_eq!(diagnose(&outcome, None), None);
         assert_eq!(diagnose_call(&outcome), None);
+        let outcome = failed(&traceback("RuntimeError: can't start new thread"));
+        let call = Some((EscalationReason::UnsupportedCall, "unsupported call: starting a thread".to_owned()));
+        assert_eq!(diagnose(&outcome, None).map(|f| (f.reason, f.what)), call);
+        assert_eq!(diagnose_call(&outcome).map(|f| (f.reason, f.what)), call);
     }
 
     #[test]
