@@ -204,17 +204,6 @@ pub fn diagnose(outcome: &Outcome, modules: Option<&WasmModules>) -> Option<Wasm
     Some(WasmFailure { reason, what, exception: quote(line) })
 }
 
-/// Like [`diagnose`] without the module list: only unsupported calls are recognised.
-pub fn diagnose_call(outcome: &Outcome) -> Option<WasmFailure> {
-    if outcome.status != (Status::Exited { code: 1 }) || outcome.truncated.stderr {
-        return None;
-    }
-    let stderr = String::from_utf8_lossy(&outcome.stderr);
-    let line = final_exception(&stderr)?;
-    let what = format!("unsupported call: {}", unsupported_call(line)?);
-    Some(WasmFailure { reason: EscalationReason::UnsupportedCall, what, exception: quote(line) })
-}
-
 fn quote(line: &str) -> String {
     let mut text: String = line.chars().take(MAX_QUOTED).collect();
     if line.chars().count() > MAX_QUOTED {
@@ -885,11 +874,9 @@ mod tests {
         // Without the module list, only unsupported calls are recognised.
         let outcome = failed(&traceback("ModuleNotFoundError: No module named 'resource'"));
         assert_eq!(diagnose(&outcome, None), None);
-        assert_eq!(diagnose_call(&outcome), None);
         let outcome = failed(&traceback("RuntimeError: can't start new thread"));
         let call = Some((EscalationReason::UnsupportedCall, "unsupported call: starting a thread".to_owned()));
         assert_eq!(diagnose(&outcome, None).map(|f| (f.reason, f.what)), call);
-        assert_eq!(diagnose_call(&outcome).map(|f| (f.reason, f.what)), call);
     }
 
     #[test]

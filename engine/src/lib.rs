@@ -777,7 +777,7 @@ impl Engine {
             Ok(modules) => escalate::diagnose(attempt, Some(modules)),
             Err(err) => {
                 log::warn!("judging a failed wasm run without the wasm build's module list: {err}");
-                escalate::diagnose_call(attempt)
+                escalate::diagnose(attempt, None)
             }
         }?;
         self.config.policy.escalation.permits(failure.reason).then_some(failure)
