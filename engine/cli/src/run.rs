@@ -340,9 +340,13 @@ pub(crate) fn print_json(value: &impl serde::Serialize) -> Result<(), Failure> {
     Ok(())
 }
 
-/// One line on stderr for what the guest's own output cannot say: a limit, a trap, a truncation.
+/// One line on stderr for what the guest's own output cannot say: a re-run on a native tier, a limit, a trap, a
+/// truncation.
 fn report(outcome: &Outcome, limits: &Limits) {
     let mut err = std::io::stderr();
+    for escalation in outcome.escalations.iter().filter(|e| e.from == strata_core::TierKind::Wasm) {
+        let _ = writeln!(err, "strata: re-ran on the {} tier: {}", escalation.to, escalation.reason);
+    }
     match &outcome.status {
         Status::Exited { .. } => {}
         Status::LimitExceeded { limit } => {

@@ -673,6 +673,12 @@ fn json_shows_a_dynamic_escalation() {
     assert_eq!((escalations[0]["from"].as_str(), &escalations[0]["to"]), (Some("wasm"), &v["tier"]), "{v}");
     let reason = escalations[0]["reason"].as_str().expect("reason");
     assert!(reason.starts_with("missing module 'resource' (the wasm attempt failed after "), "{reason}");
+    // Without --json, the guest's output is the native run's and one line on stderr says what happened.
+    let run = strata(&home, &["run", "--python", "-c", code], b"");
+    assert_eq!((run.code, run.stdout.as_str()), (0, "on linux\n"), "{}", run.stderr);
+    assert_eq!(run.stderr.lines().count(), 1, "{}", run.stderr);
+    assert!(run.stderr.starts_with("strata: re-ran on the "), "{}", run.stderr);
+    assert!(run.stderr.contains(" tier: missing module 'resource' (the wasm attempt failed after "), "{}", run.stderr);
     // --tier wasm never escalates: the wasm failure is the result.
     let run = strata(&home, &["run", "--json", "--tier", "wasm", "--python", "-c", code], b"");
     assert_eq!(run.code, 1);
