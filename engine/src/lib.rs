@@ -760,7 +760,8 @@ impl Engine {
         drop(scratch);
         let mut reason = failure.describe(&attempt);
         if let Some(fallback) = &native.escalation {
-            reason.push_str(&format!("; it runs on the process tier: {}", fallback.reason));
+            // `to` is the process tier; say why it is not the policy's native tier.
+            reason.push_str(&format!("; {}", fallback.reason));
         }
         let mut outcome = native.tier.run(job, caps, limits, opts)?;
         outcome.escalations.insert(0, Escalation { from: TierKind::Wasm, to: native.decision.tier, reason });
