@@ -33,9 +33,18 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
     max_ttl: Duration,
 
+    /// Kill a sandbox idle (no job, no request) this long, before its TTL, e.g. 60s.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    idle_timeout: Option<Duration>,
+
     /// Sandboxes the server holds at most, over every key.
     #[arg(long, value_name = "N", default_value_t = 256)]
     max_sandboxes: usize,
+
+    /// The most memory all sandboxes may commit (the sum of their memory limits), e.g. 16GiB; past it creates
+    /// get 429 server_at_capacity. Default: no budget.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    memory_budget: Option<strata_core::ByteSize>,
 
     /// Let requests grant host directories (`capabilities.grants`) to sandboxes.
     #[arg(long)]
@@ -44,6 +53,10 @@ pub(crate) struct ServeArgs {
     /// Log one JSON object per line instead of text.
     #[arg(long)]
     log_json: bool,
+}
+
+fn parse_size(text: &str) -> Result<strata_core::ByteSize, String> {
+    text.parse::<strata_core::ByteSize>().map_err(|e| e.to_string())
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -74,6 +87,8 @@ pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
         default_ttl: args.ttl,
         max_ttl: args.max_ttl,
         max_sandboxes: args.max_sandboxes,
+        idle_timeout: args.idle_timeout,
+        memory_budget: args.memory_budget.map(|m| m.0),
         allow_grants: args.allow_grants,
         ..ServeConfig::new(EngineConfig { policy, ..EngineConfig::from_env()? })
     };

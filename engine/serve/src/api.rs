@@ -430,14 +430,15 @@ pub(crate) fn record_job(
     }
 }
 
-/// Admits `places` new sandboxes for `principal`.
+/// Admits `places` new sandboxes of `memory_each` bytes for `principal`.
 pub(crate) fn reserve(
     state: &AppState,
     principal: &Principal,
     places: usize,
+    memory_each: u64,
 ) -> Result<crate::registry::Reservation, ApiError> {
     state.admit()?;
-    state.registry.reserve(&principal.name, principal.max_sandboxes, places).map_err(|err| {
+    state.registry.reserve(principal, places, memory_each).map_err(|err| {
         state.metrics.rejected(err.reason());
         ApiError::from(err)
     })
@@ -453,7 +454,7 @@ pub(crate) async fn start_sandbox(
     ttl: Duration,
     e2b: Option<crate::e2b::E2bMeta>,
 ) -> Result<Arc<SandboxEntry>, ApiError> {
-    let mut reservation = reserve(state, principal, 1)?;
+    let mut reservation = reserve(state, principal, 1, limits.memory.0)?;
     let started = Instant::now();
     let engine = state.engine.clone();
     let sandbox_limits = limits.clone();
@@ -599,7 +600,7 @@ async fn run(
     let job = req.job.to_job()?;
     let caps = capabilities(&state, &req.capabilities)?;
     let limits = limits(&state, state.engine.default_limits(), &req.job.limits)?;
-    let _reservation = reserve(&state, &principal, 1)?;
+    let _reservation = reserve(&state, &principal, 1, limits.memory.0)?;
     let token = CancelToken::new();
     let mut guard = CancelOnDrop(Some(token.clone()));
     let opts =
@@ -747,7 +748,7 @@ async fn fork_sandboxes(
     limits: Limits,
     ttl: Duration,
 ) -> Result<Vec<Arc<SandboxEntry>>, ApiError> {
-    let mut reservation = reserve(state, principal, count)?;
+    let mut reservation = reserve(state, principal, count, limits.memory.0)?;
     let engine = state.engine.clone();
     let started = Instant::now();
     let sandboxes = blocking(move || {

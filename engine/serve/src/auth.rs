@@ -6,6 +6,7 @@
 //! name = "alice"
 //! sha256 = "2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b"
 //! max_sandboxes = 10   # optional: concurrent sandboxes; none means no quota
+//! max_memory = "8GiB"  # optional: the sum of its sandboxes' memory limits; none means no quota
 //! ```
 //!
 //! The same shape is accepted as JSON (`{"key":[{"name":…,"sha256":…}]}`) when the file name ends in `.json`.
@@ -27,12 +28,14 @@ pub struct Principal {
     pub name: String,
     /// Concurrent sandboxes it may hold; `None` is no quota.
     pub max_sandboxes: Option<usize>,
+    /// Memory its sandboxes may commit (the sum of their memory limits) in bytes; `None` is no quota.
+    pub max_memory: Option<u64>,
 }
 
 impl Principal {
     /// The principal of every request on a server without keys.
     pub fn anonymous() -> Principal {
-        Principal { name: "anonymous".to_owned(), max_sandboxes: None }
+        Principal { name: "anonymous".to_owned(), max_sandboxes: None, max_memory: None }
     }
 }
 
@@ -66,6 +69,8 @@ struct KeyConfig {
     sha256: String,
     #[serde(default)]
     max_sandboxes: Option<usize>,
+    #[serde(default)]
+    max_memory: Option<strata_core::ByteSize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -111,7 +116,11 @@ impl KeyStore {
             if key.name.is_empty() {
                 return Err("a key has an empty name".to_owned());
             }
-            let principal = Principal { name: key.name.clone(), max_sandboxes: key.max_sandboxes };
+            let principal = Principal {
+                name: key.name.clone(),
+                max_sandboxes: key.max_sandboxes,
+                max_memory: key.max_memory.map(|m| m.0),
+            };
             if store.by_hash.insert(hash, principal).is_some() {
                 return Err(format!("key {:?}: the same sha256 appears twice", key.name));
             }
@@ -123,7 +132,9 @@ impl KeyStore {
     pub fn from_keys<'a>(keys: impl IntoIterator<Item = (&'a str, &'a str, Option<usize>)>) -> KeyStore {
         let by_hash = keys
             .into_iter()
-            .map(|(name, key, max)| (hash_key(key), Principal { name: name.to_owned(), max_sandboxes: max }))
+            .map(|(name, key, max)| {
+                (hash_key(key), Principal { name: name.to_owned(), max_sandboxes: max, max_memory: None })
+            })
             .collect();
         KeyStore { by_hash }
     }
@@ -166,11 +177,14 @@ mod tests {
 
     #[test]
     fn keys_file_is_matched_by_hash_from_either_header() {
-        let text = format!("[[key]]\nname = \"alice\"\nsha256 = \"{}\"\nmax_sandboxes = 3\n", hash_key("s3cret"));
+        let text = format!(
+            "[[key]]\nname = \"alice\"\nsha256 = \"{}\"\nmax_sandboxes = 3\nmax_memory = \"1GiB\"\n",
+            hash_key("s3cret")
+        );
         let store = KeyStore::parse(&text, false).expect("parses");
         let mut headers = HeaderMap::new();
         headers.insert("authorization", "Bearer s3cret".parse().expect("header"));
-        assert_eq!(store.authenticate(&headers).map(|p| p.max_sandboxes), Ok(Some(3)));
+        assert_eq!(store.authenticate(&headers).map(|p| (p.max_sandboxes, p.max_memory)), Ok((Some(3), Some(1 << 30))));
         let mut headers = HeaderMap::new();
         headers.insert("x-api-key", "s3cret".parse().expect("header"));
         assert_eq!(store.authenticate(&headers).map(|p| p.name), Ok("alice".to_owned()));

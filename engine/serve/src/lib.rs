@@ -78,13 +78,18 @@ pub struct ServeConfig {
     pub allow_grants: bool,
     /// How often the reaper looks for expired sandboxes.
     pub reap_interval: Duration,
+    /// Kill sandboxes idle (no job, no request) this long, besides their TTL; `None`: only the TTL.
+    pub idle_timeout: Option<Duration>,
+    /// The most memory the server's sandboxes may commit (the sum of their memory limits); `None`: no budget.
+    pub memory_budget: Option<u64>,
     /// Where the server keeps its snapshots (a fresh directory under it, removed at shutdown); `None` is
     /// `$STRATA_HOME/run/serve`, else the system's temporary directory.
     pub state_dir: Option<PathBuf>,
 }
 
 impl ServeConfig {
-    /// The defaults: [`DEFAULT_LISTEN`], no keys, TTL 300 s (at most 24 h), 256 sandboxes, no grants.
+    /// The defaults: [`DEFAULT_LISTEN`], no keys, TTL 300 s (at most 24 h), no idle timeout, 256 sandboxes, no
+    /// memory budget, no grants.
     pub fn new(engine: EngineConfig) -> ServeConfig {
         ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
@@ -95,6 +100,8 @@ impl ServeConfig {
             max_sandboxes: 256,
             allow_grants: false,
             reap_interval: Duration::from_secs(1),
+            idle_timeout: None,
+            memory_budget: None,
             state_dir: None,
         }
     }
@@ -240,7 +247,7 @@ impl Server {
         let state = Arc::new(AppState {
             engine,
             policy: config.engine.policy.clone(),
-            registry: Arc::new(Registry::new(config.max_sandboxes)),
+            registry: Arc::new(Registry::new(config.max_sandboxes, config.memory_budget)),
             metrics: Metrics::default(),
             keys: config.keys,
             default_ttl: config.default_ttl,
@@ -250,7 +257,7 @@ impl Server {
             e2b: e2b::E2bState::default(),
             draining: AtomicBool::new(false),
         });
-        spawn_reaper(&state, config.reap_interval);
+        spawn_reaper(&state, config.reap_interval, config.idle_timeout);
         Ok(Server { listener, state })
     }
 
@@ -296,8 +303,8 @@ impl Server {
     }
 }
 
-/// Kills sandboxes past their TTL, every `interval`.
-fn spawn_reaper(state: &Arc<AppState>, interval: Duration) {
+/// Kills sandboxes past their TTL or idle for `idle`, every `interval`.
+fn spawn_reaper(state: &Arc<AppState>, interval: Duration, idle: Option<Duration>) {
     let weak = Arc::downgrade(state);
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(interval);
@@ -308,7 +315,7 @@ fn spawn_reaper(state: &Arc<AppState>, interval: Duration) {
             if state.draining() {
                 return;
             }
-            let expired = state.registry.take_expired(Instant::now());
+            let expired = state.registry.take_expired(Instant::now(), idle);
             for entry in expired {
                 tracing::info!(sandbox = %entry.id, owner = %entry.owner, "sandbox expired; killing it");
                 let state = state.clone();
@@ -376,7 +383,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let text = state.metrics.render(&state.registry.active_by_tier());
+    let text = state.metrics.render(&state.registry.active_by_tier(), state.registry.memory_committed());
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 

@@ -91,8 +91,8 @@ impl Metrics {
         series.sum += took;
     }
 
-    /// The text exposition, with `active` live sandboxes per tier.
-    pub fn render(&self, active: &HashMap<TierKind, usize>) -> String {
+    /// The text exposition, with `active` live sandboxes per tier and `memory` bytes committed by them.
+    pub fn render(&self, active: &HashMap<TierKind, usize>, memory: u64) -> String {
         let mut out = String::new();
         out.push_str("# HELP strata_jobs_total Jobs run, by tier and outcome.\n# TYPE strata_jobs_total counter\n");
         for ((tier, outcome), n) in lock(&self.jobs).iter() {
@@ -103,6 +103,11 @@ impl Metrics {
             let n = active.get(&tier).copied().unwrap_or(0);
             let _ = writeln!(out, "strata_sandboxes_active{{tier=\"{tier}\"}} {n}");
         }
+        out.push_str(
+            "# HELP strata_memory_committed_bytes The sum of live sandboxes' memory limits.\n\
+             # TYPE strata_memory_committed_bytes gauge\n",
+        );
+        let _ = writeln!(out, "strata_memory_committed_bytes {memory}");
         out.push_str(
             "# HELP strata_sandboxes_created_total Sandboxes created, by tier.\n\
              # TYPE strata_sandboxes_created_total counter\n",
@@ -166,7 +171,7 @@ mod tests {
         metrics.latency("wasm", "exec", Duration::from_micros(300));
         metrics.latency("wasm", "exec", Duration::from_millis(3));
         metrics.latency("wasm", "exec", Duration::from_secs(20));
-        let text = metrics.render(&HashMap::new());
+        let text = metrics.render(&HashMap::new(), 0);
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"0.0005\"} 1"));
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"0.005\"} 2"));
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"10\"} 2"));

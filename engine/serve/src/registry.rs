@@ -47,6 +47,24 @@ pub enum AdmissionError {
         /// The server's maximum.
         limit: usize,
     },
+    /// The key's sandboxes would commit more memory than its quota.
+    #[error("API key {owner} would commit {asked} bytes of sandbox memory, past its quota of {limit}")]
+    MemoryQuota {
+        /// The key's name.
+        owner: String,
+        /// Committed with this request.
+        asked: u64,
+        /// Its quota.
+        limit: u64,
+    },
+    /// The server's sandboxes would commit more memory than its budget.
+    #[error("the server's sandboxes would commit {asked} bytes of memory, past its budget of {limit}")]
+    MemoryBudget {
+        /// Committed with this request.
+        asked: u64,
+        /// The server's budget.
+        limit: u64,
+    },
 }
 
 impl AdmissionError {
@@ -55,6 +73,8 @@ impl AdmissionError {
         match self {
             AdmissionError::Quota { .. } => "quota",
             AdmissionError::Capacity { .. } => "capacity",
+            AdmissionError::MemoryQuota { .. } => "memory_quota",
+            AdmissionError::MemoryBudget { .. } => "memory_budget",
         }
     }
 }
@@ -62,8 +82,8 @@ impl AdmissionError {
 impl From<AdmissionError> for ApiError {
     fn from(err: AdmissionError) -> ApiError {
         let code = match err {
-            AdmissionError::Quota { .. } => "quota_exceeded",
-            AdmissionError::Capacity { .. } => "server_at_capacity",
+            AdmissionError::Quota { .. } | AdmissionError::MemoryQuota { .. } => "quota_exceeded",
+            AdmissionError::Capacity { .. } | AdmissionError::MemoryBudget { .. } => "server_at_capacity",
         };
         ApiError::new(axum::http::StatusCode::TOO_MANY_REQUESTS, code, err.to_string())
     }
@@ -85,6 +105,7 @@ pub struct SandboxEntry {
     sandbox: Mutex<Option<Box<dyn Sandbox>>>,
     running: Mutex<Option<CancelToken>>,
     killed: AtomicBool,
+    last_used: Mutex<Instant>,
     /// What the E2B-compatible layer knows about it (`None` for sandboxes of the native API).
     pub e2b: Option<crate::e2b::E2bMeta>,
 }
@@ -113,6 +134,7 @@ impl SandboxEntry {
             sandbox: Mutex::new(Some(sandbox)),
             running: Mutex::new(None),
             killed: AtomicBool::new(false),
+            last_used: Mutex::new(Instant::now()),
             e2b: None,
         }
     }
@@ -138,6 +160,16 @@ impl SandboxEntry {
         *lock(&self.deadline) = (Instant::now() + ttl, SystemTime::now() + ttl);
     }
 
+    /// Whether it has been idle (no job running, no request using it) for at least `idle` at `now`.
+    pub fn idle_for(&self, idle: Duration, now: Instant) -> bool {
+        !self.is_running() && now.saturating_duration_since(*lock(&self.last_used)) >= idle
+    }
+
+    /// Memory it commits: its memory limit.
+    pub fn memory(&self) -> u64 {
+        self.limits.memory.0
+    }
+
     /// Whether a job is running in it now.
     pub fn is_running(&self) -> bool {
         lock(&self.running).is_some()
@@ -152,7 +184,10 @@ impl SandboxEntry {
             Err(TryLockError::WouldBlock) => return Err(ApiError::busy(&self.id)),
         };
         let sandbox = guard.as_mut().ok_or_else(|| ApiError::sandbox_not_found(&self.id))?;
-        f(sandbox.as_mut()).map_err(ApiError::from)
+        *lock(&self.last_used) = Instant::now();
+        let result = f(sandbox.as_mut()).map_err(ApiError::from);
+        *lock(&self.last_used) = Instant::now();
+        result
     }
 
     /// Runs a job in the sandbox (blocking). `opts.cancel` is set when absent; killing the sandbox cancels it.
@@ -215,6 +250,10 @@ struct Inner {
     per_owner: HashMap<String, usize>,
     /// Live and reserved sandboxes in all.
     total: usize,
+    /// Memory committed (live and reserved) per owner.
+    memory_per_owner: HashMap<String, u64>,
+    /// Memory committed in all.
+    memory: u64,
 }
 
 /// Every live sandbox and snapshot, by id.
@@ -222,12 +261,17 @@ struct Inner {
 pub struct Registry {
     inner: Mutex<Inner>,
     max_sandboxes: usize,
+    memory_budget: Option<u64>,
 }
 
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let inner = lock(&self.inner);
-        f.debug_struct("Registry").field("sandboxes", &inner.sandboxes.len()).field("total", &inner.total).finish()
+        f.debug_struct("Registry")
+            .field("sandboxes", &inner.sandboxes.len())
+            .field("total", &inner.total)
+            .field("memory", &inner.memory)
+            .finish()
     }
 }
 
@@ -237,6 +281,7 @@ pub struct Reservation {
     registry: Arc<Registry>,
     owner: String,
     places: usize,
+    memory_each: u64,
 }
 
 impl Reservation {
@@ -244,6 +289,8 @@ impl Reservation {
     pub fn commit(&mut self, entry: SandboxEntry) -> Arc<SandboxEntry> {
         let entry = Arc::new(entry);
         let mut inner = lock(&self.registry.inner);
+        // The entry's own memory limit is what its removal gives back: settle any difference now.
+        inner.commit_memory(&self.owner, entry.memory(), self.memory_each);
         inner.sandboxes.insert(entry.id.clone(), entry.clone());
         self.places = self.places.saturating_sub(1);
         entry
@@ -254,13 +301,14 @@ impl Drop for Reservation {
     fn drop(&mut self) {
         if self.places > 0 {
             let mut inner = lock(&self.registry.inner);
-            inner.release(&self.owner, self.places);
+            let memory = self.memory_each.saturating_mul(self.places as u64);
+            inner.release(&self.owner, self.places, memory);
         }
     }
 }
 
 impl Inner {
-    fn release(&mut self, owner: &str, places: usize) {
+    fn release(&mut self, owner: &str, places: usize, memory: u64) {
         self.total = self.total.saturating_sub(places);
         if let Some(count) = self.per_owner.get_mut(owner) {
             *count = count.saturating_sub(places);
@@ -268,25 +316,43 @@ impl Inner {
                 self.per_owner.remove(owner);
             }
         }
+        self.memory = self.memory.saturating_sub(memory);
+        if let Some(committed) = self.memory_per_owner.get_mut(owner) {
+            *committed = committed.saturating_sub(memory);
+            if *committed == 0 {
+                self.memory_per_owner.remove(owner);
+            }
+        }
+    }
+
+    /// Replaces `reserved` bytes of `owner`'s committed memory by `actual`.
+    fn commit_memory(&mut self, owner: &str, actual: u64, reserved: u64) {
+        let committed = self.memory_per_owner.entry(owner.to_owned()).or_default();
+        *committed = committed.saturating_sub(reserved).saturating_add(actual);
+        self.memory = self.memory.saturating_sub(reserved).saturating_add(actual);
     }
 }
 
 impl Registry {
-    /// A registry that holds at most `max_sandboxes` sandboxes.
-    pub fn new(max_sandboxes: usize) -> Registry {
-        Registry { inner: Mutex::default(), max_sandboxes }
+    /// A registry that holds at most `max_sandboxes` sandboxes, whose memory limits add up to at most
+    /// `memory_budget` bytes (`None`: no budget).
+    pub fn new(max_sandboxes: usize, memory_budget: Option<u64>) -> Registry {
+        Registry { inner: Mutex::default(), max_sandboxes, memory_budget }
     }
 
-    /// Reserves `places` sandboxes for `owner`, whose quota is `quota` (none: unlimited).
+    /// Reserves `places` sandboxes of `memory_each` bytes (their memory limit) for `principal`, within its quotas
+    /// and the server's capacity.
     pub fn reserve(
         self: &Arc<Self>,
-        owner: &str,
-        quota: Option<usize>,
+        principal: &crate::Principal,
         places: usize,
+        memory_each: u64,
     ) -> Result<Reservation, AdmissionError> {
+        let owner = principal.name.as_str();
+        let memory = memory_each.saturating_mul(places as u64);
         let mut inner = lock(&self.inner);
         let held = inner.per_owner.get(owner).copied().unwrap_or(0);
-        if let Some(limit) = quota
+        if let Some(limit) = principal.max_sandboxes
             && held + places > limit
         {
             return Err(AdmissionError::Quota { owner: owner.to_owned(), limit });
@@ -294,9 +360,31 @@ impl Registry {
         if inner.total + places > self.max_sandboxes {
             return Err(AdmissionError::Capacity { limit: self.max_sandboxes });
         }
+        let committed = inner.memory_per_owner.get(owner).copied().unwrap_or(0);
+        if let Some(limit) = principal.max_memory
+            && committed.saturating_add(memory) > limit
+        {
+            return Err(AdmissionError::MemoryQuota {
+                owner: owner.to_owned(),
+                asked: committed.saturating_add(memory),
+                limit,
+            });
+        }
+        if let Some(limit) = self.memory_budget
+            && inner.memory.saturating_add(memory) > limit
+        {
+            return Err(AdmissionError::MemoryBudget { asked: inner.memory.saturating_add(memory), limit });
+        }
         inner.total += places;
         *inner.per_owner.entry(owner.to_owned()).or_default() += places;
-        Ok(Reservation { registry: self.clone(), owner: owner.to_owned(), places })
+        inner.memory = inner.memory.saturating_add(memory);
+        *inner.memory_per_owner.entry(owner.to_owned()).or_default() += memory;
+        Ok(Reservation { registry: self.clone(), owner: owner.to_owned(), places, memory_each })
+    }
+
+    /// Memory committed by live and reserved sandboxes (the sum of their memory limits).
+    pub fn memory_committed(&self) -> u64 {
+        lock(&self.inner).memory
     }
 
     /// The sandbox `id` if `owner` may use it (else not found: ids of other keys are not revealed).
@@ -320,7 +408,7 @@ impl Registry {
             _ => return Err(ApiError::sandbox_not_found(id)),
         }
         let entry = inner.sandboxes.remove(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
-        inner.release(&entry.owner, 1);
+        inner.release(&entry.owner, 1, entry.memory());
         Ok(entry)
     }
 
@@ -342,14 +430,20 @@ impl Registry {
         counts
     }
 
-    /// Takes every sandbox whose deadline has passed out of the registry; the caller kills them.
-    pub fn take_expired(&self, now: Instant) -> Vec<Arc<SandboxEntry>> {
+    /// Takes every sandbox whose deadline has passed, or that has been idle for `idle` (when given), out of the
+    /// registry; the caller kills them.
+    pub fn take_expired(&self, now: Instant, idle: Option<Duration>) -> Vec<Arc<SandboxEntry>> {
         let mut inner = lock(&self.inner);
-        let expired: Vec<String> = inner.sandboxes.values().filter(|e| e.expired(now)).map(|e| e.id.clone()).collect();
+        let expired: Vec<String> = inner
+            .sandboxes
+            .values()
+            .filter(|e| e.expired(now) || idle.is_some_and(|idle| e.idle_for(idle, now)))
+            .map(|e| e.id.clone())
+            .collect();
         let mut taken = Vec::new();
         for id in expired {
             if let Some(entry) = inner.sandboxes.remove(&id) {
-                inner.release(&entry.owner, 1);
+                inner.release(&entry.owner, 1, entry.memory());
                 taken.push(entry);
             }
         }
@@ -361,7 +455,7 @@ impl Registry {
         let mut inner = lock(&self.inner);
         let all: Vec<_> = inner.sandboxes.drain().map(|(_, e)| e).collect();
         for entry in &all {
-            inner.release(&entry.owner, 1);
+            inner.release(&entry.owner, 1, entry.memory());
         }
         all
     }
@@ -403,22 +497,41 @@ impl Registry {
 mod tests {
     use super::*;
 
+    fn key(name: &str, max_sandboxes: Option<usize>, max_memory: Option<u64>) -> crate::Principal {
+        crate::Principal { name: name.to_owned(), max_sandboxes, max_memory }
+    }
+
     #[test]
     fn quota_counts_reserved_places_and_frees_them_on_drop() {
-        let registry = Arc::new(Registry::new(10));
-        let first = registry.reserve("a", Some(2), 2).expect("within quota");
-        assert!(matches!(registry.reserve("a", Some(2), 1), Err(AdmissionError::Quota { limit: 2, .. })));
-        assert!(registry.reserve("b", Some(2), 1).is_ok());
+        let registry = Arc::new(Registry::new(10, None));
+        let a = key("a", Some(2), None);
+        let first = registry.reserve(&a, 2, 0).expect("within quota");
+        assert!(matches!(registry.reserve(&a, 1, 0), Err(AdmissionError::Quota { limit: 2, .. })));
+        assert!(registry.reserve(&key("b", Some(2), None), 1, 0).is_ok());
         drop(first);
-        assert!(registry.reserve("a", Some(2), 2).is_ok());
+        assert!(registry.reserve(&a, 2, 0).is_ok());
     }
 
     #[test]
     fn server_capacity_is_shared_by_every_key() {
-        let registry = Arc::new(Registry::new(3));
-        let _a = registry.reserve("a", None, 2).expect("fits");
-        let err = registry.reserve("b", None, 2).expect_err("over capacity");
+        let registry = Arc::new(Registry::new(3, None));
+        let _a = registry.reserve(&key("a", None, None), 2, 0).expect("fits");
+        let err = registry.reserve(&key("b", None, None), 2, 0).expect_err("over capacity");
         assert_eq!(err, AdmissionError::Capacity { limit: 3 });
         assert_eq!(err.reason(), "capacity");
+    }
+
+    #[test]
+    fn memory_is_admitted_against_the_key_quota_and_the_server_budget() {
+        let registry = Arc::new(Registry::new(100, Some(1000)));
+        let a = key("a", None, Some(600));
+        let held = registry.reserve(&a, 2, 250).expect("500 of 600");
+        assert_eq!(registry.memory_committed(), 500);
+        assert!(matches!(registry.reserve(&a, 1, 250), Err(AdmissionError::MemoryQuota { limit: 600, .. })));
+        let err = registry.reserve(&key("b", None, None), 3, 200).expect_err("1100 > 1000");
+        assert_eq!(err, AdmissionError::MemoryBudget { asked: 1100, limit: 1000 });
+        drop(held);
+        assert_eq!(registry.memory_committed(), 0);
+        assert!(registry.reserve(&key("b", None, None), 3, 200).is_ok());
     }
 }

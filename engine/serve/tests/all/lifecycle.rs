@@ -138,3 +138,65 @@ async fn shutdown_kills_running_jobs_and_refuses_new_work() {
     assert!(state.draining());
     assert_eq!(state.admit().map_err(|e| (e.status.as_u16(), e.code)), Err((503, "shutting_down")));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sandboxes_are_reaped() {
+    let server = TestServer::with(|config| {
+        config.reap_interval = Duration::from_millis(100);
+        config.idle_timeout = Some(Duration::from_millis(800));
+    })
+    .await;
+    let idle = server.create(json!({"tier": "wasm", "ttl": 600})).await;
+    let busy = server.create(json!({"tier": "wasm", "ttl": 600})).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // Using a sandbox keeps it alive.
+        let (status, _) = server.post(&format!("/v1/sandboxes/{busy}/exec"), json!({"python": "1"})).await;
+        assert_eq!(status, 200, "the busy sandbox was reaped");
+        let (status, _) = server.get(&format!("/v1/sandboxes/{idle}")).await;
+        if status == 404 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the idle sandbox is still there after 10 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_quota_and_budget_admit_by_memory_limits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let keys = dir.path().join("keys.toml");
+    let text = format!(
+        "[[key]]\nname = \"small\"\nsha256 = \"{}\"\nmax_memory = \"1GiB\"\n\n[[key]]\nname = \"big\"\nsha256 = \"{}\"\n",
+        strata_serve::hash_key("small-key"),
+        strata_serve::hash_key("big-key")
+    );
+    std::fs::write(&keys, text).expect("keys file");
+    let store = KeyStore::from_file(&keys).expect("keys parse");
+    let server = TestServer::with(|config| {
+        config.keys = Some(store);
+        config.memory_budget = Some(7 << 28);
+    })
+    .await;
+    let create = |key: &'static str, memory: &'static str| {
+        let request = server
+            .client
+            .post(server.url("/v1/sandboxes"))
+            .bearer_auth(key)
+            .json(&json!({"tier": "wasm", "limits": {"memory": memory}}));
+        async move { crate::util::status_json(request.send().await.expect("request")).await }
+    };
+    assert_eq!(create("small-key", "512MiB").await.0, 201);
+    assert_eq!(create("small-key", "512MiB").await.0, 201);
+    let (status, json) = create("small-key", "1MiB").await;
+    assert_eq!((status, code(&json)), (429, "quota_exceeded"), "{json}");
+    assert_eq!(create("big-key", "512MiB").await.0, 201);
+    let (status, json) = create("big-key", "512MiB").await;
+    assert_eq!((status, code(&json)), (429, "server_at_capacity"), "{json}");
+    let metrics = server.client.get(server.url("/metrics")).send().await.expect("m").text().await.expect("t");
+    assert!(metrics.contains(&format!("strata_memory_committed_bytes {}", 3u64 << 29)), "{metrics}");
+    assert!(metrics.contains("strata_admission_rejections_total{reason=\"memory_quota\"} 1"), "{metrics}");
+    assert!(metrics.contains("strata_admission_rejections_total{reason=\"memory_budget\"} 1"), "{metrics}");
+    server.stop().await;
+}

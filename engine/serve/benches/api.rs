@@ -1,0 +1,150 @@
+//! `strata serve` end to end: create → exec `echo hi` → delete through the API, beside the same three steps as
+//! direct `Engine` calls in the same process (the API's overhead), on the process and wasm tiers; sandbox creates
+//! per second with 8 concurrent clients; and the E2B SDK's `create` + `commands.run` + `kill` when its venv exists
+//! (`$STRATA_HOME/e2b-sdk-2.63.0`, made by the tests). Figures for reading, not asserted.
+//!
+//! `cargo bench -p strata-serve --bench api [-- --quick]`
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use strata_benches::{Figures, ratio};
+use strata_core::{Capabilities, ExecOptions, Job, PythonSource};
+use strata_engine::{Engine, EngineConfig, TierChoice};
+use strata_serve::{ServeConfig, Server};
+
+fn job(tier: &str) -> (Job, serde_json::Value) {
+    if tier == "wasm" {
+        let code = "print('hi')".to_owned();
+        (Job::Python { source: PythonSource::Code(code.clone()), args: Vec::new() }, json!({"python": code}))
+    } else {
+        let argv = vec!["echo".to_owned(), "hi".to_owned()];
+        (Job::Command { argv: argv.clone() }, json!({"command": argv}))
+    }
+}
+
+fn direct(engine: &Engine, tier: &str, iters: usize) -> anyhow::Result<Figures> {
+    let choice: TierChoice = tier.parse()?;
+    let (job, _) = job(tier);
+    let mut figures = Figures::new("create+exec+delete");
+    for i in 0..iters + iters / 10 {
+        let started = Instant::now();
+        let mut sandbox = engine.start(choice, &Capabilities::default(), engine.default_limits())?;
+        let outcome = sandbox.exec(&job, ExecOptions::default())?;
+        sandbox.close()?;
+        anyhow::ensure!(outcome.stdout == b"hi\n", "{outcome:?}");
+        if i >= iters / 10 {
+            figures.record(started.elapsed());
+        }
+    }
+    Ok(figures)
+}
+
+async fn api(base: &str, tier: &str, iters: usize) -> anyhow::Result<Figures> {
+    let client = reqwest::Client::new();
+    let (_, body) = job(tier);
+    let mut figures = Figures::new("create+exec+delete");
+    for i in 0..iters + iters / 10 {
+        let started = Instant::now();
+        let created: serde_json::Value =
+            client.post(format!("{base}/v1/sandboxes")).json(&json!({"tier": tier})).send().await?.json().await?;
+        let id = created["id"].as_str().unwrap_or_default().to_owned();
+        let outcome: serde_json::Value =
+            client.post(format!("{base}/v1/sandboxes/{id}/exec")).json(&body).send().await?.json().await?;
+        client.delete(format!("{base}/v1/sandboxes/{id}")).send().await?;
+        anyhow::ensure!(outcome["stdout"] == "hi\n", "{outcome}");
+        if i >= iters / 10 {
+            figures.record(started.elapsed());
+        }
+    }
+    Ok(figures)
+}
+
+async fn creates_per_second(base: &str, tier: &str, total: usize) -> anyhow::Result<f64> {
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let mut ids = Vec::new();
+    for chunk in 0..total.div_ceil(8) {
+        let mut tasks = Vec::new();
+        for _ in 0..8.min(total - chunk * 8) {
+            let (client, url) = (client.clone(), format!("{base}/v1/sandboxes"));
+            let tier = tier.to_owned();
+            tasks.push(tokio::spawn(async move {
+                let created: serde_json::Value =
+                    client.post(url).json(&json!({"tier": tier})).send().await?.json().await?;
+                anyhow::Ok(created["id"].as_str().unwrap_or_default().to_owned())
+            }));
+        }
+        for task in tasks {
+            ids.push(task.await??);
+        }
+    }
+    let rate = total as f64 / started.elapsed().as_secs_f64();
+    for id in ids {
+        client.delete(format!("{base}/v1/sandboxes/{id}")).send().await?;
+    }
+    Ok(rate)
+}
+
+const SDK_LOOP: &str = r#"
+import sys, time
+from e2b import Sandbox
+for i in range(int(sys.argv[1])):
+    t = time.perf_counter()
+    s = Sandbox.create()
+    assert s.commands.run("echo hi").stdout == "hi\n"
+    s.kill()
+    print(int((time.perf_counter() - t) * 1e6))
+"#;
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let iters = if quick { 30 } else { 200 };
+    let engine = Arc::new(Engine::new(EngineConfig::from_env()?)?);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut config = ServeConfig::new(EngineConfig::from_env()?);
+    config.listen = "127.0.0.1:0".parse()?;
+    config.max_sandboxes = 1024;
+    let server = runtime.block_on(Server::bind_with_engine(engine.clone(), config))?;
+    let base = format!("http://{}", server.local_addr());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = runtime.spawn(server.run(async move {
+        let _ = stopped.await;
+    }));
+
+    let tiers: Vec<&str> = if engine.process().is_ok() { vec!["process", "wasm"] } else { vec!["wasm"] };
+    for tier in tiers {
+        println!("-- {tier} tier");
+        let ours = runtime.block_on(api(&base, tier, iters))?;
+        ours.print(&format!("strata serve /v1 ({tier})"));
+        let peer = direct(&engine, tier, iters)?;
+        peer.print(&format!("Engine::start/exec/close ({tier})"));
+        ratio("create+exec+delete", &ours, &peer, "direct");
+        let total = if quick { 40 } else { 200 };
+        let rate = runtime.block_on(creates_per_second(&base, tier, total))?;
+        println!("{:<26} {total} creates, 8 concurrent clients: {rate:.0} sandboxes/s", "creates/s");
+    }
+
+    if let Some(home) = strata_engine::strata_home() {
+        let python = home.join("e2b-sdk-2.63.0/bin/python");
+        if python.exists() && engine.process().is_ok() {
+            let output = std::process::Command::new(python)
+                .args(["-c", SDK_LOOP, &(iters / 4).to_string()])
+                .current_dir(std::env::temp_dir())
+                .env("E2B_API_KEY", "e2b_0000000000000000000000000000000000000000")
+                .env("E2B_API_URL", &base)
+                .env("E2B_SANDBOX_URL", &base)
+                .output()?;
+            anyhow::ensure!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+            let mut sdk = Figures::new("e2b create+run+kill");
+            for line in String::from_utf8_lossy(&output.stdout).lines().skip(2) {
+                sdk.record_us(line.trim().parse()?);
+            }
+            sdk.print("E2B SDK 2.63.0 (process)");
+        }
+    }
+    let _ = stop.send(());
+    runtime.block_on(async { tokio::time::timeout(Duration::from_secs(30), serving).await })???;
+    Ok(())
+}
