@@ -129,9 +129,11 @@ fn main() -> anyhow::Result<()> {
     if let Some(home) = strata_engine::strata_home() {
         let python = home.join("e2b-sdk-2.63.0/bin/python");
         if python.exists() && engine.process().is_ok() {
+            // A directory of its own: a stray module in the temporary directory must not shadow the SDK's imports.
+            let dir = tempfile::tempdir()?;
             let output = std::process::Command::new(python)
                 .args(["-c", SDK_LOOP, &(iters / 4).to_string()])
-                .current_dir(std::env::temp_dir())
+                .current_dir(dir.path())
                 .env("E2B_API_KEY", "e2b_0000000000000000000000000000000000000000")
                 .env("E2B_API_URL", &base)
                 .env("E2B_SANDBOX_URL", &base)
