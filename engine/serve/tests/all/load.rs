@@ -6,12 +6,41 @@ use serde_json::json;
 
 use crate::util::{TestServer, fd_count, process_tier};
 
+/// What this process holds: fds, threads, child processes, mounts it sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Held {
+    fds: usize,
+    threads: usize,
+    children: usize,
+    mounts: usize,
+}
+
+fn held() -> Held {
+    let count = |dir: &str| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+    let me = std::process::id().to_string();
+    let children = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+                .filter(|e| {
+                    std::fs::read_to_string(e.path().join("stat")).ok().is_some_and(|stat| {
+                        // The field after the parenthesised command name: state, then ppid.
+                        stat.rsplit_once(") ").and_then(|(_, rest)| rest.split(' ').nth(1)).is_some_and(|p| p == me)
+                    })
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").map(|m| m.lines().count()).unwrap_or(0);
+    Held { fds: fd_count(), threads: count("/proc/self/task"), children, mounts }
+}
+
 async fn many_sandboxes(tier: &str, sandboxes: usize, jobs: usize) {
-    let server = TestServer::with(|config| config.max_sandboxes = sandboxes).await;
+    let server = TestServer::alone(|config| config.max_sandboxes = sandboxes).await;
     // Warm the tier once so that its first start is not counted as a leak.
     let warm = server.create(json!({"tier": tier})).await;
     assert_eq!(server.delete(&format!("/v1/sandboxes/{warm}")).await, 204);
-    let fds_before = fd_count();
+    let before = held();
     let started = Instant::now();
     let mut tasks = Vec::new();
     for n in 0..sandboxes {
@@ -52,16 +81,22 @@ async fn many_sandboxes(tier: &str, sandboxes: usize, jobs: usize) {
         server.state.metrics.percentiles(static_tier(tier), "exec"),
     );
     assert!(server.state.registry.list(None).is_empty());
-    // Sockets of the finished clients close asynchronously; give them a moment.
-    let mut fds_after = fd_count();
-    for _ in 0..50 {
-        if fds_after <= fds_before + 2 {
+    // Sockets of the finished clients close and worker threads end asynchronously; give them a moment.
+    let settled = |before: Held, after: Held| {
+        after.fds <= before.fds + 2
+            && after.threads <= before.threads + 2
+            && after.children <= before.children
+            && after.mounts <= before.mounts
+    };
+    let mut after = held();
+    for _ in 0..100 {
+        if settled(before, after) {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        fds_after = fd_count();
+        after = held();
     }
-    assert!(fds_after <= fds_before + 2, "fds before {fds_before}, after {fds_after}");
+    assert!(settled(before, after), "held before {before:?}, after {after:?}");
     server.stop().await;
 }
 
@@ -80,4 +115,13 @@ async fn twenty_process_sandboxes_in_parallel() {
         return;
     }
     many_sandboxes("process", 20, 3).await;
+}
+
+/// The load figure: 200 sandboxes at once, each running a few commands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_process_sandboxes_in_parallel() {
+    if !process_tier("two_hundred_process_sandboxes_in_parallel") {
+        return;
+    }
+    many_sandboxes("process", 200, 3).await;
 }

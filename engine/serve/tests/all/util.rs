@@ -31,6 +31,16 @@ pub fn process_tier(test: &str) -> bool {
     }
 }
 
+/// Tests that count this process's fds and threads run alone: every other server holds this shared.
+static GATE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// A guard of [`GATE`].
+#[allow(dead_code)]
+enum Gate {
+    Shared(tokio::sync::RwLockReadGuard<'static, ()>),
+    Exclusive(tokio::sync::RwLockWriteGuard<'static, ()>),
+}
+
 /// A running server.
 pub struct TestServer {
     pub base: String,
@@ -39,6 +49,7 @@ pub struct TestServer {
     pub client: reqwest::Client,
     shutdown: Option<oneshot::Sender<()>>,
     handle: Option<JoinHandle<Result<(), ServeError>>>,
+    _gate: Gate,
 }
 
 impl TestServer {
@@ -49,6 +60,15 @@ impl TestServer {
 
     /// A server whose config `f` adjusts.
     pub async fn with(f: impl FnOnce(&mut ServeConfig)) -> TestServer {
+        TestServer::gated(Gate::Shared(GATE.read().await), f).await
+    }
+
+    /// A server that runs while no other test's server does (for tests that count fds and threads).
+    pub async fn alone(f: impl FnOnce(&mut ServeConfig)) -> TestServer {
+        TestServer::gated(Gate::Exclusive(GATE.write().await), f).await
+    }
+
+    async fn gated(gate: Gate, f: impl FnOnce(&mut ServeConfig)) -> TestServer {
         let mut config = ServeConfig::new(EngineConfig::from_env().expect("engine config"));
         config.listen = "127.0.0.1:0".parse().expect("addr");
         f(&mut config);
@@ -66,6 +86,7 @@ impl TestServer {
             client: reqwest::Client::new(),
             shutdown: Some(tx),
             handle: Some(handle),
+            _gate: gate,
         }
     }
 
