@@ -44,6 +44,8 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/v1/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/files", get(read_file).put(write_file))
+        .route("/v1/sandboxes/{id}/files/list", get(list_files))
+        .route("/v1/sandboxes/{id}/fork", post(fork_live))
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshot))
         .route("/v1/snapshots", get(list_snapshots))
@@ -276,11 +278,12 @@ pub struct OutcomeDoc {
     info(title = "Strata sandbox API", description = "strata serve: sandboxes, jobs, files, snapshots and forks."),
     paths(
         create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout,
-        snapshot, list_snapshots, delete_snapshot, fork, run
+        snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files
     ),
     components(schemas(
         CapabilitiesRequest, CreateSandboxRequest, JobRequest, RunRequest, SandboxInfo, SandboxList, TimeoutRequest,
-        SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail
+        SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail,
+        LiveForkResponse, FileEntry, FileList
     )),
     modifiers(&BearerAuth),
     security(("api_key" = []))
@@ -676,6 +679,16 @@ async fn snapshot(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
+    let entry = take_snapshot(&state, &principal, id).await?;
+    Ok((StatusCode::CREATED, Json(SnapshotInfo::of(&entry))))
+}
+
+/// Snapshots the sandbox `id` into the server's snapshot directory and registers the snapshot.
+async fn take_snapshot(
+    state: &Arc<AppState>,
+    principal: &Principal,
+    id: String,
+) -> Result<Arc<SnapshotEntry>, ApiError> {
     state.admit()?;
     let entry = state.registry.get(&id, &principal.name)?;
     let snap_id = new_id("snap_");
@@ -685,15 +698,119 @@ async fn snapshot(
     let target = dir.clone();
     let snapshot = blocking(move || entry.snapshot(&target)).await?;
     state.metrics.latency(tier.as_str(), "snapshot", started.elapsed());
-    let entry = state.registry.add_snapshot(SnapshotEntry {
+    Ok(state.registry.add_snapshot(SnapshotEntry {
         id: snap_id,
         owner: principal.name.clone(),
         source: id,
         created: std::time::SystemTime::now(),
         snapshot,
         dir,
-    });
-    Ok((StatusCode::CREATED, Json(SnapshotInfo::of(&entry))))
+    }))
+}
+
+/// The forks made by `POST /v1/sandboxes/{id}/fork`, and the snapshot they were made from.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LiveForkResponse {
+    /// The snapshot taken of the live sandbox (kept until deleted or the server stops; fork it again at will).
+    pub snapshot: SnapshotInfo,
+    /// The new sandboxes.
+    pub sandboxes: Vec<SandboxInfo>,
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", tag = "snapshots", request_body = ForkRequest,
+    responses((status = 201, body = LiveForkResponse), (status = 404, body = ErrorBody),
+        (status = 429, body = ErrorBody), (status = 501, body = ErrorBody)))]
+async fn fork_live(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Result<Json<ForkRequest>, JsonRejection>,
+) -> Result<(StatusCode, Json<LiveForkResponse>), ApiError> {
+    let req = json(body)?;
+    if req.count == 0 || req.count > MAX_FORKS {
+        return Err(ApiError::bad_request("invalid_count", format!("count must be between 1 and {MAX_FORKS}")));
+    }
+    let ttl = ttl(&state, req.ttl)?;
+    let limits = state.registry.get(&id, &principal.name)?.limits.clone();
+    let snapshot = take_snapshot(&state, &principal, id).await?;
+    let info = SnapshotInfo::of(&snapshot);
+    let forks = fork_sandboxes(&state, &principal, snapshot, TierChoice::Auto, req.count, limits, ttl).await?;
+    let sandboxes = forks.iter().map(|e| SandboxInfo::of(e)).collect();
+    Ok((StatusCode::CREATED, Json(LiveForkResponse { snapshot: info, sandboxes })))
+}
+
+/// One entry of a directory listing.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FileEntry {
+    /// The entry's name in the directory.
+    pub name: String,
+    /// `file`, `dir`, `symlink` or `other`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Size in bytes.
+    pub size: u64,
+}
+
+/// `GET /v1/sandboxes/{id}/files/list`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FileList {
+    /// The directory's entries, by name.
+    pub entries: Vec<FileEntry>,
+}
+
+/// Lists a directory from inside the sandbox: `find` on the native tiers, `os.scandir` in a wasm Python session
+/// (inside a function that deletes itself, leaving the session's names as they were).
+fn list_job(tier: TierKind, path: &str) -> Result<Job, ApiError> {
+    if path.contains(['\0', '\n']) || !path.starts_with('/') {
+        return Err(ApiError::bad_request("invalid_query", "path must be an absolute path"));
+    }
+    if tier != TierKind::Wasm {
+        let argv = ["find", path, "-mindepth", "1", "-maxdepth", "1", "-printf", "%y\\t%s\\t%f\\n"];
+        return Ok(Job::Command { argv: argv.map(str::to_owned).to_vec() });
+    }
+    let literal = serde_json::to_string(path).map_err(|e| ApiError::internal(e.to_string()))?;
+    let code = format!(
+        "def __strata_ls(p):\n    import os\n    try:\n        for e in os.scandir(p):\n            st = \
+         e.stat(follow_symlinks=False)\n            k = 'd' if e.is_dir(follow_symlinks=False) else 'l' if \
+         e.is_symlink() else 'f' if e.is_file(follow_symlinks=False) else 'o'\n            print(k + '\\t' + \
+         str(st.st_size) + '\\t' + e.name)\n    except OSError as err:\n        print('E\\t0\\t' + \
+         str(err))\ntry:\n    __strata_ls({literal})\nfinally:\n    del __strata_ls\n"
+    );
+    Ok(Job::Python { source: PythonSource::Code(code), args: Vec::new() })
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", tag = "files", params(("path" = String, Query)),
+    responses((status = 200, body = FileList), (status = 404, body = ErrorBody)))]
+async fn list_files(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    query: Result<Query<FileQuery>, QueryRejection>,
+) -> Result<Json<FileList>, ApiError> {
+    let Query(query) = query?;
+    let entry = state.registry.get(&id, &principal.name)?;
+    let job = list_job(entry.tier, &query.path)?;
+    let outcome = exec_in(&state, entry, job, ExecOptions::default()).await?;
+    let stdout = String::from_utf8_lossy(&outcome.stdout);
+    let missing = || ApiError::new(StatusCode::NOT_FOUND, "guest_path", format!("cannot list {}", query.path));
+    if outcome.status != (strata_core::Status::Exited { code: 0 }) {
+        return Err(missing());
+    }
+    let mut entries = Vec::new();
+    for line in stdout.lines() {
+        let mut parts = line.splitn(3, '\t');
+        let (Some(kind), Some(size), Some(name)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        let kind = match kind {
+            "E" => return Err(missing()),
+            "d" => "dir",
+            "f" => "file",
+            "l" => "symlink",
+            _ => "other",
+        };
+        entries.push(FileEntry { name: name.to_owned(), kind: kind.to_owned(), size: size.parse().unwrap_or(0) });
+    }
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(Json(FileList { entries }))
 }
 
 #[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots", responses((status = 200, body = SnapshotList)))]

@@ -167,6 +167,13 @@ async fn process_sandbox_runs_commands_and_moves_files() {
     assert_eq!(response.text().await.expect("text"), "made\n");
     let (status, json) = server.get(&format!("/v1/sandboxes/{id}/files?path=/tmp/missing")).await;
     assert_eq!(status, 404, "{json}");
+    let (status, list) = server.get(&format!("/v1/sandboxes/{id}/files/list?path=/tmp")).await;
+    assert_eq!(status, 200, "{list}");
+    assert!(
+        list["entries"].as_array().expect("entries").contains(&json!({"name": "a.txt", "type": "file", "size": 3}))
+    );
+    let (status, json) = server.get(&format!("/v1/sandboxes/{id}/files/list?path=/nope")).await;
+    assert_eq!((status, code(&json)), (404, "guest_path"), "{json}");
 
     let (status, outcome) =
         server.post("/v1/run", json!({"tier": "process", "job": {"command": ["uname", "-s"]}})).await;
@@ -209,6 +216,28 @@ async fn snapshot_forks_are_independent_copies() {
     assert_eq!(outcome["stdout"], "10\n", "{outcome}");
     let (status, json) = server.post(&format!("/v1/snapshots/{snap_id}/fork"), json!({"count": 0})).await;
     assert_eq!((status, code(&json)), (400, "invalid_count"));
+
+    // A live sandbox forks in one call (through a snapshot it returns).
+    let (status, live) = server.post(&format!("/v1/sandboxes/{id}/fork"), json!({"count": 2})).await;
+    assert_eq!(status, 201, "{live}");
+    assert_eq!(live["snapshot"]["source"], id.as_str());
+    for fork in live["sandboxes"].as_array().expect("forks") {
+        let fork = fork["id"].as_str().expect("id");
+        let (_, outcome) = server.post(&format!("/v1/sandboxes/{fork}/exec"), json!({"python": "print(x)"})).await;
+        assert_eq!(outcome["stdout"], "5\n", "{outcome}");
+    }
+    // Listing a wasm session's directory leaves its names alone.
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let (_, _) = server.post(&exec, json!({"python": "open('/tmp/n.txt', 'w').write('abcd')"})).await;
+    let (status, list) = server.get(&format!("/v1/sandboxes/{id}/files/list?path=/tmp")).await;
+    assert_eq!(status, 200, "{list}");
+    assert!(
+        list["entries"].as_array().expect("entries").contains(&json!({"name": "n.txt", "type": "file", "size": 4}))
+    );
+    let (_, outcome) = server.post(&exec, json!({"python": "print(sorted(n for n in dir() if 'strata' in n))"})).await;
+    assert_eq!(outcome["stdout"], "[]\n", "{outcome}");
+    let (status, json) = server.get(&format!("/v1/sandboxes/{id}/files/list?path=/nope")).await;
+    assert_eq!((status, code(&json)), (404, "guest_path"), "{json}");
 
     assert_eq!(server.delete(&format!("/v1/snapshots/{snap_id}")).await, 204);
     assert_eq!(server.delete(&format!("/v1/snapshots/{snap_id}")).await, 404);
