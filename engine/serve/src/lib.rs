@@ -47,6 +47,7 @@ use axum::extract::{Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use axum::serve::ListenerExt;
 use strata_engine::{Engine, EngineConfig, EngineError, Policy};
 use tokio::net::TcpListener;
 use tracing::Instrument;
@@ -291,7 +292,15 @@ impl Server {
                 tracing::error!(error = %err, "draining failed");
             }
         };
-        let served = axum::serve(self.listener, app).with_graceful_shutdown(graceful).await;
+        let served = axum::serve(
+            self.listener.tap_io(|tcp| {
+                // Small streamed frames (Connect envelopes, WebSocket chunks) must not wait for Nagle's delayed ACK.
+                let _ = tcp.set_nodelay(true);
+            }),
+            app,
+        )
+        .with_graceful_shutdown(graceful)
+        .await;
         // Anything created while the last requests finished.
         let last = state.clone();
         let _ = api::blocking(move || {
