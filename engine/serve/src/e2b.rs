@@ -10,13 +10,16 @@
 //!   start event, stdout/stderr data and the end event; `process.Process/SendSignal` and `List`; `GET`/`POST /files`
 //!   (multipart or octet-stream); `GET /health`.
 //! - The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` streaming NDJSON, the cell run by the
-//!   sandbox's Python with the value of its last expression as the main result; imports, definitions and picklable
-//!   values carry over to the next cell.
+//!   value of its last expression as the main result. The router picks the cell's tier: cells wasm can run go to a
+//!   live wasm Python session of the sandbox (state carries over as in Jupyter); the others run with the sandbox's
+//!   own `python3`, carrying imports, definitions and picklable values to the next such cell. Both see the
+//!   sandbox's `/home/user` (a host directory granted to each).
 //!
 //! An E2B sandbox runs `/bin/bash -l -c CMD`, so it lives on the process tier.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -32,7 +35,8 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use strata_core::{
-    CancelToken, Capabilities, EnvVar, ExecOptions, Job, Limits, OutputSink, PythonSource, Status, Stream, TierKind,
+    CancelToken, Capabilities, EnvVar, ExecOptions, Grant, GrantMode, Job, Limits, OutputSink, PythonSource, Status,
+    Stream, TierKind,
 };
 use strata_engine::TierChoice;
 use tokio::sync::mpsc;
@@ -46,7 +50,6 @@ use crate::{AppState, Principal};
 pub const ENVD_VERSION: &str = "0.5.7";
 
 /// What the E2B layer keeps about one of its sandboxes.
-#[derive(Debug)]
 pub struct E2bMeta {
     /// The template the client asked for (`base`, `code-interpreter-v1`, …); every template is the same image.
     pub template: String,
@@ -56,6 +59,41 @@ pub struct E2bMeta {
     pub metadata: Value,
     /// Cells run by `/execute`.
     pub executions: AtomicU64,
+    /// The host directory shared by the sandbox and its Python session at [`HOME`] (removed with the sandbox).
+    pub home: Option<PathBuf>,
+    /// The sandbox's environment, for its Python session.
+    pub env: Vec<EnvVar>,
+    /// The code interpreter's live wasm Python session, started by the first cell the router sends to wasm.
+    pub python: std::sync::Mutex<Option<Box<dyn strata_core::Sandbox>>>,
+}
+
+impl std::fmt::Debug for E2bMeta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("E2bMeta")
+            .field("template", &self.template)
+            .field("home", &self.home)
+            .field("python", &self.python.try_lock().map(|p| p.is_some()).ok())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where an E2B sandbox's shared home directory is, in the sandbox and in its Python session.
+pub const HOME: &str = "/home/user";
+
+impl E2bMeta {
+    /// Closes the Python session and removes the shared home directory (blocking; called when the sandbox is
+    /// killed).
+    pub fn close(&self) {
+        if let Some(session) = lock(&self.python).take() {
+            let _ = session.close();
+        }
+        if let Some(home) = &self.home
+            && let Err(err) = std::fs::remove_dir_all(home)
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %home.display(), error = %err, "removing an E2B home directory failed");
+        }
+    }
 }
 
 /// A command started through `process.Process/Start` that has not ended.
@@ -212,17 +250,35 @@ async fn create(
             Ok(EnvVar { name, value })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let caps = Capabilities { env, net: state.policy.network.net_with(&[]), ..Capabilities::default() };
     let ttl = crate::api::ttl(&state, req.timeout)?;
+    // /home/user is a host directory shared with the code interpreter's wasm session.
+    let home = state.snapshot_dir.join("e2b").join(new_id("home_"));
+    std::fs::create_dir_all(&home).map_err(|e| ApiError::internal(format!("cannot create {}: {e}", home.display())))?;
+    let grant = Grant::new(&home, HOME, GrantMode::Rw).map_err(|e| ApiError::internal(e.to_string()))?;
+    let caps = Capabilities {
+        env: env.clone(),
+        grants: vec![grant],
+        net: state.policy.network.net_with(&[]),
+        ..Capabilities::default()
+    };
     let meta = E2bMeta {
         template: req.template_id.unwrap_or_else(|| "base".to_owned()),
         access_token: new_id("tok_") + &new_id(""),
         metadata: req.metadata.unwrap_or_else(|| json!({})),
         executions: AtomicU64::new(0),
+        home: Some(home.clone()),
+        env,
+        python: std::sync::Mutex::new(None),
     };
     let limits = state.engine.default_limits().clone();
     let choice = TierChoice::Tier(TierKind::Process);
-    let entry = start_sandbox(&state, &principal, choice, caps, limits, ttl, Some(meta)).await?;
+    let entry = match start_sandbox(&state, &principal, choice, caps, limits, ttl, Some(meta)).await {
+        Ok(entry) => entry,
+        Err(err) => {
+            let _ = std::fs::remove_dir_all(&home);
+            return Err(err.into());
+        }
+    };
     let meta = entry.e2b.as_ref().ok_or_else(|| ApiError::internal("the sandbox lost its E2B metadata"))?;
     Ok((StatusCode::CREATED, Json(sandbox_json(&entry, meta))).into_response())
 }
@@ -571,7 +627,7 @@ async fn files_read(
     let result = async {
         let entry = envd_sandbox(&state, &headers)?;
         let path = query.path.ok_or_else(|| ApiError::bad_request("invalid_query", "path is required"))?;
-        blocking(move || entry.with_sandbox(|sandbox| sandbox.read_file(&path))).await
+        blocking(move || entry.with_sandbox(|sandbox| read_in(sandbox, &path))).await
     }
     .await;
     match result {
@@ -625,7 +681,7 @@ async fn files_write(State(state): State<Arc<AppState>>, Query(query): Query<Fil
         blocking(move || {
             entry.with_sandbox(|sandbox| {
                 for (path, data) in &files {
-                    sandbox.write_file(path, data)?;
+                    write_in(sandbox, path, data)?;
                 }
                 Ok(())
             })
@@ -637,6 +693,49 @@ async fn files_write(State(state): State<Arc<AppState>>, Query(query): Query<Fil
     match result {
         Ok(written) => Json(Value::Array(written)).into_response(),
         Err(err) => rest_error(&err),
+    }
+}
+
+/// Whether `path` is inside the shared home directory.
+fn in_home(path: &str) -> bool {
+    path.strip_prefix(HOME).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
+/// Writes a file in the sandbox. Inside [`HOME`] (a grant) the process tier's `write_file` fails with EOVERFLOW for
+/// a directory owned by a user outside the jail's namespace, so the file is written from inside the sandbox by
+/// `cat`, which resolves the path as the jail does (no host-side path resolution that a planted symlink could steer).
+fn write_in(sandbox: &mut dyn strata_core::Sandbox, path: &str, data: &[u8]) -> Result<(), strata_core::TierError> {
+    if !in_home(path) || sandbox.tier() == TierKind::Wasm {
+        return sandbox.write_file(path, data);
+    }
+    let job = Job::Command { argv: ["sh", "-c", "cat > \"$1\"", "sh", path].map(str::to_owned).to_vec() };
+    let outcome = sandbox.exec(&job, ExecOptions { stdin: Some(data.to_vec()), ..ExecOptions::default() })?;
+    match outcome.status {
+        Status::Exited { code: 0 } => Ok(()),
+        _ => Err(strata_core::TierError::GuestPath {
+            path: path.to_owned(),
+            reason: String::from_utf8_lossy(&outcome.stderr).trim().to_owned(),
+        }),
+    }
+}
+
+/// Reads a file in the sandbox; inside [`HOME`] from inside the sandbox, as [`write_in`] writes.
+fn read_in(sandbox: &mut dyn strata_core::Sandbox, path: &str) -> Result<Vec<u8>, strata_core::TierError> {
+    if !in_home(path) || sandbox.tier() == TierKind::Wasm {
+        return sandbox.read_file(path);
+    }
+    let job = Job::Command { argv: ["cat", "--", path].map(str::to_owned).to_vec() };
+    let outcome = sandbox.exec(&job, ExecOptions::default())?;
+    match outcome.status {
+        Status::Exited { code: 0 } if !outcome.truncated.stdout => Ok(outcome.stdout),
+        Status::Exited { code: 0 } => Err(strata_core::TierError::GuestPath {
+            path: path.to_owned(),
+            reason: "larger than the output limit".to_owned(),
+        }),
+        _ => Err(strata_core::TierError::GuestPath {
+            path: path.to_owned(),
+            reason: String::from_utf8_lossy(&outcome.stderr).trim().to_owned(),
+        }),
     }
 }
 
@@ -706,6 +805,75 @@ _s_sys.stderr.write("\x1eSTRATA-CELL " + _s_json.dumps(_s_out) + "\n")
 _s_sys.stderr.flush()
 "#;
 
+/// A cell in the live wasm session: the same protocol as [`CELL_DRIVER`], inside a function that removes itself so
+/// that the session's names are the cells' own. `{CODE}` is the cell as a JSON string (a valid Python literal).
+const SESSION_DRIVER: &str = r#"def __strata_cell(src):
+    import ast, json, sys, traceback
+    g = sys.modules["__main__"].__dict__
+    out = {"result": None, "error": None}
+    try:
+        tree = ast.parse(src, "<cell>", "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, "<cell>", "exec"), g)
+        if last is not None:
+            value = eval(compile(last, "<cell>", "eval"), g)
+            if value is not None:
+                out["result"] = repr(value)
+    except BaseException as e:
+        out["error"] = {"name": type(e).__name__, "value": str(e), "traceback": traceback.format_exc()}
+    sys.stdout.flush()
+    sys.stderr.write("\x1eSTRATA-CELL " + json.dumps(out) + "\n")
+    sys.stderr.flush()
+try:
+    __strata_cell({CODE})
+finally:
+    del __strata_cell
+"#;
+
+/// Runs a cell in the sandbox's wasm Python session (started on first use, in [`HOME`], with the sandbox's
+/// environment and the shared home directory; restarted once if the last cell ended it). Blocking.
+fn session_cell(
+    state: &AppState,
+    entry: &SandboxEntry,
+    code: &str,
+    limits: Limits,
+) -> Result<strata_core::Outcome, ApiError> {
+    let meta = entry.e2b.as_ref().ok_or_else(|| ApiError::sandbox_not_found(&entry.id))?;
+    let literal = serde_json::to_string(code).map_err(|e| ApiError::internal(e.to_string()))?;
+    let job = Job::Python { source: PythonSource::Code(SESSION_DRIVER.replace("{CODE}", &literal)), args: Vec::new() };
+    let mut session = lock(&meta.python);
+    for attempt in 0..2 {
+        if session.is_none() {
+            let grants = match &meta.home {
+                Some(home) => {
+                    vec![Grant::new(home, HOME, GrantMode::Rw).map_err(|e| ApiError::internal(e.to_string()))?]
+                }
+                None => Vec::new(),
+            };
+            let caps = Capabilities { env: meta.env.clone(), grants, ..Capabilities::default() };
+            let mut started = state.engine.start(TierChoice::Tier(TierKind::Wasm), &caps, &limits)?;
+            let chdir = Job::Python {
+                source: PythonSource::Code(format!("import os\nos.chdir({HOME:?})\ndel os")),
+                args: Vec::new(),
+            };
+            started.exec(&chdir, ExecOptions::default())?;
+            *session = Some(started);
+        }
+        let Some(python) = session.as_mut() else { continue };
+        match python.exec(&job, ExecOptions { limits: Some(limits.clone()), ..ExecOptions::default() }) {
+            Err(strata_core::TierError::SessionEnded { .. }) if attempt == 0 => {
+                if let Some(ended) = session.take() {
+                    let _ = ended.close();
+                }
+            }
+            other => return other.map_err(ApiError::from),
+        }
+    }
+    Err(ApiError::internal("the Python session could not be restarted"))
+}
+
 const CELL_MARKER: &str = "\u{1e}STRATA-CELL ";
 
 #[derive(Debug, Deserialize)]
@@ -722,11 +890,22 @@ async fn execute(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
         Ok(request) => request,
         Err(e) => return rest_error(&ApiError::bad_request("invalid_json", e.to_string())),
     };
-    let job = Job::Python { source: PythonSource::Code(CELL_DRIVER.to_owned()), args: vec![request.code] };
     let limits = command_limits(&entry, &headers);
     let count = entry.e2b.as_ref().map(|m| m.executions.fetch_add(1, Ordering::Relaxed) + 1).unwrap_or(1);
-    let opts = ExecOptions { limits: Some(limits), ..ExecOptions::default() };
-    let outcome = match crate::api::exec_in(&state, entry, job, opts).await {
+    let cell = Job::Python { source: PythonSource::Code(request.code.clone()), args: Vec::new() };
+    let on_wasm = state.engine.route(TierChoice::Auto, &cell).is_ok_and(|route| route.decision.tier == TierKind::Wasm);
+    let outcome = if on_wasm {
+        let started = Instant::now();
+        let session_state = state.clone();
+        let result = blocking(move || session_cell(&session_state, &entry, &request.code, limits)).await;
+        record_job(&state, TierKind::Wasm, "run_code", started, &result);
+        result
+    } else {
+        let job = Job::Python { source: PythonSource::Code(CELL_DRIVER.to_owned()), args: vec![request.code] };
+        let opts = ExecOptions { limits: Some(limits), ..ExecOptions::default() };
+        crate::api::exec_in(&state, entry, job, opts).await
+    };
+    let outcome = match outcome {
         Ok(outcome) => outcome,
         Err(err) => return rest_error(&err),
     };

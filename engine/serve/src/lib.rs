@@ -236,7 +236,8 @@ impl Server {
                 None => std::env::temp_dir().join("strata-serve"),
             },
         };
-        let snapshot_dir = base.join(registry::new_id("server-"));
+        remove_stale_state(&base);
+        let snapshot_dir = base.join(registry::new_id(&format!("server-{}-", std::process::id())));
         std::fs::create_dir_all(&snapshot_dir)
             .map_err(|source| ServeError::StateDir { path: snapshot_dir.clone(), source })?;
         let listener = TcpListener::bind(config.listen)
@@ -309,6 +310,23 @@ impl Server {
         })
         .await;
         served.map_err(ServeError::Io)
+    }
+}
+
+/// Removes the state directories (`server-PID-…`) of servers whose process is gone (killed before they could
+/// clean up), so that a crash leaks nothing past the next start.
+fn remove_stale_state(base: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(base) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("server-")).and_then(|n| n.split('-').next()) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            tracing::info!(dir = %entry.path().display(), "removing the state of a server that is gone");
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 

@@ -222,6 +222,9 @@ impl SandboxEntry {
         {
             tracing::warn!(sandbox = %self.id, error = %err, "closing the sandbox failed");
         }
+        if let Some(meta) = &self.e2b {
+            meta.close();
+        }
     }
 }
 

@@ -94,10 +94,10 @@ async fn e2b_protocol_by_hand() {
     assert_eq!(response.status().as_u16(), 401);
 
     // Files: octet-stream and multipart in, bytes out; a missing one is 404 with E2B's error shape.
-    let response =
-        envd(reqwest::Method::POST, "/files?path=%2Ftmp%2Fa.txt").header("content-type", "application/octet-stream");
+    let response = envd(reqwest::Method::POST, "/files?path=%2Fhome%2Fuser%2Fa.txt")
+        .header("content-type", "application/octet-stream");
     let written: Value = response.body("x").send().await.expect("write").json().await.expect("json");
-    assert_eq!(written, json!([{"name": "a.txt", "type": "file", "path": "/tmp/a.txt"}]));
+    assert_eq!(written, json!([{"name": "a.txt", "type": "file", "path": "/home/user/a.txt"}]));
     let form = reqwest::multipart::Form::new()
         .part("file", reqwest::multipart::Part::bytes(b"yz".to_vec()).file_name("/tmp/b.txt"));
     let response = envd(reqwest::Method::POST, "/files?path=%2Ftmp%2Fb.txt").multipart(form).send().await.expect("mp");
@@ -112,7 +112,7 @@ async fn e2b_protocol_by_hand() {
     // The code interpreter: the last expression is the main result; files are the sandbox's.
     let response = envd(reqwest::Method::POST, "/execute")
         .header("E2b-Sandbox-Port", "49999")
-        .json(&json!({"code": "print(open('/tmp/a.txt').read())\n6 * 7", "context_id": null}))
+        .json(&json!({"code": "print(open('/home/user/a.txt').read())\n6 * 7", "context_id": null}))
         .send()
         .await
         .expect("execute");
@@ -194,9 +194,14 @@ assert Sandbox.list().next_items() == []
 
 ci = CodeSandbox.create()
 assert ci.run_code("1+1").text == "2"
-ex = ci.run_code("open('/tmp/ci.txt', 'w').write('z')\nprint('hello')")
+# Files under /home/user (the cells' working directory) are shared with commands, both ways.
+ex = ci.run_code("open('ci.txt', 'w').write('z')\nprint('hello')")
 assert ex.logs.stdout == ["hello\n"], ex.logs
-assert ci.commands.run("cat /tmp/ci.txt").stdout == "z"
+assert ci.commands.run("cat /home/user/ci.txt").stdout == "z"
+ci.commands.run("echo from-bash > /home/user/cmd.txt")
+assert ci.run_code("open('/home/user/cmd.txt').read().strip()").text == "'from-bash'"
+# A cell the router sends native runs with the sandbox's python3.
+assert ci.run_code("import subprocess\nsubprocess.run(['true']).returncode").text == "0"
 assert ci.run_code("1/0").error.name == "ZeroDivisionError"
 # State across cells: values, imports and definitions.
 ci.run_code("import math\nx = 41\ndef inc(v):\n    return v + 1")
