@@ -65,6 +65,10 @@ pub struct E2bMeta {
     pub env: Vec<EnvVar>,
     /// The code interpreter's live wasm Python session, started by the first cell the router sends to wasm.
     pub python: std::sync::Mutex<Option<Box<dyn strata_core::Sandbox>>>,
+    /// Cancels the cell running in the Python session, if any.
+    pub cell: std::sync::Mutex<Option<CancelToken>>,
+    /// Set when the sandbox is killed: no new cell starts.
+    pub closed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for E2bMeta {
@@ -84,6 +88,10 @@ impl E2bMeta {
     /// Closes the Python session and removes the shared home directory (blocking; called when the sandbox is
     /// killed).
     pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        if let Some(cell) = lock(&self.cell).as_ref() {
+            cell.cancel();
+        }
         if let Some(session) = lock(&self.python).take() {
             let _ = session.close();
         }
@@ -269,6 +277,8 @@ async fn create(
         home: Some(home.clone()),
         env,
         python: std::sync::Mutex::new(None),
+        cell: std::sync::Mutex::new(None),
+        closed: std::sync::atomic::AtomicBool::new(false),
     };
     let limits = state.engine.default_limits().clone();
     let choice = TierChoice::Tier(TierKind::Process);
@@ -839,11 +849,17 @@ fn session_cell(
     entry: &SandboxEntry,
     code: &str,
     limits: Limits,
+    cancel: CancelToken,
 ) -> Result<strata_core::Outcome, ApiError> {
     let meta = entry.e2b.as_ref().ok_or_else(|| ApiError::sandbox_not_found(&entry.id))?;
     let literal = serde_json::to_string(code).map_err(|e| ApiError::internal(e.to_string()))?;
     let job = Job::Python { source: PythonSource::Code(SESSION_DRIVER.replace("{CODE}", &literal)), args: Vec::new() };
     let mut session = lock(&meta.python);
+    *lock(&meta.cell) = Some(cancel.clone());
+    // `close` sets `closed` before it looks at `cell`: one of the two sees the other.
+    if meta.closed.load(Ordering::SeqCst) {
+        return Err(ApiError::sandbox_not_found(&entry.id));
+    }
     for attempt in 0..2 {
         if session.is_none() {
             let grants = match &meta.home {
@@ -862,7 +878,8 @@ fn session_cell(
             *session = Some(started);
         }
         let Some(python) = session.as_mut() else { continue };
-        match python.exec(&job, ExecOptions { limits: Some(limits.clone()), ..ExecOptions::default() }) {
+        let opts = ExecOptions { limits: Some(limits.clone()), cancel: Some(cancel.clone()), ..ExecOptions::default() };
+        match python.exec(&job, opts) {
             Err(strata_core::TierError::SessionEnded { .. }) if attempt == 0 => {
                 if let Some(ended) = session.take() {
                     let _ = ended.close();
@@ -897,7 +914,10 @@ async fn execute(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
     let outcome = if on_wasm {
         let started = Instant::now();
         let session_state = state.clone();
-        let result = blocking(move || session_cell(&session_state, &entry, &request.code, limits)).await;
+        let token = CancelToken::new();
+        let mut guard = CancelOnDrop(Some(token.clone()));
+        let result = blocking(move || session_cell(&session_state, &entry, &request.code, limits, token)).await;
+        guard.0 = None;
         record_job(&state, TierKind::Wasm, "run_code", started, &result);
         result
     } else {

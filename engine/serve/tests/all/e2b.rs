@@ -132,7 +132,17 @@ async fn e2b_protocol_by_hand() {
     assert_eq!(status, 204);
     let (status, body) = server.post("/sandboxes/sb_gone/timeout", json!({"timeout": 60})).await;
     assert_eq!((status, &body["code"]), (404, &json!(404)), "{body}");
+    // Killing the sandbox stops a cell that would run forever.
+    let looping = envd(reqwest::Method::POST, "/execute")
+        .header("E2b-Sandbox-Port", "49999")
+        .json(&json!({"code": "while True: pass"}))
+        .send();
+    let looping = tokio::spawn(looping);
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
     assert_eq!(server.delete(&format!("/sandboxes/{id}")).await, 204);
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "kill took {:?}", started.elapsed());
+    let _ = looping.await;
     assert_eq!(server.delete(&format!("/sandboxes/{id}")).await, 404);
     server.stop().await;
 }
