@@ -98,6 +98,18 @@ for i in range(int(sys.argv[1])):
     print(int((time.perf_counter() - t) * 1e6))
 "#;
 
+const SDK_RUN_CODE: &str = r#"
+import sys, time
+from e2b_code_interpreter import Sandbox
+s = Sandbox.create()
+s.run_code("x = 1")
+for i in range(int(sys.argv[1])):
+    t = time.perf_counter()
+    assert s.run_code("x + 1").text == "2"
+    print(int((time.perf_counter() - t) * 1e6))
+s.kill()
+"#;
+
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let iters = if quick { 30 } else { 200 };
@@ -131,19 +143,24 @@ fn main() -> anyhow::Result<()> {
         if python.exists() && engine.process().is_ok() {
             // A directory of its own: a stray module in the temporary directory must not shadow the SDK's imports.
             let dir = tempfile::tempdir()?;
-            let output = std::process::Command::new(python)
-                .args(["-c", SDK_LOOP, &(iters / 4).to_string()])
-                .current_dir(dir.path())
-                .env("E2B_API_KEY", "e2b_0000000000000000000000000000000000000000")
-                .env("E2B_API_URL", &base)
-                .env("E2B_SANDBOX_URL", &base)
-                .output()?;
-            anyhow::ensure!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-            let mut sdk = Figures::new("e2b create+run+kill");
-            for line in String::from_utf8_lossy(&output.stdout).lines().skip(2) {
-                sdk.record_us(line.trim().parse()?);
-            }
-            sdk.print("E2B SDK 2.63.0 (process)");
+            let sdk = |script: &str, name: &'static str, who: &str| -> anyhow::Result<()> {
+                let output = std::process::Command::new(&python)
+                    .args(["-c", script, &(iters / 4).to_string()])
+                    .current_dir(dir.path())
+                    .env("E2B_API_KEY", "e2b_0000000000000000000000000000000000000000")
+                    .env("E2B_API_URL", &base)
+                    .env("E2B_SANDBOX_URL", &base)
+                    .output()?;
+                anyhow::ensure!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+                let mut figures = Figures::new(name);
+                for line in String::from_utf8_lossy(&output.stdout).lines().skip(2) {
+                    figures.record_us(line.trim().parse()?);
+                }
+                figures.print(who);
+                Ok(())
+            };
+            sdk(SDK_LOOP, "e2b create+run+kill", "E2B SDK 2.63.0 (process)")?;
+            sdk(SDK_RUN_CODE, "e2b run_code warm", "e2b-code-interpreter 2.11.5 (wasm)")?;
         }
     }
     let _ = stop.send(());
