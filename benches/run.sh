@@ -43,6 +43,7 @@ cargo bench --quiet -p strata-benches -- "$@"
 echo "==> snapshots and forks: wasm (a numpy session), process (a jail's filesystem), microVM (tiny guests)"
 cargo bench --quiet -p strata-tier-wasm --bench fork
 cargo bench --quiet -p strata-tier-process --bench fork
+cargo bench --quiet -p strata-tier-process --bench zygote
 cargo bench --quiet -p strata-tier-microvm --bench snapshot
 echo "==> the microVM tier: tiny guests, the vsock device, and (hardware KVM only) a Linux boot beside qemu"
 cargo bench --quiet -p strata-tier-microvm --bench tiny_guest

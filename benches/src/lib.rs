@@ -147,3 +147,40 @@ pub fn find_strata() -> Option<PathBuf> {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
     Some(target.join("release/strata")).filter(|p| p.exists())
 }
+
+/// The summed PSS (KiB) of every process descending from this one (from `/proc/<pid>/smaps_rollup`): what forks
+/// kept alive by a benchmark cost in memory.
+pub fn descendants_pss_kib() -> anyhow::Result<u64> {
+    let mut parents = std::collections::HashMap::new();
+    for entry in std::fs::read_dir("/proc")?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            parents.insert(pid, ppid);
+        }
+    }
+    let me = std::process::id();
+    let descends = |mut pid: u32| {
+        while let Some(&parent) = parents.get(&pid) {
+            if parent == me {
+                return true;
+            }
+            if parent <= 1 {
+                return false;
+            }
+            pid = parent;
+        }
+        false
+    };
+    let mut total = 0;
+    for &pid in parents.keys().filter(|&&pid| descends(pid)) {
+        let Ok(rollup) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) else { continue };
+        for line in rollup.lines() {
+            if let Some(kib) = line.strip_prefix("Pss:").and_then(|v| v.trim().strip_suffix("kB")) {
+                total += kib.trim().parse::<u64>().unwrap_or(0);
+            }
+        }
+    }
+    Ok(total)
+}

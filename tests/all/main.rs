@@ -16,3 +16,4 @@ mod wasm_cache;
 mod wasm_fs;
 mod wasm_limits;
 mod wasm_sandbox;
+mod zygote_process;

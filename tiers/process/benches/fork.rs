@@ -20,7 +20,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use strata_benches::{Figures, latency, ratio, strata_home};
+use strata_benches::{Figures, descendants_pss_kib, latency, ratio, strata_home};
 use strata_core::{Capabilities, ExecOptions, Job, Limits, Outcome, Status, Tier};
 use strata_rootfs_image::DebianImage;
 use strata_tier_process::{ProcessTier, ProcessTierConfig};
@@ -127,40 +127,4 @@ fn idle_forks(tier: &ProcessTier, count: usize) -> anyhow::Result<()> {
         fork.close()?;
     }
     Ok(())
-}
-
-/// The summed PSS (KiB) of every process descending from this one.
-fn descendants_pss_kib() -> anyhow::Result<u64> {
-    let mut parents = std::collections::HashMap::new();
-    for entry in std::fs::read_dir("/proc")?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
-        if let Some(ppid) = ppid {
-            parents.insert(pid, ppid);
-        }
-    }
-    let me = std::process::id();
-    let descends = |mut pid: u32| {
-        while let Some(&parent) = parents.get(&pid) {
-            if parent == me {
-                return true;
-            }
-            if parent <= 1 {
-                return false;
-            }
-            pid = parent;
-        }
-        false
-    };
-    let mut total = 0;
-    for &pid in parents.keys().filter(|&&pid| descends(pid)) {
-        let Ok(rollup) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) else { continue };
-        for line in rollup.lines() {
-            if let Some(kib) = line.strip_prefix("Pss:").and_then(|v| v.trim().strip_suffix("kB")) {
-                total += kib.trim().parse::<u64>().unwrap_or(0);
-            }
-        }
-    }
-    Ok(total)
 }

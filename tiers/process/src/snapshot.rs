@@ -18,7 +18,8 @@
 //! grant that vanished is refused), [`ProcessTier::fork_with`] applies the caller's own — the way to fork a
 //! snapshot taken with secrets, or to give a fork other grants or limits.
 //!
-//! Live forks that share memory (a zygote kept stopped, `fork()`ed into each new jail) are not built yet.
+//! Live forks that share memory — a zygote held stopped and `fork()`ed into fresh namespaces per job — are
+//! [`crate::zygote`]: they live as long as the process that holds the zygote, and are not written to disk.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
