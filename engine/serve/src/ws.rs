@@ -1,7 +1,7 @@
 //! `GET /v1/sandboxes/{id}/exec/ws`: a job streamed over a WebSocket.
 //!
 //! Protocol:
-//! 1. The client's first message is the job, as JSON ([`JobRequest`](crate::api::JobRequest)).
+//! 1. The client's first message is the job, as JSON ([`crate::api::JobRequest`]).
 //! 2. With `"stdin_stream": true`, the next messages (binary or text) are stdin, up to an empty message (EOF); the
 //!    job starts after it. (The engine takes a job's stdin as one buffer, so stdin is collected before the start.)
 //! 3. The server sends text messages as output comes: `{"type":"stdout"|"stderr","data":"…"}` (with
