@@ -46,6 +46,11 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     memory_budget: Option<strata_core::ByteSize>,
 
+    /// The most virtual CPUs all sandboxes may commit (the sum of their vcpus limits); past it creates get 429
+    /// server_at_capacity. Default: no budget.
+    #[arg(long, value_name = "N")]
+    cpu_budget: Option<u64>,
+
     /// Let requests grant host directories (`capabilities.grants`) to sandboxes.
     #[arg(long)]
     allow_grants: bool,
@@ -89,6 +94,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
         max_sandboxes: args.max_sandboxes,
         idle_timeout: args.idle_timeout,
         memory_budget: args.memory_budget.map(|m| m.0),
+        cpu_budget: args.cpu_budget,
         allow_grants: args.allow_grants,
         ..ServeConfig::new(EngineConfig { policy, ..EngineConfig::from_env()? })
     };

@@ -433,15 +433,15 @@ pub(crate) fn record_job(
     }
 }
 
-/// Admits `places` new sandboxes of `memory_each` bytes for `principal`.
+/// Admits `places` new sandboxes with these limits for `principal`.
 pub(crate) fn reserve(
     state: &AppState,
     principal: &Principal,
     places: usize,
-    memory_each: u64,
+    limits: &Limits,
 ) -> Result<crate::registry::Reservation, ApiError> {
     state.admit()?;
-    state.registry.reserve(principal, places, memory_each).map_err(|err| {
+    state.registry.reserve(principal, places, limits).map_err(|err| {
         state.metrics.rejected(err.reason());
         ApiError::from(err)
     })
@@ -457,7 +457,7 @@ pub(crate) async fn start_sandbox(
     ttl: Duration,
     e2b: Option<crate::e2b::E2bMeta>,
 ) -> Result<Arc<SandboxEntry>, ApiError> {
-    let mut reservation = reserve(state, principal, 1, limits.memory.0)?;
+    let mut reservation = reserve(state, principal, 1, &limits)?;
     let started = Instant::now();
     let engine = state.engine.clone();
     let sandbox_limits = limits.clone();
@@ -603,7 +603,7 @@ async fn run(
     let job = req.job.to_job()?;
     let caps = capabilities(&state, &req.capabilities)?;
     let limits = limits(&state, state.engine.default_limits(), &req.job.limits)?;
-    let _reservation = reserve(&state, &principal, 1, limits.memory.0)?;
+    let _reservation = reserve(&state, &principal, 1, &limits)?;
     let token = CancelToken::new();
     let mut guard = CancelOnDrop(Some(token.clone()));
     let opts =
@@ -865,7 +865,7 @@ async fn fork_sandboxes(
     limits: Limits,
     ttl: Duration,
 ) -> Result<Vec<Arc<SandboxEntry>>, ApiError> {
-    let mut reservation = reserve(state, principal, count, limits.memory.0)?;
+    let mut reservation = reserve(state, principal, count, &limits)?;
     let engine = state.engine.clone();
     let started = Instant::now();
     let sandboxes = blocking(move || {

@@ -83,6 +83,8 @@ pub struct ServeConfig {
     pub idle_timeout: Option<Duration>,
     /// The most memory the server's sandboxes may commit (the sum of their memory limits); `None`: no budget.
     pub memory_budget: Option<u64>,
+    /// The most virtual CPUs the server's sandboxes may commit (the sum of their `vcpus` limits); `None`: no budget.
+    pub cpu_budget: Option<u64>,
     /// Where the server keeps its snapshots (a fresh directory under it, removed at shutdown); `None` is
     /// `$STRATA_HOME/run/serve`, else the system's temporary directory.
     pub state_dir: Option<PathBuf>,
@@ -90,7 +92,7 @@ pub struct ServeConfig {
 
 impl ServeConfig {
     /// The defaults: [`DEFAULT_LISTEN`], no keys, TTL 300 s (at most 24 h), no idle timeout, 256 sandboxes, no
-    /// memory budget, no grants.
+    /// memory or CPU budget, no grants.
     pub fn new(engine: EngineConfig) -> ServeConfig {
         ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
@@ -103,6 +105,7 @@ impl ServeConfig {
             reap_interval: Duration::from_secs(1),
             idle_timeout: None,
             memory_budget: None,
+            cpu_budget: None,
             state_dir: None,
         }
     }
@@ -249,7 +252,7 @@ impl Server {
         let state = Arc::new(AppState {
             engine,
             policy: config.engine.policy.clone(),
-            registry: Arc::new(Registry::new(config.max_sandboxes, config.memory_budget)),
+            registry: Arc::new(Registry::new(config.max_sandboxes, config.memory_budget, config.cpu_budget)),
             metrics: Metrics::default(),
             keys: config.keys,
             default_ttl: config.default_ttl,
@@ -410,7 +413,11 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let text = state.metrics.render(&state.registry.active_by_tier(), state.registry.memory_committed());
+    let text = state.metrics.render(
+        &state.registry.active_by_tier(),
+        state.registry.memory_committed(),
+        state.registry.vcpus_committed(),
+    );
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 

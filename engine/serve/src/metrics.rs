@@ -91,8 +91,8 @@ impl Metrics {
         series.sum += took;
     }
 
-    /// The text exposition, with `active` live sandboxes per tier and `memory` bytes committed by them.
-    pub fn render(&self, active: &HashMap<TierKind, usize>, memory: u64) -> String {
+    /// The text exposition, with `active` live sandboxes per tier and the `memory` bytes and `vcpus` they commit.
+    pub fn render(&self, active: &HashMap<TierKind, usize>, memory: u64, vcpus: u64) -> String {
         let mut out = String::new();
         out.push_str("# HELP strata_jobs_total Jobs run, by tier and outcome.\n# TYPE strata_jobs_total counter\n");
         for ((tier, outcome), n) in lock(&self.jobs).iter() {
@@ -108,6 +108,11 @@ impl Metrics {
              # TYPE strata_memory_committed_bytes gauge\n",
         );
         let _ = writeln!(out, "strata_memory_committed_bytes {memory}");
+        out.push_str(
+            "# HELP strata_vcpus_committed The sum of live sandboxes' vcpus limits.\n\
+             # TYPE strata_vcpus_committed gauge\n",
+        );
+        let _ = writeln!(out, "strata_vcpus_committed {vcpus}");
         out.push_str(
             "# HELP strata_sandboxes_created_total Sandboxes created, by tier.\n\
              # TYPE strata_sandboxes_created_total counter\n",
@@ -171,7 +176,7 @@ mod tests {
         metrics.latency("wasm", "exec", Duration::from_micros(300));
         metrics.latency("wasm", "exec", Duration::from_millis(3));
         metrics.latency("wasm", "exec", Duration::from_secs(20));
-        let text = metrics.render(&HashMap::new(), 0);
+        let text = metrics.render(&HashMap::new(), 0, 0);
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"0.0005\"} 1"));
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"0.005\"} 2"));
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"10\"} 2"));

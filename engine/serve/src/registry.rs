@@ -57,6 +57,14 @@ pub enum AdmissionError {
         /// Its quota.
         limit: u64,
     },
+    /// The server's sandboxes would commit more virtual CPUs than its budget.
+    #[error("the server's sandboxes would commit {asked} vcpus, past its budget of {limit}")]
+    CpuBudget {
+        /// Committed with this request.
+        asked: u64,
+        /// The server's budget.
+        limit: u64,
+    },
     /// The server's sandboxes would commit more memory than its budget.
     #[error("the server's sandboxes would commit {asked} bytes of memory, past its budget of {limit}")]
     MemoryBudget {
@@ -75,6 +83,7 @@ impl AdmissionError {
             AdmissionError::Capacity { .. } => "capacity",
             AdmissionError::MemoryQuota { .. } => "memory_quota",
             AdmissionError::MemoryBudget { .. } => "memory_budget",
+            AdmissionError::CpuBudget { .. } => "cpu_budget",
         }
     }
 }
@@ -83,7 +92,9 @@ impl From<AdmissionError> for ApiError {
     fn from(err: AdmissionError) -> ApiError {
         let code = match err {
             AdmissionError::Quota { .. } | AdmissionError::MemoryQuota { .. } => "quota_exceeded",
-            AdmissionError::Capacity { .. } | AdmissionError::MemoryBudget { .. } => "server_at_capacity",
+            AdmissionError::Capacity { .. }
+            | AdmissionError::MemoryBudget { .. }
+            | AdmissionError::CpuBudget { .. } => "server_at_capacity",
         };
         ApiError::new(axum::http::StatusCode::TOO_MANY_REQUESTS, code, err.to_string())
     }
@@ -168,6 +179,11 @@ impl SandboxEntry {
     /// Memory it commits: its memory limit.
     pub fn memory(&self) -> u64 {
         self.limits.memory.0
+    }
+
+    /// Virtual CPUs it commits: its `vcpus` limit.
+    pub fn vcpus(&self) -> u64 {
+        u64::from(self.limits.vcpus)
     }
 
     /// Whether a job is running in it now.
@@ -257,6 +273,8 @@ struct Inner {
     memory_per_owner: HashMap<String, u64>,
     /// Memory committed in all.
     memory: u64,
+    /// Virtual CPUs committed in all (the sum of the sandboxes' `vcpus` limits).
+    vcpus: u64,
 }
 
 /// Every live sandbox and snapshot, by id.
@@ -265,6 +283,7 @@ pub struct Registry {
     inner: Mutex<Inner>,
     max_sandboxes: usize,
     memory_budget: Option<u64>,
+    cpu_budget: Option<u64>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -274,6 +293,7 @@ impl std::fmt::Debug for Registry {
             .field("sandboxes", &inner.sandboxes.len())
             .field("total", &inner.total)
             .field("memory", &inner.memory)
+            .field("vcpus", &inner.vcpus)
             .finish()
     }
 }
@@ -285,6 +305,7 @@ pub struct Reservation {
     owner: String,
     places: usize,
     memory_each: u64,
+    vcpus_each: u64,
 }
 
 impl Reservation {
@@ -294,6 +315,7 @@ impl Reservation {
         let mut inner = lock(&self.registry.inner);
         // The entry's own memory limit is what its removal gives back: settle any difference now.
         inner.commit_memory(&self.owner, entry.memory(), self.memory_each);
+        inner.vcpus = inner.vcpus.saturating_sub(self.vcpus_each).saturating_add(entry.vcpus());
         inner.sandboxes.insert(entry.id.clone(), entry.clone());
         self.places = self.places.saturating_sub(1);
         entry
@@ -305,14 +327,16 @@ impl Drop for Reservation {
         if self.places > 0 {
             let mut inner = lock(&self.registry.inner);
             let memory = self.memory_each.saturating_mul(self.places as u64);
-            inner.release(&self.owner, self.places, memory);
+            let vcpus = self.vcpus_each.saturating_mul(self.places as u64);
+            inner.release(&self.owner, self.places, memory, vcpus);
         }
     }
 }
 
 impl Inner {
-    fn release(&mut self, owner: &str, places: usize, memory: u64) {
+    fn release(&mut self, owner: &str, places: usize, memory: u64, vcpus: u64) {
         self.total = self.total.saturating_sub(places);
+        self.vcpus = self.vcpus.saturating_sub(vcpus);
         if let Some(count) = self.per_owner.get_mut(owner) {
             *count = count.saturating_sub(places);
             if *count == 0 {
@@ -338,21 +362,23 @@ impl Inner {
 
 impl Registry {
     /// A registry that holds at most `max_sandboxes` sandboxes, whose memory limits add up to at most
-    /// `memory_budget` bytes (`None`: no budget).
-    pub fn new(max_sandboxes: usize, memory_budget: Option<u64>) -> Registry {
-        Registry { inner: Mutex::default(), max_sandboxes, memory_budget }
+    /// `memory_budget` bytes and whose `vcpus` limits add up to at most `cpu_budget` (`None`: no budget).
+    pub fn new(max_sandboxes: usize, memory_budget: Option<u64>, cpu_budget: Option<u64>) -> Registry {
+        Registry { inner: Mutex::default(), max_sandboxes, memory_budget, cpu_budget }
     }
 
-    /// Reserves `places` sandboxes of `memory_each` bytes (their memory limit) for `principal`, within its quotas
-    /// and the server's capacity.
+    /// Reserves `places` sandboxes with these `limits` (their memory and vcpus are what they commit) for
+    /// `principal`, within its quotas and the server's capacity.
     pub fn reserve(
         self: &Arc<Self>,
         principal: &crate::Principal,
         places: usize,
-        memory_each: u64,
+        limits: &Limits,
     ) -> Result<Reservation, AdmissionError> {
         let owner = principal.name.as_str();
+        let (memory_each, vcpus_each) = (limits.memory.0, u64::from(limits.vcpus));
         let memory = memory_each.saturating_mul(places as u64);
+        let vcpus = vcpus_each.saturating_mul(places as u64);
         let mut inner = lock(&self.inner);
         let held = inner.per_owner.get(owner).copied().unwrap_or(0);
         if let Some(limit) = principal.max_sandboxes
@@ -378,16 +404,27 @@ impl Registry {
         {
             return Err(AdmissionError::MemoryBudget { asked: inner.memory.saturating_add(memory), limit });
         }
+        if let Some(limit) = self.cpu_budget
+            && inner.vcpus.saturating_add(vcpus) > limit
+        {
+            return Err(AdmissionError::CpuBudget { asked: inner.vcpus.saturating_add(vcpus), limit });
+        }
+        inner.vcpus = inner.vcpus.saturating_add(vcpus);
         inner.total += places;
         *inner.per_owner.entry(owner.to_owned()).or_default() += places;
         inner.memory = inner.memory.saturating_add(memory);
         *inner.memory_per_owner.entry(owner.to_owned()).or_default() += memory;
-        Ok(Reservation { registry: self.clone(), owner: owner.to_owned(), places, memory_each })
+        Ok(Reservation { registry: self.clone(), owner: owner.to_owned(), places, memory_each, vcpus_each })
     }
 
     /// Memory committed by live and reserved sandboxes (the sum of their memory limits).
     pub fn memory_committed(&self) -> u64 {
         lock(&self.inner).memory
+    }
+
+    /// Virtual CPUs committed by live and reserved sandboxes (the sum of their `vcpus` limits).
+    pub fn vcpus_committed(&self) -> u64 {
+        lock(&self.inner).vcpus
     }
 
     /// The sandbox `id` if `owner` may use it (else not found: ids of other keys are not revealed).
@@ -411,7 +448,7 @@ impl Registry {
             _ => return Err(ApiError::sandbox_not_found(id)),
         }
         let entry = inner.sandboxes.remove(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
-        inner.release(&entry.owner, 1, entry.memory());
+        inner.release(&entry.owner, 1, entry.memory(), entry.vcpus());
         Ok(entry)
     }
 
@@ -446,7 +483,7 @@ impl Registry {
         let mut taken = Vec::new();
         for id in expired {
             if let Some(entry) = inner.sandboxes.remove(&id) {
-                inner.release(&entry.owner, 1, entry.memory());
+                inner.release(&entry.owner, 1, entry.memory(), entry.vcpus());
                 taken.push(entry);
             }
         }
@@ -458,7 +495,7 @@ impl Registry {
         let mut inner = lock(&self.inner);
         let all: Vec<_> = inner.sandboxes.drain().map(|(_, e)| e).collect();
         for entry in &all {
-            inner.release(&entry.owner, 1, entry.memory());
+            inner.release(&entry.owner, 1, entry.memory(), entry.vcpus());
         }
         all
     }
@@ -504,37 +541,55 @@ mod tests {
         crate::Principal { name: name.to_owned(), max_sandboxes, max_memory }
     }
 
+    fn limits(memory: u64, vcpus: u32) -> Limits {
+        Limits { memory: strata_core::ByteSize(memory), vcpus, ..Limits::default() }
+    }
+
     #[test]
     fn quota_counts_reserved_places_and_frees_them_on_drop() {
-        let registry = Arc::new(Registry::new(10, None));
+        let registry = Arc::new(Registry::new(10, None, None));
         let a = key("a", Some(2), None);
-        let first = registry.reserve(&a, 2, 0).expect("within quota");
-        assert!(matches!(registry.reserve(&a, 1, 0), Err(AdmissionError::Quota { limit: 2, .. })));
-        assert!(registry.reserve(&key("b", Some(2), None), 1, 0).is_ok());
+        let first = registry.reserve(&a, 2, &limits(0, 0)).expect("within quota");
+        assert!(matches!(registry.reserve(&a, 1, &limits(0, 0)), Err(AdmissionError::Quota { limit: 2, .. })));
+        assert!(registry.reserve(&key("b", Some(2), None), 1, &limits(0, 0)).is_ok());
         drop(first);
-        assert!(registry.reserve(&a, 2, 0).is_ok());
+        assert!(registry.reserve(&a, 2, &limits(0, 0)).is_ok());
     }
 
     #[test]
     fn server_capacity_is_shared_by_every_key() {
-        let registry = Arc::new(Registry::new(3, None));
-        let _a = registry.reserve(&key("a", None, None), 2, 0).expect("fits");
-        let err = registry.reserve(&key("b", None, None), 2, 0).expect_err("over capacity");
+        let registry = Arc::new(Registry::new(3, None, None));
+        let _a = registry.reserve(&key("a", None, None), 2, &limits(0, 0)).expect("fits");
+        let err = registry.reserve(&key("b", None, None), 2, &limits(0, 0)).expect_err("over capacity");
         assert_eq!(err, AdmissionError::Capacity { limit: 3 });
         assert_eq!(err.reason(), "capacity");
     }
 
     #[test]
     fn memory_is_admitted_against_the_key_quota_and_the_server_budget() {
-        let registry = Arc::new(Registry::new(100, Some(1000)));
+        let registry = Arc::new(Registry::new(100, Some(1000), None));
         let a = key("a", None, Some(600));
-        let held = registry.reserve(&a, 2, 250).expect("500 of 600");
+        let held = registry.reserve(&a, 2, &limits(250, 0)).expect("500 of 600");
         assert_eq!(registry.memory_committed(), 500);
-        assert!(matches!(registry.reserve(&a, 1, 250), Err(AdmissionError::MemoryQuota { limit: 600, .. })));
-        let err = registry.reserve(&key("b", None, None), 3, 200).expect_err("1100 > 1000");
+        assert!(matches!(
+            registry.reserve(&a, 1, &limits(250, 0)),
+            Err(AdmissionError::MemoryQuota { limit: 600, .. })
+        ));
+        let err = registry.reserve(&key("b", None, None), 3, &limits(200, 0)).expect_err("1100 > 1000");
         assert_eq!(err, AdmissionError::MemoryBudget { asked: 1100, limit: 1000 });
         drop(held);
         assert_eq!(registry.memory_committed(), 0);
-        assert!(registry.reserve(&key("b", None, None), 3, 200).is_ok());
+        assert!(registry.reserve(&key("b", None, None), 3, &limits(200, 0)).is_ok());
+    }
+
+    #[test]
+    fn vcpus_are_admitted_against_the_server_budget() {
+        let registry = Arc::new(Registry::new(100, None, Some(4)));
+        let held = registry.reserve(&key("a", None, None), 3, &limits(0, 1)).expect("3 of 4");
+        let err = registry.reserve(&key("b", None, None), 1, &limits(0, 2)).expect_err("5 > 4");
+        assert_eq!(err, AdmissionError::CpuBudget { asked: 5, limit: 4 });
+        assert_eq!(registry.vcpus_committed(), 3);
+        drop(held);
+        assert_eq!(registry.vcpus_committed(), 0);
     }
 }

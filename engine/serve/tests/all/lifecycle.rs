@@ -196,6 +196,7 @@ async fn memory_quota_and_budget_admit_by_memory_limits() {
     assert_eq!((status, code(&json)), (429, "server_at_capacity"), "{json}");
     let metrics = server.client.get(server.url("/metrics")).send().await.expect("m").text().await.expect("t");
     assert!(metrics.contains(&format!("strata_memory_committed_bytes {}", 3u64 << 29)), "{metrics}");
+    assert!(metrics.contains("strata_vcpus_committed 3"), "{metrics}");
     assert!(metrics.contains("strata_admission_rejections_total{reason=\"memory_quota\"} 1"), "{metrics}");
     assert!(metrics.contains("strata_admission_rejections_total{reason=\"memory_budget\"} 1"), "{metrics}");
     server.stop().await;
