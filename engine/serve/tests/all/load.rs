@@ -13,6 +13,8 @@ struct Held {
     threads: usize,
     children: usize,
     mounts: usize,
+    /// Resident memory in KiB (`VmRSS`), compared with a margin: allocators keep freed memory.
+    rss_kib: u64,
 }
 
 fn held() -> Held {
@@ -32,13 +34,25 @@ fn held() -> Held {
         })
         .unwrap_or(0);
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").map(|m| m.lines().count()).unwrap_or(0);
-    Held { fds: fd_count(), threads: count("/proc/self/task"), children, mounts }
+    let rss_kib = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:").and_then(|v| v.trim().trim_end_matches(" kB").parse().ok()))
+        })
+        .unwrap_or(0);
+    Held { fds: fd_count(), threads: count("/proc/self/task"), children, mounts, rss_kib }
 }
 
 async fn many_sandboxes(tier: &str, sandboxes: usize, jobs: usize) {
     let server = TestServer::alone(|config| config.max_sandboxes = sandboxes).await;
-    // Warm the tier once so that its first start is not counted as a leak.
+    // Warm the tier once (its first job maps the runtime and starts its timer thread), so that this is not
+    // counted as a leak.
     let warm = server.create(json!({"tier": tier})).await;
+    let job = if tier == "wasm" { json!({"python": "print(1)"}) } else { json!({"command": ["true"]}) };
+    let (status, outcome) = server.post(&format!("/v1/sandboxes/{warm}/exec"), job).await;
+    assert_eq!(status, 200, "{outcome}");
     assert_eq!(server.delete(&format!("/v1/sandboxes/{warm}")).await, 204);
     let before = held();
     let started = Instant::now();
@@ -75,6 +89,7 @@ async fn many_sandboxes(tier: &str, sandboxes: usize, jobs: usize) {
         assert_eq!(outputs, expected, "sandbox {n}");
     }
     let took = started.elapsed();
+    eprintln!("held before {before:?}");
     eprintln!(
         "{sandboxes} {tier} sandboxes × {jobs} jobs in parallel: {took:?}; create p50/p99 {:?}, exec p50/p99 {:?}",
         server.state.metrics.percentiles(static_tier(tier), "create"),
@@ -87,6 +102,7 @@ async fn many_sandboxes(tier: &str, sandboxes: usize, jobs: usize) {
             && after.threads <= before.threads + 2
             && after.children <= before.children
             && after.mounts <= before.mounts
+            && after.rss_kib <= before.rss_kib + 128 * 1024
     };
     let mut after = held();
     for _ in 0..100 {
@@ -96,6 +112,7 @@ async fn many_sandboxes(tier: &str, sandboxes: usize, jobs: usize) {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         after = held();
     }
+    eprintln!("held after {after:?}");
     assert!(settled(before, after), "held before {before:?}, after {after:?}");
     server.stop().await;
 }
