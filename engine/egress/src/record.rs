@@ -108,6 +108,21 @@ impl Serialize for EgressRecord {
     }
 }
 
+/// The record as the Outcome's plain `egress` entry (what every tier reports).
+impl From<EgressRecord> for strata_core::outcome::EgressEntry {
+    fn from(record: EgressRecord) -> Self {
+        strata_core::outcome::EgressEntry {
+            reason: record.verdict.reason().map(str::to_owned),
+            verdict: record.verdict.as_str().to_owned(),
+            kind: record.kind.as_str().to_owned(),
+            host: record.host,
+            port: record.port,
+            bytes_up: record.bytes_up,
+            bytes_down: record.bytes_down,
+        }
+    }
+}
+
 /// The records of one proxy, capped so a guest opening connections in a loop cannot grow host memory without end.
 #[derive(Debug, Default)]
 pub(crate) struct EgressLog {
@@ -153,5 +168,9 @@ mod tests {
         assert_eq!(v["verdict"], "denied");
         assert_eq!(v["kind"], "http");
         assert_eq!(v["reason"], "not in the allowlist");
+        let entry = strata_core::outcome::EgressEntry::from(r);
+        assert_eq!((entry.verdict.as_str(), entry.kind.as_str()), ("denied", "http"));
+        assert_eq!(entry.reason.as_deref(), Some("not in the allowlist"));
+        assert_eq!((entry.host.as_str(), entry.port, entry.bytes_up, entry.bytes_down), ("example.com", 443, 10, 20));
     }
 }

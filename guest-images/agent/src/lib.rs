@@ -2,7 +2,8 @@
 //!
 //! In a guest it boots the userland ([`init`]), reaps every process, and serves DESIGN §4's protocol
 //! ([`strata_guest_proto`]) on AF_VSOCK, one connection at a time ([`serve`]): execs with streamed output and
-//! stdin ([`exec`]), file transfers ([`files`]) and tree listings ([`tree`]), snapshot steps and power-off ([`system`]). Run as an ordinary
+//! stdin ([`exec`]), file transfers ([`files`]) and tree listings ([`tree`]), snapshot steps and power-off
+//! ([`system`]), and, when the host asks, the network egress forwarder ([`egress`]). Run as an ordinary
 //! process (`--unix PATH`) the same code serves one connection over a Unix socket, which is how its tests drive
 //! the whole protocol at full speed.
 //!
@@ -11,9 +12,11 @@
 //! strata-agent --vsock-port N         listen on vsock port N (in a guest, not as PID 1)
 //! strata-agent --unix PATH [--reap-all]
 //!                                     connect to the Unix socket PATH and serve that connection (host mode);
-//!                                     --reap-all reaps orphans too, as a child subreaper
+//!                                     --reap-all reaps orphans too, as a child subreaper; the egress
+//!                                     forwarder's streams go to the Unix socket PATH_<port>
 //! ```
 
+pub mod egress;
 pub mod exec;
 pub mod files;
 pub mod init;
@@ -120,7 +123,7 @@ fn serve_unix(path: &Path, reap_all: bool) -> i32 {
         }
     }
     let agent = match Agent::new(AgentConfig { role: Role::Host, reap_all }) {
-        Ok(agent) => agent,
+        Ok(agent) => agent.with_egress_dial(egress::EgressDial::Unix(path.to_owned())),
         Err(err) => {
             log(&format!("starting: {err}"));
             return 1;

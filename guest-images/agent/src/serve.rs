@@ -19,6 +19,7 @@ use strata_guest_proto::{
     Transport,
 };
 
+use crate::egress::{EgressDial, Forwarder};
 use crate::exec::{self, ExecSink, Running, StdinQueue};
 use crate::files::{self, Writes};
 use crate::reap::Reaper;
@@ -94,6 +95,8 @@ pub enum ServeError {
 pub struct Agent {
     config: AgentConfig,
     reaper: Reaper,
+    /// How the egress forwarder reaches the host ([`crate::egress`]).
+    egress_dial: EgressDial,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -104,7 +107,13 @@ impl Agent {
     /// An agent; with [`AgentConfig::reap_all`] this starts the reaper thread.
     pub fn new(config: AgentConfig) -> std::io::Result<Agent> {
         let reaper = if config.reap_all { Reaper::all()? } else { Reaper::own() };
-        Ok(Agent { config, reaper })
+        Ok(Agent { config, reaper, egress_dial: EgressDial::Vsock })
+    }
+
+    /// Sets how the egress forwarder reaches the host (default: AF_VSOCK to the host).
+    pub fn with_egress_dial(mut self, dial: EgressDial) -> Agent {
+        self.egress_dial = dial;
+        self
     }
 
     /// The configuration.
@@ -133,6 +142,7 @@ impl Agent {
             execs: Arc::new(Mutex::new(HashMap::new())),
             threads: Vec::new(),
             writes: Writes::default(),
+            egress: None,
         };
         let end = session.run(&mut reader);
         // Exec threads blocked writing to a host that stopped reading get an error and finish.
@@ -211,6 +221,8 @@ struct Session<'a, T: Transport> {
     execs: ExecTable,
     threads: Vec<JoinHandle<()>>,
     writes: Writes,
+    /// The egress forwarder, once the host asked for it; stopped when the connection ends.
+    egress: Option<Forwarder>,
 }
 
 impl<T: Transport> Session<'_, T> {
@@ -336,6 +348,20 @@ impl<T: Transport> Session<'_, T> {
                     Err(err) => err.answer(id),
                 })?;
             }
+            HostMessage::StartEgress { id, listen_port, host_port, max_connections } => {
+                let answer = if self.egress.is_some() {
+                    GuestMessage::Error { id: Some(id), message: "the egress forwarder is already running".into() }
+                } else {
+                    match Forwarder::start(self.agent.egress_dial.clone(), listen_port, host_port, max_connections) {
+                        Ok(forwarder) => {
+                            self.egress = Some(forwarder);
+                            GuestMessage::Ack { id }
+                        }
+                        Err(err) => GuestMessage::Error { id: Some(id), message: error_chain(&err) },
+                    }
+                };
+                self.send(answer)?;
+            }
             HostMessage::PowerOff => return Ok(Some(ServeEnd::PowerOff)),
         }
         Ok(None)
@@ -392,8 +418,11 @@ impl<T: Transport> Session<'_, T> {
         Ok(())
     }
 
-    /// Kills what is still running and waits for it; drops unfinished writes.
+    /// Kills what is still running and waits for it; drops unfinished writes; stops the egress forwarder.
     fn end(&mut self) {
+        if let Some(forwarder) = self.egress.take() {
+            forwarder.stop();
+        }
         for entry in lock(&self.execs).values() {
             // SAFETY: kill() takes no pointers; the group is a running exec's.
             unsafe { libc::kill(-entry.pgid, libc::SIGKILL) };

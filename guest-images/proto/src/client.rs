@@ -482,6 +482,11 @@ impl AgentClient {
         self.ack_request(|id| HostMessage::AfterRestore { id, entropy: Entropy(entropy), unix_time_ns })
     }
 
+    /// Asks the agent to start its egress forwarder ([`HostMessage::StartEgress`]) for this connection.
+    pub fn start_egress(&self, listen_port: u16, host_port: u32, max_connections: u32) -> Result<(), ClientError> {
+        self.ack_request(|id| HostMessage::StartEgress { id, listen_port, host_port, max_connections })
+    }
+
     fn ack_request(&self, message: impl FnOnce(RequestId) -> HostMessage) -> Result<(), ClientError> {
         let route = self.shared.open_route()?;
         self.shared.send(&message(route.id))?;
@@ -788,7 +793,8 @@ mod tests {
             | HostMessage::AfterRestore { id, .. }
             | HostMessage::MakeDir { id, .. }
             | HostMessage::MakeSymlink { id, .. }
-            | HostMessage::ListTree { id, .. } => id,
+            | HostMessage::ListTree { id, .. }
+            | HostMessage::StartEgress { id, .. } => id,
             other => panic!("unexpected {other:?}"),
         }
     }

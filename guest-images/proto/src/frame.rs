@@ -255,6 +255,7 @@ mod tests {
             HostMessage::MakeDir { id: RequestId(6), path: "/data/sub".into(), mode: 0o750, empty: true },
             HostMessage::MakeSymlink { id: RequestId(7), path: "/data/link".into(), target: "../x".into() },
             HostMessage::ListTree { id: RequestId(8), path: "/data".into(), max_entries: 100_000 },
+            HostMessage::StartEgress { id: RequestId(9), listen_port: 3128, host_port: 1028, max_connections: 64 },
         ]
     }
 

@@ -30,7 +30,8 @@ pub use transport::{Transport, VsockListener, VsockStream};
 /// The protocol version both sides must speak. Raise it with any change to a message.
 ///
 /// 2: `MakeDir`, `MakeSymlink` and `ListTree` (answered by `TreeEntries` and `TreeDone`), for file grants.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: `StartEgress`, the network egress tunnel.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The largest piece of output, stdin or file data in one message.
 pub const MAX_CHUNK: usize = 64 * 1024;
@@ -47,6 +48,20 @@ const _: () = assert!(MAX_TREE_BATCH * (2 * MAX_PATH + 64) + 64 <= MAX_FRAME);
 
 /// The vsock port the agent listens on unless told otherwise.
 pub const DEFAULT_AGENT_PORT: u32 = 1024;
+
+/// The host vsock port the agent's egress forwarder connects to, one stream per tunnelled connection
+/// ([`HostMessage::StartEgress`]); the vsock device hands each to the Unix socket `<uds>_1028`.
+pub const EGRESS_PORT: u32 = 1028;
+
+/// The guest TCP port (on 127.0.0.1) the agent's egress forwarder listens on: jobs get
+/// `HTTP(S)_PROXY=http://127.0.0.1:3128`.
+pub const EGRESS_LISTEN_PORT: u16 = 3128;
+
+/// The most tunnels [`HostMessage::StartEgress`] may ask for at once.
+pub const MAX_EGRESS_CONNECTIONS: u32 = 1024;
+
+/// Tunnels the host asks for at once by default (and the host proxy's own cap on the egress socket).
+pub const DEFAULT_EGRESS_CONNECTIONS: u32 = 64;
 
 /// An error and its sources, as one line (how both ends of the channel report a failure).
 pub fn error_chain(err: &dyn std::error::Error) -> String {

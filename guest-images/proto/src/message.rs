@@ -139,6 +139,22 @@ pub enum HostMessage {
         /// The most entries the host accepts.
         max_entries: u64,
     },
+    /// Give the jobs of this connection network egress: listen on the guest's `127.0.0.1:<listen_port>` and
+    /// tunnel each accepted TCP connection, byte for byte, over a new stream to the host's egress port (AF_VSOCK
+    /// CID 2 port `host_port` in a guest; `<socket>_<host_port>` when the agent runs over a Unix socket). At most
+    /// `max_connections` tunnels at once; beyond that a client gets `503 Service Unavailable` and is closed.
+    /// Answered by [`GuestMessage::Ack`] once the listener is bound, or [`GuestMessage::Error`] (already started,
+    /// a bad value, the port taken). The forwarder stops when the connection ends; nothing listens unless asked.
+    StartEgress {
+        /// The request.
+        id: RequestId,
+        /// The guest TCP port on 127.0.0.1 (not 0).
+        listen_port: u16,
+        /// The host's egress port.
+        host_port: u32,
+        /// Tunnels open at once, at most (1..=[`crate::MAX_EGRESS_CONNECTIONS`]).
+        max_connections: u32,
+    },
 }
 
 /// A program to run.
@@ -489,6 +505,7 @@ impl HostMessage {
             HostMessage::MakeDir { .. } => "MakeDir",
             HostMessage::MakeSymlink { .. } => "MakeSymlink",
             HostMessage::ListTree { .. } => "ListTree",
+            HostMessage::StartEgress { .. } => "StartEgress",
         }
     }
 }
