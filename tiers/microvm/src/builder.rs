@@ -15,7 +15,7 @@
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -285,6 +285,12 @@ impl Microvm {
     /// The console log.
     pub fn serial(&self) -> &SerialLog {
         &self.serial
+    }
+
+    /// The host Unix socket of the VM's vsock device (host-initiated connections; guest connections to port `P`
+    /// go to `<it>_<P>`).
+    pub fn vsock_socket(&self) -> &Path {
+        &self.vsock_uds
     }
 
     /// Whether a vCPU has stopped on its own (the guest rebooted or crashed).

@@ -14,22 +14,39 @@
 //! `/dev`); writing inside a read-only grant is refused. A file written inside a read-write grant reaches the host
 //! with the next copy-back, like anything a job writes there.
 //!
+//! **Network egress** (DESIGN §3: no NIC; the agent's forwarder tunnels over vsock). With [`Net::Allow`] the
+//! session starts a host egress proxy ([`strata_egress`]) with the allowlist, listening on the Unix socket where
+//! the guest's streams to vsock port [`EGRESS_PORT`] arrive ([`AgentHost::egress_path`]: the vsock device
+//! connects each guest stream to `<uds>_1028`, so the device's muxer is the host relay and the proxy serves the
+//! streams directly), then asks the agent to start its forwarder ([`AgentClient::start_egress`]) on the guest's
+//! `127.0.0.1:3128`, which opens one vsock stream per accepted connection. Jobs get `HTTP_PROXY`, `HTTPS_PROXY`,
+//! `http_proxy`, `https_proxy` = `http://127.0.0.1:3128` and `NO_PROXY`, `no_proxy` empty (the capabilities' own
+//! variables may override them); each job's proxy records (drained when it ends, after its last connections
+//! close) are its Outcome's `egress`. Both ends cap the tunnels at [`DEFAULT_EGRESS_CONNECTIONS`] (the agent and
+//! the proxy each answer `503` beyond it), so a guest that opens vsock streams itself gains nothing; the proxy
+//! judges every request whoever sent it. With [`Net::Deny`] nothing listens on either side. The proxy stops when
+//! the session ends (its thread joined, its socket removed).
+//!
 //! A snapshot ([`Session::snapshot`]) asks the agent to quiesce (refused while an exec runs; it syncs the guest's
 //! filesystems), then the host saves the whole guest ([`AgentHost::snapshot`]) with the session's description in
 //! the manifest's meta: the capabilities with secrets by name only (`secret_names`; their values are never
 //! written by Strata), the limits and where jobs start. Secret values a job had in its environment may still be
 //! in the guest's memory, which the snapshot holds whole: a microVM snapshot is as sensitive as the sandbox.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use strata_core::{
-    Capabilities, ExecOptions, GrantMode, Job, LimitKind, Limits, Outcome, OutputSink, Persisted, PythonSource,
-    Sandbox, Snapshot, Status, Stream, TierError, TierKind, Truncated, Usage,
+    Capabilities, EgressEntry, ExecOptions, GrantMode, Job, LimitKind, Limits, Net, Outcome, OutputSink, Persisted,
+    PythonSource, Sandbox, Snapshot, Status, Stream, TierError, TierKind, Truncated, Usage,
 };
-use strata_guest_proto::{AgentClient, ClientError, ExecEvent, ExecLimits, ExecRequest, ExitStatus, OutputStream};
+use strata_egress::{Allowlist, AllowlistError, EgressConfig, EgressHandle, EgressProxy};
+use strata_guest_proto::{
+    AgentClient, ClientError, DEFAULT_EGRESS_CONNECTIONS, EGRESS_PORT, ExecEvent, ExecLimits, ExecRequest, ExitStatus,
+    OutputStream,
+};
 use strata_wasi_shims::OutputCapture;
 
 use crate::grants::{self, GrantError, HostTree};
@@ -57,6 +74,31 @@ pub const MAX_READ: u64 = 256 * 1024 * 1024;
 /// How long the agent has to report a killed job's exit before the job is given up on.
 const KILL_GRACE: Duration = Duration::from_secs(2);
 
+/// How long the end of a job waits for its last tunnelled connections to finish before reading the egress log.
+const EGRESS_SETTLE: Duration = Duration::from_millis(500);
+
+/// Where a guest's egress tunnel reaches the host, and where its forwarder listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressPath {
+    /// The Unix socket the guest's streams to vsock port [`EGRESS_PORT`] arrive at (`<uds>_1028`); the session's
+    /// egress proxy binds it.
+    pub socket: PathBuf,
+    /// The guest TCP port on 127.0.0.1 the agent's forwarder listens on (jobs' `HTTP_PROXY`):
+    /// [`strata_guest_proto::EGRESS_LISTEN_PORT`] in a VM.
+    pub listen_port: u16,
+}
+
+/// The allowlist of `net`: `None` for [`Net::Deny`]; a malformed entry is a `wrong_format` error.
+pub fn egress_allowlist(net: &Net) -> Result<Option<Allowlist>, TierError> {
+    let Net::Allow(specs) = net else { return Ok(None) };
+    Allowlist::parse(specs).map(Some).map_err(|err| match err {
+        AllowlistError::Malformed { spec, why } => TierError::WrongFormat {
+            what: format!("--allow-net {spec:?} ({why})"),
+            expected: "a HOST[:PORT] allowlist entry",
+        },
+    })
+}
+
 /// Where a session's agent lives: a booted microVM, or a host process serving the agent over a Unix socket (tests).
 /// The session drives the agent; the host only owns the guest's life.
 pub trait AgentHost: Send {
@@ -71,6 +113,12 @@ pub trait AgentHost: Send {
     /// The directory jobs start in.
     fn workdir(&self) -> &str {
         DEFAULT_WORKDIR
+    }
+
+    /// Where the guest's egress tunnel reaches the host; `None` when this guest has none (then a session with
+    /// network is refused as unsupported).
+    fn egress_path(&self) -> Option<EgressPath> {
+        None
     }
 
     /// Saves the whole guest, its agent quiesced, into a new snapshot directory at `destination` (with `extra`
@@ -106,6 +154,8 @@ pub struct Session<H: AgentHost> {
     parent: Option<String>,
     /// Why the session can run nothing more.
     ended: Option<String>,
+    /// The egress proxy and the guest port of the agent's forwarder, with network.
+    egress: Option<(EgressHandle, u16)>,
 }
 
 impl<H: AgentHost> Session<H> {
@@ -125,29 +175,58 @@ impl<H: AgentHost> Session<H> {
         limits: &Limits,
         trees: &[HostTree],
     ) -> Result<Session<H>, TierError> {
-        let session = Session::resumed(host, client, caps, limits, None);
+        let session = Session::resumed(host, client, caps, limits, None)?;
         for (grant, tree) in caps.grants.iter().zip(trees) {
             grants::copy_in(session.agent()?, tree, &grant.guest).map_err(grant_error)?;
         }
         Ok(session)
     }
 
-    /// A session over a guest that already holds its grants (a fork of a snapshot whose id is `parent`).
+    /// A session over a guest that already holds its grants (a fork of a snapshot whose id is `parent`). With
+    /// network, its egress proxy and the agent's forwarder are started.
     pub fn resumed(
         host: H,
         client: AgentClient,
         caps: &Capabilities,
         limits: &Limits,
         parent: Option<String>,
-    ) -> Session<H> {
-        Session {
+    ) -> Result<Session<H>, TierError> {
+        let mut session = Session {
             host: Some(host),
             client: Some(client),
             caps: caps.clone(),
             limits: limits.clone(),
             parent,
             ended: None,
-        }
+            egress: None,
+        };
+        session.start_egress()?;
+        Ok(session)
+    }
+
+    /// With [`Net::Allow`]: the host egress proxy on the guest's egress socket, then the agent's forwarder.
+    fn start_egress(&mut self) -> Result<(), TierError> {
+        let Some(allowlist) = egress_allowlist(&self.caps.net)? else { return Ok(()) };
+        let path = self
+            .host
+            .as_ref()
+            .and_then(AgentHost::egress_path)
+            .ok_or_else(|| unsupported("network egress on a guest without an egress tunnel"))?;
+        let config = EgressConfig::new(allowlist)
+            .with_unix_socket(&path.socket)
+            .with_max_connections(DEFAULT_EGRESS_CONNECTIONS as usize);
+        let proxy = EgressProxy::start(config)
+            .map_err(|err| internal(format!("egress proxy: {}", strata_guest_proto::error_chain(&err))))?;
+        self.agent()?
+            .start_egress(path.listen_port, EGRESS_PORT, DEFAULT_EGRESS_CONNECTIONS)
+            .map_err(|err| internal(format!("starting the guest's egress forwarder: {err}")))?;
+        self.egress = Some((proxy, path.listen_port));
+        Ok(())
+    }
+
+    /// The session's egress proxy, with network.
+    pub fn egress_proxy(&self) -> Option<&EgressHandle> {
+        self.egress.as_ref().map(|(proxy, _)| proxy)
     }
 
     /// The id of the snapshot this session was forked from, if it was.
@@ -201,6 +280,13 @@ impl<H: AgentHost> Session<H> {
         let stdout = OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), sink.clone());
         let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, sink);
         let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        if let Some((_, port)) = &self.egress {
+            let url = format!("http://127.0.0.1:{port}");
+            for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+                env.push((name.to_owned(), url.clone()));
+            }
+            env.extend([("NO_PROXY".to_owned(), String::new()), ("no_proxy".to_owned(), String::new())]);
+        }
         for var in caps.guest_env() {
             env.retain(|(k, _)| *k != var.name);
             env.push((var.name.clone(), var.value.clone()));
@@ -298,6 +384,10 @@ impl<H: AgentHost> Session<H> {
         };
         let (out, err) = (stdout.finish(), stderr.finish());
         let cap = limits.output.0;
+        let egress: Vec<EgressEntry> = match &self.egress {
+            Some((proxy, _)) => proxy.drain_records_settled(EGRESS_SETTLE).into_iter().map(EgressEntry::from).collect(),
+            None => Vec::new(),
+        };
         Ok(Outcome {
             tier: TierKind::Microvm,
             status,
@@ -315,7 +405,7 @@ impl<H: AgentHost> Session<H> {
             escalations: Vec::new(),
             tools: Vec::new(),
             route: None,
-            egress: Vec::new(),
+            egress,
         })
     }
 
@@ -332,6 +422,8 @@ impl<H: AgentHost> Session<H> {
         if let Some(host) = self.host.take() {
             host.shut_down();
         }
+        // After the guest: nothing can reach the proxy any more.
+        self.egress = None;
         self.ended.get_or_insert_with(|| "the sandbox was closed".into());
     }
 }

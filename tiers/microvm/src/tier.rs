@@ -26,7 +26,10 @@
 //! recorded capabilities and limits; a snapshot taken with secrets is refused by [`Tier::fork`] (their values were
 //! never written) and forked with [`MicrovmTier::fork_with`] and the capabilities.
 //!
-//! Not built yet on this tier: network egress and host tools — each a typed `unsupported` error.
+//! Network egress: [`crate::session`] (a host egress proxy per sandbox on the vsock socket's `_1028` path, the
+//! agent's forwarder on the guest's `127.0.0.1:3128`).
+//!
+//! Not built yet on this tier: host tools — a typed `unsupported` error.
 //!
 //! It needs hardware KVM; the engine only builds it where `strata doctor` finds it.
 
@@ -38,13 +41,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 use strata_core::{
-    Capabilities, ExecOptions, Job, LimitKind, Limits, Net, Outcome, Sandbox, Snapshot, Status, Tier, TierError,
-    TierKind,
+    Capabilities, ExecOptions, Job, LimitKind, Limits, Outcome, Sandbox, Snapshot, Status, Tier, TierError, TierKind,
 };
 use strata_guest_proto::{AgentClient, Entropy};
 
 use crate::builder::{BuildError, GUEST_CID, Microvm, MicrovmConfig};
-use crate::session::{AgentHost, PreparedJob, Session, ended, internal, over_disk_limit, scan_grants, unsupported};
+use crate::session::{
+    AgentHost, EgressPath, PreparedJob, Session, egress_allowlist, ended, internal, over_disk_limit, scan_grants,
+    unsupported,
+};
 use crate::snapshot::{SnapshotExtra, VmSnapshot, VmSnapshotError};
 use crate::vstate::vcpu::cpuid::CpuidProfile;
 
@@ -104,6 +109,12 @@ impl AgentHost for MicrovmGuest {
 
     fn console_tail(&self) -> String {
         self.vm.console_tail(20)
+    }
+
+    fn egress_path(&self) -> Option<EgressPath> {
+        let mut socket = self.vm.vsock_socket().as_os_str().to_owned();
+        socket.push(format!("_{}", strata_guest_proto::EGRESS_PORT));
+        Some(EgressPath { socket: socket.into(), listen_port: strata_guest_proto::EGRESS_LISTEN_PORT })
     }
 
     fn snapshot(
@@ -172,9 +183,7 @@ impl MicrovmTier {
     }
 
     fn check_caps(caps: &Capabilities) -> Result<(), TierError> {
-        if let Net::Allow(_) = caps.net {
-            return Err(unsupported("network egress (the vsock egress tunnel is not built yet)"));
-        }
+        egress_allowlist(&caps.net)?;
         if !caps.tools.is_empty() {
             return Err(unsupported("host tools"));
         }
@@ -264,7 +273,7 @@ impl MicrovmTier {
         let client = guest.vm.connect_agent(RECONNECT_TIMEOUT).map_err(internal)?;
         after_restore(&client)?;
         let parent = Some(snapshot.manifest.id.clone());
-        Ok(Session::resumed(guest, client, caps, limits, parent))
+        Session::resumed(guest, client, caps, limits, parent)
     }
 }
 

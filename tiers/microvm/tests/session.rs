@@ -5,6 +5,7 @@
 //! KVM only: elsewhere its test prints one skip line.
 
 mod agent_process;
+mod egress;
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -16,7 +17,7 @@ use strata_core::{
     Snapshot, SnapshotWriter, Status, Tier, TierError, TierKind,
 };
 use strata_guest_proto::{AgentClient, ClientError, ExecLimits, ExecRequest};
-use strata_tier_microvm::session::{AgentHost, Session};
+use strata_tier_microvm::session::{AgentHost, EgressPath, Session};
 use strata_tier_microvm::snapshot::SnapshotExtra;
 use strata_tier_microvm::tier::{MicrovmTier, MicrovmTierConfig};
 use strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile;
@@ -28,6 +29,9 @@ struct ProcessAgent {
     workdir: String,
     /// Meta keys the fake snapshot adds (what the VM adds: its images).
     images: serde_json::Value,
+    /// Where the agent's egress streams arrive (`<agent socket>_1028`, as the vsock device names a guest's
+    /// connection to port 1028) and a free port for its forwarder (the host's loopback is shared by the tests).
+    egress: EgressPath,
     _dir: tempfile::TempDir,
 }
 
@@ -36,7 +40,11 @@ impl ProcessAgent {
     fn spawn(workdir: &Path) -> Option<(ProcessAgent, AgentClient)> {
         let agent_process::Spawned { child, client, dir } = agent_process::spawn()?;
         let workdir = workdir.to_str().expect("utf-8").to_owned();
-        Some((ProcessAgent { child, workdir, images: serde_json::json!({"kernel": "none"}), _dir: dir }, client))
+        let socket = dir.path().join(format!("agent.sock_{}", strata_guest_proto::EGRESS_PORT));
+        let listen_port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let egress = EgressPath { socket, listen_port };
+        let images = serde_json::json!({"kernel": "none"});
+        Some((ProcessAgent { child, workdir, images, egress, _dir: dir }, client))
     }
 }
 
@@ -47,6 +55,10 @@ impl AgentHost for ProcessAgent {
 
     fn workdir(&self) -> &str {
         &self.workdir
+    }
+
+    fn egress_path(&self) -> Option<EgressPath> {
+        Some(self.egress.clone())
     }
 
     /// What the VM does, minus the VM: the manifest and meta of a microVM snapshot around a placeholder file.
@@ -106,11 +118,16 @@ impl Fixture {
 
     /// A session over the real agent, grants copied in.
     fn session(&self, limits: &Limits) -> Option<(Session<ProcessAgent>, u32)> {
+        self.session_with(&self.caps(), limits)
+    }
+
+    /// A session over the real agent with these capabilities.
+    fn session_with(&self, caps: &Capabilities, limits: &Limits) -> Option<(Session<ProcessAgent>, u32)> {
         let work = self.guest_root.path().join("work");
         fs::create_dir_all(&work).expect("workdir");
         let (agent, client) = ProcessAgent::spawn(&work)?;
         let pid = agent.child.id();
-        Some((Session::start(agent, client, &self.caps(), limits).expect("session"), pid))
+        Some((Session::start(agent, client, caps, limits).expect("session"), pid))
     }
 }
 

@@ -30,7 +30,18 @@ pub fn spawn() -> Option<Spawned> {
     fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).expect("chmod");
     let socket = dir.path().join("agent.sock");
     let listener = UnixListener::bind(&socket).expect("bind");
-    let child = Command::new(&exe).arg("--unix").arg(&socket).spawn().expect("spawn agent");
+    // ETXTBSY: another test thread forked while this one still had the binary open for writing, and the child
+    // holds that descriptor until it execs; it goes away at once.
+    let mut tries = 0;
+    let child = loop {
+        match Command::new(&exe).arg("--unix").arg(&socket).spawn() {
+            Err(err) if err.raw_os_error() == Some(libc::ETXTBSY) && tries < 50 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => break other.expect("spawn agent"),
+        }
+    };
     let (stream, _) = listener.accept().expect("accept");
     let client = AgentClient::connect(stream, ClientConfig::default()).expect("connect");
     Some(Spawned { child, client, dir })
