@@ -111,7 +111,7 @@ impl JobRequest {
         let invalid = |message: &str| ApiError::bad_request("invalid_job", message);
         match (&self.command, &self.python) {
             (Some(argv), None) => {
-                if argv.is_empty() || argv[0].is_empty() {
+                if argv.first().is_none_or(|program| program.is_empty()) {
                     return Err(invalid("command must name a program"));
                 }
                 if argv.iter().any(|a| a.contains('\0')) {

@@ -427,12 +427,14 @@ fn envelope(flags: u8, body: &Value) -> Bytes {
 
 /// The JSON message of a request made of one uncompressed envelope.
 fn parse_envelope(body: &[u8]) -> Result<Value, String> {
-    let header = body.get(..5).ok_or("the request is shorter than a Connect envelope")?;
-    if header[0] & 1 != 0 {
+    let Some((&[flags, a, b, c, d], rest)) = body.split_first_chunk::<5>() else {
+        return Err("the request is shorter than a Connect envelope".to_owned());
+    };
+    if flags & 1 != 0 {
         return Err("compressed envelopes are not supported".to_owned());
     }
-    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
-    let payload = body.get(5..5 + len).ok_or("the envelope is longer than the request")?;
+    let len = usize::try_from(u32::from_be_bytes([a, b, c, d])).map_err(|e| e.to_string())?;
+    let payload = rest.get(..len).ok_or("the envelope is longer than the request")?;
     serde_json::from_slice(payload).map_err(|e| format!("invalid message: {e}"))
 }
 
