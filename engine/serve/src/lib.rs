@@ -4,6 +4,8 @@
 //! - the native API under `/v1` ([`api`]): sandboxes (create, list, get, delete, set timeout), jobs in them (exec,
 //!   and exec streamed over a WebSocket, [`ws`]), one-shot runs, files, snapshots and forks; JSON everywhere, errors
 //!   as `{"error":{"code":"...","message":"..."}}` ([`ApiError`]); its OpenAPI document at `/v1/openapi.json`;
+//! - the E2B-compatible subset the official E2B SDK uses unmodified ([`e2b`]): its control plane, the in-sandbox
+//!   agent (envd: Connect-RPC process calls, files, health) and the code interpreter's `/execute`;
 //! - `/metrics` in the Prometheus text format ([`metrics`]) and `/health`.
 //!
 //! Requests carry an API key (`Authorization: Bearer KEY` or `X-API-Key: KEY`) checked against a file of hashed keys
