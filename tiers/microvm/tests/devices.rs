@@ -1307,3 +1307,57 @@ fn vsock_snapshot_restore_sends_transport_reset() {
     let got = recv_some(&mut d, &mut guest);
     assert_eq!((got[0].hdr.op, got[0].hdr.dst_cid), (OP_REQUEST, 4));
 }
+
+/// The egress tunnel's host half: a guest stream to port 1028 is connected by the muxer to `<uds>_1028`, where a
+/// sandbox's egress proxy listens; the proxy judges what the guest sends.
+#[test]
+fn vsock_guest_streams_to_the_egress_port_reach_the_egress_proxy() {
+    use strata_egress::{Allowlist, EgressConfig, EgressProxy};
+    let origin = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let origin_port = origin.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in origin.incoming() {
+            let mut stream = stream.unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello");
+        }
+    });
+    let mem = memory();
+    let setup = VsockSetup::new();
+    let port = strata_guest_proto::EGRESS_PORT;
+    let allow = Allowlist::parse([format!("127.0.0.1:{origin_port}")]).unwrap();
+    let proxy =
+        EgressProxy::start(EgressConfig::new(allow).with_unix_socket(format!("{}_{port}", setup.uds().display())))
+            .unwrap();
+    let (mut d, mut guest) = setup.driver(&mem);
+
+    let mut fetch = |guest_port: u32, host: &str| -> String {
+        guest.send(&mut d, guest.hdr(OP_REQUEST, guest_port, port), &[]);
+        assert_eq!(guest.recv(&mut d)[0].hdr.op, OP_RESPONSE);
+        let request = format!("GET http://{host}/ HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        let mut hdr = guest.hdr(OP_RW, guest_port, port);
+        hdr.len = request.len() as u32;
+        guest.send(&mut d, hdr, request.as_bytes());
+        let mut answer = Vec::new();
+        loop {
+            let got = recv_some(&mut d, &mut guest);
+            answer.extend(got.iter().filter(|p| p.hdr.op == OP_RW).flat_map(|p| p.data.clone()));
+            if got.iter().any(|p| p.hdr.op == OP_SHUTDOWN || p.hdr.op == OP_RST) {
+                break;
+            }
+        }
+        guest.send(&mut d, guest.hdr(OP_RST, guest_port, port), &[]);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let allowed = fetch(40_000, &format!("127.0.0.1:{origin_port}"));
+    assert!(allowed.starts_with("HTTP/1.1 200") && allowed.ends_with("hello"), "{allowed}");
+    let denied = fetch(40_001, "example.com:80");
+    assert!(denied.starts_with("HTTP/1.1 403"), "{denied}");
+    let records = proxy.drain_records_settled(Duration::from_secs(2));
+    let verdicts: Vec<&str> = records.iter().map(|r| r.verdict.as_str()).collect();
+    assert_eq!(verdicts, ["allowed", "denied"], "{records:?}");
+}
