@@ -180,6 +180,17 @@ fn limits_are_the_forks_and_the_zygote_survives_them() {
         ExecOptions { limits: Some(Limits { output: ByteSize(1000), ..Limits::default() }), ..ExecOptions::default() };
     let out = zygote.fork_python("print('x' * 100000)", &output).expect("fork");
     assert!(out.truncated.stdout && out.stdout.len() <= 1000, "{out:?}");
+    // Another disk limit than the zygote's: a fork made for the request, its tmpfs that size.
+    let disk =
+        ExecOptions { limits: Some(Limits { disk: ByteSize(4 << 20), ..Limits::default() }), ..ExecOptions::default() };
+    let out = zygote
+        .fork_python(
+            "open('/tmp/small', 'wb').write(bytes(1 << 20))\nopen('/tmp/big', 'wb').write(bytes(8 << 20))",
+            &disk,
+        )
+        .expect("fork");
+    assert_eq!(out.status, Status::Exited { code: 1 }, "{out:?}");
+    assert!(text(&out.stderr).contains("No space left on device"), "{}", text(&out.stderr));
     assert_eq!(ok(&fork(&zygote, "print(x)")), "41\n");
     zygote.close();
 }

@@ -26,7 +26,6 @@
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use strata_core::{Capabilities, ExecOptions, Job, Limits, Net, Outcome, PythonSource, Status, TierError, TierKind};
 use strata_jail::proto::Fork;
@@ -74,7 +73,6 @@ pub struct ProcessZygote {
     caps: Capabilities,
     limits: Limits,
     python: bool,
-    forks: AtomicU64,
 }
 
 impl ProcessTier {
@@ -147,7 +145,6 @@ impl ProcessTier {
             caps: caps.clone(),
             limits: limits.clone(),
             python,
-            forks: AtomicU64::new(0),
         };
         Ok((zygote, setup_outcome))
     }
@@ -212,8 +209,7 @@ impl ProcessZygote {
                 return Err(err);
             }
         };
-        let n = self.forks.fetch_add(1, Ordering::Relaxed);
-        let request = Fork { hostname: format!("strata-fork-{n}"), scratch_bytes: limits.disk.0 };
+        let request = Fork { scratch_bytes: limits.disk.0 };
         let forked = {
             let mut jail = self.jail.lock().map_err(|_| internal("the zygote's jail lock is poisoned"))?;
             jail.fork(&request, [stdin_r.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()], status_w.as_fd(), &cgroup_files)

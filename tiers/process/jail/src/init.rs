@@ -177,7 +177,7 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
         return 1;
     }
     let zygote = match setup.zygote.then(seccomp::zygote_filter).transpose() {
-        Ok(filter) => filter.map(|filter| zygote::Zygote::new(filter, setup.binds.clone())),
+        Ok(filter) => filter.map(|filter| zygote::Zygote::new(filter, setup.binds.clone(), setup.scratch_bytes)),
         Err(err) => return fail(&ctl, "seccomp", err.to_string()),
     };
     Init { ctl, userns, upper, one_shot: setup.one_shot, job: None, forwarder, zygote }.serve()
@@ -450,7 +450,9 @@ impl Init {
             if let Some(forwarder) = &self.forwarder {
                 forwarder.poll_fds(&mut fds);
             }
-            match poll(&mut fds, PollTimeout::NONE) {
+            // With forks to make ahead, only look: one is made after whatever is ready now was handled.
+            let refill = self.zygote.as_ref().is_some_and(zygote::Zygote::wants_refill);
+            match poll(&mut fds, if refill { PollTimeout::ZERO } else { PollTimeout::NONE }) {
                 Ok(_) | Err(Errno::EINTR) => {}
                 Err(_) => return 1,
             }
@@ -486,6 +488,13 @@ impl Init {
                     Ok(Some((HostFrame::Shutdown, _))) => return 0,
                     Ok(Some((frame, fds))) => self.handle(frame, fds),
                 }
+            }
+            if !ctl_ready
+                && !child_ready
+                && let Some(zygote) = &mut self.zygote
+                && zygote.wants_refill()
+            {
+                zygote.refill(self.userns.as_ref());
             }
         }
     }

@@ -117,8 +117,6 @@ pub struct Setup {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Fork {
-    /// The fork's hostname.
-    pub hostname: String,
     /// Size of the fork's private tmpfs (its writable layer over the zygote's filesystem, its `/dev/shm`).
     pub scratch_bytes: u64,
 }

@@ -104,12 +104,33 @@ enum State {
     Gone,
 }
 
-/// PID 1's zygote: its state and its forks' status pipes.
+/// A fork made ahead of its request: cloned, its ID maps written, its root built, its working directory set and
+/// its capabilities dropped, descriptors above 2 closed but the fork channel's — held stopped until a request
+/// gives it its streams and its cgroup.
+#[derive(Debug)]
+struct Prepared {
+    tracee: Tracee,
+    /// Its scratch page (still mapped; unmapped once the request's steps are done).
+    page: u64,
+    /// Its tmpfs's size.
+    scratch_bytes: u64,
+}
+
+/// How many forks are kept made ahead of their requests.
+const POOL: usize = 2;
+
+/// PID 1's zygote: its state, the forks made ahead, and its forks' status pipes.
 #[derive(Debug)]
 pub struct Zygote {
     filter: BpfProgram,
     binds: Vec<Bind>,
+    /// The jail's tmpfs size: what forks made ahead get (a request for another size gets a fork made for it).
+    scratch_bytes: u64,
     state: State,
+    pool: Vec<Prepared>,
+    /// Set when making a fork ahead failed: no more are made ahead (each request then makes its own, and reports).
+    pool_failed: bool,
+    made: u64,
     forks: HashMap<i32, OwnedFd>,
 }
 
@@ -123,8 +144,30 @@ fn inject_failed(stage: &'static str) -> impl FnOnce(InjectError) -> JailFrame {
 
 impl Zygote {
     /// A zygote jail's, before the zygote starts.
-    pub fn new(filter: BpfProgram, binds: Vec<Bind>) -> Zygote {
-        Zygote { filter, binds, state: State::Unused, forks: HashMap::new() }
+    pub fn new(filter: BpfProgram, binds: Vec<Bind>, scratch_bytes: u64) -> Zygote {
+        Zygote {
+            filter,
+            binds,
+            scratch_bytes,
+            state: State::Unused,
+            pool: Vec::new(),
+            pool_failed: false,
+            made: 0,
+            forks: HashMap::new(),
+        }
+    }
+
+    /// Whether a fork should be made ahead now (PID 1 does it when it has nothing else to do).
+    pub fn wants_refill(&self) -> bool {
+        matches!(self.state, State::Ready(_)) && !self.pool_failed && self.pool.len() < POOL
+    }
+
+    /// Makes one fork ahead of its request.
+    pub fn refill(&mut self, userns: Option<&UserNamespace>) {
+        match self.make_ahead(self.scratch_bytes, userns) {
+            Ok(prepared) => self.pool.push(prepared),
+            Err(_) => self.pool_failed = true,
+        }
     }
 
     /// The zygote's extra seccomp filter.
@@ -220,6 +263,10 @@ impl Zygote {
         };
         if is_zygote {
             self.state = State::Gone;
+            // Forks made ahead are killed (and reaped) as they are dropped.
+            for prepared in self.pool.drain(..) {
+                drop(KillOnDrop(Some(prepared.tracee.pid())));
+            }
         }
         if let Some(status) = self.forks.remove(&pid.as_raw()) {
             let frame = serde_json::to_vec(&JailFrame::Exited { code, signal }).unwrap_or_default();
@@ -227,24 +274,64 @@ impl Zygote {
         }
     }
 
-    /// Forks the zygote (see the module's documentation). `fds`: stdin, stdout, stderr, status, cgroup files.
+    /// Forks the zygote (see the module's documentation): takes a fork made ahead (or makes one), gives it its
+    /// streams and its cgroup, checks it and lets it run. `fds`: stdin, stdout, stderr, status, cgroup files.
     pub fn fork(
         &mut self,
         request: &Fork,
         fds: Vec<OwnedFd>,
         userns: Option<&UserNamespace>,
     ) -> Result<(Pid, OwnedFd), JailFrame> {
-        let State::Ready(held) = &self.state else {
+        if !matches!(self.state, State::Ready(_)) {
             return Err(failed("zygote", "there is no zygote ready to fork (it was refused, or it ended)"));
-        };
-        if fds.len() < 4 {
-            return Err(failed("protocol", format!("{} descriptors, expected at least 4", fds.len())));
+        }
+        if fds.len() < 4 || fds.len() > 4 + MAX_CGROUP_FILES {
+            return Err(failed(
+                "protocol",
+                format!("{} descriptors, expected 4 to {}", fds.len(), 4 + MAX_CGROUP_FILES),
+            ));
         }
         let mut fds = fds.into_iter();
         let stdio: Vec<OwnedFd> = fds.by_ref().take(3).collect();
         let status = fds.next().expect("counted");
         let cgroup_files: Vec<OwnedFd> = fds.collect();
+        let ahead = self.pool.iter().position(|p| p.scratch_bytes == request.scratch_bytes);
+        let prepared = match ahead {
+            Some(at) => self.pool.remove(at),
+            None => self.make_ahead(request.scratch_bytes, userns)?,
+        };
+        let State::Ready(held) = &self.state else {
+            return Err(failed("zygote", "the zygote ended"));
+        };
+        let pid = prepared.tracee.pid();
+        let child = KillOnDrop(Some(pid));
+        let mut streams = stdio.iter().map(|fd| fd.as_fd()).collect::<Vec<_>>();
+        streams.extend(cgroup_files.iter().map(|fd| fd.as_fd()));
+        let sent = send_fds(&held.channel, &streams);
+        let given = sent.and_then(|()| give_streams(&prepared, cgroup_files.len()));
+        if let Err(err) = given {
+            drain(&held.channel_peer);
+            return Err(err);
+        }
+        verify(pid, held.tracee.pid(), &stdio)?;
+        // SAFETY: pidfd_open takes a PID and flags; the returned descriptor is new and owned here.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
+        if raw < 0 {
+            return Err(failed("pidfd", Errno::last().desc()));
+        }
+        // SAFETY: pidfd_open just returned this descriptor.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(raw as RawFd) };
+        prepared.tracee.release(&held.resume).map_err(inject_failed("release"))?;
+        child.disarm();
+        self.forks.insert(pid.as_raw(), status);
+        Ok((pid, pidfd))
+    }
 
+    /// Makes a fork up to the point where only its streams and cgroup are missing (see [`Prepared`]).
+    fn make_ahead(&mut self, scratch_bytes: u64, userns: Option<&UserNamespace>) -> Result<Prepared, JailFrame> {
+        let State::Ready(held) = &self.state else {
+            return Err(failed("zygote", "there is no zygote ready to fork (it was refused, or it ended)"));
+        };
         let (rc, _) = held.tracee.syscall(libc::SYS_clone, [FORK_CLONE_FLAGS, 0, 0, 0, 0, 0]).map_err(|err| {
             // The zygote died under us, or is unusable: no fork will work again.
             failed("clone", err)
@@ -256,32 +343,12 @@ impl Zygote {
         let child = KillOnDrop(Some(pid));
         let tracee = Tracee::adopt_child(&held.tracee, pid, "/proc").map_err(inject_failed("clone"))?;
         write_id_maps(pid, userns)?;
-        build_fork(pid, request, &self.binds, userns)?;
-        let sent = send_stdio(&held.channel, &stdio);
-        let injected = sent.and_then(|()| inject_setup(&tracee, &held.cwd));
-        if let Err(err) = injected {
-            drain(&held.channel_peer);
-            return Err(err);
-        }
-        verify(pid, held.tracee.pid(), &stdio)?;
-        for file in &cgroup_files {
-            if let Err(err) = fs::File::from(file.try_clone().map_err(|e| failed("cgroup", e))?)
-                .write_all(pid.as_raw().to_string().as_bytes())
-            {
-                return Err(failed("cgroup", err));
-            }
-        }
-        // SAFETY: pidfd_open takes a PID and flags; the returned descriptor is new and owned here.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
-        if raw < 0 {
-            return Err(failed("pidfd", Errno::last().desc()));
-        }
-        // SAFETY: pidfd_open just returned this descriptor.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(raw as RawFd) };
-        tracee.release(&held.resume).map_err(inject_failed("release"))?;
+        self.made += 1;
+        let hostname = format!("strata-fork-{}", self.made);
+        build_fork(pid, &hostname, scratch_bytes, &self.binds, userns)?;
+        let page = drop_privileges(&tracee, &held.cwd)?;
         child.disarm();
-        self.forks.insert(pid.as_raw(), status);
-        Ok((pid, pidfd))
+        Ok(Prepared { tracee, page, scratch_bytes })
     }
 }
 
@@ -417,7 +484,13 @@ fn open_ns(pid: Pid, name: &str) -> Result<fs::File, JailFrame> {
 }
 
 /// Builds the fork's root and identity from helpers that join its namespaces (see the module documentation).
-fn build_fork(pid: Pid, request: &Fork, binds: &[Bind], userns: Option<&UserNamespace>) -> Result<(), JailFrame> {
+fn build_fork(
+    pid: Pid,
+    hostname: &str,
+    scratch_bytes: u64,
+    binds: &[Bind],
+    userns: Option<&UserNamespace>,
+) -> Result<(), JailFrame> {
     let pid_ns = open_ns(pid, "pid")?;
     let mnt_ns = open_ns(pid, "mnt")?;
     let uts_ns = open_ns(pid, "uts")?;
@@ -429,10 +502,10 @@ fn build_fork(pid: Pid, request: &Fork, binds: &[Bind], userns: Option<&UserName
             let proc = fs_mount_proc().map_err(errno_text("procfs"))?;
             setns(&mnt_ns, CloneFlags::CLONE_NEWNS).map_err(errno_text("joining the fork's mount namespace"))?;
             setns(&uts_ns, CloneFlags::CLONE_NEWUTS).map_err(errno_text("joining the fork's UTS namespace"))?;
-            sethostname(&request.hostname).map_err(errno_text("hostname"))?;
+            sethostname(hostname).map_err(errno_text("hostname"))?;
             setns(&net_ns, CloneFlags::CLONE_NEWNET).map_err(errno_text("joining the fork's network namespace"))?;
             loopback_up().map_err(errno_text("loopback"))?;
-            build_root(&proc, request, binds, userns)
+            build_root(&proc, scratch_bytes, binds, userns)
                 .map_err(|StepError { stage, message }| format!("{stage}: {message}"))
         })
     })
@@ -474,8 +547,13 @@ fn fs_mount_proc() -> Result<OwnedFd, Errno> {
 }
 
 /// In the fork's mount namespace: its tmpfs, overlay, procfs, `/dev`, grants, then `pivot_root`.
-fn build_root(proc: &OwnedFd, request: &Fork, binds: &[Bind], userns: Option<&UserNamespace>) -> Result<(), StepError> {
-    let options = format!("size={},mode=0755", request.scratch_bytes.max(1 << 20));
+fn build_root(
+    proc: &OwnedFd,
+    scratch_bytes: u64,
+    binds: &[Bind],
+    userns: Option<&UserNamespace>,
+) -> Result<(), StepError> {
+    let options = format!("size={},mode=0755", scratch_bytes.max(1 << 20));
     step(
         "fork tmpfs",
         mount(
@@ -550,9 +628,10 @@ fn build_root(proc: &OwnedFd, request: &Fork, binds: &[Bind], userns: Option<&Us
     Ok(())
 }
 
-/// Queues the fork's standard streams on the fork channel (the fork's injected `recvmsg` takes them).
-fn send_stdio(channel: &OwnedFd, stdio: &[OwnedFd]) -> Result<(), JailFrame> {
-    let raw: Vec<RawFd> = stdio.iter().map(AsRawFd::as_raw_fd).collect();
+/// Queues the fork's standard streams and cgroup files on the fork channel (the fork's injected `recvmsg` takes
+/// them).
+fn send_fds(channel: &OwnedFd, fds: &[BorrowedFd<'_>]) -> Result<(), JailFrame> {
+    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
     let cmsg = [ControlMessage::ScmRights(&raw)];
     sendmsg::<()>(channel.as_raw_fd(), &[std::io::IoSlice::new(b"s")], &cmsg, MsgFlags::MSG_DONTWAIT, None)
         .map(drop)
@@ -562,7 +641,7 @@ fn send_stdio(channel: &OwnedFd, stdio: &[OwnedFd]) -> Result<(), JailFrame> {
 /// Throws away whatever is queued for the zygote's end of the channel.
 fn drain(peer: &OwnedFd) {
     let mut buf = [0u8; 16];
-    let mut cmsg = nix::cmsg_space!([RawFd; 8]);
+    let mut cmsg = nix::cmsg_space!([RawFd; 16]);
     loop {
         let mut iov = [std::io::IoSliceMut::new(&mut buf)];
         match recvmsg::<()>(
@@ -586,20 +665,25 @@ fn drain(peer: &OwnedFd) {
     }
 }
 
+/// The most cgroup files a fork request carries (one per cgroup v1 hierarchy).
+const MAX_CGROUP_FILES: usize = 6;
+
 /// The scratch page's layout in the fork.
 const PAGE: u64 = 4096;
 const IOV: u64 = 0;
 const MSGHDR: u64 = 16;
 const CONTROL: u64 = 256;
-const CONTROL_LEN: u64 = 64;
+const CONTROL_LEN: u64 = 128;
 const DATA: u64 = 512;
+const ZERO: u64 = 520;
 const CWD: u64 = 1024;
 const ROOT_DIR: u64 = 3072;
 const CAP_HEADER: u64 = 3584;
 const CAP_DATA: u64 = 3592;
 
-/// Injects the fork's last steps: its streams, no other descriptor, its working directory, no capability.
-fn inject_setup(fork: &Tracee, cwd: &str) -> Result<(), JailFrame> {
+/// Injects what a fork gets before any request: a scratch page, its working directory, no capability, no
+/// descriptor above 2 but the fork channel. Returns the page's address.
+fn drop_privileges(fork: &Tracee, cwd: &str) -> Result<u64, JailFrame> {
     let page = fork
         .call(
             "mmap",
@@ -626,12 +710,29 @@ fn inject_setup(fork: &Tracee, cwd: &str) -> Result<(), JailFrame> {
     put(&mut image, MSGHDR + 24, &1u64.to_ne_bytes());
     put(&mut image, MSGHDR + 32, &(page + CONTROL).to_ne_bytes());
     put(&mut image, MSGHDR + 40, &CONTROL_LEN.to_ne_bytes());
+    put(&mut image, ZERO, b"0");
     put(&mut image, CWD, cwd.as_bytes());
     put(&mut image, ROOT_DIR, b"/\0");
     // struct __user_cap_header_struct { version = _LINUX_CAPABILITY_VERSION_3, pid = 0 }, then two zeroed data.
     put(&mut image, CAP_HEADER, &0x2008_0522u32.to_ne_bytes());
     fork.write_mem(page, &image).map_err(inject_failed("scratch page"))?;
+    if fork.call("chdir", libc::SYS_chdir, [page + CWD, 0, 0, 0, 0, 0]).is_err() {
+        fork.call("chdir", libc::SYS_chdir, [page + ROOT_DIR, 0, 0, 0, 0, 0]).map_err(inject_failed("chdir"))?;
+    }
+    fork.call("capset", libc::SYS_capset, [page + CAP_HEADER, page + CAP_DATA, 0, 0, 0, 0])
+        .map_err(inject_failed("capabilities"))?;
+    fork.call("close_range", libc::SYS_close_range, [3, CHANNEL_FD - 1, 0, 0, 0, 0])
+        .map_err(inject_failed("close descriptors"))?;
+    fork.call("close_range", libc::SYS_close_range, [CHANNEL_FD + 1, u64::from(u32::MAX), 0, 0, 0, 0])
+        .map_err(inject_failed("close descriptors"))?;
+    Ok(page)
+}
 
+/// Injects a request's part: `recvmsg` of its streams and cgroup files from the fork channel, `dup3` of the
+/// streams onto 0–2, a write of `0` into each cgroup file (a process moving itself takes the kernel's fast
+/// path), then every descriptor above 2 closed and the scratch page unmapped.
+fn give_streams(prepared: &Prepared, cgroup_files: usize) -> Result<(), JailFrame> {
+    let (fork, page) = (&prepared.tracee, prepared.page);
     let got = fork
         .call(
             "recvmsg",
@@ -643,21 +744,22 @@ fn inject_setup(fork: &Tracee, cwd: &str) -> Result<(), JailFrame> {
     fork.read_mem(page + CONTROL, &mut control).map_err(inject_failed("stdio"))?;
     let word = |at: usize| u64::from_ne_bytes(control[at..at + 8].try_into().expect("8 bytes"));
     let int = |at: usize| i32::from_ne_bytes(control[at..at + 4].try_into().expect("4 bytes"));
-    let expected_len = 16 + 3 * 4;
-    if got != 1 || word(0) != expected_len || int(8) != libc::SOL_SOCKET || int(12) != libc::SCM_RIGHTS {
-        return Err(failed("stdio", "the fork did not receive its three streams"));
+    let count = 3 + cgroup_files;
+    if got != 1 || word(0) != (16 + 4 * count) as u64 || int(8) != libc::SOL_SOCKET || int(12) != libc::SCM_RIGHTS {
+        return Err(failed("stdio", "the fork did not receive its streams"));
     }
-    for (target, at) in [16usize, 20, 24].into_iter().enumerate() {
-        let fd = int(at);
-        fork.call("dup3", libc::SYS_dup3, [fd as u64, target as u64, 0, 0, 0, 0]).map_err(inject_failed("stdio"))?;
+    let fds: Vec<i32> = (0..count).map(|i| int(16 + 4 * i)).collect();
+    for (target, fd) in fds.iter().take(3).enumerate() {
+        fork.call("dup3", libc::SYS_dup3, [*fd as u64, target as u64, 0, 0, 0, 0]).map_err(inject_failed("stdio"))?;
+    }
+    for fd in &fds[3..] {
+        let wrote = fork.call("write", libc::SYS_write, [*fd as u64, page + ZERO, 1, 0, 0, 0]);
+        if wrote != Ok(1) {
+            return Err(failed("cgroup", format!("the fork could not join its cgroup: {wrote:?}")));
+        }
     }
     fork.call("close_range", libc::SYS_close_range, [3, u64::from(u32::MAX), 0, 0, 0, 0])
         .map_err(inject_failed("close descriptors"))?;
-    if fork.call("chdir", libc::SYS_chdir, [page + CWD, 0, 0, 0, 0, 0]).is_err() {
-        fork.call("chdir", libc::SYS_chdir, [page + ROOT_DIR, 0, 0, 0, 0, 0]).map_err(inject_failed("chdir"))?;
-    }
-    fork.call("capset", libc::SYS_capset, [page + CAP_HEADER, page + CAP_DATA, 0, 0, 0, 0])
-        .map_err(inject_failed("capabilities"))?;
     fork.call("munmap", libc::SYS_munmap, [page, PAGE, 0, 0, 0, 0]).map_err(inject_failed("scratch page"))?;
     Ok(())
 }
