@@ -2,6 +2,7 @@
 //! tests), or the real `strata-agent` binary (`binary`).
 
 mod binary;
+mod egress;
 mod exec;
 mod files;
 mod hostile;
