@@ -85,6 +85,28 @@ fn an_allowed_origin_is_reached_through_the_tunnel_and_logged() {
     let again = exec(&mut session, &wget(origin.port));
     assert_eq!(again.status, Status::Exited { code: 0 }, "{again:?}");
     assert_eq!(again.egress.len(), 1, "{:?}", again.egress);
+
+    // Closing stops both ends: the proxy's socket is removed, nothing listens on the forwarder's port.
+    let socket = session.host().expect("host").egress.socket.clone();
+    assert!(socket.exists());
+    Box::new(session).close().expect("close");
+    assert!(!socket.exists(), "the egress proxy's socket outlived the session");
+    assert!(TcpStream::connect(("127.0.0.1", proxy)).is_err(), "the forwarder outlived the session");
+}
+
+#[test]
+fn a_resumed_session_starts_its_egress_too() {
+    let origin = Origin::http("after a fork");
+    let fixture = Fixture::new();
+    // A fork's guest already holds its grants: none here.
+    let caps = Capabilities { net: Net::Allow(vec![format!("127.0.0.1:{}", origin.port)]), ..Capabilities::default() };
+    let work = fixture.guest_root.path().join("work");
+    fs::create_dir_all(&work).expect("workdir");
+    let Some((agent, client)) = ProcessAgent::spawn(&work) else { return };
+    let mut session = Session::resumed(agent, client, &caps, &limits(), Some("parent".into())).expect("resumed");
+    let outcome = exec(&mut session, &wget(origin.port));
+    assert_eq!(String::from_utf8_lossy(&outcome.stdout), "after a fork", "{outcome:?}");
+    assert_eq!(outcome.egress.len(), 1, "{:?}", outcome.egress);
 }
 
 #[test]
