@@ -1,5 +1,6 @@
 //! No fd, thread or mapping leaks after 1,000 wasm and Python jobs; no fd, thread, child process, cgroup or
-//! mount leaks after 200 process-tier jobs and sessions; none after 500 forks of a snapshot on each tier. A binary of its own (no test harness), so nothing else
+//! mount leaks after 200 process-tier jobs and sessions; none after 500 forks of a snapshot on each tier, nor after
+//! 500 live forks of a process-tier zygote. A binary of its own (no test harness), so nothing else
 //! runs in the process while it counts.
 
 use std::time::Instant;
@@ -120,6 +121,7 @@ fn main() -> anyhow::Result<()> {
     wasm_forks(&engine)?;
     process_tier(&engine, data.path())?;
     process_forks(&engine)?;
+    zygote_forks(&engine)?;
     println!("leaks: ok");
     Ok(())
 }
@@ -288,5 +290,37 @@ fn process_forks(engine: &Engine) -> anyhow::Result<()> {
     let after = host_resources(engine)?;
     println!("500 process forks in {:.2?}; before {before:?}, after {after:?}", started.elapsed());
     anyhow::ensure!(before == after, "process forks leaked: before {before:?}, after {after:?}");
+    Ok(())
+}
+
+/// 500 live forks of a Python zygote (and the zygote itself, closed) leave no fd, thread, child, cgroup or mount
+/// behind.
+fn zygote_forks(engine: &Engine) -> anyhow::Result<()> {
+    let tier = match engine.process() {
+        Ok(tier) => tier,
+        Err(err) => {
+            println!("skip: zygote fork leak check: the process tier cannot run on this host: {err}");
+            return Ok(());
+        }
+    };
+    let run = |zygote: &strata_tier_process::zygote::ProcessZygote, count: usize| -> anyhow::Result<()> {
+        for i in 0..count {
+            let outcome = zygote.fork_python(&format!("print(x + {i})"), &ExecOptions::default())?;
+            anyhow::ensure!(outcome.stdout == format!("{}\n", 41 + i).as_bytes(), "{outcome:?}");
+        }
+        Ok(())
+    };
+    let (caps, limits) = (Capabilities::default(), Limits::default());
+    let (warm, _) = tier.python_zygote("x = 41", &caps, &limits)?;
+    run(&warm, 2)?;
+    warm.close();
+    let before = host_resources(engine)?;
+    let started = Instant::now();
+    let (zygote, _) = tier.python_zygote("x = 41", &caps, &limits)?;
+    run(&zygote, 500)?;
+    zygote.close();
+    let after = host_resources(engine)?;
+    println!("500 zygote forks in {:.2?}; before {before:?}, after {after:?}", started.elapsed());
+    anyhow::ensure!(before == after, "zygote forks leaked: before {before:?}, after {after:?}");
     Ok(())
 }
