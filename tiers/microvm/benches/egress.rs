@@ -1,5 +1,5 @@
 //! Throughput of the microVM's network egress path (DESIGN §3; issue 7's target ≥ 100 MB/s through the vsock
-//! tunnel): a client downloads from a loopback HTTP origin through
+//! tunnel): a client downloads from (then uploads to) a loopback HTTP origin through
 //!
 //! ```text
 //! client → agent forwarder (127.0.0.1) → "guest kernel" → vsock device model → egress proxy → origin
@@ -9,7 +9,7 @@
 //! guest's stream to port 1028 to the proxy's Unix socket `<uds>_1028`), the real proxy. The guest kernel's vsock
 //! stack is this bench's thread: it takes the forwarder's stream (a Unix socket, as when the agent runs as a host
 //! process) and carries its bytes as vsock packets through the in-process guest driver of `tests/devices.rs`,
-//! giving credit as it writes them on. The peer, measured in the same run: the same download through the same
+//! giving credit as it writes them on. The peer, measured in the same run: the same transfer through the same
 //! proxy reached directly over TCP (no tunnel). Both print MB/s and the ratio.
 //!
 //! `STRATA_BENCH_MB` sets the bytes per figure (default 512).
@@ -41,8 +41,17 @@ fn mb_s(bytes: u64, elapsed: Duration) -> f64 {
     bytes as f64 / elapsed.as_secs_f64() / 1e6
 }
 
-/// A loopback HTTP origin answering one request per connection with `total` bytes.
-fn origin(total: u64) -> (u16, JoinHandle<()>) {
+/// Which way the payload goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// The origin answers `total` bytes.
+    Download,
+    /// The client sends `total` bytes (a POST body); the origin answers `200` once it has them all.
+    Upload,
+}
+
+/// A loopback HTTP origin: one request per connection, `total` bytes down or up.
+fn origin(total: u64, way: Way) -> (u16, JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind origin");
     let port = listener.local_addr().expect("addr").port();
     let thread = std::thread::spawn(move || {
@@ -54,12 +63,26 @@ fn origin(total: u64) -> (u16, JoinHandle<()>) {
                 while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
                     head.push(byte[0]);
                 }
-                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {total}\r\nConnection: close\r\n\r\n");
+                let (answer_len, body) = match way {
+                    Way::Download => (total, true),
+                    Way::Upload => {
+                        let mut buf = vec![0u8; 1 << 20];
+                        let mut left = total;
+                        while left > 0 {
+                            match stream.read(&mut buf) {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => left = left.saturating_sub(n as u64),
+                            }
+                        }
+                        (0, false)
+                    }
+                };
+                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {answer_len}\r\nConnection: close\r\n\r\n");
                 if stream.write_all(answer.as_bytes()).is_err() {
                     return;
                 }
                 let chunk = vec![0x5au8; 256 * 1024];
-                let mut left = total;
+                let mut left = if body { total } else { 0 };
                 while left > 0 {
                     let n = left.min(chunk.len() as u64) as usize;
                     if stream.write_all(&chunk[..n]).is_err() {
@@ -74,13 +97,27 @@ fn origin(total: u64) -> (u16, JoinHandle<()>) {
     (port, thread)
 }
 
-/// Downloads `http://127.0.0.1:<origin>/` through the HTTP proxy at `proxy`; returns the bytes received
-/// (head included) and when the last arrived.
-fn download(proxy: u16, origin: u16) -> JoinHandle<(u64, Instant)> {
+/// Fetches (or posts `total` bytes to) `http://127.0.0.1:<origin>/` through the HTTP proxy at `proxy`; returns
+/// the bytes received (head included) and when the answer ended.
+fn client(proxy: u16, origin: u16, total: u64, way: Way) -> JoinHandle<(u64, Instant)> {
     std::thread::spawn(move || {
         let mut s = TcpStream::connect(("127.0.0.1", proxy)).expect("connect to the proxy");
-        let request = format!("GET http://127.0.0.1:{origin}/ HTTP/1.1\r\nHost: 127.0.0.1:{origin}\r\n\r\n");
+        let request = match way {
+            Way::Download => format!("GET http://127.0.0.1:{origin}/ HTTP/1.1\r\nHost: 127.0.0.1:{origin}\r\n\r\n"),
+            Way::Upload => format!(
+                "POST http://127.0.0.1:{origin}/ HTTP/1.1\r\nHost: 127.0.0.1:{origin}\r\nContent-Length: {total}\r\n\r\n"
+            ),
+        };
         s.write_all(request.as_bytes()).expect("request");
+        if way == Way::Upload {
+            let chunk = vec![0xa5u8; 256 * 1024];
+            let mut left = total;
+            while left > 0 {
+                let n = left.min(chunk.len() as u64) as usize;
+                s.write_all(&chunk[..n]).expect("upload");
+                left -= n as u64;
+            }
+        }
         let mut buf = vec![0u8; 1 << 20];
         let mut got = 0u64;
         loop {
@@ -88,29 +125,37 @@ fn download(proxy: u16, origin: u16) -> JoinHandle<(u64, Instant)> {
                 Ok(0) => break,
                 Ok(n) => got += n as u64,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => panic!("download: {e}"),
+                Err(e) => panic!("client: {e}"),
             }
         }
         (got, Instant::now())
     })
 }
 
+/// The client's received bytes must be the whole answer.
+fn check(got: u64, total: u64, way: Way) {
+    match way {
+        Way::Download => assert!(got > total, "{got} bytes"),
+        Way::Upload => assert!(got > 0 && got < 1024, "{got} bytes"),
+    }
+}
+
 /// The peer: the proxy reached over TCP directly.
-fn direct(total: u64) -> f64 {
-    let (origin_port, _origin) = origin(total);
+fn direct(total: u64, way: Way) -> f64 {
+    let (origin_port, _origin) = origin(total, way);
     let allow = Allowlist::parse([format!("127.0.0.1:{origin_port}")]).expect("allowlist");
     let proxy =
         EgressProxy::start(EgressConfig::new(allow).with_tcp("127.0.0.1:0".parse().expect("addr"))).expect("proxy");
     let port = proxy.tcp_addr().expect("tcp").port();
     let start = Instant::now();
-    let (got, end) = download(port, origin_port).join().expect("client");
-    assert!(got > total, "{got} bytes");
+    let (got, end) = client(port, origin_port, total, way).join().expect("client");
+    check(got, total, way);
     mb_s(total, end - start)
 }
 
 /// Through the tunnel.
-fn tunnel(total: u64) -> f64 {
-    let (origin_port, _origin) = origin(total);
+fn tunnel(total: u64, way: Way) -> f64 {
+    let (origin_port, _origin) = origin(total, way);
     let dir = tempfile::tempdir().expect("tempdir");
     let uds = dir.path().join("v.sock");
     let allow = Allowlist::parse([format!("127.0.0.1:{origin_port}")]).expect("allowlist");
@@ -132,7 +177,7 @@ fn tunnel(total: u64) -> f64 {
     d.notify(RX);
 
     let start = Instant::now();
-    let client = download(listen, origin_port);
+    let client = client(listen, origin_port, total, way);
     let (mut app, _) = kernel_side.accept().expect("the forwarder's stream");
     app.set_nonblocking(true).expect("nonblocking");
 
@@ -230,7 +275,7 @@ fn tunnel(total: u64) -> f64 {
         }
     }
     let (got, end) = client.join().expect("client");
-    assert!(got > total, "{got} bytes");
+    check(got, total, way);
     forwarder.stop();
     mb_s(total, end - start)
 }
@@ -238,16 +283,18 @@ fn tunnel(total: u64) -> f64 {
 fn main() {
     let mb: u64 = std::env::var("STRATA_BENCH_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(512);
     let total = mb << 20;
-    println!("egress download, {mb} MiB per figure (loopback origin; the tunnel's guest kernel is this thread)");
-    tunnel(32 << 20);
-    direct(32 << 20);
-    let peer = direct(total);
-    let strata = tunnel(total);
-    let verdict = if strata >= TARGET_MB_S { "met" } else { "MISSED" };
-    println!(
-        "{:<40} {strata:>8.0} MB/s   {:<14} {peer:>8.0} MB/s   ratio {:>5.2}   target ≥ {TARGET_MB_S:.0} MB/s: {verdict}",
-        "forwarder → vsock device → proxy",
-        "proxy direct",
-        strata / peer
-    );
+    println!("egress through the tunnel, {mb} MiB per figure (loopback origin; the guest kernel is this thread)");
+    for (name, way) in [("download", Way::Download), ("upload", Way::Upload)] {
+        tunnel(32 << 20, way);
+        direct(32 << 20, way);
+        let peer = direct(total, way);
+        let strata = tunnel(total, way);
+        let verdict = if strata >= TARGET_MB_S { "met" } else { "MISSED" };
+        println!(
+            "{:<44} {strata:>8.0} MB/s   {:<14} {peer:>8.0} MB/s   ratio {:>5.2}   target ≥ {TARGET_MB_S:.0} MB/s: {verdict}",
+            format!("{name}: forwarder → vsock device → proxy"),
+            "proxy direct",
+            strata / peer
+        );
+    }
 }
