@@ -378,7 +378,7 @@ pub fn filters() -> Result<JailFilters, SeccompBuildError> {
 }
 
 /// The filters of a zygote jail's PID 1 (every process of the jail inherits them): the jail's allowlist plus
-/// [`ZYGOTE_PID1`], `setns` into any namespace, and `clone` with namespace flags answered by
+/// `ZYGOTE_PID1`, `setns` into any namespace, and `clone` with namespace flags answered by
 /// `SECCOMP_RET_TRACE` — which, with no tracer, fails with `ENOSYS`, and which PID 1 allows only for the `clone`
 /// it injects into the zygote to fork it. The zygote adds [`zygote_filter`] on top.
 pub fn zygote_pid1_filters() -> Result<JailFilters, SeccompBuildError> {
@@ -386,7 +386,7 @@ pub fn zygote_pid1_filters() -> Result<JailFilters, SeccompBuildError> {
 }
 
 /// The zygote's own filter (stacked on [`zygote_pid1_filters`], inherited by every fork): `EPERM` for
-/// [`ZYGOTE_DENIED`].
+/// `ZYGOTE_DENIED`.
 pub fn zygote_filter() -> Result<BpfProgram, SeccompBuildError> {
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
     let rules = ZYGOTE_DENIED.iter().map(|&call| (call, Vec::new())).collect();

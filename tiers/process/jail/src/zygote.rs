@@ -3,7 +3,7 @@
 //!
 //! **Starting.** The zygote is spawned like a job, with three descriptors more: 0 is a pipe PID 1 never writes, 3
 //! a pipe to say "ready" on, 4 a socket PID 1 later passes each fork's standard streams through. Its filter is
-//! the jail's plus [`seccomp::zygote_filter`], so it has nothing PID 1 of a zygote jail keeps (`ptrace`, the
+//! the jail's plus [`crate::seccomp::zygote_filter`], so it has nothing PID 1 of a zygote jail keeps (`ptrace`, the
 //! mount calls, `setns`). When it writes to 3, PID 1 kills every other process of the jail (nothing else may
 //! live beside the forks), seizes it with `ptrace`, checks it is blocked in `read(0, …)`, single-threaded and holds
 //! no shared writable mapping (forks would share it), and keeps it stopped: from then on **the zygote never runs
