@@ -79,5 +79,6 @@ fn dropping_the_handle_releases_everything() {
     }
 
     let after = settle(before.0, before.1);
-    assert_eq!(after, before, "(fds, threads) before and after");
+    // Nothing more than before: a descriptor the test harness itself had open at the start may have closed since.
+    assert!(after.0 <= before.0 && after.1 <= before.1, "(fds, threads) before {before:?} and after {after:?}");
 }
