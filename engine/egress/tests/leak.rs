@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::time::{Duration, Instant};
@@ -12,15 +13,38 @@ use std::time::{Duration, Instant};
 use common::{connect, echo_origin, read_all, read_head};
 use strata_egress::{Allowlist, EgressConfig, EgressProxy};
 
-fn count(dir: &str) -> usize {
-    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
 }
 
-fn settle(want_fds: usize, want_threads: usize) -> (usize, usize) {
+/// Every open descriptor and what it points at (`socket:[…]`, `anon_inode:[eventpoll]`, a path).
+fn fds() -> BTreeMap<u32, String> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse().ok()) else { continue };
+        if let Ok(target) = std::fs::read_link(e.path()) {
+            out.insert(fd, target.display().to_string());
+        }
+    }
+    out
+}
+
+/// The descriptors open now that were not open (to the same object) before and are of a kind the proxy makes:
+/// sockets and anonymous inodes (epoll, eventfd, timerfd). The test harness's own files and pipes, which it may open
+/// or close meanwhile, are not the proxy's.
+fn new_proxy_fds(before: &BTreeMap<u32, String>) -> Vec<(u32, String)> {
+    fds()
+        .into_iter()
+        .filter(|(fd, target)| before.get(fd) != Some(target))
+        .filter(|(_, target)| target.starts_with("socket:") || target.starts_with("anon_inode:"))
+        .collect()
+}
+
+fn settle(before_fds: &BTreeMap<u32, String>, before_threads: usize) -> (Vec<(u32, String)>, usize) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let now = (count("/proc/self/fd"), count("/proc/self/task"));
-        if now == (want_fds, want_threads) || Instant::now() > deadline {
+        let now = (new_proxy_fds(before_fds), threads());
+        if (now.0.is_empty() && now.1 <= before_threads) || Instant::now() > deadline {
             return now;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -31,7 +55,7 @@ fn settle(want_fds: usize, want_threads: usize) -> (usize, usize) {
 fn dropping_the_handle_releases_everything() {
     let origin = echo_origin();
     let dir = tempfile::tempdir().unwrap();
-    let before = (count("/proc/self/fd"), count("/proc/self/task"));
+    let (before_fds, before_threads) = (fds(), threads());
 
     for round in 0..5 {
         let path = dir.path().join(format!("egress-{round}.sock"));
@@ -78,7 +102,7 @@ fn dropping_the_handle_releases_everything() {
         drop(open);
     }
 
-    let after = settle(before.0, before.1);
-    // Nothing more than before: a descriptor the test harness itself had open at the start may have closed since.
-    assert!(after.0 <= before.0 && after.1 <= before.1, "(fds, threads) before {before:?} and after {after:?}");
+    let (leaked, after_threads) = settle(&before_fds, before_threads);
+    assert!(leaked.is_empty(), "descriptors left open: {leaked:?} (open before: {before_fds:?})");
+    assert!(after_threads <= before_threads, "threads before {before_threads} and after {after_threads}");
 }
