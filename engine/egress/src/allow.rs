@@ -31,6 +31,18 @@ pub enum AllowlistError {
     },
 }
 
+/// A tier meets a malformed spec only when its caller skipped the parse-time check: a `wrong_format` error naming it.
+impl From<AllowlistError> for strata_core::TierError {
+    fn from(err: AllowlistError) -> Self {
+        match err {
+            AllowlistError::Malformed { spec, why } => strata_core::TierError::WrongFormat {
+                what: format!("--allow-net {spec:?} ({why})"),
+                expected: "a HOST[:PORT] allowlist entry",
+            },
+        }
+    }
+}
+
 /// A host as the proxy sees it in a request or a spec: a normalised name or an IP address.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Host {

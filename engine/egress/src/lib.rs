@@ -45,11 +45,13 @@
 #![warn(missing_docs)]
 
 pub mod allow;
+mod env;
 pub mod http;
 mod proxy;
 pub mod record;
 pub mod sni;
 
 pub use allow::{AllowRule, Allowlist, AllowlistError, Host, HostPattern};
+pub use env::proxy_env;
 pub use proxy::{EgressConfig, EgressError, EgressHandle, EgressProxy};
 pub use record::{EgressKind, EgressRecord, EgressVerdict};

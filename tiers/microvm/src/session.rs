@@ -20,8 +20,8 @@
 //! connects each guest stream to `<uds>_1028`, so the device's muxer is the host relay and the proxy serves the
 //! streams directly), then asks the agent to start its forwarder ([`AgentClient::start_egress`]) on the guest's
 //! `127.0.0.1:3128`, which opens one vsock stream per accepted connection. Jobs get `HTTP_PROXY`, `HTTPS_PROXY`,
-//! `http_proxy`, `https_proxy` = `http://127.0.0.1:3128` and `NO_PROXY`, `no_proxy` empty (the capabilities' own
-//! variables may override them); each job's proxy records (drained when it ends, after its last connections
+//! `http_proxy`, `https_proxy` = `http://127.0.0.1:3128` and `NO_PROXY`, `no_proxy` as [`strata_egress::proxy_env`]
+//! sets them (the capabilities' own variables may override them); each job's proxy records (drained when it ends, after its last connections
 //! close) are its Outcome's `egress`. Both ends cap the tunnels at [`DEFAULT_EGRESS_CONNECTIONS`] (the agent and
 //! the proxy each answer `503` beyond it), so a guest that opens vsock streams itself gains nothing; the proxy
 //! judges every request whoever sent it. With [`Net::Deny`] nothing listens on either side. The proxy stops when
@@ -42,7 +42,7 @@ use strata_core::{
     Capabilities, EgressEntry, ExecOptions, GrantMode, Job, LimitKind, Limits, Net, Outcome, OutputSink, Persisted,
     PythonSource, Sandbox, Snapshot, Status, Stream, TierError, TierKind, Truncated, Usage,
 };
-use strata_egress::{Allowlist, AllowlistError, EgressConfig, EgressHandle, EgressProxy};
+use strata_egress::{Allowlist, EgressConfig, EgressHandle, EgressProxy};
 use strata_guest_proto::{
     AgentClient, ClientError, DEFAULT_EGRESS_CONNECTIONS, EGRESS_PORT, ExecEvent, ExecLimits, ExecRequest, ExitStatus,
     OutputStream,
@@ -91,12 +91,7 @@ pub struct EgressPath {
 /// The allowlist of `net`: `None` for [`Net::Deny`]; a malformed entry is a `wrong_format` error.
 pub fn egress_allowlist(net: &Net) -> Result<Option<Allowlist>, TierError> {
     let Net::Allow(specs) = net else { return Ok(None) };
-    Allowlist::parse(specs).map(Some).map_err(|err| match err {
-        AllowlistError::Malformed { spec, why } => TierError::WrongFormat {
-            what: format!("--allow-net {spec:?} ({why})"),
-            expected: "a HOST[:PORT] allowlist entry",
-        },
-    })
+    Ok(Some(Allowlist::parse(specs)?))
 }
 
 /// Where a session's agent lives: a booted microVM, or a host process serving the agent over a Unix socket (tests).
@@ -280,12 +275,8 @@ impl<H: AgentHost> Session<H> {
         let stdout = OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), sink.clone());
         let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, sink);
         let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        if let Some((_, port)) = &self.egress {
-            let url = format!("http://127.0.0.1:{port}");
-            for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
-                env.push((name.to_owned(), url.clone()));
-            }
-            env.extend([("NO_PROXY".to_owned(), String::new()), ("no_proxy".to_owned(), String::new())]);
+        if let (Some((_, port)), Some(allow)) = (&self.egress, egress_allowlist(&caps.net)?) {
+            env.extend(strata_egress::proxy_env(&format!("http://127.0.0.1:{port}"), &allow));
         }
         for var in caps.guest_env() {
             env.retain(|(k, _)| *k != var.name);

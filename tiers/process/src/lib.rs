@@ -16,7 +16,8 @@
 //! `/run/strata/egress.sock`, and its PID 1 relays TCP connections to the jail's `127.0.0.1:3128` to it
 //! (`strata_jail::forward`: part of PID 1's event loop, under the jail's seccomp filter, out of the jobs' reach).
 //! Jobs get `HTTP_PROXY`, `HTTPS_PROXY`, `http_proxy`, `https_proxy` = [`EGRESS_PROXY_URL`] and `NO_PROXY`,
-//! `no_proxy` empty. The proxy enforces the allowlist and the TLS SNI, and logs every request: each job's records
+//! `no_proxy` as [`strata_egress::proxy_env`] sets them (the jail's own loopback bypasses the proxy unless the
+//! allowlist names a loopback host). The proxy enforces the allowlist and the TLS SNI, and logs every request: each job's records
 //! (drained when it ends, after its last connections close) are its Outcome's `egress`. The proxy stops with the
 //! jail: its thread joined, its socket file removed.
 //!
@@ -46,7 +47,7 @@ use strata_core::{
     Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox, Snapshot,
     Status, Stream, Tier, TierError, TierKind, Truncated, Usage,
 };
-use strata_egress::{Allowlist, AllowlistError, EgressConfig, EgressHandle, EgressProxy, EgressRecord};
+use strata_egress::{Allowlist, EgressConfig, EgressHandle, EgressProxy};
 use strata_jail::proto::{Bind, Exec, IdMap};
 use strata_wasi_shims::OutputCapture;
 
@@ -207,12 +208,7 @@ impl ProcessTier {
         let Net::Allow(specs) = net else {
             return Ok(None);
         };
-        let allowlist = Allowlist::parse(specs).map_err(|err| match err {
-            AllowlistError::Malformed { spec, why } => TierError::WrongFormat {
-                what: format!("--allow-net {spec:?} ({why})"),
-                expected: "a HOST[:PORT] allowlist entry",
-            },
-        })?;
+        let allowlist = Allowlist::parse(specs)?;
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let name = format!("{}-{}.sock", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let socket = self.config.egress_dir().join(name);
@@ -382,12 +378,8 @@ impl PreparedJob {
             Job::Wasm { .. } => return Err(TierError::WrongJob { tier: TierKind::Process, job: job.kind() }),
         };
         let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        if let Net::Allow(_) = caps.net {
-            // Every client's spelling; nothing bypasses the proxy (inside the jail there is nothing else to reach).
-            for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
-                env.push((name.to_owned(), EGRESS_PROXY_URL.to_owned()));
-            }
-            env.extend([("NO_PROXY".to_owned(), String::new()), ("no_proxy".to_owned(), String::new())]);
+        if let Net::Allow(specs) = &caps.net {
+            env.extend(strata_egress::proxy_env(EGRESS_PROXY_URL, &Allowlist::parse(specs)?));
         }
         for var in caps.guest_env() {
             env.retain(|(k, _)| *k != var.name);
@@ -438,23 +430,11 @@ fn run_in(
     let io = JobIo { stdin, stdout: &stdout, stderr: &stderr };
     let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
     let report = jail.exec(&job.exec, job.program, &io, &watch).map_err(jail_error)?;
-    let egress = jail.drain_egress(EGRESS_SETTLE).into_iter().map(egress_entry).collect();
+    let egress = jail.drain_egress(EGRESS_SETTLE).into_iter().map(EgressEntry::from).collect();
     outcome(report, &stdout, &stderr, egress)
 }
 
 /// The proxy's record as the Outcome's plain entry.
-fn egress_entry(record: EgressRecord) -> EgressEntry {
-    EgressEntry {
-        host: record.host,
-        port: record.port,
-        kind: record.kind.as_str().to_owned(),
-        bytes_up: record.bytes_up,
-        bytes_down: record.bytes_down,
-        verdict: record.verdict.as_str().to_owned(),
-        reason: record.verdict.reason().map(str::to_owned),
-    }
-}
-
 fn outcome(
     report: JobReport,
     stdout: &OutputCapture,
