@@ -16,7 +16,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use strata_benches::{Figures, latency, strata_home};
-use strata_core::{Job, Limits, PythonSource};
+use strata_core::{Capabilities, Job, Limits, PythonSource};
 use strata_engine::{Engine, EngineConfig, Policy, TierChoice, scan};
 
 /// A 200-line script in the shape of real jobs: imports at the top and in functions, an optional import, classes,
@@ -59,7 +59,7 @@ fn main() -> anyhow::Result<()> {
 
     let code = Job::Python { source: PythonSource::Code(source.clone()), args: Vec::new() };
     let route = |job: &Job, expect: strata_core::TierKind| -> anyhow::Result<()> {
-        let route = engine.route_with_limits(TierChoice::Auto, job, &limits)?;
+        let route = engine.route_with_limits(TierChoice::Auto, job, &Capabilities::default(), &limits)?;
         anyhow::ensure!(route.decision.tier == expect, "{:?}", route.decision);
         Ok(())
     };

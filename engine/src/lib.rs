@@ -37,7 +37,7 @@ use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 
 use strata_core::{
-    Capabilities, Escalation, ExecOptions, Job, JobKind, Limits, Outcome, PythonSource, RouteDecision, Sandbox,
+    Capabilities, Escalation, ExecOptions, Job, JobKind, Limits, Net, Outcome, PythonSource, RouteDecision, Sandbox,
     Snapshot, SnapshotError, Status, Tier, TierError, TierKind, ToolRegistry,
 };
 use strata_python_image::PythonImage;
@@ -455,23 +455,30 @@ impl Engine {
         &self.wasm
     }
 
-    /// Where a job goes, judged with the policy's default limits ([`Engine::route_with_limits`]).
+    /// Where a job with no capabilities goes, judged with the policy's default limits
+    /// ([`Engine::route_with_limits`]).
     pub fn route(&self, choice: TierChoice, job: &Job) -> Result<Route<'_>, EngineError> {
-        self.route_with_limits(choice, job, self.default_limits())
+        self.route_with_limits(choice, job, &Capabilities::default(), self.default_limits())
     }
 
-    /// Where a job that runs under `limits` goes: the tier, the fallback taken on the way if any, and the
+    /// Where a job that runs with `caps` under `limits` goes: the tier, the fallback taken on the way if any, and the
     /// decision with its reason. A job the chosen tier cannot run is refused before the tier starts (which for the
     /// process tier may mean building its image); so is a tier the policy does not allow.
     ///
     /// `Auto` sends WebAssembly to wasm; Linux programs and commands to the policy's native tier; Python to wasm
-    /// unless the import scan ([`scan`]) finds what the wasm build lacks or `limits` exceed the policy's
-    /// `python_native_above`, and then to the native tier (Python stays on wasm when the policy allows no native
+    /// unless `caps` allow network egress (CPython in wasm has no sockets), the import scan ([`scan`]) finds what the
+    /// wasm build lacks or `limits` exceed the policy's `python_native_above`, and then to the native tier (Python stays on wasm when the policy allows no native
     /// tier, or the native tier is unavailable here with no fallback; it goes native when wasm is not allowed).
     /// When the native tier is the microVM and this host cannot run it (no hardware KVM), a policy with `fallback`
     /// sends the job to the process tier and says so in the returned [`Escalation`], which [`Engine::run_on`]
     /// records in the outcome.
-    pub fn route_with_limits(&self, choice: TierChoice, job: &Job, limits: &Limits) -> Result<Route<'_>, EngineError> {
+    pub fn route_with_limits(
+        &self,
+        choice: TierChoice,
+        job: &Job,
+        caps: &Capabilities,
+        limits: &Limits,
+    ) -> Result<Route<'_>, EngineError> {
         let policy = &self.config.policy.tiers;
         let allowed = |tier: TierKind| {
             if policy.allows(tier) { Ok(tier) } else { Err(EngineError::TierNotAllowed { tier }) }
@@ -496,7 +503,7 @@ impl Engine {
                     if !policy.allows(TierKind::Wasm) {
                         (allowed(policy.native)?, native_reason("python: the policy does not allow wasm"))
                     } else {
-                        match self.python_verdict(source, limits) {
+                        match self.python_verdict(source, caps, limits) {
                             scan::PythonVerdict::Wasm(reason) => (TierKind::Wasm, reason),
                             scan::PythonVerdict::Native(reason) if !policy.allows(policy.native) => {
                                 (TierKind::Wasm, format!("{reason}, but the policy allows only wasm"))
@@ -549,8 +556,14 @@ impl Engine {
         }
     }
 
-    /// What the import scan and the policy's `python_native_above` say about a Python job.
-    fn python_verdict(&self, source: &PythonSource, limits: &Limits) -> scan::PythonVerdict {
+    /// What the job's network, the policy's `python_native_above` and the import scan say about a Python job.
+    fn python_verdict(&self, source: &PythonSource, caps: &Capabilities, limits: &Limits) -> scan::PythonVerdict {
+        if let Net::Allow(specs) = &caps.net {
+            return scan::PythonVerdict::Native(format!(
+                "python: network egress (--allow-net {}) needs sockets, which CPython in wasm does not have",
+                specs.join(",")
+            ));
+        }
         if let Some(threshold) = self.config.policy.tiers.python_native_above {
             let over = [("wall", limits.wall), ("cpu", limits.cpu)].into_iter().find(|(_, limit)| *limit > threshold);
             if let Some((name, limit)) = over {
@@ -670,7 +683,7 @@ impl Engine {
         limits: &Limits,
         opts: ExecOptions,
     ) -> Result<Outcome, EngineError> {
-        let route = self.route_with_limits(choice, job, limits)?;
+        let route = self.route_with_limits(choice, job, caps, limits)?;
         if self.may_escalate(choice, job, &route) {
             return self.run_escalating(route, job, caps, limits, opts);
         }
@@ -812,7 +825,7 @@ impl Engine {
         let (mut sandbox, escalation, decision) = match origin {
             Origin::Fork { choice, snapshot } => (self.fork(choice, snapshot)?, None, forked(snapshot)),
             Origin::Fresh(choice) => {
-                let route = self.route_with_limits(choice, setup, limits)?;
+                let route = self.route_with_limits(choice, setup, caps, limits)?;
                 (route.tier.start(caps, limits)?, route.escalation, route.decision)
             }
         };

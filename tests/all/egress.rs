@@ -114,7 +114,7 @@ fn denied_by_default_no_proxy_no_socket_no_env() {
     assert!(serde_json::to_value(&outcome).expect("json").get("egress").is_none());
     assert_eq!(origin.hits(), 0);
 
-    // With network, the same job sees the proxy's environment (and NO_PROXY empty) and the socket.
+    // With network, the same job sees the proxy's environment and the socket.
     let allowed = run(engine, &python(&probe.replace("3128, ", "3128, 1, ")), &allow(&["example.org".into()]));
     let out = stdout(&allowed);
     assert!(
@@ -123,6 +123,39 @@ fn denied_by_default_no_proxy_no_socket_no_env() {
         ),
         "{allowed:?}"
     );
+}
+
+#[test]
+fn the_jails_own_loopback_bypasses_the_proxy_unless_the_allowlist_names_the_hosts() {
+    let Some(engine) = process_engine() else { return };
+    let origin = Origin::start();
+    // The job serves on its own 127.0.0.1 and fetches from it with urllib, which honours the proxy variables.
+    let job = python(
+        "import http.server, os, threading, urllib.request\n\
+         class H(http.server.BaseHTTPRequestHandler):\n\
+         \x20   def do_GET(self):\n\
+         \x20       self.send_response(200); self.end_headers(); self.wfile.write(b'from inside')\n\
+         \x20   def log_message(self, *a): pass\n\
+         srv = http.server.HTTPServer(('127.0.0.1', 0), H)\n\
+         threading.Thread(target=srv.serve_forever, daemon=True).start()\n\
+         print(os.environ['NO_PROXY'])\n\
+         try:\n\
+         \x20   print(urllib.request.urlopen(f'http://127.0.0.1:{srv.server_port}/', timeout=20).read().decode())\n\
+         except OSError as e:\n\
+         \x20   print(type(e).__name__, e)\n",
+    );
+    let outcome = run(engine, &job, &allow(&["example.org".into()]));
+    assert_eq!(stdout(&outcome), "localhost,127.0.0.1,::1\nfrom inside\n", "{outcome:?}");
+    assert!(outcome.egress.is_empty(), "the proxy saw the job's own loopback: {:?}", outcome.egress);
+
+    // An allowlist naming the host's loopback sends loopback requests to the proxy, which judges them: the job's
+    // own server's port is not the allowed one.
+    let outcome = run(engine, &job, &allow(&[format!("127.0.0.1:{}", origin.port)]));
+    let out = stdout(&outcome);
+    assert!(out.starts_with("\nHTTPError HTTP Error 403"), "{outcome:?}");
+    let [entry] = outcome.egress.as_slice() else { panic!("one egress entry: {:?}", outcome.egress) };
+    assert_eq!((entry.host.as_str(), entry.verdict.as_str()), ("127.0.0.1", "denied"), "{entry:?}");
+    assert_eq!(origin.hits(), 0);
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use strata_core::{Capabilities, ExecOptions, Job, Limits, Outcome, PythonSource, Status, TierKind};
+use strata_core::{Capabilities, ExecOptions, Job, Limits, Net, Outcome, PythonSource, Status, TierKind};
 use strata_engine::{Engine, EngineConfig, EngineError, Policy, TierChoice, doctor, scan};
 
 fn engine_with(policy: &str) -> Engine {
@@ -96,7 +96,7 @@ fn python_code(code: &str) -> Job {
 
 /// The decision `auto` makes for a job under the default limits: (tier, reason).
 fn decide(engine: &Engine, job: &Job) -> (TierKind, String) {
-    let route = engine.route_with_limits(TierChoice::Auto, job, &Limits::default()).expect("routes");
+    let route = engine.route_with_limits(TierChoice::Auto, job, &Capabilities::default(), &Limits::default()).expect("routes");
     assert_eq!(route.tier.kind(), route.decision.tier);
     (route.decision.tier, route.decision.reason)
 }
@@ -183,15 +183,40 @@ fn long_python_jobs_go_native_above_the_policy_threshold() {
     let job = python_code("import json\n");
     let mut limits = Limits { wall: std::time::Duration::from_secs(5), ..Limits::default() };
     limits.cpu = std::time::Duration::from_secs(5);
-    let route = engine.route_with_limits(TierChoice::Auto, &job, &limits).expect("short");
+    let route = engine.route_with_limits(TierChoice::Auto, &job, &Capabilities::default(), &limits).expect("short");
     assert_eq!(route.decision.tier, TierKind::Wasm, "{:?}", route.decision);
     limits.cpu = std::time::Duration::from_secs(20);
-    let route = engine.route_with_limits(TierChoice::Auto, &job, &limits).expect("long");
+    let route = engine.route_with_limits(TierChoice::Auto, &job, &Capabilities::default(), &limits).expect("long");
     assert_eq!(route.decision.tier, TierKind::Process, "{:?}", route.decision);
     assert!(route.decision.reason.contains("cpu limit 20s exceeds python_native_above (10s)"), "{:?}", route.decision);
     let off = engine_with("[tiers]\nnative = \"process\"\npython_native_above = \"off\"\n");
-    let route = off.route_with_limits(TierChoice::Auto, &job, &limits).expect("off");
+    let route = off.route_with_limits(TierChoice::Auto, &job, &Capabilities::default(), &limits).expect("off");
     assert_eq!(route.decision.tier, TierKind::Wasm, "{:?}", route.decision);
+}
+
+#[test]
+fn python_with_network_goes_native_since_wasm_python_has_no_sockets() {
+    let engine = engine_with("[tiers]\nnative = \"process\"\n");
+    if !process_tier_runs(&engine, "python_with_network_goes_native...") {
+        return;
+    }
+    // pandas alone would stay on wasm; the allowlist is what sends it native.
+    let job = python_code("import pandas as pd\n");
+    let caps = Capabilities { net: Net::Allow(vec!["example.org:443".into()]), ..Capabilities::default() };
+    let route = engine.route_with_limits(TierChoice::Auto, &job, &caps, &Limits::default()).expect("routes");
+    assert_eq!(route.decision.tier, TierKind::Process, "{:?}", route.decision);
+    assert_eq!(
+        route.decision.reason,
+        "python: network egress (--allow-net example.org:443) needs sockets, which CPython in wasm does not have → \
+         the policy's native tier (process)"
+    );
+    assert_eq!(decide(&engine, &job).0, TierKind::Wasm);
+    // A wasm-only policy keeps it on wasm, which refuses the network with a typed error.
+    let wasm_only = engine_with("[tiers]\nallowed = [\"wasm\"]\n");
+    let err = wasm_only
+        .run_on(TierChoice::Auto, &job, &caps, &Limits::default(), ExecOptions::default())
+        .expect_err("no network on wasm python");
+    assert_eq!(err.code(), "unsupported", "{err}");
 }
 
 #[test]
