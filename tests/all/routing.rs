@@ -96,7 +96,8 @@ fn python_code(code: &str) -> Job {
 
 /// The decision `auto` makes for a job under the default limits: (tier, reason).
 fn decide(engine: &Engine, job: &Job) -> (TierKind, String) {
-    let route = engine.route_with_limits(TierChoice::Auto, job, &Capabilities::default(), &Limits::default()).expect("routes");
+    let route =
+        engine.route_with_limits(TierChoice::Auto, job, &Capabilities::default(), &Limits::default()).expect("routes");
     assert_eq!(route.tier.kind(), route.decision.tier);
     (route.decision.tier, route.decision.reason)
 }

@@ -51,6 +51,17 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "N")]
     cpu_budget: Option<u64>,
 
+    /// vCPU slots per host CPU: admission packs sandboxes onto this host's CPUs (a sandbox takes one slot on each of
+    /// `vcpus` distinct CPUs, sorted first-fit) and answers 429 server_at_capacity when none fit; 0 turns it off.
+    #[arg(long, value_name = "N", default_value_t = strata_serve::DEFAULT_CPU_OVERCOMMIT)]
+    cpu_overcommit: u32,
+
+    /// The host memory admission keeps free: a create is refused (429 server_at_capacity) unless MemAvailable
+    /// covers the new sandboxes' memory limits on top of it. Default: 5% of MemTotal, at least 256MiB (0: no floor,
+    /// the limits alone must fit).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    min_free_memory: Option<strata_core::ByteSize>,
+
     /// Let requests grant host directories (`capabilities.grants`) to sandboxes.
     #[arg(long)]
     allow_grants: bool,
@@ -95,6 +106,8 @@ pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
         idle_timeout: args.idle_timeout,
         memory_budget: args.memory_budget.map(|m| m.0),
         cpu_budget: args.cpu_budget,
+        cpu_overcommit: args.cpu_overcommit,
+        min_free_memory: args.min_free_memory.map(|m| m.0),
         allow_grants: args.allow_grants,
         ..ServeConfig::new(EngineConfig { policy, ..EngineConfig::from_env()? })
     };

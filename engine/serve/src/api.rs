@@ -154,6 +154,8 @@ pub struct SandboxInfo {
     pub expires_at: u64,
     /// Whether a job is running in it.
     pub running: bool,
+    /// The host CPUs admission placed it on (bin-packing accounting; its jobs are not pinned to them).
+    pub cpus: Vec<usize>,
 }
 
 impl SandboxInfo {
@@ -164,6 +166,7 @@ impl SandboxInfo {
             created_at: unix_seconds(entry.created),
             expires_at: entry.expires_at(),
             running: entry.is_running(),
+            cpus: entry.cpus.clone(),
         }
     }
 }

@@ -31,6 +31,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod capacity;
 pub mod e2b;
 pub mod error;
 pub mod metrics;
@@ -62,6 +63,9 @@ pub use registry::{Registry, SandboxEntry};
 /// The address `strata serve` listens on by default.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:3000";
 
+/// vCPU slots per host CPU by default: sandboxes mostly wait for their next request, so a CPU carries many.
+pub const DEFAULT_CPU_OVERCOMMIT: u32 = 128;
+
 /// How to run a server.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -87,6 +91,10 @@ pub struct ServeConfig {
     pub memory_budget: Option<u64>,
     /// The most virtual CPUs the server's sandboxes may commit (the sum of their `vcpus` limits); `None`: no budget.
     pub cpu_budget: Option<u64>,
+    /// vCPU slots per host CPU for admission's CPU bin-packing ([`capacity`]); 0 leaves CPUs out of admission.
+    pub cpu_overcommit: u32,
+    /// The host memory admission keeps free ([`capacity`]); `None` is [`capacity::default_min_free_memory`].
+    pub min_free_memory: Option<u64>,
     /// Where the server keeps its snapshots (a fresh directory under it, removed at shutdown); `None` is
     /// `$STRATA_HOME/run/serve`, else the system's temporary directory.
     pub state_dir: Option<PathBuf>,
@@ -108,6 +116,8 @@ impl ServeConfig {
             idle_timeout: None,
             memory_budget: None,
             cpu_budget: None,
+            cpu_overcommit: DEFAULT_CPU_OVERCOMMIT,
+            min_free_memory: None,
             state_dir: None,
         }
     }
@@ -254,7 +264,12 @@ impl Server {
         let state = Arc::new(AppState {
             engine,
             policy: config.engine.policy.clone(),
-            registry: Arc::new(Registry::new(config.max_sandboxes, config.memory_budget, config.cpu_budget)),
+            registry: Arc::new(Registry::new(config.max_sandboxes, config.memory_budget, config.cpu_budget).with_host(
+                capacity::HostCapacity::host(
+                    config.cpu_overcommit,
+                    config.min_free_memory.unwrap_or_else(capacity::default_min_free_memory),
+                ),
+            )),
             metrics: Metrics::default(),
             keys: config.keys,
             default_ttl: config.default_ttl,
@@ -419,6 +434,7 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         &state.registry.active_by_tier(),
         state.registry.memory_committed(),
         state.registry.vcpus_committed(),
+        state.registry.host_slots(),
     );
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }

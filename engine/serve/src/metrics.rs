@@ -91,8 +91,15 @@ impl Metrics {
         series.sum += took;
     }
 
-    /// The text exposition, with `active` live sandboxes per tier and the `memory` bytes and `vcpus` they commit.
-    pub fn render(&self, active: &HashMap<TierKind, usize>, memory: u64, vcpus: u64) -> String {
+    /// The text exposition, with `active` live sandboxes per tier, the `memory` bytes and `vcpus` they commit, and
+    /// the host's vCPU slots (used, in all) when admission packs sandboxes onto its CPUs.
+    pub fn render(
+        &self,
+        active: &HashMap<TierKind, usize>,
+        memory: u64,
+        vcpus: u64,
+        host_slots: Option<(u64, u64)>,
+    ) -> String {
         let mut out = String::new();
         out.push_str("# HELP strata_jobs_total Jobs run, by tier and outcome.\n# TYPE strata_jobs_total counter\n");
         for ((tier, outcome), n) in lock(&self.jobs).iter() {
@@ -113,6 +120,14 @@ impl Metrics {
              # TYPE strata_vcpus_committed gauge\n",
         );
         let _ = writeln!(out, "strata_vcpus_committed {vcpus}");
+        if let Some((used, total)) = host_slots {
+            out.push_str(
+                "# HELP strata_host_vcpu_slots Host vCPU slots admission packs sandboxes into, by state.\n\
+                 # TYPE strata_host_vcpu_slots gauge\n",
+            );
+            let _ = writeln!(out, "strata_host_vcpu_slots{{state=\"used\"}} {used}");
+            let _ = writeln!(out, "strata_host_vcpu_slots{{state=\"total\"}} {total}");
+        }
         out.push_str(
             "# HELP strata_sandboxes_created_total Sandboxes created, by tier.\n\
              # TYPE strata_sandboxes_created_total counter\n",
@@ -176,12 +191,15 @@ mod tests {
         metrics.latency("wasm", "exec", Duration::from_micros(300));
         metrics.latency("wasm", "exec", Duration::from_millis(3));
         metrics.latency("wasm", "exec", Duration::from_secs(20));
-        let text = metrics.render(&HashMap::new(), 0, 0);
+        let text = metrics.render(&HashMap::new(), 0, 0, Some((3, 256)));
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"0.0005\"} 1"));
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"0.005\"} 2"));
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"10\"} 2"));
         assert!(text.contains("strata_operation_duration_seconds_bucket{tier=\"wasm\",op=\"exec\",le=\"+Inf\"} 3"));
         assert!(text.contains("strata_operation_duration_seconds_count{tier=\"wasm\",op=\"exec\"} 3"));
         assert!(text.contains("strata_sandboxes_active{tier=\"process\"} 0"));
+        assert!(
+            text.contains("strata_host_vcpu_slots{state=\"used\"} 3\nstrata_host_vcpu_slots{state=\"total\"} 256\n")
+        );
     }
 }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use strata_core::{CancelToken, ExecOptions, Job, Limits, Outcome, Sandbox, Snapshot, TierError, TierKind};
 
+use crate::capacity::{HostCapacity, Short};
 use crate::error::ApiError;
 
 /// Locks a mutex, taking the data of a poisoned one (a panic elsewhere must not wedge the server).
@@ -73,6 +74,39 @@ pub enum AdmissionError {
         /// The server's budget.
         limit: u64,
     },
+    /// The host's CPUs have no room for the request's sandboxes ([`crate::capacity`]).
+    #[error(
+        "this host's {cpus} CPUs ({slots} vCPU slots each) have no room for {count} more sandbox(es) of {vcpus} vcpus"
+    )]
+    HostCpu {
+        /// vCPUs each sandbox asked for.
+        vcpus: u32,
+        /// Sandboxes in the request.
+        count: usize,
+        /// The host's CPUs.
+        cpus: usize,
+        /// vCPU slots per CPU.
+        slots: u32,
+    },
+    /// The host's free memory does not cover the request's memory limits above the floor it keeps.
+    #[error(
+        "this host has {available} bytes of memory available; the request needs {needed} (its limits and the free floor)"
+    )]
+    HostMemory {
+        /// `MemAvailable` now.
+        available: u64,
+        /// The request's memory limits plus the floor.
+        needed: u64,
+    },
+}
+
+impl From<Short> for AdmissionError {
+    fn from(short: Short) -> AdmissionError {
+        match short {
+            Short::Cpu { vcpus, count, cpus, slots } => AdmissionError::HostCpu { vcpus, count, cpus, slots },
+            Short::Memory { available, needed } => AdmissionError::HostMemory { available, needed },
+        }
+    }
 }
 
 impl AdmissionError {
@@ -84,6 +118,8 @@ impl AdmissionError {
             AdmissionError::MemoryQuota { .. } => "memory_quota",
             AdmissionError::MemoryBudget { .. } => "memory_budget",
             AdmissionError::CpuBudget { .. } => "cpu_budget",
+            AdmissionError::HostCpu { .. } => "host_cpu",
+            AdmissionError::HostMemory { .. } => "host_memory",
         }
     }
 }
@@ -94,7 +130,9 @@ impl From<AdmissionError> for ApiError {
             AdmissionError::Quota { .. } | AdmissionError::MemoryQuota { .. } => "quota_exceeded",
             AdmissionError::Capacity { .. }
             | AdmissionError::MemoryBudget { .. }
-            | AdmissionError::CpuBudget { .. } => "server_at_capacity",
+            | AdmissionError::CpuBudget { .. }
+            | AdmissionError::HostCpu { .. }
+            | AdmissionError::HostMemory { .. } => "server_at_capacity",
         };
         ApiError::new(axum::http::StatusCode::TOO_MANY_REQUESTS, code, err.to_string())
     }
@@ -112,6 +150,8 @@ pub struct SandboxEntry {
     pub limits: Limits,
     /// When it was created.
     pub created: SystemTime,
+    /// The host CPUs admission placed it on ([`crate::capacity`]; accounting, not pinning).
+    pub cpus: Vec<usize>,
     deadline: Mutex<(Instant, SystemTime)>,
     sandbox: Mutex<Option<Box<dyn Sandbox>>>,
     running: Mutex<Option<CancelToken>>,
@@ -141,6 +181,7 @@ impl SandboxEntry {
             tier: sandbox.tier(),
             limits,
             created: now,
+            cpus: Vec::new(),
             deadline: Mutex::new((Instant::now() + ttl, now + ttl)),
             sandbox: Mutex::new(Some(sandbox)),
             running: Mutex::new(None),
@@ -275,6 +316,8 @@ struct Inner {
     memory: u64,
     /// Virtual CPUs committed in all (the sum of the sandboxes' `vcpus` limits).
     vcpus: u64,
+    /// The host's CPUs and free-memory floor, when admission looks at the host.
+    host: Option<HostCapacity>,
 }
 
 /// Every live sandbox and snapshot, by id.
@@ -306,11 +349,14 @@ pub struct Reservation {
     places: usize,
     memory_each: u64,
     vcpus_each: u64,
+    /// The host CPUs of each place not yet used.
+    placements: Vec<Vec<usize>>,
 }
 
 impl Reservation {
     /// Adds a created sandbox, using one place.
-    pub fn commit(&mut self, entry: SandboxEntry) -> Arc<SandboxEntry> {
+    pub fn commit(&mut self, mut entry: SandboxEntry) -> Arc<SandboxEntry> {
+        entry.cpus = self.placements.pop().unwrap_or_default();
         let entry = Arc::new(entry);
         let mut inner = lock(&self.registry.inner);
         // The entry's own memory limit is what its removal gives back: settle any difference now.
@@ -329,6 +375,9 @@ impl Drop for Reservation {
             let memory = self.memory_each.saturating_mul(self.places as u64);
             let vcpus = self.vcpus_each.saturating_mul(self.places as u64);
             inner.release(&self.owner, self.places, memory, vcpus);
+            for cpus in self.placements.drain(..) {
+                inner.release_cpus(&cpus);
+            }
         }
     }
 }
@@ -352,6 +401,21 @@ impl Inner {
         }
     }
 
+    /// Gives back the host CPU slots of one sandbox.
+    fn release_cpus(&mut self, cpus: &[usize]) {
+        if let Some(host) = &mut self.host {
+            host.release(cpus);
+        }
+    }
+
+    /// Takes `entry` out, giving back everything it committed.
+    fn remove_entry(&mut self, id: &str) -> Option<Arc<SandboxEntry>> {
+        let entry = self.sandboxes.remove(id)?;
+        self.release(&entry.owner, 1, entry.memory(), entry.vcpus());
+        self.release_cpus(&entry.cpus);
+        Some(entry)
+    }
+
     /// Replaces `reserved` bytes of `owner`'s committed memory by `actual`.
     fn commit_memory(&mut self, owner: &str, actual: u64, reserved: u64) {
         let committed = self.memory_per_owner.entry(owner.to_owned()).or_default();
@@ -365,6 +429,12 @@ impl Registry {
     /// `memory_budget` bytes and whose `vcpus` limits add up to at most `cpu_budget` (`None`: no budget).
     pub fn new(max_sandboxes: usize, memory_budget: Option<u64>, cpu_budget: Option<u64>) -> Registry {
         Registry { inner: Mutex::default(), max_sandboxes, memory_budget, cpu_budget }
+    }
+
+    /// The same registry, also admitting against this host's CPUs and free memory ([`crate::capacity`]).
+    pub fn with_host(self, host: HostCapacity) -> Registry {
+        lock(&self.inner).host = Some(host);
+        self
     }
 
     /// Reserves `places` sandboxes with these `limits` (their memory and vcpus are what they commit) for
@@ -409,12 +479,19 @@ impl Registry {
         {
             return Err(AdmissionError::CpuBudget { asked: inner.vcpus.saturating_add(vcpus), limit });
         }
+        let placements = match &mut inner.host {
+            Some(host) => {
+                host.check_memory(memory)?;
+                host.place(limits.vcpus, places)?
+            }
+            None => Vec::new(),
+        };
         inner.vcpus = inner.vcpus.saturating_add(vcpus);
         inner.total += places;
         *inner.per_owner.entry(owner.to_owned()).or_default() += places;
         inner.memory = inner.memory.saturating_add(memory);
         *inner.memory_per_owner.entry(owner.to_owned()).or_default() += memory;
-        Ok(Reservation { registry: self.clone(), owner: owner.to_owned(), places, memory_each, vcpus_each })
+        Ok(Reservation { registry: self.clone(), owner: owner.to_owned(), places, memory_each, vcpus_each, placements })
     }
 
     /// Memory committed by live and reserved sandboxes (the sum of their memory limits).
@@ -425,6 +502,11 @@ impl Registry {
     /// Virtual CPUs committed by live and reserved sandboxes (the sum of their `vcpus` limits).
     pub fn vcpus_committed(&self) -> u64 {
         lock(&self.inner).vcpus
+    }
+
+    /// Host vCPU slots in use, and in all, when admission looks at the host.
+    pub fn host_slots(&self) -> Option<(u64, u64)> {
+        lock(&self.inner).host.as_ref().map(HostCapacity::slots)
     }
 
     /// The sandbox `id` if `owner` may use it (else not found: ids of other keys are not revealed).
@@ -447,9 +529,7 @@ impl Registry {
             Some(entry) if entry.owner == owner => {}
             _ => return Err(ApiError::sandbox_not_found(id)),
         }
-        let entry = inner.sandboxes.remove(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
-        inner.release(&entry.owner, 1, entry.memory(), entry.vcpus());
-        Ok(entry)
+        inner.remove_entry(id).ok_or_else(|| ApiError::sandbox_not_found(id))
     }
 
     /// The sandboxes of `owner` (every sandbox when `None`), oldest first.
@@ -482,8 +562,7 @@ impl Registry {
             .collect();
         let mut taken = Vec::new();
         for id in expired {
-            if let Some(entry) = inner.sandboxes.remove(&id) {
-                inner.release(&entry.owner, 1, entry.memory(), entry.vcpus());
+            if let Some(entry) = inner.remove_entry(&id) {
                 taken.push(entry);
             }
         }
@@ -493,11 +572,8 @@ impl Registry {
     /// Takes every sandbox out of the registry; the caller kills them.
     pub fn take_all(&self) -> Vec<Arc<SandboxEntry>> {
         let mut inner = lock(&self.inner);
-        let all: Vec<_> = inner.sandboxes.drain().map(|(_, e)| e).collect();
-        for entry in &all {
-            inner.release(&entry.owner, 1, entry.memory(), entry.vcpus());
-        }
-        all
+        let ids: Vec<String> = inner.sandboxes.keys().cloned().collect();
+        ids.iter().filter_map(|id| inner.remove_entry(id)).collect()
     }
 
     /// Adds a snapshot.
@@ -591,5 +667,45 @@ mod tests {
         assert_eq!(registry.vcpus_committed(), 3);
         drop(held);
         assert_eq!(registry.vcpus_committed(), 0);
+    }
+
+    /// A real (wasm) sandbox in an entry.
+    fn entry(id: &str, owner: &str, limits: Limits) -> SandboxEntry {
+        static ENGINE: std::sync::OnceLock<strata_engine::Engine> = std::sync::OnceLock::new();
+        let engine = ENGINE.get_or_init(|| strata_engine::Engine::new(Default::default()).expect("engine"));
+        let choice = strata_engine::TierChoice::Tier(TierKind::Wasm);
+        let sandbox = engine.start(choice, &Default::default(), &Limits::default()).expect("a wasm sandbox");
+        SandboxEntry::new(id.to_owned(), owner.to_owned(), sandbox, limits, Duration::from_secs(60))
+    }
+
+    #[test]
+    fn the_host_admits_by_cpu_bins_and_free_memory_and_gets_both_back() {
+        use crate::capacity::MemoryProbe;
+        // 2 CPUs of 2 slots, 1000 bytes available, 100 kept free.
+        let host = HostCapacity::new(2, 2, 100, MemoryProbe::Fixed(1000));
+        let registry = Arc::new(Registry::new(100, None, None).with_host(host));
+        let a = key("a", None, None);
+        let err = registry.reserve(&a, 1, &limits(901, 1)).expect_err("901 + 100 > 1000");
+        assert_eq!(err, AdmissionError::HostMemory { available: 1000, needed: 1001 });
+        assert_eq!(err.reason(), "host_memory");
+        let err = registry.reserve(&a, 1, &limits(1, 3)).expect_err("wider than the host");
+        assert_eq!(err, AdmissionError::HostCpu { vcpus: 3, count: 1, cpus: 2, slots: 2 });
+        assert_eq!(ApiError::from(err).code, "server_at_capacity");
+
+        let mut both = registry.reserve(&a, 1, &limits(1, 2)).expect("one slot on each CPU");
+        let wide = both.commit(entry("sb_wide", "a", limits(1, 2)));
+        assert_eq!(wide.cpus, vec![0, 1]);
+        let mut two = registry.reserve(&a, 2, &limits(1, 1)).expect("the last two slots");
+        assert_eq!(registry.host_slots(), Some((4, 4)));
+        assert!(matches!(registry.reserve(&a, 1, &limits(1, 1)), Err(AdmissionError::HostCpu { .. })));
+        let one = two.commit(entry("sb_one", "a", limits(1, 1)));
+        drop(two);
+        assert_eq!(registry.host_slots(), Some((3, 4)), "the unused place's slot came back");
+        registry.remove(&wide.id, "a").expect("remove");
+        assert_eq!(registry.host_slots(), Some((1, 4)));
+        assert_eq!(registry.take_all().len(), 1);
+        assert_eq!(registry.host_slots(), Some((0, 4)));
+        one.kill();
+        wide.kill();
     }
 }

@@ -201,3 +201,46 @@ async fn memory_quota_and_budget_admit_by_memory_limits() {
     assert!(metrics.contains("strata_admission_rejections_total{reason=\"memory_budget\"} 1"), "{metrics}");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_packs_sandboxes_onto_the_hosts_cpus_and_keeps_its_memory_floor() {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    // One vCPU slot per host CPU: `cpus` one-vCPU sandboxes fill the host.
+    let server = TestServer::with(|config| config.cpu_overcommit = 1).await;
+    let create = || {
+        let request = server.client.post(server.url("/v1/sandboxes")).json(&json!({"tier": "wasm"}));
+        async move { crate::util::status_json(request.send().await.expect("request")).await }
+    };
+    let mut ids = Vec::new();
+    for i in 0..cpus {
+        let (status, json) = create().await;
+        assert_eq!(status, 201, "{json}");
+        // First-fit: the i-th sandbox goes onto the lowest CPU with a free slot, CPU i.
+        assert_eq!(json["cpus"], json!([i]), "{json}");
+        ids.push(json["id"].as_str().expect("id").to_owned());
+    }
+    let (status, json) = create().await;
+    assert_eq!((status, code(&json)), (429, "server_at_capacity"), "{json}");
+    assert!(json["error"]["message"].as_str().is_some_and(|m| m.contains("vCPU slots")), "{json}");
+    let metrics = server.client.get(server.url("/metrics")).send().await.expect("m").text().await.expect("t");
+    assert!(metrics.contains("strata_admission_rejections_total{reason=\"host_cpu\"} 1"), "{metrics}");
+    assert!(metrics.contains(&format!("strata_host_vcpu_slots{{state=\"used\"}} {cpus}")), "{metrics}");
+    // Deleting the first frees CPU 0, which the next sandbox gets.
+    let deleted = server.client.delete(server.url(&format!("/v1/sandboxes/{}", ids[0]))).send().await.expect("delete");
+    assert_eq!(deleted.status(), 204);
+    let (status, json) = create().await;
+    assert_eq!((status, &json["cpus"]), (201, &json!([0])), "{json}");
+    server.stop().await;
+
+    // A floor of free memory above what this host has: nothing is admitted, and the error says why.
+    let server = TestServer::with(|config| config.min_free_memory = Some(1 << 50)).await;
+    let (status, json) = crate::util::status_json(
+        server.client.post(server.url("/v1/sandboxes")).json(&json!({"tier": "wasm"})).send().await.expect("request"),
+    )
+    .await;
+    assert_eq!((status, code(&json)), (429, "server_at_capacity"), "{json}");
+    assert!(json["error"]["message"].as_str().is_some_and(|m| m.contains("bytes of memory available")), "{json}");
+    let metrics = server.client.get(server.url("/metrics")).send().await.expect("m").text().await.expect("t");
+    assert!(metrics.contains("strata_admission_rejections_total{reason=\"host_memory\"} 1"), "{metrics}");
+    server.stop().await;
+}
