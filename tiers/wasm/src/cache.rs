@@ -1,24 +1,75 @@
-//! The on-disk cache of precompiled modules.
+//! The on-disk cache of precompiled modules and components.
 //!
-//! An entry is `<key>.cwasm` (wasmtime's serialized module) beside `<key>.sum` (its BLAKE3 digest and length,
+//! An entry is `<key>.cwasm` (wasmtime's serialized module or component) beside `<key>.sum` (its BLAKE3 digest and length,
 //! and the stamp of the file that digest was last checked against). The key hashes the module's identity with
 //! the engine's compatibility fingerprint, so a different wasmtime version or configuration (fuel on/off,
-//! features) never reads another's entry. Both files are written to temporary names and renamed into place;
+//! features) never reads another's entry; modules and components are keyed apart ([`ModuleCache::key`],
+//! [`ModuleCache::component_key`]). Both files are written to temporary names and renamed into place;
 //! one process compiles a given entry at a time (an `flock` on `<key>.lock`), the others wait and load it.
 //!
-//! On load the `.cwasm` is opened once and that descriptor is both checked and mapped. When its stamp (device,
+//! On load the `.cwasm` is opened once and that descriptor is both checked and mapped (a module) or read (a
+//! component: wasmtime 48 deserializes components from bytes or a path, not from an open file). When its stamp (device,
 //! inode, size, modification and change times) matches the one recorded after its last full check, the digest
 //! is not recomputed: any write, truncation, `chmod` or `touch` changes the change time, which a user process
 //! cannot set back. Otherwise it is hashed in full. A truncated, corrupted or swapped entry is detected,
 //! recompiled and replaced, never executed.
 
 use std::fs::{self, File};
-use std::io::{self, Write};
+use std::io::{self, Read, Seek, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use wasmtime::component::Component;
 use wasmtime::{Engine, Module};
+
+/// What the cache holds: compiled code wasmtime can serialize, and load back from an entry it checked.
+pub trait Compiled: Sized + sealed::Sealed {
+    /// The bytes of the entry.
+    fn serialize(&self) -> wasmtime::Result<Vec<u8>>;
+
+    /// Loads the entry behind `file`, whose bytes were produced by [`Compiled::serialize`] for a compatible
+    /// engine.
+    ///
+    /// # Safety
+    ///
+    /// wasmtime trusts serialized code: the bytes behind `file` must be what `serialize` wrote under a key that
+    /// includes the engine's compatibility fingerprint, and must not change while this runs.
+    unsafe fn load(engine: &Engine, file: File) -> wasmtime::Result<Self>;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for wasmtime::Module {}
+    impl Sealed for wasmtime::component::Component {}
+}
+
+impl Compiled for Module {
+    fn serialize(&self) -> wasmtime::Result<Vec<u8>> {
+        Module::serialize(self)
+    }
+
+    unsafe fn load(engine: &Engine, file: File) -> wasmtime::Result<Module> {
+        // SAFETY: the caller guarantees the bytes behind `file` are a serialized module for this engine.
+        unsafe { Module::deserialize_open_file(engine, file) }
+    }
+}
+
+impl Compiled for Component {
+    fn serialize(&self) -> wasmtime::Result<Vec<u8>> {
+        Component::serialize(self)
+    }
+
+    unsafe fn load(engine: &Engine, mut file: File) -> wasmtime::Result<Component> {
+        // The same descriptor the caller checked, read from its start (a check leaves it at the end).
+        let mut bytes = Vec::new();
+        file.seek(io::SeekFrom::Start(0))?;
+        file.read_to_end(&mut bytes)?;
+        // SAFETY: the caller guarantees the bytes behind `file` are a serialized component for this engine; these
+        // are those bytes.
+        unsafe { Component::deserialize(engine, &bytes) }
+    }
+}
 
 /// A 32-byte digest.
 pub type Digest = [u8; 32];
@@ -73,22 +124,31 @@ impl ModuleCache {
         *hasher.finalize().as_bytes()
     }
 
+    /// The key of a component for an engine with this fingerprint: never equal to a module's key.
+    pub fn component_key(fingerprint: &Digest, component_hash: &Digest) -> Digest {
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(b"strata component cache v1\0");
+        hasher.update(fingerprint);
+        hasher.update(component_hash);
+        *hasher.finalize().as_bytes()
+    }
+
     /// Paths of the entry for `key`: the serialized module and its checksum file.
     pub fn entry_paths(&self, key: &Digest) -> (PathBuf, PathBuf) {
         let name = hex(key);
         (self.dir.join(format!("{name}.cwasm")), self.dir.join(format!("{name}.sum")))
     }
 
-    /// Loads the module for `key`, or compiles it with `compile` and stores it.
+    /// Loads the module (or component) for `key`, or compiles it with `compile` and stores it.
     ///
     /// `compile` returns the module or the compile error; a compile error is returned as is. A failure to
     /// store the entry does not fail the job: it is logged and the compiled module is used.
-    pub fn load_or_compile<E>(
+    pub fn load_or_compile<C: Compiled, E>(
         &self,
         engine: &Engine,
         key: &Digest,
-        compile: impl FnOnce() -> Result<Module, E>,
-    ) -> Result<(Module, CacheOutcome), E> {
+        compile: impl FnOnce() -> Result<C, E>,
+    ) -> Result<(C, CacheOutcome), E> {
         let outcome = match self.load(engine, key) {
             Ok(module) => return Ok((module, CacheOutcome::Hit)),
             Err(Invalid::Missing) => CacheOutcome::Compiled,
@@ -121,7 +181,7 @@ impl ModuleCache {
         nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).ok()
     }
 
-    fn load(&self, engine: &Engine, key: &Digest) -> Result<Module, Invalid> {
+    fn load<C: Compiled>(&self, engine: &Engine, key: &Digest) -> Result<C, Invalid> {
         let (cwasm_path, sum_path) = self.entry_paths(key);
         let sum = match fs::read_to_string(&sum_path) {
             Ok(sum) => sum,
@@ -151,16 +211,16 @@ impl ModuleCache {
             let checked = Sum { stamp: Some(stamp), ..sum };
             let _ = write_atomically(&sum_path, checked.render().as_bytes());
         }
-        // SAFETY: `deserialize_open_file` requires bytes produced by `Module::serialize` of a compatible
-        // engine. The bytes behind this descriptor match the digest recorded when this code serialized them,
-        // under a key that includes the engine's compatibility fingerprint: checked just now, or unchanged
-        // (same inode, size, mtime and ctime) since they were last checked. The cache directory is private to
-        // Strata; a writer able to forge both files could equally replace the binary itself.
-        unsafe { Module::deserialize_open_file(engine, file) }
-            .map_err(|err| Invalid::Corrupt(format!("wasmtime refused it: {err}")))
+        // SAFETY: `Compiled::load` requires bytes produced by `Compiled::serialize` of a compatible engine. The
+        // bytes behind this descriptor match the digest recorded when this code serialized them, under a key that
+        // includes the engine's compatibility fingerprint (and the kind: modules and components are keyed apart):
+        // checked just now, or unchanged (same inode, size, mtime and ctime) since they were last checked. The
+        // cache directory is private to Strata; a writer able to forge both files could equally replace the
+        // binary itself.
+        unsafe { C::load(engine, file) }.map_err(|err| Invalid::Corrupt(format!("wasmtime refused it: {err}")))
     }
 
-    fn store(&self, key: &Digest, module: &Module) -> io::Result<()> {
+    fn store<C: Compiled>(&self, key: &Digest, module: &C) -> io::Result<()> {
         let bytes = module.serialize().map_err(|e| io::Error::other(e.to_string()))?;
         fs::create_dir_all(&self.dir)?;
         let (cwasm_path, sum_path) = self.entry_paths(key);
@@ -331,6 +391,30 @@ mod tests {
         let (_, outcome) = cache.load_or_compile(&engine, &key, || compile(&engine)).expect("load");
         assert_eq!(outcome, CacheOutcome::Hit);
         assert_ne!(fs::read_to_string(&sum).expect("sum"), text, "the new stamp is recorded");
+    }
+
+    #[test]
+    fn components_are_cached_apart_from_modules_and_load_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cache = ModuleCache::new(dir.path());
+        let engine = engine();
+        let (fingerprint, hash) = ([2u8; 32], [4u8; 32]);
+        let key = ModuleCache::component_key(&fingerprint, &hash);
+        assert_ne!(key, ModuleCache::key(&fingerprint, &hash));
+        let component = || Component::new(&engine, "(component (core module))");
+        let (_, first) = cache.load_or_compile(&engine, &key, component).expect("compile");
+        let (_, second) = cache.load_or_compile(&engine, &key, component).expect("load");
+        assert_eq!((first, second), (CacheOutcome::Compiled, CacheOutcome::Hit));
+        // Rewritten in place: the stamp changes, the file is hashed in full, then read from its start.
+        let (cwasm, _) = cache.entry_paths(&key);
+        fs::write(&cwasm, fs::read(&cwasm).expect("read")).expect("rewrite");
+        let (_, third) = cache.load_or_compile(&engine, &key, component).expect("load");
+        assert_eq!(third, CacheOutcome::Hit);
+        // A module's entry is not a component: wasmtime refuses it, and the entry is rebuilt.
+        let module_key = [6u8; 32];
+        cache.load_or_compile(&engine, &module_key, || compile(&engine)).expect("module");
+        let (_, outcome) = cache.load_or_compile(&engine, &module_key, component).expect("rebuilt");
+        assert_eq!(outcome, CacheOutcome::Rebuilt);
     }
 
     #[test]
