@@ -1,6 +1,6 @@
 //! Running guests: the WASI context built from `Capabilities`, the store with its limits, the guarded call,
-//! and the mapping of how the guest ended to an `Outcome`. Shared by WASI commands, one-shot Python and
-//! Python sessions.
+//! and the mapping of how the guest ended to an `Outcome`. Shared by WASI commands (preview1 modules and 0.2
+//! components), one-shot Python and Python sessions.
 
 use std::cell::RefCell;
 use std::future::Future;
@@ -16,8 +16,9 @@ use strata_wasi_shims::{Captured, OutputCapture};
 use wasmtime::{ResourceLimiter, Store, Trap, UpdateDeadline, WasmBacktrace};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryInputPipe;
-use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
+use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use crate::net::NetPolicy;
 use crate::runtime::{MAX_LINEAR_MEMORY, MAX_TABLE_ELEMENTS, Prepared, Runtime, describe};
 use crate::tools::ToolHost;
 
@@ -25,11 +26,16 @@ fn internal(message: impl std::fmt::Display) -> TierError {
     TierError::Internal { tier: TierKind::Wasm, message: message.to_string() }
 }
 
-/// Per-store state: the guest's WASI context, the meter that enforces its limits, and its tools.
+/// Per-store state: the guest's WASI context, the meter that enforces its limits, its tools, and its network
+/// policy (components only).
+///
+/// A preview1 module reaches the context through wasmtime-wasi's preview1 adapter; a component reaches the same
+/// context (its `WasiCtx` and resource table) through [`WasiView`], so both kinds share one way of building it.
 pub(crate) struct JobState {
     pub(crate) wasi: WasiP1Ctx,
     pub(crate) meter: Meter,
     pub(crate) tools: ToolHost,
+    pub(crate) net: Option<Arc<NetPolicy>>,
 }
 
 impl JobState {
@@ -39,7 +45,14 @@ impl JobState {
             wasi: WasiCtxBuilder::new().build_p1(),
             meter: Meter::new(&Limits::default(), None),
             tools: ToolHost::default(),
+            net: None,
         }
+    }
+}
+
+impl WasiView for JobState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        self.wasi.ctx()
     }
 }
 
@@ -178,17 +191,32 @@ pub(crate) fn block_on<F: Future>(future: F) -> Result<F::Output, TierError> {
     Ok(output)
 }
 
-/// Checks that the capabilities can be honoured on this tier, before anything is built.
+/// Checks that the capabilities can be honoured on this tier, before anything is built. Network egress is
+/// checked here only for well-formed specs: whether a job can use it depends on the job ([`refuse_net`]).
 pub(crate) fn check_caps(caps: &Capabilities, registry: &ToolRegistry) -> Result<(), TierError> {
     caps.validate()?;
-    if let Net::Allow(hosts) = &caps.net {
-        return Err(TierError::Unsupported {
-            tier: TierKind::Wasm,
-            what: format!("network egress (--allow-net {}); jobs on this tier have no network", hosts.join(",")),
-        });
-    }
+    crate::net::check_specs(&caps.net)?;
     registry.select(&caps.tools)?;
     Ok(())
+}
+
+/// Python on this tier, for [`refuse_net`].
+pub(crate) const PYTHON: &str = "Python on wasm (CPython is a preview1 module)";
+
+/// Refuses network egress for a job that cannot have sockets (`what`: a preview1 module, Python): only WASI 0.2
+/// components get the network on this tier.
+pub(crate) fn refuse_net(caps: &Capabilities, what: &str) -> Result<(), TierError> {
+    match &caps.net {
+        Net::Deny => Ok(()),
+        Net::Allow(hosts) => Err(TierError::Unsupported {
+            tier: TierKind::Wasm,
+            what: format!(
+                "network egress (--allow-net {}) for {what}; on this tier only WASI 0.2 components (wasm32-wasip2) \
+                 have sockets",
+                hosts.join(",")
+            ),
+        }),
+    }
 }
 
 /// A directory the guest sees besides the grants (the Python stdlib, a scratch `/tmp`).
@@ -208,6 +236,8 @@ pub(crate) struct WasiSpec<'a> {
     pub(crate) preopens: Vec<Preopen>,
     /// The guest's monotonic clock; WASI's default (zero when the context is made) when `None`.
     pub(crate) clock: Option<GuestClock>,
+    /// The job's network (components only); `None` is no network at all.
+    pub(crate) net: Option<Arc<NetPolicy>>,
 }
 
 /// A monotonic clock that starts at a given reading: a session's starts at zero, a fork's where its snapshot's
@@ -259,10 +289,8 @@ pub(crate) fn wasi_ctx(spec: WasiSpec<'_>, captures: &Captures) -> Result<WasiP1
     builder
         .stdin(MemoryInputPipe::new(spec.stdin.to_vec()))
         .stdout(captures.stdout.clone())
-        .stderr(captures.stderr.clone())
-        .allow_tcp(false)
-        .allow_udp(false)
-        .allow_ip_name_lookup(false);
+        .stderr(captures.stderr.clone());
+    crate::net::configure(&mut builder, spec.net.as_ref());
     for preopen in &spec.preopens {
         let perms = if preopen.writable { FsPerms::ReadWrite } else { FsPerms::ReadOnly };
         builder
@@ -453,7 +481,7 @@ pub(crate) fn arm_store<'r>(
 ) -> Result<ArmedStore<'r>, TierError> {
     let running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
     let meter = Meter::new(limits, cancel);
-    let mut store = new_store(runtime, JobState { wasi, meter, tools });
+    let mut store = new_store(runtime, JobState { wasi, meter, tools, net: None });
     let fuel_budget = set_fuel(runtime, &mut store, limits)?;
     store.set_epoch_deadline(1);
     let measured = Measured::start(&store, fuel_budget);
@@ -469,6 +497,7 @@ pub(crate) fn execute(
     args: &[String],
     job: JobContext<'_>,
 ) -> Result<Outcome, TierError> {
+    refuse_net(job.caps, &format!("{program}, a WASI preview1 module (preview1 has no sockets)"))?;
     let captures = Captures::new(job.caps, job.limits, job.sink.clone());
     let mut argv = vec![program.to_owned()];
     argv.extend(args.iter().cloned());
@@ -479,6 +508,7 @@ pub(crate) fn execute(
         stdin: job.stdin,
         preopens: Vec::new(),
         clock: None,
+        net: None,
     };
     let wasi = wasi_ctx(wasi_spec, &captures)?;
     let ArmedStore { mut store, measured, wall_deadline, _running } =

@@ -1,4 +1,5 @@
-//! Strata's WebAssembly tier: WASI preview1 command modules, and Python ([`python`]), on wasmtime.
+//! Strata's WebAssembly tier: WASI preview1 command modules, WASI 0.2 command components ([below](#components)),
+//! and Python ([`python`]), on wasmtime.
 //!
 //! - One wasmtime [`Engine`](wasmtime::Engine) per fuel mode (unmetered, the default, and fuel-metered, whose
 //!   compiled code differs), each shared by every job, with the pooling allocator and copy-on-write memory
@@ -11,8 +12,8 @@
 //!   `LimitExceeded { limit }`.
 //! - Capabilities: grants become preopened directories (cap-std: no escape by `..`, absolute paths or
 //!   symlinks; read-only grants refuse every change), env and secrets become the environment, stdin is a byte
-//!   buffer, and there is no network.
-//!
+//!   buffer. Preview1 modules and Python have no network: a job of theirs whose capabilities allow network
+//!   egress is refused (`unsupported`) rather than run without it.
 //! - Snapshots and forks ([`snapshot`](Tier::fork)): Python sessions run a snapshot-ready form of the runtime
 //!   (its mutable globals exported, its data segments moved into a memory image) whose linear memory is mapped
 //!   copy-on-write from an image file; a snapshot saves the memory, the globals and the scratch `/tmp`, and a
@@ -21,14 +22,27 @@
 //! Jobs run on the caller's thread, which blocks until the job ends. Called from inside an async runtime, a
 //! job runs on a scoped thread of its own instead, so it never stalls the runtime's own machinery; servers
 //! should still call from `spawn_blocking` to keep their workers free.
+//!
+//! # Components
+//!
+//! A `Job::Wasm` whose binary is a component (the header's layer field is 1), as `cargo build --target
+//! wasm32-wasip2` makes, runs as a `wasi:cli/command`: the same capabilities, limits (fuel included: it is
+//! wasmtime's engine-wide `consume_fuel`, which meters components too), outcome and usage as a preview1
+//! command, and a compiled-component cache beside the modules'. A component that is not a command, or imports
+//! what Strata does not provide, is a typed error (`invalid_module`, `unknown_import`). Components are the
+//! tier's only jobs with **network egress**: `wasi:sockets` TCP connects checked against the allowlist and
+//! logged in the outcome's `egress` ([`net`]). In a sandbox each `exec` of a component is a fresh instance, as
+//! for preview1 commands.
 
 #![warn(missing_docs)]
 
 pub mod cache;
+mod component;
 mod epoch;
 mod exec;
 mod image;
 mod instrument;
+pub mod net;
 pub mod python;
 mod ready;
 mod runtime;
@@ -52,7 +66,7 @@ pub use sandbox::WasmSandbox;
 
 use crate::cache::Digest;
 use crate::python::SessionModule;
-use crate::runtime::{Allocation, Expect, Prepared, Runtime};
+use crate::runtime::{Allocation, Expect, Format, Prepared, PreparedComponent, Runtime};
 use crate::snapshot::ReadyRuntime;
 use crate::tools::ToolHost;
 
@@ -134,7 +148,15 @@ pub(crate) struct TierInner {
     mapped_metered: OnceLock<Result<Runtime, String>>,
     /// The snapshot-ready form of each Python runtime met so far (by its sha256), or why it has none.
     ready: Mutex<HashMap<Digest, Result<ReadyRuntime, String>>>,
-    files: Mutex<HashMap<PathBuf, (FileStamp, Digest)>>,
+    files: Mutex<HashMap<PathBuf, (FileStamp, Digest, Format)>>,
+}
+
+/// A job's program, prepared.
+enum Program {
+    /// A WASI preview1 command module.
+    Module(Arc<Prepared>),
+    /// A WASI 0.2 command component.
+    Component(Arc<PreparedComponent>),
 }
 
 impl WasmTier {
@@ -195,16 +217,13 @@ impl TierInner {
             .map_err(|message| TierError::Internal { tier: TierKind::Wasm, message: message.clone() })
     }
 
-    fn prepare(
-        &self,
-        runtime: &Runtime,
-        module: &ModuleSource,
-    ) -> Result<(Arc<Prepared>, Option<CacheOutcome>), TierError> {
+    fn prepare(&self, runtime: &Runtime, module: &ModuleSource) -> Result<(Program, Option<CacheOutcome>), TierError> {
         let name = module.program_name();
         match module {
             ModuleSource::Bytes { bytes, .. } => {
                 let hash = *blake3::hash(bytes).as_bytes();
-                runtime.prepare(self.cache.as_ref(), &name, &hash, Expect::Command, || Ok(bytes.clone()))
+                let format = crate::runtime::format_of(&name, bytes)?;
+                self.prepare_as(runtime, &name, format, &hash, || Ok(bytes.clone()))
             }
             ModuleSource::File(path) => {
                 let unreadable = |source| TierError::ReadInput { path: path.clone(), source };
@@ -216,26 +235,47 @@ impl TierInner {
                     });
                 }
                 let stamp = FileStamp::of(&meta);
-                let known = self.lock_files().get(path).filter(|(s, _)| *s == stamp).map(|(_, hash)| *hash);
-                if let Some(hash) = known {
-                    return runtime.prepare(self.cache.as_ref(), &name, &hash, Expect::Command, || {
+                let known = self.lock_files().get(path).filter(|(s, ..)| *s == stamp).map(|(_, hash, f)| (*hash, *f));
+                if let Some((hash, format)) = known {
+                    return self.prepare_as(runtime, &name, format, &hash, || {
                         std::fs::read(path).map(Arc::from).map_err(unreadable)
                     });
                 }
                 let bytes: Arc<[u8]> = std::fs::read(path).map_err(unreadable)?.into();
                 let hash = *blake3::hash(&bytes).as_bytes();
-                let prepared = runtime.prepare(self.cache.as_ref(), &name, &hash, Expect::Command, || Ok(bytes))?;
+                let format = crate::runtime::format_of(&name, &bytes)?;
+                let prepared = self.prepare_as(runtime, &name, format, &hash, || Ok(bytes))?;
                 let mut files = self.lock_files();
                 if files.len() >= MAX_REMEMBERED_FILES {
                     files.clear();
                 }
-                files.insert(path.clone(), (stamp, hash));
+                files.insert(path.clone(), (stamp, hash, format));
                 Ok(prepared)
             }
         }
     }
 
-    fn lock_files(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, (FileStamp, Digest)>> {
+    /// Prepares a WASI command of a known format: a preview1 module or a WASI 0.2 component.
+    fn prepare_as(
+        &self,
+        runtime: &Runtime,
+        name: &str,
+        format: Format,
+        hash: &Digest,
+        bytes: impl FnOnce() -> Result<Arc<[u8]>, TierError>,
+    ) -> Result<(Program, Option<CacheOutcome>), TierError> {
+        let cache = self.cache.as_ref();
+        match format {
+            Format::Module => runtime
+                .prepare(cache, name, hash, Expect::Command, bytes)
+                .map(|(prepared, outcome)| (Program::Module(prepared), outcome)),
+            Format::Component => runtime
+                .prepare_component(cache, name, hash, bytes)
+                .map(|(prepared, outcome)| (Program::Component(prepared), outcome)),
+        }
+    }
+
+    fn lock_files(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, (FileStamp, Digest, Format)>> {
         self.files.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -407,9 +447,18 @@ impl TierInner {
             Job::Wasm { module, args } => {
                 let (prepared, _) = self.prepare(runtime, module)?;
                 let program = module.program_name();
-                exec::execute(runtime, &prepared, &program, args, context(self.tools(caps)?))
+                match prepared {
+                    Program::Module(prepared) => {
+                        exec::execute(runtime, &prepared, &program, args, context(self.tools(caps)?))
+                    }
+                    Program::Component(prepared) => {
+                        component::execute(runtime, &prepared, &program, args, context(ToolHost::default()))
+                    }
+                }
             }
             Job::Python { source, args } => {
+                // Before the runtime is loaded (possibly fetched): it would be refused anyway.
+                exec::refuse_net(caps, exec::PYTHON)?;
                 let (artifacts, prepared, _) = self.python(runtime)?;
                 python::run_once(runtime, &prepared, &artifacts, source, args, context(self.tools(caps)?))
             }

@@ -270,6 +270,7 @@ pub(crate) fn run_once(
     args: &[String],
     job: JobContext<'_>,
 ) -> Result<Outcome, TierError> {
+    exec::refuse_net(job.caps, exec::PYTHON)?;
     let code = one_shot_code(source, read_source(source)?.as_deref(), args);
     let scratch = scratch(job.caps)?;
     let captures = Captures::new(job.caps, job.limits, job.sink.clone());
@@ -280,6 +281,7 @@ pub(crate) fn run_once(
         stdin: job.stdin,
         preopens: preopens(artifacts, job.caps, scratch.as_ref().map(|d| d.path()))?,
         clock: None,
+        net: None,
     };
     let wasi = exec::wasi_ctx(spec, &captures)?;
     let ArmedStore { mut store, measured, wall_deadline, _running } =
@@ -371,6 +373,7 @@ impl PythonSession {
         tools: ToolHost,
         restore: Option<Restore>,
     ) -> Result<PythonSession, TierError> {
+        exec::refuse_net(caps, exec::PYTHON)?;
         let (scratch, clock) = match &restore {
             Some(restore) => (None, GuestClock::starting_at(restore.clock_ns)),
             None => (scratch(caps)?, GuestClock::starting_at(0)),
@@ -390,11 +393,12 @@ impl PythonSession {
             stdin: &caps.stdin,
             preopens,
             clock: Some(clock),
+            net: None,
         };
         let wasi = exec::wasi_ctx(spec, &captures)?;
         let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
         let meter = Meter::new(limits, None);
-        let mut store = new_store(runtime, JobState { wasi, meter, tools });
+        let mut store = new_store(runtime, JobState { wasi, meter, tools, net: None });
         set_fuel(runtime, &mut store, limits)?;
         store.set_epoch_deadline(1);
         let wall_deadline = store.data().meter.wall_deadline;

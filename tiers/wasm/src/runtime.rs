@@ -1,14 +1,17 @@
-//! One wasmtime engine configuration (fuel-metered or not), its linker, and the modules prepared for it.
+//! One wasmtime engine configuration (fuel-metered or not), its linkers (preview1 modules; WASI 0.2 components,
+//! made on first use), and the modules and components prepared for it.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::Hasher;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use strata_core::{TierError, TierKind};
+use wasmtime::component::Component;
 use wasmtime::{
     Caller, Config, Enabled, Engine, ExternType, InstanceAllocationStrategy, InstancePre, Linker, Module, OptLevel,
     PoolingAllocationConfig, Store,
 };
+use wasmtime_wasi::p2::bindings::CommandPre;
 
 use crate::WasmTierConfig;
 use crate::cache::{CacheOutcome, Digest, ModuleCache};
@@ -23,6 +26,10 @@ pub(crate) const MAX_TABLE_ELEMENTS: usize = 1 << 17;
 const MAX_INSTANCE_SIZE: usize = 8 << 20;
 /// Largest linear memory of a wasm32 module.
 pub(crate) const MAX_LINEAR_MEMORY: u64 = 4 << 30;
+/// Most core instances one component may hold (instance slots are counters, not reservations).
+const MAX_CORE_INSTANCES_PER_COMPONENT: u32 = 16;
+/// Most tables one component may hold (each table slot reserves address space for [`MAX_TABLE_ELEMENTS`]).
+const MAX_TABLES_PER_COMPONENT: u32 = 4;
 
 /// Modules at least this large get progress messages while they compile.
 const PROGRESS_MODULE_SIZE: usize = 4 << 20;
@@ -74,6 +81,14 @@ pub(crate) struct Prepared {
     pub(crate) pre: InstancePre<JobState>,
 }
 
+/// A WASI 0.2 command component ready to instantiate.
+pub(crate) struct PreparedComponent {
+    pub(crate) pre: CommandPre<JobState>,
+}
+
+/// The component linker: WASI 0.2 with Strata's name-lookup filter.
+type ComponentLinker = wasmtime::component::Linker<JobState>;
+
 /// A wasmtime engine with its linker, epoch ticker and prepared modules.
 pub(crate) struct Runtime {
     pub(crate) engine: Engine,
@@ -83,6 +98,8 @@ pub(crate) struct Runtime {
     fingerprint: Digest,
     provided: HashSet<(String, String)>,
     prepared: Mutex<HashMap<Digest, Arc<Prepared>>>,
+    components: OnceLock<Result<ComponentLinker, String>>,
+    prepared_components: Mutex<HashMap<Digest, Arc<PreparedComponent>>>,
 }
 
 fn internal(message: impl std::fmt::Display) -> TierError {
@@ -116,12 +133,18 @@ pub(crate) enum Allocation {
 fn engine_config(settings: &WasmTierConfig, metered: bool, allocation: Allocation) -> Config {
     let slots = settings.max_instances.max(1);
     let mut pool = PoolingAllocationConfig::new();
-    pool.total_core_instances(slots)
+    // A slot is one job. A component job holds several core instances and tables (a Rust `wasm32-wasip2` command:
+    // its program, wit-component's shim and fixup modules; 3 instances, 2 tables, 1 memory), so the pool has room
+    // for a component's worth per slot; the stacks (one per running job) and component instances bound the jobs.
+    pool.total_core_instances(slots.saturating_mul(MAX_CORE_INSTANCES_PER_COMPONENT))
         .total_component_instances(slots)
+        .max_core_instances_per_component(MAX_CORE_INSTANCES_PER_COMPONENT)
+        .max_memories_per_component(2)
+        .max_tables_per_component(MAX_TABLES_PER_COMPONENT)
         // A module that uses exceptions (CPython) also takes a GC heap, which lives in a memory slot.
         .total_memories(slots.saturating_mul(2))
         .total_gc_heaps(slots)
-        .total_tables(slots)
+        .total_tables(slots.saturating_mul(MAX_TABLES_PER_COMPONENT))
         .total_stacks(slots)
         .max_memory_size(MAX_LINEAR_MEMORY as usize)
         .table_elements(MAX_TABLE_ELEMENTS)
@@ -187,7 +210,65 @@ impl Runtime {
             fingerprint,
             provided,
             prepared: Mutex::new(HashMap::new()),
+            components: OnceLock::new(),
+            prepared_components: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The component linker, made on first use.
+    fn component_linker(&self) -> Result<&ComponentLinker, TierError> {
+        self.components
+            .get_or_init(|| {
+                component_linker(&self.engine).map_err(|e| format!("cannot link WASI 0.2: {}", describe(&e)))
+            })
+            .as_ref()
+            .map_err(internal)
+    }
+
+    /// Returns the prepared component for `bytes` (whose BLAKE3 digest is `hash`), compiling it or loading it
+    /// from the disk cache on first use. It must be a `wasi:cli/command` whose imports the linker provides.
+    pub(crate) fn prepare_component(
+        &self,
+        cache: Option<&ModuleCache>,
+        name: &str,
+        hash: &Digest,
+        bytes: impl FnOnce() -> Result<Arc<[u8]>, TierError>,
+    ) -> Result<(Arc<PreparedComponent>, Option<CacheOutcome>), TierError> {
+        if let Some(prepared) = lock(&self.prepared_components).get(hash) {
+            return Ok((prepared.clone(), None));
+        }
+        let linker = self.component_linker()?;
+        let invalid = |reason: String| TierError::InvalidModule { name: name.to_owned(), reason };
+        let compile = || {
+            let bytes = bytes()?;
+            if format_of(name, &bytes)? != Format::Component {
+                return Err(invalid("it is a core module, not a component".into()));
+            }
+            let _progress = (bytes.len() >= PROGRESS_MODULE_SIZE).then(|| CompileProgress::start(name, bytes.len()));
+            Component::new(&self.engine, &bytes).map_err(|e| invalid(describe(&e)))
+        };
+        let (component, outcome) = match cache {
+            Some(cache) => {
+                let key = ModuleCache::component_key(&self.fingerprint, hash);
+                let (component, outcome) = cache.load_or_compile(&self.engine, &key, compile)?;
+                (component, Some(outcome))
+            }
+            None => (compile()?, None),
+        };
+        let pre = linker.instantiate_pre(&component).map_err(|err| link_error(name, &err))?;
+        let pre = CommandPre::new(pre).map_err(|err| {
+            invalid(format!(
+                "it is not a WASI 0.2 command (a `wasi:cli/command` exporting `wasi:cli/run`): {}",
+                describe(&err)
+            ))
+        })?;
+        let prepared = Arc::new(PreparedComponent { pre });
+        let mut map = lock(&self.prepared_components);
+        if map.len() >= MAX_PREPARED {
+            map.clear();
+        }
+        map.insert(*hash, prepared.clone());
+        Ok((prepared, outcome))
     }
 
     /// Returns the prepared module for `bytes` (whose BLAKE3 digest is `hash`), compiling it or loading it
@@ -233,7 +314,7 @@ impl Runtime {
     }
 
     fn lock_prepared(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, Arc<Prepared>>> {
-        self.prepared.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.prepared)
     }
 
     /// A module imports only what the linker provides.
@@ -282,23 +363,80 @@ impl Expect {
     }
 }
 
-/// The four-byte magic and version of a core module, and of a component.
+/// What a WebAssembly binary is, by its header: `\0asm`, a 16-bit version, a 16-bit layer (0: a core module,
+/// 1: a component).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Format {
+    /// A core module (binary version 1).
+    Module,
+    /// A component (layer 1; its version is checked by wasmtime when it compiles).
+    Component,
+}
+
+/// The header of a core module of binary version 1.
 const CORE_MODULE_HEADER: [u8; 8] = *b"\0asm\x01\0\0\0";
 
-fn check_format(name: &str, bytes: &[u8]) -> Result<(), TierError> {
+/// Reads the header of `bytes` (named `name` in errors): a core module or a component, else a typed error.
+pub(crate) fn format_of(name: &str, bytes: &[u8]) -> Result<Format, TierError> {
     if !bytes.starts_with(b"\0asm") {
         return Err(TierError::WrongFormat {
             what: name.to_owned(),
-            expected: "a WebAssembly module (it does not start with the \\0asm magic)",
+            expected: "a WebAssembly module or component (it does not start with the \\0asm magic)",
         });
     }
-    if bytes.len() >= 8 && bytes[..8] != CORE_MODULE_HEADER {
-        return Err(TierError::Unsupported {
+    match bytes.get(..8) {
+        // A truncated header is a core module to wasmtime, which says what is wrong with it.
+        None => Ok(Format::Module),
+        Some(header) if header == CORE_MODULE_HEADER => Ok(Format::Module),
+        Some([.., 1, 0]) => Ok(Format::Component),
+        Some(_) => Err(TierError::Unsupported {
             tier: TierKind::Wasm,
-            what: format!("{name}: WebAssembly components and binary versions other than 1 (core modules only)"),
-        });
+            what: format!("{name}: WebAssembly binary versions other than core modules of version 1 and components"),
+        }),
     }
-    Ok(())
+}
+
+fn check_format(name: &str, bytes: &[u8]) -> Result<(), TierError> {
+    match format_of(name, bytes)? {
+        Format::Module => Ok(()),
+        Format::Component => Err(TierError::InvalidModule {
+            name: name.to_owned(),
+            reason: "it is a component where a core module is needed".into(),
+        }),
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// WASI 0.2 (wasmtime-wasi's `p2`), with `wasi:sockets/ip-name-lookup` replaced by the job's filter
+/// ([`crate::net`]).
+fn component_linker(engine: &Engine) -> wasmtime::Result<ComponentLinker> {
+    let mut linker = ComponentLinker::new(engine);
+    wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+    linker.allow_shadowing(true);
+    wasmtime_wasi::p2::bindings::sockets::ip_name_lookup::add_to_linker::<JobState, crate::net::FilteredLookup>(
+        &mut linker,
+        crate::net::lookup_view,
+    )?;
+    linker.allow_shadowing(false);
+    Ok(linker)
+}
+
+/// A component the linker cannot instantiate: an import it does not provide (by name), or invalid.
+fn link_error(name: &str, err: &wasmtime::Error) -> TierError {
+    let text = describe(err);
+    // wasmtime words it "component imports instance `wasi:foo/bar@1.0.0`, but a matching implementation was
+    // not found in the linker".
+    let import = text
+        .split_once("component imports ")
+        .filter(|_| text.contains("matching implementation was not found"))
+        .and_then(|(_, rest)| rest.split('`').nth(1));
+    match import {
+        Some(import) => TierError::UnknownImport { name: name.to_owned(), import: import.to_owned() },
+        None => TierError::InvalidModule { name: name.to_owned(), reason: text },
+    }
 }
 
 /// An error and its causes on one line: "failed to parse WebAssembly module: unexpected end (at offset 0x10)".
@@ -315,4 +453,23 @@ pub(crate) fn describe(err: &wasmtime::Error) -> String {
         text.push_str(cause.trim());
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_header_says_module_or_component() {
+        assert_eq!(format_of("m", b"\0asm\x01\0\0\0").ok(), Some(Format::Module));
+        assert_eq!(format_of("c", b"\0asm\x0d\0\x01\0").ok(), Some(Format::Component));
+        assert_eq!(format_of("c", b"\0asm\x0e\0\x01\0rest").ok(), Some(Format::Component), "wasmtime checks versions");
+        assert_eq!(format_of("short", b"\0asm\x01").ok(), Some(Format::Module), "wasmtime says what is missing");
+        let err = format_of("v2", b"\0asm\x02\0\0\0").expect_err("core version 2");
+        assert_eq!(err.code(), "unsupported", "{err}");
+        let err = format_of("text", b"(module)").expect_err("not binary");
+        assert_eq!(err.code(), "wrong_format", "{err}");
+        let err = check_format("c", b"\0asm\x0d\0\x01\0").expect_err("a component is not a core module");
+        assert!(err.to_string().contains("component"), "{err}");
+    }
 }

@@ -95,6 +95,7 @@ impl Sandbox for WasmSandbox {
             return self.tier.run(job, &self.caps, &limits, opts);
         };
         if self.python.is_none() {
+            crate::exec::refuse_net(&self.caps, crate::exec::PYTHON)?;
             // The session's fuel mode is the sandbox's: fuel-metered code only when its limits set fuel.
             let (artifacts, module, runtime) = self.tier.python_session(self.limits.fuel.limit().is_some())?;
             let tools = self.tier.tools(&self.caps)?;
