@@ -1,5 +1,6 @@
-//! Builds the guest programs in `guests/` for wasm32-wasip1 and the WAT modules in `wat/`, and writes a Rust
-//! file of constants naming each artifact's path.
+//! Builds the guest programs in `guests/` for wasm32-wasip1, those in `components/` for wasm32-wasip2 (WASI 0.2
+//! command components) and the WAT modules in `wat/`, and writes a Rust file of constants naming each artifact's
+//! path.
 
 use std::env;
 use std::fmt::Write as _;
@@ -11,16 +12,24 @@ fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
     let guests = manifest_dir.join("guests");
+    let components = manifest_dir.join("components");
     let wat_dir = manifest_dir.join("wat");
-    println!("cargo:rerun-if-changed={}", guests.join("Cargo.toml").display());
-    println!("cargo:rerun-if-changed={}", guests.join("src").display());
+    for crate_dir in [&guests, &components] {
+        println!("cargo:rerun-if-changed={}", crate_dir.join("Cargo.toml").display());
+        println!("cargo:rerun-if-changed={}", crate_dir.join("src").display());
+    }
     println!("cargo:rerun-if-changed={}", wat_dir.display());
     println!("cargo:rerun-if-changed={}", manifest_dir.join("native").display());
 
     let mut consts = String::new();
-    for (name, path) in build_guests(&guests, &out_dir) {
+    for (name, path) in build_guests(&guests, "wasm32-wasip1", &out_dir.join("guest-target")) {
         writeln!(consts, "/// `guests/src/bin/{name}.rs`, built for wasm32-wasip1.").expect("fmt");
         writeln!(consts, "pub const {}: &str = {:?};", name.to_uppercase(), path.display()).expect("fmt");
+    }
+    for (name, path) in build_guests(&components, "wasm32-wasip2", &out_dir.join("component-target")) {
+        writeln!(consts, "/// `components/src/bin/{name}.rs`, a WASI 0.2 command component (wasm32-wasip2).")
+            .expect("fmt");
+        writeln!(consts, "pub const COMPONENT_{}: &str = {:?};", name.to_uppercase(), path.display()).expect("fmt");
     }
     for (name, path) in build_wat(&wat_dir, &out_dir) {
         writeln!(consts, "/// `wat/{name}.wat`, assembled.").expect("fmt");
@@ -37,14 +46,13 @@ fn main() {
     fs::write(out_dir.join("programs.rs"), consts).expect("write programs.rs");
 }
 
-fn build_guests(guests: &Path, out_dir: &Path) -> Vec<(String, PathBuf)> {
-    let target_dir = out_dir.join("guest-target");
+fn build_guests(guests: &Path, target: &str, target_dir: &Path) -> Vec<(String, PathBuf)> {
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.args(["build", "--release", "--quiet", "--target", "wasm32-wasip1", "--bins", "--manifest-path"])
+    cmd.args(["build", "--release", "--quiet", "--target", target, "--bins", "--manifest-path"])
         .arg(guests.join("Cargo.toml"))
         .arg("--target-dir")
-        .arg(&target_dir);
+        .arg(target_dir);
     // The outer build's flags are for the host; they must not leak into the guest build.
     for var in [
         "CARGO_ENCODED_RUSTFLAGS",
@@ -61,11 +69,12 @@ fn build_guests(guests: &Path, out_dir: &Path) -> Vec<(String, PathBuf)> {
     let status = cmd.status().expect("run cargo for the guest programs");
     if !status.success() {
         panic!(
-            "building the wasm32-wasip1 guest programs failed ({status}); is the target installed? \
-             run `rustup target add wasm32-wasip1` (tests/run does this)"
+            "building the {target} guest programs in {} failed ({status}); is the target installed? \
+             run `rustup target add {target}` (tests/run does this)",
+            guests.display()
         );
     }
-    let bin_dir = target_dir.join("wasm32-wasip1/release");
+    let bin_dir = target_dir.join(target).join("release");
     let mut built = Vec::new();
     for entry in fs::read_dir(guests.join("src/bin")).expect("read guests/src/bin") {
         let path = entry.expect("dir entry").path();

@@ -1,0 +1,50 @@
+//! A WASI 0.2 command component that uses the network, one behaviour per first argument; every failure is printed
+//! as one line `error: KIND: MESSAGE` and exits 1:
+//!
+//! - `get HOST:PORT`: connects (resolving HOST through wasi:sockets/ip-name-lookup when it is a name), sends
+//!   `GET / HTTP/1.1`, prints the whole response;
+//! - `lookup NAME`: resolves NAME and prints each address as `addr IP`;
+//! - `listen`: binds 127.0.0.1:0 and listens, prints `listening`;
+//! - `udp`: binds a UDP socket on 127.0.0.1:0, prints `bound`.
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+
+fn fail(what: &str, err: std::io::Error) -> ! {
+    println!("error: {what}: {:?}: {err}", err.kind());
+    std::process::exit(1);
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |i: usize| args.get(i).cloned().unwrap_or_default();
+    match arg(1).as_str() {
+        "get" => {
+            let target = arg(2);
+            let mut stream = TcpStream::connect(&target).unwrap_or_else(|e| fail("connect", e));
+            let host = target.rsplit_once(':').map_or(target.as_str(), |(h, _)| h);
+            let request = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+            stream.write_all(request.as_bytes()).unwrap_or_else(|e| fail("write", e));
+            let mut response = String::new();
+            stream.read_to_string(&mut response).unwrap_or_else(|e| fail("read", e));
+            print!("{response}");
+        }
+        "lookup" => {
+            let addrs = (arg(2).as_str(), 0).to_socket_addrs().unwrap_or_else(|e| fail("lookup", e));
+            for addr in addrs {
+                println!("addr {}", addr.ip());
+            }
+        }
+        "listen" => {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| fail("listen", e));
+            println!("listening on {:?}", listener.local_addr());
+        }
+        "udp" => {
+            let socket = UdpSocket::bind("127.0.0.1:0").unwrap_or_else(|e| fail("udp", e));
+            println!("bound {:?}", socket.local_addr());
+        }
+        other => {
+            eprintln!("unknown mode {other:?}");
+            std::process::exit(2);
+        }
+    }
+}
