@@ -13,6 +13,7 @@ mod snapshot_wasm;
 mod util;
 mod wasm_basics;
 mod wasm_cache;
+mod wasm_components;
 mod wasm_fs;
 mod wasm_limits;
 mod wasm_sandbox;
