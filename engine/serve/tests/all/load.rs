@@ -46,7 +46,12 @@ fn held() -> Held {
 }
 
 async fn many_sandboxes(tier: &str, sandboxes: usize, jobs: usize) {
-    let server = TestServer::alone(|config| config.max_sandboxes = sandboxes).await;
+    let server = TestServer::alone(|config| {
+        config.max_sandboxes = sandboxes;
+        // Room on any host for every sandbox at once, one-CPU hosts included: admission still runs, and counts.
+        config.cpu_overcommit = u32::try_from(sandboxes).unwrap_or(u32::MAX);
+    })
+    .await;
     // Warm the tier once (its first job maps the runtime and starts its timer thread), so that this is not
     // counted as a leak.
     let warm = server.create(json!({"tier": tier})).await;
@@ -96,6 +101,7 @@ async fn many_sandboxes(tier: &str, sandboxes: usize, jobs: usize) {
         server.state.metrics.percentiles(static_tier(tier), "exec"),
     );
     assert!(server.state.registry.list(None).is_empty());
+    assert_eq!(server.state.registry.host_slots().map(|(used, _)| used), Some(0), "every CPU slot given back");
     // Sockets of the finished clients close and worker threads end asynchronously; give them a moment.
     let settled = |before: Held, after: Held| {
         after.fds <= before.fds + 2
