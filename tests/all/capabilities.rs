@@ -3,8 +3,8 @@
 //! host can run. A tier that cannot run here is skipped with one line saying why.
 //!
 //! Programs print normalised words (`refused`, `leaked`, …) rather than raw errors, since tiers word their errors
-//! differently; where a tier legitimately does something else (no egress on wasm and the microVM yet), the case
-//! says so per tier.
+//! differently; where a tier legitimately does something else (no egress for Python on wasm, whose CPython has no
+//! sockets), the case says so per tier.
 
 use std::os::unix::fs::symlink;
 use std::path::PathBuf;
@@ -97,6 +97,7 @@ fn read_probe(paths: &[String]) -> String {
 
 fn cases(fx: &Fixture) -> Vec<Case> {
     let port = fx.origin.port;
+    let other_port = if port == u16::MAX { port - 1 } else { port + 1 };
     let secret = fx.secret.display().to_string();
     vec![
         Case {
@@ -213,10 +214,10 @@ fn cases(fx: &Fixture) -> Vec<Case> {
                 "import urllib.request\n\
                  print(urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=20).read().decode())\n"
             ),
-            // Egress is built on the process tier only; the others refuse it with a typed error.
+            // CPython in wasm has no sockets: the wasm tier refuses network with a typed error.
             expect: Box::new(|tier| match tier {
-                TierKind::Process => Expect::Prints("hello from the host\n"),
-                _ => Expect::Error("unsupported"),
+                TierKind::Wasm => Expect::Error("unsupported"),
+                _ => Expect::Prints("hello from the host\n"),
             }),
             host: Some(Box::new(move |fx, outcome| {
                 assert_eq!(fx.origin.hits(), 1, "the origin saw the request");
@@ -224,6 +225,60 @@ fn cases(fx: &Fixture) -> Vec<Case> {
                 assert_eq!((entry.host.as_str(), entry.port), ("127.0.0.1", fx.origin.port), "{entry:?}");
                 assert_eq!((entry.kind.as_str(), entry.verdict.as_str()), ("http", "allowed"), "{entry:?}");
                 assert!(entry.bytes_down > BODY.len() as u64, "{entry:?}");
+            })),
+        },
+        Case {
+            name: "with network allowed a port the allowlist does not name is refused by the proxy and logged",
+            caps: Capabilities { net: Net::Allow(vec![format!("127.0.0.1:{other_port}")]), ..Capabilities::default() },
+            program: format!(
+                "import urllib.request, urllib.error\n\
+                 try:\n\
+                 \x20   urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=20)\n\
+                 \x20   print('reached')\n\
+                 except urllib.error.HTTPError as e:\n\
+                 \x20   print('refused', e.code)\n"
+            ),
+            expect: Box::new(|tier| match tier {
+                TierKind::Wasm => Expect::Error("unsupported"),
+                _ => Expect::Prints("refused 403\n"),
+            }),
+            host: Some(Box::new(move |fx, outcome| {
+                assert_eq!(fx.origin.hits(), 0, "the origin was reached");
+                let [entry] = outcome.egress.as_slice() else { panic!("one egress entry: {:?}", outcome.egress) };
+                assert_eq!((entry.port, entry.verdict.as_str()), (fx.origin.port, "denied"), "{entry:?}");
+                assert_eq!((entry.bytes_up, entry.bytes_down), (0, 0), "{entry:?}");
+            })),
+        },
+        Case {
+            name: "a TLS ClientHello whose SNI differs from the CONNECT host is refused and logged",
+            caps: Capabilities { net: Net::Allow(vec![format!("127.0.0.1:{port}")]), ..Capabilities::default() },
+            // A CONNECT to the allowed address through the job's proxy, then a real ClientHello naming another host.
+            program: format!(
+                "import os, socket, ssl, urllib.parse\n\
+                 proxy = urllib.parse.urlsplit(os.environ['HTTPS_PROXY'])\n\
+                 s = socket.create_connection((proxy.hostname, proxy.port), timeout=20)\n\
+                 s.sendall(b'CONNECT 127.0.0.1:{port} HTTP/1.1\\r\\nHost: 127.0.0.1:{port}\\r\\n\\r\\n')\n\
+                 head = b''\n\
+                 while b'\\r\\n\\r\\n' not in head:\n\
+                 \x20   head += s.recv(1)\n\
+                 print(head.split(b'\\r\\n')[0].decode())\n\
+                 ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)\n\
+                 ctx.check_hostname = False\n\
+                 ctx.verify_mode = ssl.CERT_NONE\n\
+                 try:\n\
+                 \x20   ctx.wrap_socket(s, server_hostname='evil.example')\n\
+                 \x20   print('handshake')\n\
+                 except (ssl.SSLError, OSError):\n\
+                 \x20   print('refused')\n"
+            ),
+            expect: Box::new(|tier| match tier {
+                TierKind::Wasm => Expect::Error("unsupported"),
+                _ => Expect::Prints("HTTP/1.1 200 Connection established\nrefused\n"),
+            }),
+            host: Some(Box::new(|_, outcome| {
+                let [entry] = outcome.egress.as_slice() else { panic!("one egress entry: {:?}", outcome.egress) };
+                assert_eq!((entry.kind.as_str(), entry.verdict.as_str()), ("connect", "denied"), "{entry:?}");
+                assert!(entry.reason.as_deref().is_some_and(|r| r.contains("evil.example")), "{entry:?}");
             })),
         },
     ]
