@@ -45,16 +45,16 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat, renameat};
-use nix::sys::stat::{FileStat, Mode, SFlag, fchmod, fstatat, mkdirat};
+use nix::sys::stat::{Mode, SFlag, fchmod, fstatat, mkdirat};
 use nix::unistd::{UnlinkatFlags, symlinkat, unlinkat};
+use strata_core::dirfd::{DIR_FLAGS, kind_of, open_beneath, remove_at};
 use strata_core::{Capabilities, GrantMode, Outcome, OutputSink, Status, Stream};
 
 use crate::policy::EscalationReason;
@@ -629,56 +629,8 @@ fn walk(root: &Path) -> io::Result<Tree> {
     Ok(tree)
 }
 
-const DIR_FLAGS: OFlag = OFlag::O_RDONLY.union(OFlag::O_DIRECTORY).union(OFlag::O_NOFOLLOW).union(OFlag::O_CLOEXEC);
-
 /// Permission bits committed: set-user-ID and set-group-ID are dropped.
 const KEPT_MODE: u32 = 0o1777;
-
-/// Opens the directory `rel` below `root` one component at a time, never following a link.
-fn open_beneath(root: &OwnedFd, rel: &Path) -> Result<OwnedFd, Errno> {
-    let mut fd = nix::unistd::dup(root)?;
-    for component in rel.components() {
-        match component {
-            Component::Normal(name) => fd = openat(&fd, name, DIR_FLAGS, Mode::empty())?,
-            _ => return Err(Errno::EINVAL),
-        }
-    }
-    Ok(fd)
-}
-
-fn kind_of(stat: &FileStat) -> SFlag {
-    SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits())
-}
-
-/// Removes `name` in `parent`, a whole tree if it is a directory, never following a link; counts what went.
-fn remove_at(parent: &OwnedFd, name: &OsStr) -> Result<u64, Errno> {
-    let stat = match fstatat(parent, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
-        Ok(stat) => stat,
-        Err(Errno::ENOENT) => return Ok(0),
-        Err(e) => return Err(e),
-    };
-    if kind_of(&stat) != SFlag::S_IFDIR {
-        unlinkat(parent, name, UnlinkatFlags::NoRemoveDir)?;
-        return Ok(1);
-    }
-    let dir = openat(parent, name, DIR_FLAGS, Mode::empty())?;
-    let mut children = Vec::new();
-    {
-        let mut listing = nix::dir::Dir::from_fd(nix::unistd::dup(&dir)?)?;
-        for entry in listing.iter() {
-            let bytes = entry?.file_name().to_bytes().to_vec();
-            if bytes != b"." && bytes != b".." {
-                children.push(bytes);
-            }
-        }
-    }
-    let mut removed = 0;
-    for child in children {
-        removed += remove_at(&dir, OsStr::from_bytes(&child))?;
-    }
-    unlinkat(parent, name, UnlinkatFlags::RemoveDir)?;
-    Ok(removed + 1)
-}
 
 /// A fresh name for a file being moved into place in a host directory.
 fn staging_name() -> String {

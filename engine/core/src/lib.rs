@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod caps;
+pub mod dirfd;
 pub mod error;
 pub mod job;
 pub mod limits;

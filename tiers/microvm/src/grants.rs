@@ -30,7 +30,8 @@ use std::path::{Path, PathBuf};
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat, renameat};
 use nix::sys::stat::{FileStat, Mode, SFlag, fchmod, fstat, fstatat, mkdirat};
-use nix::unistd::{Gid, Uid, UnlinkatFlags, fchownat, symlinkat, unlinkat};
+use nix::unistd::{Gid, Uid, fchownat, symlinkat};
+use strata_core::dirfd::{DIR_FLAGS, kind_of, open_beneath, remove_at};
 use strata_guest_proto::{AgentClient, ClientError, EntryKind, MAX_CHUNK, MAX_PATH, TreeEntry};
 
 /// The most entries one grant may hold, either way.
@@ -307,23 +308,8 @@ fn shorten(path: &str) -> String {
     path.chars().take(80).collect()
 }
 
-const DIR_FLAGS: OFlag = OFlag::O_RDONLY.union(OFlag::O_DIRECTORY).union(OFlag::O_NOFOLLOW).union(OFlag::O_CLOEXEC);
-
-/// Opens the directory `rel` below `root`, one component at a time, never following a link.
-fn open_beneath(root: &OwnedFd, rel: &str) -> Result<OwnedFd, Errno> {
-    let mut fd = nix::unistd::dup(root)?;
-    for component in rel.split('/').filter(|c| !c.is_empty()) {
-        fd = openat(&fd, component, DIR_FLAGS, Mode::empty())?;
-    }
-    Ok(fd)
-}
-
-fn kind_of(stat: &FileStat) -> SFlag {
-    SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits())
-}
-
-/// The names in the directory `fd`, without `.` and `..`.
-fn names_in(fd: &OwnedFd) -> io::Result<Vec<String>> {
+/// The UTF-8 names in the directory `fd`, without `.` and `..` (a guest listing holds no other).
+fn utf8_names_in(fd: &OwnedFd) -> io::Result<Vec<String>> {
     // /proc/self/fd/N names the open directory itself: nothing is resolved again.
     let mut names = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/self/fd/{}", fd.as_raw_fd()))? {
@@ -333,26 +319,6 @@ fn names_in(fd: &OwnedFd) -> io::Result<Vec<String>> {
         }
     }
     Ok(names)
-}
-
-/// Removes `name` in `parent`, a whole tree if it is a directory, never following a link.
-fn remove_at(parent: &OwnedFd, name: &str) -> Result<u64, Errno> {
-    let stat = match fstatat(parent, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
-        Ok(stat) => stat,
-        Err(Errno::ENOENT) => return Ok(0),
-        Err(e) => return Err(e),
-    };
-    if kind_of(&stat) != SFlag::S_IFDIR {
-        unlinkat(parent, name, UnlinkatFlags::NoRemoveDir)?;
-        return Ok(1);
-    }
-    let dir = openat(parent, name, DIR_FLAGS, Mode::empty())?;
-    let mut removed = 0;
-    for child in names_in(&dir).map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))? {
-        removed += remove_at(&dir, &child)?;
-    }
-    unlinkat(parent, name, UnlinkatFlags::RemoveDir)?;
-    Ok(removed + 1)
 }
 
 /// The staging directory inside the host grant, removed with everything in it when dropped.
@@ -449,8 +415,8 @@ pub fn copy_out(client: &AgentClient, guest: &str, host: &Path, cap: u64) -> Res
     let mut gone = Vec::new();
     let mut pending = vec![String::new()];
     while let Some(rel) = pending.pop() {
-        let Ok(dir) = open_beneath(&root, &rel) else { continue };
-        for name in names_in(&dir).map_err(|e| host_err(host, e))? {
+        let Ok(dir) = open_beneath(&root, Path::new(&rel)) else { continue };
+        for name in utf8_names_in(&dir).map_err(|e| host_err(host, e))? {
             if rel.is_empty() && name == staging.name {
                 continue;
             }
@@ -467,7 +433,7 @@ pub fn copy_out(client: &AgentClient, guest: &str, host: &Path, cap: u64) -> Res
     let at = |rel: &str| host.join(rel);
     let mut dir_modes = Vec::new();
     for (index, item) in checked.iter().enumerate() {
-        let parent = open_beneath(&root, item.parent).map_err(|e| host_err(&at(item.parent), e))?;
+        let parent = open_beneath(&root, Path::new(item.parent)).map_err(|e| host_err(&at(item.parent), e))?;
         let existing = match fstatat(&parent, item.name, AtFlags::AT_SYMLINK_NOFOLLOW) {
             Ok(stat) => Some(kind_of(&stat)),
             Err(Errno::ENOENT) => None,
@@ -506,11 +472,11 @@ pub fn copy_out(client: &AgentClient, guest: &str, host: &Path, cap: u64) -> Res
     gone.sort_by_key(|rel| std::cmp::Reverse(rel.matches('/').count()));
     for rel in &gone {
         let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
-        let Ok(parent) = open_beneath(&root, parent) else { continue };
+        let Ok(parent) = open_beneath(&root, Path::new(parent)) else { continue };
         done.removed += remove_at(&parent, name).map_err(|e| host_err(&at(rel), e))?;
     }
     for (rel, mode) in dir_modes.into_iter().rev() {
-        let dir = open_beneath(&root, rel).map_err(|e| host_err(&at(rel), e))?;
+        let dir = open_beneath(&root, Path::new(rel)).map_err(|e| host_err(&at(rel), e))?;
         fchmod(&dir, Mode::from_bits_truncate(mode)).map_err(|e| host_err(&at(rel), e))?;
     }
     drop(staging);
