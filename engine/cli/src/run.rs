@@ -94,7 +94,8 @@ pub(crate) struct RunArgs {
     #[arg(long = "secret", value_name = "K=V", value_parser = parse_env)]
     secrets: Vec<EnvVar>,
 
-    /// Allow network egress to HOST[:PORT] (repeatable; not available on the wasm tier yet).
+    /// Allow network egress to HOST[:PORT] (repeatable): through the host proxy on the native tiers, as checked
+    /// wasi:sockets connects for wasm components; Python goes native for it (CPython in wasm has no sockets).
     #[arg(long = "allow-net", value_name = "HOST[:PORT]", value_parser = parse_net)]
     allow_net: Vec<String>,
 
