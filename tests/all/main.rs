@@ -10,6 +10,7 @@ mod python_image;
 mod routing;
 mod snapshot_process;
 mod snapshot_wasm;
+mod stdin_stream;
 mod util;
 mod wasm_basics;
 mod wasm_cache;

@@ -2,6 +2,8 @@
 //! sandbox that runs several jobs in turn.
 
 use std::fmt;
+use std::io::Read;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -63,6 +65,10 @@ pub struct ExecOptions {
     pub limits: Option<Limits>,
     /// stdin for this job; the capabilities' stdin when `None`.
     pub stdin: Option<Vec<u8>>,
+    /// stdin for this job as a stream the caller writes while the job runs (instead of `stdin`): the process tier
+    /// gives it to the job as its stdin; the tiers that start a job with all of its stdin read it to its end first
+    /// ([`ExecOptions::buffered`]).
+    pub stdin_stream: Option<StdinStream>,
     /// Where output goes as it is produced, besides the [`Outcome`].
     pub sink: Option<Arc<dyn OutputSink>>,
     /// Cancels the job.
@@ -74,9 +80,62 @@ impl fmt::Debug for ExecOptions {
         f.debug_struct("ExecOptions")
             .field("limits", &self.limits)
             .field("stdin_len", &self.stdin.as_ref().map(Vec::len))
+            .field("stdin_stream", &self.stdin_stream)
             .field("sink", &self.sink.is_some())
             .field("cancel", &self.cancel)
             .finish()
+    }
+}
+
+impl ExecOptions {
+    /// These options with `stdin_stream`, if any, read to its end into `stdin` (at most [`MAX_BUFFERED_STDIN`]
+    /// bytes): what a tier that starts a job with all of its stdin calls first.
+    pub fn buffered(mut self) -> Result<ExecOptions, TierError> {
+        if let Some(stream) = self.stdin_stream.take() {
+            self.stdin = Some(stream.read_to_end(MAX_BUFFERED_STDIN)?);
+        }
+        Ok(self)
+    }
+}
+
+/// The most stdin a tier without streamed stdin takes from a [`StdinStream`].
+pub const MAX_BUFFERED_STDIN: usize = 64 << 20;
+
+/// A job's stdin as a stream: the read end of a pipe (any readable descriptor) whose writer the caller keeps while
+/// the job runs; closing the writer is the job's end of input. Clones share the descriptor.
+#[derive(Debug, Clone)]
+pub struct StdinStream(Arc<OwnedFd>);
+
+impl StdinStream {
+    /// A stream reading from `fd`.
+    pub fn new(fd: OwnedFd) -> StdinStream {
+        StdinStream(Arc::new(fd))
+    }
+
+    /// A pipe: the stream, and the writer that feeds it.
+    pub fn pipe() -> std::io::Result<(StdinStream, std::io::PipeWriter)> {
+        let (reader, writer) = std::io::pipe()?;
+        Ok((StdinStream::new(OwnedFd::from(reader)), writer))
+    }
+
+    /// The descriptor.
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+
+    /// Everything until the writer closes; more than `cap` bytes is an error.
+    pub fn read_to_end(&self, cap: usize) -> Result<Vec<u8>, TierError> {
+        let read_err = |source| TierError::ReadInput { path: "stdin stream".into(), source };
+        let file = std::fs::File::from(self.0.try_clone().map_err(read_err)?);
+        let mut data = Vec::new();
+        file.take(cap as u64 + 1).read_to_end(&mut data).map_err(read_err)?;
+        if data.len() > cap {
+            return Err(read_err(std::io::Error::new(
+                std::io::ErrorKind::FileTooLarge,
+                format!("more than {cap} bytes (the most this tier takes before a job starts)"),
+            )));
+        }
+        Ok(data)
     }
 }
 
@@ -132,4 +191,29 @@ pub trait Sandbox: Send {
 
     /// Shuts the sandbox down and releases its resources.
     fn close(self: Box<Self>) -> Result<(), TierError>;
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+    use std::io::Write;
+
+    use super::*;
+
+    #[test]
+    fn a_stream_is_buffered_to_its_end_and_refused_past_the_cap() {
+        let (stream, mut writer) = StdinStream::pipe().unwrap();
+        writer.write_all(b"hello").unwrap();
+        drop(writer);
+        let opts = ExecOptions { stdin_stream: Some(stream), ..ExecOptions::default() }.buffered().unwrap();
+        assert_eq!((opts.stdin.as_deref(), opts.stdin_stream.is_none()), (Some(&b"hello"[..]), true));
+        assert!(ExecOptions::default().buffered().unwrap().stdin.is_none());
+
+        let (stream, mut writer) = StdinStream::pipe().unwrap();
+        writer.write_all(b"12345").unwrap();
+        drop(writer);
+        let err = stream.read_to_end(4).unwrap_err();
+        assert!(matches!(err, TierError::ReadInput { .. }) && err.to_string().contains("more than 4 bytes"), "{err}");
+    }
 }

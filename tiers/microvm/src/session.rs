@@ -447,7 +447,8 @@ impl<H: AgentHost> Sandbox for Session<H> {
     }
 
     fn exec(&mut self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
-        self.exec_job(job, &opts, Instant::now())
+        // The agent takes a job's stdin with the job.
+        self.exec_job(job, &opts.buffered()?, Instant::now())
     }
 
     fn write_file(&mut self, guest_path: &str, contents: &[u8]) -> Result<(), TierError> {

@@ -38,14 +38,13 @@ pub mod zygote;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use strata_core::outcome::EgressEntry;
 use strata_core::{
-    Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, OutputSink, PythonSource, Sandbox, Snapshot,
-    Status, Stream, Tier, TierError, TierKind, Truncated, Usage,
+    Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, PythonSource, Sandbox, Snapshot, Status,
+    StdinStream, Stream, Tier, TierError, TierKind, Truncated, Usage,
 };
 use strata_egress::{Allowlist, EgressConfig, EgressHandle, EgressProxy};
 use strata_jail::proto::{Bind, Exec, IdMap};
@@ -319,7 +318,7 @@ impl Tier for ProcessTier {
         let prepared = PreparedJob::new(job, caps, limits)?;
         let mut jail = self.start_jail(caps, limits, true, None)?;
         let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
-        let outcome = run_in(&mut jail, prepared, caps, limits, stdin, opts.sink.clone(), &opts);
+        let outcome = run_in(&mut jail, prepared, caps, limits, stdin, &opts);
         jail.close();
         outcome
     }
@@ -421,20 +420,20 @@ fn run_in(
     caps: &Capabilities,
     limits: &Limits,
     stdin: &[u8],
-    sink: Option<Arc<dyn OutputSink>>,
     opts: &ExecOptions,
 ) -> Result<Outcome, TierError> {
     let secrets = caps.secret_values();
-    let stdout = OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), sink.clone());
-    let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, sink);
-    let io = JobIo { stdin, stdout: &stdout, stderr: &stderr };
+    let stdout = OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), opts.sink.clone());
+    let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, opts.sink.clone());
+    // A stream is the job's stdin itself: the jail gets its descriptor, and the caller writes while the job runs.
+    let stdin_stream = opts.stdin_stream.as_ref().map(StdinStream::as_fd);
+    let io = JobIo { stdin, stdin_stream, stdout: &stdout, stderr: &stderr };
     let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
     let report = jail.exec(&job.exec, job.program, &io, &watch).map_err(jail_error)?;
     let egress = jail.drain_egress(EGRESS_SETTLE).into_iter().map(EgressEntry::from).collect();
     outcome(report, &stdout, &stderr, egress)
 }
 
-/// The proxy's record as the Outcome's plain entry.
 fn outcome(
     report: JobReport,
     stdout: &OutputCapture,

@@ -71,7 +71,7 @@ impl Sandbox for ProcessSandbox {
         let stdin = opts.stdin.clone().unwrap_or_else(|| self.caps.stdin.clone());
         let caps = self.caps.clone();
         let jail = self.jail()?;
-        run_in(jail, prepared, &caps, &limits, &stdin, opts.sink.clone(), &opts)
+        run_in(jail, prepared, &caps, &limits, &stdin, &opts)
     }
 
     fn write_file(&mut self, path: &str, contents: &[u8]) -> Result<(), TierError> {

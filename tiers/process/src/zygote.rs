@@ -122,7 +122,7 @@ impl ProcessTier {
         let secrets = caps.secret_values();
         let stdout = OutputCapture::new(strata_core::Stream::Stdout, limits.output.0, secrets.clone(), None);
         let stderr = OutputCapture::new(strata_core::Stream::Stderr, limits.output.0, secrets, None);
-        let io = JobIo { stdin: &[], stdout: &stdout, stderr: &stderr };
+        let io = JobIo { stdin: &[], stdin_stream: None, stdout: &stdout, stderr: &stderr };
         let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: None };
         let report = jail.start_zygote(&prepared.exec, &io, &watch).map_err(jail_error)?;
         let ready = report.end == crate::jail::JobEnd::ZygoteReady;
@@ -228,13 +228,15 @@ impl ProcessZygote {
                 });
             }
         };
+        // A fork resumes the zygote's read of one buffer.
+        let opts = opts.clone().buffered()?;
         let mut stdin = input.to_vec();
         stdin.extend_from_slice(opts.stdin.as_deref().unwrap_or(&self.caps.stdin));
         let secrets = self.caps.secret_values();
         let stdout =
             OutputCapture::new(strata_core::Stream::Stdout, limits.output.0, secrets.clone(), opts.sink.clone());
         let stderr = OutputCapture::new(strata_core::Stream::Stderr, limits.output.0, secrets, opts.sink.clone());
-        let io = JobIo { stdin: &stdin, stdout: &stdout, stderr: &stderr };
+        let io = JobIo { stdin: &stdin, stdin_stream: None, stdout: &stdout, stderr: &stderr };
         let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
         let handle = ForkHandle { stdin: stdin_w, stdout: stdout_r, stderr: stderr_r, status: status_r, pidfd, cgroup };
         let report = run_fork(handle, &io, &watch);

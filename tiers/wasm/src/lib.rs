@@ -280,6 +280,8 @@ impl TierInner {
     }
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
+        // A job starts with all of its stdin here.
+        let opts = opts.buffered()?;
         if tokio::runtime::Handle::try_current().is_err() {
             return self.run_here(job, caps, limits, opts);
         }

@@ -141,8 +141,10 @@ impl From<proto::ProtoError> for JailError {
 /// A job's standard streams.
 #[derive(Debug)]
 pub struct JobIo<'a> {
-    /// Bytes fed to stdin, which is then closed.
+    /// Bytes fed to stdin, which is then closed (unless `stdin_stream` is given).
     pub stdin: &'a [u8],
+    /// A readable descriptor that is the job's stdin itself (a pipe its caller writes while the job runs).
+    pub stdin_stream: Option<BorrowedFd<'a>>,
     /// Where stdout goes.
     pub stdout: &'a OutputCapture,
     /// Where stderr goes.
@@ -449,7 +451,8 @@ impl Jail {
             if zygote {
                 proto::send(self.ctl.as_fd(), &HostFrame::Zygote(exec.clone()), &[stdout_w.as_fd(), stderr_w.as_fd()])?;
             } else {
-                let mut fds = vec![stdin_r.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()];
+                let stdin = io.stdin_stream.unwrap_or(stdin_r.as_fd());
+                let mut fds = vec![stdin, stdout_w.as_fd(), stderr_w.as_fd()];
                 if let Some(program) = &program {
                     fds.push(program.as_fd());
                 }
@@ -459,7 +462,7 @@ impl Jail {
         drop((stdin_r, stdout_w, stderr_w, program));
 
         let mut pump = Pump {
-            stdin: if io.stdin.is_empty() || zygote { None } else { Some(stdin_w) },
+            stdin: if io.stdin.is_empty() || zygote || io.stdin_stream.is_some() { None } else { Some(stdin_w) },
             stdin_data: io.stdin,
             stdout: Some(stdout_r),
             stderr: Some(stderr_r),
