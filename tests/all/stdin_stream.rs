@@ -28,7 +28,11 @@ impl Collect {
     fn wait_for(&self, text: &str) {
         let deadline = Instant::now() + Duration::from_secs(30);
         while !String::from_utf8_lossy(&self.0.lock().expect("lock")).contains(text) {
-            assert!(Instant::now() < deadline, "no {text:?} in {:?}", String::from_utf8_lossy(&self.0.lock().unwrap()));
+            assert!(
+                Instant::now() < deadline,
+                "no {text:?} in {:?}",
+                String::from_utf8_lossy(&self.0.lock().expect("lock"))
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
