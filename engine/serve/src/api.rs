@@ -100,8 +100,9 @@ pub struct JobRequest {
     /// Limits of this job, over the sandbox's.
     #[schema(value_type = Object)]
     pub limits: LimitsOverride,
-    /// WebSocket only: read stdin from the client's messages after this one, up to an empty message (EOF),
-    /// before the job starts.
+    /// WebSocket only: the client's messages after this one are the job's stdin as it runs, up to an empty message
+    /// (EOF). On the process tier the job reads them as they come; a wasm or microVM sandbox starts the job once it
+    /// has all of them (at most 64 MiB).
     pub stdin_stream: bool,
 }
 

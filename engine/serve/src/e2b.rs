@@ -110,6 +110,8 @@ struct RunningCommand {
     cancel: CancelToken,
     cmd: String,
     args: Vec<String>,
+    /// Its stdin while open, when it was started with `stdin: true` (`SendInput` writes, `CloseStdin` closes).
+    stdin: Option<mpsc::Sender<Vec<u8>>>,
 }
 
 /// The E2B layer's own state: running commands by sandbox and pid.
@@ -143,6 +145,8 @@ pub fn envd_routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/process.Process/Start", post(process_start))
         .route("/process.Process/SendSignal", post(process_signal))
+        .route("/process.Process/SendInput", post(process_send_input))
+        .route("/process.Process/CloseStdin", post(process_close_stdin))
         .route("/process.Process/List", post(process_list))
         .route("/files", get(files_read).post(files_write))
         .route("/execute", post(execute))
@@ -441,6 +445,9 @@ fn parse_envelope(body: &[u8]) -> Result<Value, String> {
 #[derive(Debug, Deserialize)]
 struct StartRequest {
     process: ProcessConfig,
+    /// Keep stdin open for `SendInput` (the SDK's `commands.run(..., stdin=True)`); closed at once otherwise.
+    #[serde(default)]
+    stdin: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -510,17 +517,25 @@ async fn process_start(State(state): State<Arc<AppState>>, headers: HeaderMap, b
         .and_then(|value| serde_json::from_value::<StartRequest>(value).map_err(|e| e.to_string()));
     let argv = match request.map_err(|e| ApiError::bad_request("invalid_argument", e)).and_then(|r| {
         let (cmd, args) = (r.process.cmd.clone(), r.process.args.clone());
-        command_argv(r.process).map(|argv| (argv, cmd, args))
+        command_argv(r.process).map(|argv| (argv, cmd, args, r.stdin))
     }) {
         Ok(argv) => argv,
         Err(err) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", err.message),
     };
-    let (argv, cmd, args) = argv;
+    let (argv, cmd, args, keep_stdin) = argv;
+    let (stdin_stream, stdin) = if keep_stdin {
+        match crate::ws::stdin_writer() {
+            Ok((stream, tx)) => (Some(stream), Some(tx)),
+            Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
+        }
+    } else {
+        (None, None)
+    };
     let limits = command_limits(&entry, &headers);
     let pid = state.e2b.pid();
     let token = CancelToken::new();
     let key = (entry.id.clone(), pid);
-    lock(&state.e2b.running).insert(key.clone(), RunningCommand { cancel: token.clone(), cmd, args });
+    lock(&state.e2b.running).insert(key.clone(), RunningCommand { cancel: token.clone(), cmd, args, stdin });
     let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
     let _ = tx.send(envelope(0, &json!({"event": {"start": {"pid": pid}}})));
     let task_state = state.clone();
@@ -529,6 +544,7 @@ async fn process_start(State(state): State<Arc<AppState>>, headers: HeaderMap, b
         let opts = ExecOptions {
             limits: Some(limits),
             stdin: None,
+            stdin_stream,
             sink: Some(Arc::new(EventSink(tx.clone()))),
             cancel: Some(token.clone()),
         };
@@ -596,17 +612,80 @@ async fn process_signal(State(state): State<Arc<AppState>>, headers: HeaderMap, 
         Ok(entry) => entry,
         Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
     };
-    let request: Value = match serde_json::from_slice(&body) {
-        Ok(value) => value,
-        Err(e) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", e.to_string()),
-    };
-    let Some(pid) = request["process"]["pid"].as_u64().and_then(|p| u32::try_from(p).ok()) else {
-        return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", "process.pid is required");
+    let pid = match selected_pid(&body) {
+        Ok((pid, _)) => pid,
+        Err(message) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", message),
     };
     match lock(&state.e2b.running).get(&(entry.id.clone(), pid)) {
         Some(command) => {
             // Every signal ends the command: the engine cancels jobs, it does not deliver signals.
             command.cancel.cancel();
+            Json(json!({})).into_response()
+        }
+        None => rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} not found")),
+    }
+}
+
+/// The pid a unary `process.Process/*` request selects, and the request; the error is an `invalid_argument`
+/// message.
+fn selected_pid(body: &[u8]) -> Result<(u32, Value), String> {
+    let request: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    match request["process"]["pid"].as_u64().and_then(|p| u32::try_from(p).ok()) {
+        Some(pid) => Ok((pid, request)),
+        None => Err("process.pid is required".to_owned()),
+    }
+}
+
+/// `process.Process/SendInput`: `input.stdin` (base64, as protobuf JSON writes bytes) to a command started with
+/// `stdin: true`. It waits while the command is not reading (at most [`crate::ws`]'s queue of chunks ahead).
+async fn process_send_input(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let entry = match envd_sandbox(&state, &headers) {
+        Ok(entry) => entry,
+        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
+    };
+    let (pid, request) = match selected_pid(&body) {
+        Ok(selected) => selected,
+        Err(message) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", message),
+    };
+    let data = match request["input"]["stdin"].as_str().map(|text| BASE64.decode(text)) {
+        Some(Ok(data)) => data,
+        Some(Err(e)) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", format!("input.stdin: {e}")),
+        None if request["input"]["pty"].is_string() => {
+            return rpc_error(StatusCode::NOT_IMPLEMENTED, "unimplemented", "commands have no terminal here");
+        }
+        None => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", "input.stdin is required"),
+    };
+    let stdin = match lock(&state.e2b.running).get(&(entry.id.clone(), pid)) {
+        None => return rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} not found")),
+        Some(command) => command.stdin.clone(),
+    };
+    let Some(stdin) = stdin else {
+        return rpc_error(
+            StatusCode::BAD_REQUEST,
+            "failed_precondition",
+            format!("process {pid} has no open stdin (start it with stdin, and do not close it)"),
+        );
+    };
+    if data.is_empty() || stdin.send(data).await.is_ok() {
+        Json(json!({})).into_response()
+    } else {
+        rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} has ended"))
+    }
+}
+
+/// `process.Process/CloseStdin`: the command reads end-of-file once what was sent before is written.
+async fn process_close_stdin(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let entry = match envd_sandbox(&state, &headers) {
+        Ok(entry) => entry,
+        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
+    };
+    let pid = match selected_pid(&body) {
+        Ok((pid, _)) => pid,
+        Err(message) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", message),
+    };
+    match lock(&state.e2b.running).get_mut(&(entry.id.clone(), pid)) {
+        Some(command) => {
+            command.stdin = None;
             Json(json!({})).into_response()
         }
         None => rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} not found")),

@@ -2,14 +2,18 @@
 //!
 //! Protocol:
 //! 1. The client's first message is the job, as JSON ([`crate::api::JobRequest`]).
-//! 2. With `"stdin_stream": true`, the next messages (binary or text) are stdin, up to an empty message (EOF); the
-//!    job starts after it. (The engine takes a job's stdin as one buffer, so stdin is collected before the start.)
+//! 2. With `"stdin_stream": true`, the next messages (binary or text) are the job's stdin, written into a pipe as
+//!    they come, up to an empty message (EOF, the pipe closed). On the process tier the pipe is the job's stdin:
+//!    it reads each message as it arrives, and its answers stream back meanwhile. Tiers that start a job with all
+//!    of its stdin (wasm, microVM) read the pipe to its end first ([`strata_core::ExecOptions::buffered`]). A job
+//!    that stops reading stops the reading of further messages (back-pressure), never the output.
 //! 3. The server sends text messages as output comes: `{"type":"stdout"|"stderr","data":"…"}` (with
 //!    `"encoding":"base64"` when the chunk is not UTF-8), then `{"type":"outcome","outcome":{…}}` — the Outcome as
 //!    `strata run --json` prints it — or `{"type":"error","error":{"code","message"}}`, and closes.
 //!
 //! A client that closes the socket, or goes away, before the outcome cancels the job.
 
+use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,10 +25,10 @@ use axum::routing::get;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::json;
-use strata_core::{CancelToken, ExecOptions, OutputSink, Stream};
+use strata_core::{CancelToken, ExecOptions, OutputSink, StdinStream, Stream};
 use tokio::sync::mpsc;
 
-use crate::api::{CancelOnDrop, JobRequest, MAX_BODY, blocking, limits, record_job};
+use crate::api::{CancelOnDrop, JobRequest, blocking, limits, record_job};
 use crate::error::ApiError;
 use crate::registry::SandboxEntry;
 use crate::{AppState, Principal};
@@ -87,6 +91,34 @@ async fn next_data(socket: &mut WebSocket) -> Option<Message> {
     }
 }
 
+/// A pipe for a job's stdin and a channel into its writer: a blocking thread that writes each chunk, closing the
+/// pipe when the channel closes or the job is gone (`EPIPE`).
+pub(crate) fn stdin_writer() -> Result<(StdinStream, mpsc::Sender<Vec<u8>>), ApiError> {
+    let (stream, mut pipe) =
+        StdinStream::pipe().map_err(|e| ApiError::internal(format!("cannot make the stdin pipe: {e}")))?;
+    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(STDIN_QUEUE);
+    tokio::task::spawn_blocking(move || {
+        while let Some(chunk) = rx.blocking_recv() {
+            if pipe.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+    });
+    Ok((stream, tx))
+}
+
+/// Chunks of stdin queued for a job that is not reading them yet; past this, the client's messages wait.
+const STDIN_QUEUE: usize = 64;
+
+/// Gives a client's message to the job's stdin: an empty one closes it. Messages after that, or without
+/// `stdin_stream`, are ignored.
+async fn feed(stdin: &mut Option<mpsc::Sender<Vec<u8>>>, chunk: Vec<u8>) {
+    let Some(tx) = stdin else { return };
+    if chunk.is_empty() || tx.send(chunk).await.is_err() {
+        *stdin = None;
+    }
+}
+
 async fn session(state: Arc<AppState>, entry: Arc<SandboxEntry>, mut socket: WebSocket) {
     let request = match next_data(&mut socket).await {
         Some(Message::Text(text)) => serde_json::from_str::<JobRequest>(&text),
@@ -105,32 +137,22 @@ async fn session(state: Arc<AppState>, entry: Arc<SandboxEntry>, mut socket: Web
         Err(err) => return finish(socket, error_message(&err)).await,
     };
     // No stdin unless the job brings some: a wasm Python session takes stdin only when it starts.
-    let has_stdin = req.stdin.is_some() || req.stdin_stream;
-    let mut stdin = req.stdin.map(String::into_bytes).unwrap_or_default();
-    if req.stdin_stream {
-        loop {
-            let chunk = match next_data(&mut socket).await {
-                Some(Message::Binary(bytes)) => bytes.to_vec(),
-                Some(Message::Text(text)) => text.as_bytes().to_vec(),
-                _ => return,
-            };
-            if chunk.is_empty() {
-                break;
-            }
-            if stdin.len() + chunk.len() > MAX_BODY {
-                let err = ApiError::bad_request("stdin_too_large", format!("stdin exceeds {MAX_BODY} bytes"));
-                return finish(socket, error_message(&err)).await;
-            }
-            stdin.extend_from_slice(&chunk);
+    let (stdin_stream, mut stdin_tx) = if req.stdin_stream {
+        match stdin_writer() {
+            Ok((stream, tx)) => (Some(stream), Some(tx)),
+            Err(err) => return finish(socket, error_message(&err)).await,
         }
-    }
+    } else {
+        (None, None)
+    };
 
     let (tx, mut rx) = mpsc::unbounded_channel();
     let token = CancelToken::new();
     let mut guard = CancelOnDrop(Some(token.clone()));
     let opts = ExecOptions {
         limits: Some(limits),
-        stdin: has_stdin.then_some(stdin),
+        stdin: req.stdin.map(String::into_bytes),
+        stdin_stream,
         sink: Some(Arc::new(ChannelSink(tx))),
         cancel: Some(token.clone()),
     };
@@ -157,6 +179,8 @@ async fn session(state: Arc<AppState>, entry: Arc<SandboxEntry>, mut socket: Web
                     client_gone = true;
                     token.cancel();
                 }
+                Some(Ok(Message::Binary(bytes))) => feed(&mut stdin_tx, bytes.to_vec()).await,
+                Some(Ok(Message::Text(text))) => feed(&mut stdin_tx, text.as_bytes().to_vec()).await,
                 Some(Ok(_)) => {}
             },
             result = &mut job => break result,

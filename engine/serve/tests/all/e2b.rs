@@ -196,6 +196,12 @@ again = Sandbox.connect(sbx.sandbox_id)
 assert again.commands.run("cat /tmp/a.txt").stdout == "x"
 assert [s.sandbox_id for s in Sandbox.list().next_items()] == [sbx.sandbox_id]
 assert sbx.get_info().template_id == "base"
+# stdin kept open: sent in pieces, then closed.
+h = sbx.commands.run("tr a-z A-Z", background=True, stdin=True)
+sbx.commands.send_stdin(h.pid, "abc\n")
+sbx.commands.send_stdin(h.pid, b"def\n")
+sbx.commands.close_stdin(h.pid)
+assert h.wait().stdout == "ABC\nDEF\n"
 handle = sbx.commands.run("sleep 30", background=True)
 assert sbx.commands.kill(handle.pid) is True
 assert sbx.commands.kill(999999) is False

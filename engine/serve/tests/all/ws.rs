@@ -64,25 +64,35 @@ async fn output_streams_before_the_outcome() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stdin_streams_in_before_the_job_starts() {
-    if !crate::util::process_tier("stdin_streams_in_before_the_job_starts") {
+async fn stdin_streams_into_the_running_job() {
+    if !crate::util::process_tier("stdin_streams_into_the_running_job") {
         return;
     }
     let server = TestServer::start().await;
     let id = server.create(json!({"tier": "process"})).await;
     let mut socket = connect(&server, &id).await;
-    let job = json!({"command": ["tr", "a-z", "A-Z"], "stdin_stream": true});
+    let upper = "import sys\nfor line in sys.stdin:\n    print(line.strip().upper(), flush=True)";
+    let job = json!({"command": ["python3", "-c", upper], "stdin_stream": true});
     socket.send(Message::Text(job.to_string().into())).await.expect("job");
-    socket.send(Message::Binary(b"abc".to_vec().into())).await.expect("stdin");
-    socket.send(Message::Text("def".into())).await.expect("stdin");
-    socket.send(Message::Binary(Vec::new().into())).await.expect("eof");
+    // Each line's answer comes back before the next line is sent: the job reads its stdin as it arrives.
+    let mut stdout = String::new();
+    for (line, answer) in [("abc\n", "ABC\n"), ("def\n", "ABC\nDEF\n")] {
+        socket.send(Message::Binary(line.as_bytes().to_vec().into())).await.expect("stdin");
+        while stdout != answer {
+            let message = next_json(&mut socket).await.expect("message");
+            assert_eq!(message["type"], "stdout", "{message}");
+            stdout.push_str(message["data"].as_str().expect("data"));
+        }
+    }
+    socket.send(Message::Text(String::new().into())).await.expect("eof");
     let outcome = loop {
         let message = next_json(&mut socket).await.expect("message");
         if message["type"] == "outcome" {
             break message["outcome"].clone();
         }
     };
-    assert_eq!(outcome["stdout"], "ABCDEF", "{outcome}");
+    assert_eq!(outcome["stdout"], "ABC\nDEF\n", "{outcome}");
+    assert_eq!(outcome["status"], json!({"kind": "exited", "code": 0}), "{outcome}");
     server.stop().await;
 }
 
