@@ -10,7 +10,7 @@
 //!   job with a fuel limit runs on the fuel-metered engine), which applies to every core module inside a
 //!   component as it does to a module, so `--fuel` works and `usage.fuel` is reported.
 //! - **Network**: the only jobs on this tier with sockets; see [`crate::net`] for what the allowlist allows and
-//!   how each connect attempt is logged in the outcome's `egress`.
+//!   how each connect attempt is logged in the outcome's `egress`, with its connection's bytes.
 //! - **Compiled once**: components are cached on disk like modules, under keys of their own.
 //!
 //! Exit status: a guest that returns from `run` exited with 0, or with 1 when `run` returned its error (Rust's

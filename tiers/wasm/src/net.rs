@@ -36,29 +36,65 @@
 //! Every TCP connect attempt, allowed or denied, becomes an [`EgressEntry`] of kind [`EGRESS_KIND_TCP`], in the
 //! order the guest made them: `host` is the allowlisted name the address was resolved from when known, else the
 //! IP; `verdict` is `allowed` (the address check let the connect go ahead; whether the peer accepted it is not
-//! observed) or `denied` with a `reason`. `bytes_up` and `bytes_down` are **always 0**: the bytes flow through
-//! wasmtime-wasi's own socket streams, which Strata cannot count without re-implementing `wasi:sockets`. At most
-//! [`MAX_EGRESS_ENTRIES`] are kept per job; further attempts are counted and logged, not kept.
+//! observed) or `denied` with a `reason`. At most [`MAX_EGRESS_ENTRIES`] are kept per job; further attempts are
+//! counted and logged, not kept. An attempt that wasmtime-wasi refuses as malformed before anything leaves the
+//! host (an address of the wrong family, port 0, a socket already connecting) is not egress unless it was denied.
+//!
+//! **Bytes.** An allowed connection's `bytes_up` are the bytes the guest wrote to its output stream that
+//! wasmtime-wasi accepted, and its `bytes_down` the bytes the guest read (or skipped) from its input stream:
+//! payload on the guest's side of the socket, not TCP/IP overhead, counted as they pass and read out when the job
+//! ends. Strata counts them without re-implementing `wasi:sockets`, by shadowing two functions of
+//! `wasi:sockets/tcp` in the component linker, each a thin layer over wasmtime-wasi's own:
+//!
+//! - `tcp-socket.start-connect` judges the address *first* (it is async, so the host may resolve the rules'
+//!   names here) and logs the attempt. A denied attempt fails right there with `access-denied` and the socket
+//!   is left as it was; an allowed one goes on to wasmtime-wasi's `start-connect`, and the socket's resource
+//!   is remembered with the byte counters of its entry. Judging here rather than in wasmtime-wasi's address
+//!   check is what ties an entry to its socket: that check runs later, inside the connect, and is told only the
+//!   address, so two sockets connecting to one address could not be told apart there. It still runs, re-judging
+//!   without logging, as a second line (a verdict never turns from allowed to denied within a job: the addresses
+//!   known for allowed names only grow).
+//! - `tcp-socket.finish-connect` calls wasmtime-wasi's; once that hands out the connection's streams, each is
+//!   replaced in the resource table, under the same handle, by a wrapper that delegates to it and counts what
+//!   passes into the entry's counters.
+//!
+//! So several connections of one job to one address, in any order of connects and finishes, each count into
+//! their own entry. An allowed connect the peer refuses keeps 0/0, as does every denied attempt, and an attempt
+//! past the [`MAX_EGRESS_ENTRIES`] kept is not counted.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use strata_core::{Capabilities, EgressEntry, Net, TierError};
 use strata_egress::{Allowlist, Host, HostPattern};
-use wasmtime::component::{HasData, Resource};
+use wasmtime::StoreContextMut;
+use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
 use wasmtime_wasi::WasiCtxBuilder;
 use wasmtime_wasi::p2::bindings::sockets::ip_name_lookup::{self, HostResolveAddressStream, ResolveAddressStream};
-use wasmtime_wasi::p2::bindings::sockets::network::{self, ErrorCode, HostNetwork, IpAddress, Network};
-use wasmtime_wasi::p2::{DynPollable, SocketError};
+use wasmtime_wasi::p2::bindings::sockets::network::{
+    self, ErrorCode, HostNetwork, IpAddress, IpSocketAddress, Network,
+};
+use wasmtime_wasi::p2::bindings::sockets::tcp::HostTcpSocket;
+use wasmtime_wasi::p2::pipe::{ClosedInputStream, ClosedOutputStream};
+use wasmtime_wasi::p2::{
+    DynInputStream, DynOutputStream, DynPollable, InputStream, OutputStream, Pollable, SocketError, StreamResult,
+    TcpSocket,
+};
 use wasmtime_wasi::sockets::{SocketAddrUse, WasiSocketsCtxView, WasiSocketsView};
 
 use crate::exec::JobState;
 
-/// The `kind` of a wasm component's egress entries: one TCP connect attempt, judged by the address check.
-/// Its `bytes_up` and `bytes_down` are always 0 (the socket streams are wasmtime-wasi's and are not counted).
+/// The `kind` of a wasm component's egress entries: one TCP connect attempt, judged by the address check. An
+/// allowed one's `bytes_up` and `bytes_down` are what the guest wrote to and read from the connection's streams.
 pub const EGRESS_KIND_TCP: &str = "tcp";
+
+/// The `wasi:sockets/tcp` instance of wasmtime-wasi 48's component linker (its WIT is `wasi:sockets@0.2.12`;
+/// a guest importing any 0.2 version is linked to it). A unit test checks that this is the name wasmtime-wasi
+/// defines, so that [`add_to_linker`] shadows its functions rather than defining a second instance.
+const TCP_INSTANCE: &str = "wasi:sockets/tcp@0.2.12";
 
 /// The most egress entries one job keeps; further connect attempts are counted, not kept.
 pub const MAX_EGRESS_ENTRIES: usize = 1024;
@@ -87,9 +123,33 @@ struct NetState {
     resolved: HashMap<IpAddr, Vec<String>>,
     /// The name each of the guest's open lookups is for, by resource.
     lookups: HashMap<u32, String>,
-    entries: Vec<EgressEntry>,
+    /// The attempts kept, each allowed one with its connection's byte counters.
+    entries: Vec<(EgressEntry, Option<Arc<Counters>>)>,
     dropped: u64,
+    /// The counters of each socket whose allowed connect is under way (started, not yet finished), by resource.
+    /// A socket dropped while connecting leaves its slot behind until its handle is reused by a socket that
+    /// starts a connect, which overwrites it; at most one slot per live handle.
+    connecting: HashMap<u32, Arc<Counters>>,
 }
+
+/// The bytes of one allowed connection so far, shared by its streams' wrappers and its egress entry.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    /// Bytes the guest wrote to the connection that wasmtime-wasi accepted.
+    up: AtomicU64,
+    /// Bytes the guest read or skipped from the connection.
+    down: AtomicU64,
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, bytes: usize) {
+        counter.fetch_add(u64::try_from(bytes).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
+/// What [`NetPolicy::judge`] says of one address: `Ok(host)` with the name (or IP) it is allowed as, or
+/// `Err((host, reason))`.
+type Verdict = Result<String, (String, String)>;
 
 impl std::fmt::Debug for NetPolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -117,30 +177,47 @@ impl NetPolicy {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The egress entries so far, and how many attempts were not kept.
+    /// The egress entries so far, each with its connection's bytes up to now, and how many attempts were not kept.
     pub(crate) fn take_entries(&self) -> (Vec<EgressEntry>, u64) {
         let mut state = self.lock();
-        (std::mem::take(&mut state.entries), std::mem::take(&mut state.dropped))
+        let entries = std::mem::take(&mut state.entries)
+            .into_iter()
+            .map(|(mut entry, counters)| {
+                if let Some(counters) = counters {
+                    entry.bytes_up = counters.up.load(Ordering::Relaxed);
+                    entry.bytes_down = counters.down.load(Ordering::Relaxed);
+                }
+                entry
+            })
+            .collect();
+        (entries, std::mem::take(&mut state.dropped))
     }
 
-    /// What wasmtime-wasi asks before every socket operation.
-    async fn check(&self, addr: SocketAddr, used: SocketAddrUse) -> bool {
+    /// What wasmtime-wasi asks before every socket operation. A connect was judged and logged by
+    /// [`start_connect`] before wasmtime-wasi started it, and is judged again here, without logging, as a
+    /// second line.
+    fn check(&self, addr: SocketAddr, used: SocketAddrUse) -> bool {
         match used {
             // The implicit bind of a connect (to the wildcard address, port 0); explicit binds elsewhere are refused.
             SocketAddrUse::TcpBind => addr.ip().is_unspecified() && addr.port() == 0,
-            SocketAddrUse::TcpConnect => self.connect(addr).await,
+            SocketAddrUse::TcpConnect => self.judge(addr.ip().to_canonical(), addr.port()).is_ok(),
             _ => false,
         }
     }
 
-    /// Judges and logs one connect attempt.
-    async fn connect(&self, addr: SocketAddr) -> bool {
+    /// Judges one connect attempt, resolving the rules' names on the host first if nothing known allows it.
+    async fn judge_connect(&self, addr: SocketAddr) -> Verdict {
         let (ip, port) = (addr.ip().to_canonical(), addr.port());
-        let mut verdict = self.judge(ip, port);
+        let verdict = self.judge(ip, port);
         if verdict.is_err() && !self.rules_resolved.initialized() {
             self.resolve_rules().await;
-            verdict = self.judge(ip, port);
+            return self.judge(ip, port);
         }
+        verdict
+    }
+
+    /// Logs one connect attempt to `port` with its verdict; the counters of its entry when it was allowed and kept.
+    fn log(&self, port: u16, verdict: Verdict) -> Option<Arc<Counters>> {
         let allowed = verdict.is_ok();
         let (host, reason) = match verdict {
             Ok(host) => (host, None),
@@ -156,17 +233,18 @@ impl NetPolicy {
             reason,
         };
         let mut state = self.lock();
-        if state.entries.len() < MAX_EGRESS_ENTRIES {
-            state.entries.push(entry);
-        } else {
+        if state.entries.len() >= MAX_EGRESS_ENTRIES {
             state.dropped += 1;
+            return None;
         }
-        allowed
+        let counters = allowed.then(|| Arc::new(Counters::default()));
+        state.entries.push((entry, counters.clone()));
+        counters
     }
 
     /// Whether `ip:port` may be reached: `Ok(host)` with the name (or IP) it is allowed as, or `Err((host,
     /// reason))`.
-    fn judge(&self, ip: IpAddr, port: u16) -> Result<String, (String, String)> {
+    fn judge(&self, ip: IpAddr, port: u16) -> Verdict {
         if self.allow.allows(&Host::Ip(ip), port) {
             return Ok(ip.to_string());
         }
@@ -282,10 +360,174 @@ pub(crate) fn configure(builder: &mut WasiCtxBuilder, net: Option<&Arc<NetPolicy
         Some(policy) => {
             let policy = policy.clone();
             builder.allow_tcp(true).allow_ip_name_lookup(true).socket_addr_check(move |addr, used| {
-                let policy = policy.clone();
-                Box::pin(async move { policy.check(addr, used).await })
+                let allowed = policy.check(addr, used);
+                Box::pin(async move { allowed })
             });
         }
+    }
+}
+
+/// Links Strata's layers over wasmtime-wasi's `wasi:sockets` into a component linker that already holds
+/// wasmtime-wasi's WASI 0.2: the name-lookup filter ([`FilteredLookup`]) and the TCP connect functions that log
+/// each attempt and count each connection's bytes ([`start_connect`], [`finish_connect`]).
+pub(crate) fn add_to_linker(linker: &mut Linker<JobState>) -> wasmtime::Result<()> {
+    linker.allow_shadowing(true);
+    ip_name_lookup::add_to_linker::<JobState, FilteredLookup>(linker, lookup_view)?;
+    let mut tcp = linker.instance(TCP_INSTANCE)?;
+    tcp.func_wrap_async(
+        "[method]tcp-socket.start-connect",
+        |store, (socket, network, remote): (Resource<TcpSocket>, Resource<Network>, IpSocketAddress)| {
+            Box::new(start_connect(store, socket, network, remote))
+        },
+    )?;
+    tcp.func_wrap("[method]tcp-socket.finish-connect", |store, (socket,): (Resource<TcpSocket>,)| {
+        finish_connect(store, socket)
+    })?;
+    linker.allow_shadowing(false);
+    Ok(())
+}
+
+/// `tcp-socket.start-connect`: the address judged and the attempt logged, then (if allowed) wasmtime-wasi's.
+async fn start_connect(
+    mut store: StoreContextMut<'_, JobState>,
+    socket: Resource<TcpSocket>,
+    network: Resource<Network>,
+    remote: IpSocketAddress,
+) -> wasmtime::Result<(Result<(), ErrorCode>,)> {
+    let net = store.data().net.clone();
+    let rep = socket.rep();
+    let addr = SocketAddr::from(remote);
+    let verdict = match &net {
+        Some(net) => match net.judge_connect(addr).await {
+            Ok(host) => Some(host),
+            Err(denied) => {
+                net.log(addr.port(), Err(denied));
+                return Ok((Err(ErrorCode::AccessDenied),));
+            }
+        },
+        // No network: wasmtime-wasi refuses to make sockets at all, and its check says no to everything.
+        None => None,
+    };
+    let mut sockets = store.data_mut().wasi.sockets();
+    if let Err(err) = HostTcpSocket::start_connect(&mut sockets, socket, network, remote) {
+        return Ok((Err(network::Host::convert_error_code(&mut sockets, err)?),));
+    }
+    if let (Some(net), Some(host)) = (net, verdict) {
+        let counters = net.log(addr.port(), Ok(host));
+        let mut state = net.lock();
+        match counters {
+            Some(counters) => state.connecting.insert(rep, counters),
+            None => state.connecting.remove(&rep),
+        };
+    }
+    Ok((Ok(()),))
+}
+
+/// The streams of a connection, as wasm sees them.
+type Streams = (Resource<DynInputStream>, Resource<DynOutputStream>);
+
+/// `tcp-socket.finish-connect`: wasmtime-wasi's, with the connection's streams counted when it is made.
+fn finish_connect(
+    mut store: StoreContextMut<'_, JobState>,
+    socket: Resource<TcpSocket>,
+) -> wasmtime::Result<(Result<Streams, ErrorCode>,)> {
+    let rep = socket.rep();
+    let state = store.data_mut();
+    let net = state.net.clone();
+    let mut sockets = state.wasi.sockets();
+    let finished = HostTcpSocket::finish_connect(&mut sockets, socket);
+    // The connect is over unless it is still under way; either way its slot goes once it is.
+    let counters = match &finished {
+        Err(err) if matches!(err.downcast_ref(), Some(ErrorCode::WouldBlock)) => None,
+        _ => net.and_then(|net| net.lock().connecting.remove(&rep)),
+    };
+    match finished {
+        Ok(streams) => {
+            if let Some(counters) = counters {
+                count_streams(sockets.table, &streams, &counters)?;
+            }
+            Ok((Ok(streams),))
+        }
+        Err(err) => Ok((Err(network::Host::convert_error_code(&mut sockets, err)?),)),
+    }
+}
+
+/// Puts counting wrappers in place of a connection's streams, under the same handles.
+fn count_streams(
+    table: &mut ResourceTable,
+    (input, output): &Streams,
+    counters: &Arc<Counters>,
+) -> wasmtime::Result<()> {
+    let stream = table.get_mut(input)?;
+    let inner = std::mem::replace(stream, Box::new(ClosedInputStream));
+    *stream = Box::new(CountedInput { inner, counters: counters.clone() });
+    let stream = table.get_mut(output)?;
+    let inner = std::mem::replace(stream, Box::new(ClosedOutputStream));
+    *stream = Box::new(CountedOutput { inner, counters: counters.clone() });
+    Ok(())
+}
+
+/// A connection's input stream, counting what the guest reads. Only the methods wasmtime-wasi's TCP stream
+/// implements itself are delegated; the rest (`skip`, the blocking forms) are the trait's, built on these, as
+/// they are for the wrapped stream.
+struct CountedInput {
+    inner: DynInputStream,
+    counters: Arc<Counters>,
+}
+
+#[wasmtime_wasi::async_trait]
+impl Pollable for CountedInput {
+    async fn ready(&mut self) {
+        self.inner.ready().await
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl InputStream for CountedInput {
+    fn read(&mut self, size: usize) -> StreamResult<bytes::Bytes> {
+        let bytes = self.inner.read(size)?;
+        Counters::add(&self.counters.down, bytes.len());
+        Ok(bytes)
+    }
+
+    async fn cancel(&mut self) {
+        self.inner.cancel().await
+    }
+}
+
+/// A connection's output stream, counting what wasmtime-wasi accepts of the guest's writes. As for
+/// [`CountedInput`], `write_zeroes` and the blocking forms are the trait's, built on `check_write` and `write`.
+struct CountedOutput {
+    inner: DynOutputStream,
+    counters: Arc<Counters>,
+}
+
+#[wasmtime_wasi::async_trait]
+impl Pollable for CountedOutput {
+    async fn ready(&mut self) {
+        self.inner.ready().await
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl OutputStream for CountedOutput {
+    fn write(&mut self, bytes: bytes::Bytes) -> StreamResult<()> {
+        let len = bytes.len();
+        self.inner.write(bytes)?;
+        Counters::add(&self.counters.up, len);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> StreamResult<()> {
+        self.inner.flush()
+    }
+
+    fn check_write(&mut self) -> StreamResult<usize> {
+        self.inner.check_write()
+    }
+
+    async fn cancel(&mut self) {
+        self.inner.cancel().await
     }
 }
 
@@ -379,6 +621,8 @@ impl HostResolveAddressStream for LookupView<'_> {
 
 #[cfg(test)]
 mod tests {
+    use wasmtime::AsContextMut;
+
     use super::*;
 
     fn policy(specs: &[&str]) -> Arc<NetPolicy> {
@@ -387,13 +631,21 @@ mod tests {
         NetPolicy::for_caps(&caps).expect("valid specs").expect("a policy")
     }
 
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
+    }
+
     fn check(policy: &NetPolicy, addr: &str, used: SocketAddrUse) -> bool {
+        policy.check(addr.parse().expect("address"), used)
+    }
+
+    /// A connect attempt as `start-connect` judges and logs it.
+    fn connect(policy: &NetPolicy, addr: &str) -> bool {
         let addr: SocketAddr = addr.parse().expect("address");
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime")
-            .block_on(policy.check(addr, used))
+        let verdict = runtime().block_on(policy.judge_connect(addr));
+        let allowed = verdict.is_ok();
+        policy.log(addr.port(), verdict);
+        allowed
     }
 
     #[test]
@@ -407,10 +659,13 @@ mod tests {
     #[test]
     fn only_connects_to_allowed_ip_and_port_pass_and_each_is_logged() {
         let p = policy(&["127.0.0.1:8080", "[::1]"]);
+        assert!(connect(&p, "127.0.0.1:8080"));
+        assert!(!connect(&p, "127.0.0.1:8081"));
+        assert!(connect(&p, "[::1]:22"), "no port means any port");
+        assert!(connect(&p, "[::ffff:127.0.0.1]:8080"), "v4-mapped is the v4 address");
+        // wasmtime-wasi's own check, run inside each connect, agrees and logs nothing.
         assert!(check(&p, "127.0.0.1:8080", SocketAddrUse::TcpConnect));
         assert!(!check(&p, "127.0.0.1:8081", SocketAddrUse::TcpConnect));
-        assert!(check(&p, "[::1]:22", SocketAddrUse::TcpConnect), "no port means any port");
-        assert!(check(&p, "[::ffff:127.0.0.1]:8080", SocketAddrUse::TcpConnect), "v4-mapped is the v4 address");
         let (entries, dropped) = p.take_entries();
         assert_eq!(dropped, 0);
         let summary: Vec<_> = entries.iter().map(|e| (e.host.as_str(), e.port, e.verdict.as_str())).collect();
@@ -452,12 +707,13 @@ mod tests {
         let p = policy(&["*.example.com:443", "localhost:8080"]);
         p.note("93.184.216.34".parse().expect("ip"), "api.example.com");
         p.note("10.0.0.7".parse().expect("ip"), "internal.example.com");
-        assert!(check(&p, "93.184.216.34:443", SocketAddrUse::TcpConnect));
-        assert!(!check(&p, "93.184.216.34:80", SocketAddrUse::TcpConnect), "the rule's port");
-        assert!(!check(&p, "10.0.0.7:443", SocketAddrUse::TcpConnect), "a private address behind a public name");
-        assert!(!check(&p, "93.184.216.35:443", SocketAddrUse::TcpConnect), "an address no allowed name has");
+        assert!(connect(&p, "93.184.216.34:443"));
+        assert!(!connect(&p, "93.184.216.34:80"), "the rule's port");
+        assert!(!connect(&p, "10.0.0.7:443"), "a private address behind a public name");
+        assert!(!connect(&p, "93.184.216.35:443"), "an address no allowed name has");
         // The exact-name rule `localhost` is resolved by the host on the first refusal.
-        assert!(check(&p, "127.0.0.1:8080", SocketAddrUse::TcpConnect));
+        assert!(connect(&p, "127.0.0.1:8080"));
+        assert!(check(&p, "127.0.0.1:8080", SocketAddrUse::TcpConnect), "and stays allowed");
         let (entries, _) = p.take_entries();
         let hosts: Vec<_> = entries.iter().map(|e| (e.host.as_str(), e.verdict.as_str())).collect();
         assert_eq!(
@@ -489,11 +745,140 @@ mod tests {
     #[test]
     fn the_log_is_capped_and_counts_the_rest() {
         let p = policy(&["127.0.0.1:1"]);
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        for _ in 0..MAX_EGRESS_ENTRIES + 5 {
-            runtime.block_on(p.check("127.0.0.1:1".parse().expect("addr"), SocketAddrUse::TcpConnect));
+        for _ in 0..MAX_EGRESS_ENTRIES {
+            assert!(p.log(1, Ok("127.0.0.1".into())).is_some(), "a kept allowed entry has counters");
+        }
+        for _ in 0..5 {
+            assert!(connect(&p, "127.0.0.1:1"));
+            assert!(p.log(1, Ok("127.0.0.1".into())).is_none(), "an entry not kept has none");
         }
         let (entries, dropped) = p.take_entries();
-        assert_eq!((entries.len(), dropped), (MAX_EGRESS_ENTRIES, 5));
+        assert_eq!((entries.len(), dropped), (MAX_EGRESS_ENTRIES, 10));
+    }
+
+    #[test]
+    fn the_tcp_functions_strata_shadows_are_wasmtime_wasis() {
+        let engine = wasmtime::Engine::default();
+        let mut linker = Linker::<JobState>::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).expect("wasi");
+        // Without shadowing, defining a function wasmtime-wasi defined fails: the instance's name is its.
+        let err = linker
+            .instance(TCP_INSTANCE)
+            .expect("instance")
+            .func_wrap("[method]tcp-socket.finish-connect", |_, (): ()| Ok(()))
+            .expect_err("wasmtime-wasi defines finish-connect under this name");
+        assert!(err.to_string().contains("defined twice"), "{err}");
+        add_to_linker(&mut linker).expect("shadowed");
+    }
+
+    /// A job's store with the network of `policy`, outside any component.
+    fn store(policy: &Arc<NetPolicy>) -> wasmtime::Store<JobState> {
+        let mut builder = WasiCtxBuilder::new();
+        configure(&mut builder, Some(policy));
+        let mut state = JobState::empty();
+        state.wasi = builder.build_p1();
+        state.net = Some(policy.clone());
+        wasmtime::Store::new(&wasmtime::Engine::default(), state)
+    }
+
+    /// A host server on 127.0.0.1 that echoes what each connection sends.
+    fn echo_server() -> u16 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                std::thread::spawn(move || {
+                    let mut reader = stream.try_clone().expect("clone");
+                    let mut writer = stream;
+                    let _ = std::io::copy(&mut reader, &mut writer);
+                });
+            }
+        });
+        port
+    }
+
+    fn borrow<T: 'static>(resource: &Resource<T>) -> Resource<T> {
+        Resource::new_borrow(resource.rep())
+    }
+
+    /// Sends `n` bytes on a connection's streams and reads back as many.
+    async fn echo(table: &mut ResourceTable, (input, output): &Streams, n: usize) {
+        let sent = bytes::Bytes::from(vec![b'x'; n]);
+        table.get_mut(output).expect("output").blocking_write_and_flush(sent).await.expect("write");
+        let mut got = 0;
+        while got < n {
+            got += table.get_mut(input).expect("input").blocking_read(n - got).await.expect("read").len();
+        }
+    }
+
+    #[test]
+    fn connections_to_one_address_count_into_their_own_entries_whatever_the_order() {
+        let port = echo_server();
+        let p = policy(&[&format!("127.0.0.1:{port}")]);
+        let mut store = store(&p);
+        let runtime = runtime();
+        runtime.block_on(async {
+            let (network, [a, b, c]) = {
+                let mut sockets = store.data_mut().wasi.sockets();
+                let network = network_host(&mut sockets);
+                let sockets = [(); 3].map(|()| {
+                    wasmtime_wasi::p2::bindings::sockets::tcp_create_socket::Host::create_tcp_socket(
+                        &mut sockets,
+                        network::IpAddressFamily::Ipv4,
+                    )
+                    .expect("socket")
+                });
+                (network, sockets)
+            };
+            let to = |port: u16| IpSocketAddress::from(SocketAddr::from(([127, 0, 0, 1], port)));
+            // A and B start connecting to the same address; C is denied; B finishes first.
+            for socket in [&a, &b] {
+                let started = start_connect(store.as_context_mut(), borrow(socket), borrow(&network), to(port)).await;
+                assert_eq!(started.expect("no trap").0, Ok(()));
+            }
+            let started = start_connect(store.as_context_mut(), borrow(&c), borrow(&network), to(port + 1)).await;
+            assert_eq!(started.expect("no trap").0, Err(ErrorCode::AccessDenied));
+            let mut streams = Vec::new();
+            for socket in [&b, &a] {
+                loop {
+                    match finish_connect(store.as_context_mut(), borrow(socket)).expect("no trap").0 {
+                        Ok(pair) => break streams.push(pair),
+                        Err(ErrorCode::WouldBlock) => tokio::time::sleep(Duration::from_millis(1)).await,
+                        Err(err) => panic!("connect: {err:?}"),
+                    }
+                }
+            }
+            let table = store.data_mut().wasi.sockets().table;
+            echo(table, &streams[0], 1000).await; // B
+            echo(table, &streams[1], 10).await; // A
+        });
+        let (entries, _) = p.take_entries();
+        let summary: Vec<_> = entries.iter().map(|e| (e.port, e.verdict.as_str(), e.bytes_up, e.bytes_down)).collect();
+        assert_eq!(summary, [(port, "allowed", 10, 10), (port, "allowed", 1000, 1000), (port + 1, "denied", 0, 0)]);
+    }
+
+    fn network_host(sockets: &mut WasiSocketsCtxView<'_>) -> Resource<Network> {
+        wasmtime_wasi::p2::bindings::sockets::instance_network::Host::instance_network(sockets).expect("network")
+    }
+
+    #[test]
+    fn the_stream_wrappers_count_what_passes_and_delegate_the_rest() {
+        use wasmtime_wasi::p2::pipe::{MemoryInputPipe, MemoryOutputPipe};
+        let counters = Arc::new(Counters::default());
+        let mut input =
+            CountedInput { inner: Box::new(MemoryInputPipe::new(vec![7u8; 100])), counters: counters.clone() };
+        let sink = MemoryOutputPipe::new(1 << 20);
+        let mut output = CountedOutput { inner: Box::new(sink.clone()), counters: counters.clone() };
+        runtime().block_on(async {
+            assert_eq!(input.read(30).expect("read").len(), 30);
+            assert_eq!(input.skip(20).expect("skip"), 20);
+            assert_eq!(input.blocking_read(1000).await.expect("read").len(), 50);
+            assert!(matches!(input.read(1), Err(wasmtime_wasi::p2::StreamError::Closed)));
+            output.write(bytes::Bytes::from_static(b"hello")).expect("write");
+            output.write_zeroes(3).expect("zeroes");
+            output.blocking_write_and_flush(bytes::Bytes::from(vec![1u8; 5000])).await.expect("write");
+        });
+        assert_eq!(sink.contents().len(), 5008);
+        assert_eq!((counters.up.load(Ordering::Relaxed), counters.down.load(Ordering::Relaxed)), (5008, 100));
     }
 }

@@ -410,17 +410,12 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// WASI 0.2 (wasmtime-wasi's `p2`), with `wasi:sockets/ip-name-lookup` replaced by the job's filter
-/// ([`crate::net`]).
+/// WASI 0.2 (wasmtime-wasi's `p2`), with `wasi:sockets/ip-name-lookup` replaced by the job's filter and TCP
+/// connects logged and counted ([`crate::net`]).
 fn component_linker(engine: &Engine) -> wasmtime::Result<ComponentLinker> {
     let mut linker = ComponentLinker::new(engine);
     wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
-    linker.allow_shadowing(true);
-    wasmtime_wasi::p2::bindings::sockets::ip_name_lookup::add_to_linker::<JobState, crate::net::FilteredLookup>(
-        &mut linker,
-        crate::net::lookup_view,
-    )?;
-    linker.allow_shadowing(false);
+    crate::net::add_to_linker(&mut linker)?;
     Ok(linker)
 }
 
