@@ -1,8 +1,9 @@
 //! WASI 0.2 command components (`wasm32-wasip2`) on the wasm tier: output, exit status, capabilities and limits
 //! as for preview1 commands, the compiled-component cache, typed errors for what is not a command, and network
-//! egress through `wasi:sockets` checked against the allowlist and logged in the outcome.
+//! egress through `wasi:sockets` checked against the allowlist and logged in the outcome, each connection's bytes
+//! counted.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -62,6 +63,25 @@ impl Sentinel {
     fn accepted(&self) -> usize {
         self.accepted.load(Ordering::SeqCst)
     }
+}
+
+/// A host server on 127.0.0.1 that reads each connection to the end of what the client sends and answers
+/// `received N`, N the bytes it read.
+fn sink() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind sink");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut reader = stream.try_clone().expect("clone");
+                if let Ok(received) = std::io::copy(&mut reader, &mut std::io::sink()) {
+                    let _ = write!(stream, "received {received}");
+                }
+            });
+        }
+    });
+    port
 }
 
 #[test]
@@ -247,9 +267,57 @@ fn an_allowed_address_is_reached_and_the_connect_is_logged() {
     let entry = one_entry(&outcome);
     assert_eq!((entry.host.as_str(), entry.port), ("127.0.0.1", origin.port), "{entry:?}");
     assert_eq!((entry.kind.as_str(), entry.verdict.as_str(), entry.reason.as_deref()), ("tcp", "allowed", None));
-    assert_eq!((entry.bytes_up, entry.bytes_down), (0, 0), "bytes are not counted on wasm sockets");
+    // Up: the guest's request, all of it; down: the whole response it read (and printed), the body included.
+    let request = "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    assert_eq!(entry.bytes_up, request.len() as u64, "{entry:?}");
+    assert_eq!(entry.bytes_down, text.len() as u64, "{entry:?}");
+    assert!(entry.bytes_down >= ORIGIN_BODY.len() as u64);
     let json = serde_json::to_value(&outcome).expect("json");
     assert_eq!(json["egress"][0]["kind"], "tcp");
+    assert_eq!(json["egress"][0]["bytes_down"], text.len());
+}
+
+#[test]
+fn an_upload_is_counted_up_and_its_reply_down() {
+    let port = sink();
+    let target = format!("127.0.0.1:{port}");
+    let size = (1 << 20) + 7;
+    let outcome =
+        run(NET, &["upload", &target, &size.to_string()], &allow(std::slice::from_ref(&target)), &Limits::default());
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{outcome:?}: {}", stderr(&outcome));
+    let reply = format!("received {size}");
+    assert_eq!(stdout(&outcome), format!("{target}: {reply}\n"));
+    let entry = one_entry(&outcome);
+    assert_eq!((entry.verdict.as_str(), entry.port), ("allowed", port), "{entry:?}");
+    assert_eq!((entry.bytes_up, entry.bytes_down), (size as u64, reply.len() as u64), "{entry:?}");
+}
+
+#[test]
+fn each_connection_of_a_job_counts_into_its_own_entry() {
+    // Two connections to one address, open at once, sending and receiving different amounts; before them a
+    // connect to another port of the same IP, denied.
+    let port = sink();
+    let refused = Sentinel::start();
+    let target = format!("127.0.0.1:{port}");
+    let denied = format!("127.0.0.1:{}", refused.port);
+    let args = ["upload", &denied, "5", &target, "1000", &target, "100000"];
+    let outcome = run(NET, &args, &allow(std::slice::from_ref(&target)), &Limits::default());
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{outcome:?}: {}", stderr(&outcome));
+    assert_eq!(
+        stdout(&outcome),
+        format!("{denied}: error: connect: PermissionDenied\n{target}: received 100000\n{target}: received 1000\n")
+    );
+    let summary: Vec<_> =
+        outcome.egress.iter().map(|e| (e.port, e.verdict.as_str(), e.bytes_up, e.bytes_down)).collect();
+    assert_eq!(
+        summary,
+        [
+            (refused.port, "denied", 0, 0),
+            (port, "allowed", 1000, "received 1000".len() as u64),
+            (port, "allowed", 100_000, "received 100000".len() as u64),
+        ]
+    );
+    assert_eq!(refused.accepted(), 0);
 }
 
 #[test]
@@ -279,6 +347,7 @@ fn a_port_the_allowlist_does_not_name_is_denied_and_logged() {
     let entry = one_entry(&outcome);
     assert_eq!((entry.host.as_str(), entry.port, entry.kind.as_str()), ("127.0.0.1", sentinel.port, "tcp"));
     assert_eq!(entry.verdict, "denied", "{entry:?}");
+    assert_eq!((entry.bytes_up, entry.bytes_down), (0, 0), "{entry:?}");
     assert_eq!(entry.reason.as_deref(), Some(format!("{target} is not in the allowlist").as_str()));
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!((sentinel.accepted(), other.accepted()), (0, 0));

@@ -3,11 +3,14 @@
 //!
 //! - `get HOST:PORT`: connects (resolving HOST through wasi:sockets/ip-name-lookup when it is a name), sends
 //!   `GET / HTTP/1.1`, prints the whole response;
+//! - `upload TARGET N [TARGET N]...`: connects to each TARGET in turn (a failed connect is printed as
+//!   `TARGET: error: connect: KIND` and skipped), then sends N bytes on each connection and shuts its sending
+//!   side, then reads each reply to the end, last connection first, and prints it as `TARGET: REPLY`;
 //! - `lookup NAME`: resolves NAME and prints each address as `addr IP`;
 //! - `listen`: binds 127.0.0.1:0 and listens, prints `listening`;
 //! - `udp`: binds a UDP socket on 127.0.0.1:0, prints `bound`.
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 
 fn fail(what: &str, err: std::io::Error) -> ! {
     println!("error: {what}: {:?}: {err}", err.kind());
@@ -27,6 +30,26 @@ fn main() {
             let mut response = String::new();
             stream.read_to_string(&mut response).unwrap_or_else(|e| fail("read", e));
             print!("{response}");
+        }
+        "upload" => {
+            let mut open = Vec::new();
+            for pair in args[2..].chunks(2) {
+                let target = pair[0].as_str();
+                let size = pair.get(1).and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);
+                match TcpStream::connect(target) {
+                    Ok(stream) => open.push((target, size, stream)),
+                    Err(e) => println!("{target}: error: connect: {:?}", e.kind()),
+                }
+            }
+            for (_, size, stream) in &mut open {
+                stream.write_all(&vec![b'x'; *size]).unwrap_or_else(|e| fail("write", e));
+                stream.shutdown(Shutdown::Write).unwrap_or_else(|e| fail("shutdown", e));
+            }
+            for (target, _, stream) in open.iter_mut().rev() {
+                let mut reply = String::new();
+                stream.read_to_string(&mut reply).unwrap_or_else(|e| fail("read", e));
+                println!("{target}: {reply}");
+            }
         }
         "lookup" => {
             let addrs = (arg(2).as_str(), 0).to_socket_addrs().unwrap_or_else(|e| fail("lookup", e));
