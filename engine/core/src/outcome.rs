@@ -177,8 +177,9 @@ pub struct Escalation {
     pub reason: String,
 }
 
-/// One request a job made through the host egress proxy (the Outcome's `egress` entries): the proxy's record as
-/// plain data, `{"host","port","kind","bytes_up","bytes_down","verdict","reason"}`.
+/// One network request a job made (the Outcome's `egress` entries): the host egress proxy's record on the native
+/// tiers, the wasm tier's record of a component's connect, as plain data,
+/// `{"host","port","kind","bytes_up","bytes_down","verdict","reason"}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EgressEntry {
@@ -186,7 +187,8 @@ pub struct EgressEntry {
     pub host: String,
     /// The target port (0 when the request could not be parsed).
     pub port: u16,
-    /// `"connect"` (a tunnel) or `"http"` (a forwarded request).
+    /// `"connect"` (a tunnel through the egress proxy), `"http"` (a request the proxy forwarded) or `"tcp"` (a
+    /// wasm component's `wasi:sockets` connect, checked against the allowlist by the wasm tier).
     pub kind: String,
     /// Bytes written to the origin.
     pub bytes_up: u64,
