@@ -39,7 +39,7 @@ use strata_core::{
     Stream, TierKind,
 };
 use strata_engine::TierChoice;
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
 
 use crate::api::{CancelOnDrop, blocking, record_job, start_sandbox};
 use crate::error::ApiError;
@@ -112,6 +112,8 @@ struct RunningCommand {
     args: Vec<String>,
     /// Its stdin while open, when it was started with `stdin: true` (`SendInput` writes, `CloseStdin` closes).
     stdin: Option<mpsc::Sender<Vec<u8>>>,
+    /// Its frames from now on, for `process.Process/Connect`.
+    events: broadcast::Sender<Bytes>,
 }
 
 /// The E2B layer's own state: running commands by sandbox and pid.
@@ -145,6 +147,7 @@ pub fn envd_routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/process.Process/Start", post(process_start))
         .route("/process.Process/SendSignal", post(process_signal))
+        .route("/process.Process/Connect", post(process_connect))
         .route("/process.Process/SendInput", post(process_send_input))
         .route("/process.Process/CloseStdin", post(process_close_stdin))
         .route("/process.Process/List", post(process_list))
@@ -461,8 +464,20 @@ struct ProcessConfig {
     cwd: Option<String>,
 }
 
-/// Forwards output as data events; never blocks.
-struct EventSink(mpsc::UnboundedSender<Bytes>);
+/// Where a command's frames go: the `Start` stream, and every `Connect` stream attached meanwhile. Never blocks.
+#[derive(Clone)]
+struct EventSink {
+    start: mpsc::UnboundedSender<Bytes>,
+    connected: broadcast::Sender<Bytes>,
+}
+
+impl EventSink {
+    fn emit(&self, frame: Bytes) {
+        // No receiver attached is not an error.
+        let _ = self.connected.send(frame.clone());
+        let _ = self.start.send(frame);
+    }
+}
 
 impl OutputSink for EventSink {
     fn output(&self, stream: Stream, chunk: &[u8]) {
@@ -470,9 +485,13 @@ impl OutputSink for EventSink {
             Stream::Stdout => "stdout",
             Stream::Stderr => "stderr",
         };
-        let _ = self.0.send(envelope(0, &json!({"event": {"data": {key: BASE64.encode(chunk)}}})));
+        self.emit(envelope(0, &json!({"event": {"data": {key: BASE64.encode(chunk)}}})));
     }
 }
+
+/// Frames kept for a `Connect` stream that reads slower than the command writes; one that falls further behind
+/// loses the oldest (the `Start` stream never does).
+const CONNECT_BACKLOG: usize = 1024;
 
 /// The argv of a process config: `env -C CWD K=V … CMD ARGS` when it sets a directory or variables.
 fn command_argv(config: ProcessConfig) -> Result<Vec<String>, ApiError> {
@@ -535,8 +554,11 @@ async fn process_start(State(state): State<Arc<AppState>>, headers: HeaderMap, b
     let pid = state.e2b.pid();
     let token = CancelToken::new();
     let key = (entry.id.clone(), pid);
-    lock(&state.e2b.running).insert(key.clone(), RunningCommand { cancel: token.clone(), cmd, args, stdin });
     let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+    let (connected, _) = broadcast::channel(CONNECT_BACKLOG);
+    let sink = EventSink { start: tx.clone(), connected: connected.clone() };
+    let command = RunningCommand { cancel: token.clone(), cmd, args, stdin, events: connected };
+    lock(&state.e2b.running).insert(key.clone(), command);
     let _ = tx.send(envelope(0, &json!({"event": {"start": {"pid": pid}}})));
     let task_state = state.clone();
     tokio::spawn(async move {
@@ -545,22 +567,16 @@ async fn process_start(State(state): State<Arc<AppState>>, headers: HeaderMap, b
             limits: Some(limits),
             stdin: None,
             stdin_stream,
-            sink: Some(Arc::new(EventSink(tx.clone()))),
+            sink: Some(Arc::new(sink.clone())),
             cancel: Some(token.clone()),
         };
         let started = Instant::now();
         let tier = entry.tier;
         let job = Job::Command { argv };
         let job_entry = entry.clone();
-        let mut exec = std::pin::pin!(blocking(move || job_entry.exec(&job, opts)));
-        let result = tokio::select! {
-            result = &mut exec => result,
-            () = tx.closed() => {
-                // The client went away: cancel, and let the job end before the pid is forgotten.
-                token.cancel();
-                exec.await
-            }
-        };
+        // A client that goes away does not end the command (as in E2B: `Connect` attaches to it again, `SendSignal`
+        // or the sandbox's end stops it).
+        let result = blocking(move || job_entry.exec(&job, opts)).await;
         guard.0 = None;
         record_job(&task_state, tier, "e2b_command", started, &result);
         lock(&task_state.e2b.running).remove(&key);
@@ -578,15 +594,50 @@ async fn process_start(State(state): State<Arc<AppState>>, headers: HeaderMap, b
                 if !exited {
                     end["error"] = json!(outcome.status.to_string());
                 }
-                let _ = tx.send(envelope(0, &json!({"event": {"end": end}})));
+                sink.emit(envelope(0, &json!({"event": {"end": end}})));
                 json!({})
             }
             Err(err) => json!({"error": {"code": connect_code(&err), "message": err.message}}),
         };
-        let _ = tx.send(envelope(2, &end));
+        sink.emit(envelope(2, &end));
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|frame| (Ok::<Bytes, Infallible>(frame), rx))
+    });
+    ([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(stream)).into_response()
+}
+
+/// `process.Process/Connect`: the start event of a running command, then its frames from now on, to its end.
+async fn process_connect(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let entry = match envd_sandbox(&state, &headers) {
+        Ok(entry) => entry,
+        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
+    };
+    let pid = match parse_envelope(&body).and_then(|request| {
+        request["process"]["pid"]
+            .as_u64()
+            .and_then(|p| u32::try_from(p).ok())
+            .ok_or_else(|| "process.pid is required".to_owned())
+    }) {
+        Ok(pid) => pid,
+        Err(message) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", message),
+    };
+    let Some(events) = lock(&state.e2b.running).get(&(entry.id.clone(), pid)).map(|c| c.events.subscribe()) else {
+        return rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} not found"));
+    };
+    let start = envelope(0, &json!({"event": {"start": {"pid": pid}}}));
+    let stream = futures_util::stream::unfold((Some(start), events), |(first, mut events)| async move {
+        if let Some(frame) = first {
+            return Some((Ok::<Bytes, Infallible>(frame), (None, events)));
+        }
+        loop {
+            match events.recv().await {
+                Ok(frame) => return Some((Ok(frame), (None, events))),
+                // Output it fell behind on is lost to this stream only.
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
     });
     ([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(stream)).into_response()
 }

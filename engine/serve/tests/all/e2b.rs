@@ -202,6 +202,12 @@ sbx.commands.send_stdin(h.pid, "abc\n")
 sbx.commands.send_stdin(h.pid, b"def\n")
 sbx.commands.close_stdin(h.pid)
 assert h.wait().stdout == "ABC\nDEF\n"
+# A second handle attaches to a running command and follows it to its end.
+h = sbx.commands.run("sleep 0.5; echo late", background=True)
+assert [p.pid for p in sbx.commands.list()] == [h.pid]
+follower = sbx.commands.connect(h.pid)
+assert follower.wait().stdout == "late\n"
+assert h.wait().stdout == "late\n"
 handle = sbx.commands.run("sleep 30", background=True)
 assert sbx.commands.kill(handle.pid) is True
 assert sbx.commands.kill(999999) is False
