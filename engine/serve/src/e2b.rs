@@ -7,8 +7,10 @@
 //!   `POST /sandboxes/{id}/refreshes`. Errors are `{"code":<status>,"message":…}`.
 //! - The in-sandbox agent ("envd"), routed by the `E2b-Sandbox-Id` header and authorised by the sandbox's
 //!   `X-Access-Token`: Connect-RPC (JSON, 5-byte envelopes, end-of-stream frame) `process.Process/Start` streaming the
-//!   start event, stdout/stderr data and the end event; `process.Process/SendSignal` and `List`; `GET`/`POST /files`
-//!   (multipart or octet-stream); `GET /health`.
+//!   start event, stdout/stderr data and the end event (a command outlives the client that started it);
+//!   `process.Process/Connect` streaming a running command's start event and its frames from then on;
+//!   `SendInput` and `CloseStdin` for a command started with `stdin: true` (its stdin is a pipe the job reads as the
+//!   input comes); `SendSignal` and `List`; `GET`/`POST /files` (multipart or octet-stream); `GET /health`.
 //! - The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` streaming NDJSON, the cell run by the
 //!   value of its last expression as the main result. The router picks the cell's tier: cells wasm can run go to a
 //!   live wasm Python session of the sandbox (state carries over as in Jupyter); the others run with the sandbox's
