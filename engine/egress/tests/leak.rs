@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::time::{Duration, Instant};
@@ -29,25 +29,69 @@ fn fds() -> BTreeMap<u32, String> {
     out
 }
 
-/// The descriptors open now that were not open (to the same object) before and are of a kind the proxy makes:
-/// sockets and anonymous inodes (epoll, eventfd, timerfd). The test harness's own files and pipes, which it may open
-/// or close meanwhile, are not the proxy's.
-fn new_proxy_fds(before: &BTreeMap<u32, String>) -> Vec<(u32, String)> {
-    fds()
-        .into_iter()
-        .filter(|(fd, target)| before.get(fd) != Some(target))
-        .filter(|(_, target)| target.starts_with("socket:") || target.starts_with("anon_inode:"))
-        .collect()
+/// Where this test's own traffic is: the origin's port and every proxy's, and the proxies' socket directory.
+struct Ours {
+    ports: HashSet<u16>,
+    dir: String,
 }
 
-fn settle(before_fds: &BTreeMap<u32, String>, before_threads: usize) -> (Vec<(u32, String)>, usize) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let now = (new_proxy_fds(before_fds), threads());
-        if (now.0.is_empty() && now.1 <= before_threads) || Instant::now() > deadline {
-            return now;
+/// The line of `/proc/net/{tcp,tcp6,unix}` for the socket `socket:[inode]`, and which table it is in.
+fn socket_line(target: &str) -> Option<(&'static str, String)> {
+    let inode = target.strip_prefix("socket:[")?.strip_suffix(']')?;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6", "/proc/net/unix"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let at = if table.ends_with("unix") { 6 } else { 9 };
+            if fields.get(at) == Some(&inode) {
+                return Some((table, line.to_owned()));
+            }
         }
-        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+impl Ours {
+    /// Whether the descriptor `target` is the proxies' doing: an anonymous inode (their runtimes' epoll, eventfd),
+    /// a TCP socket to or from one of our ports, a Unix socket under our directory. Other sockets (a harness's, a
+    /// resolver's) are not.
+    fn owns(&self, target: &str) -> bool {
+        if target.starts_with("anon_inode:") {
+            return true;
+        }
+        match socket_line(target) {
+            Some((table, line)) if table.ends_with("unix") => line.contains(&self.dir),
+            Some((_, line)) => {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let port = |field: Option<&&str>| {
+                    field.and_then(|a| a.rsplit_once(':')).and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
+                };
+                [fields.get(1), fields.get(2)].into_iter().any(|f| port(f).is_some_and(|p| self.ports.contains(&p)))
+            }
+            // Closed meanwhile, or a kind of socket the proxy never makes.
+            None => false,
+        }
+    }
+
+    /// The descriptors open now that were not open (to the same object) before and are the proxies'.
+    fn new_fds(&self, before: &BTreeMap<u32, String>) -> Vec<(u32, String)> {
+        fds()
+            .into_iter()
+            .filter(|(fd, target)| before.get(fd) != Some(target))
+            .filter(|(_, target)| target.starts_with("socket:") || target.starts_with("anon_inode:"))
+            .filter(|(_, target)| self.owns(target))
+            .collect()
+    }
+
+    fn settle(&self, before_fds: &BTreeMap<u32, String>, before_threads: usize) -> (Vec<(u32, String)>, usize) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let now = (self.new_fds(before_fds), threads());
+            if (now.0.is_empty() && now.1 <= before_threads) || Instant::now() > deadline {
+                return now;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 
@@ -55,6 +99,7 @@ fn settle(before_fds: &BTreeMap<u32, String>, before_threads: usize) -> (Vec<(u3
 fn dropping_the_handle_releases_everything() {
     let origin = echo_origin();
     let dir = tempfile::tempdir().unwrap();
+    let mut ours = Ours { ports: HashSet::from([origin.addr.port()]), dir: dir.path().display().to_string() };
     let (before_fds, before_threads) = (fds(), threads());
 
     for round in 0..5 {
@@ -68,6 +113,7 @@ fn dropping_the_handle_releases_everything() {
                 .with_worker_threads(workers),
         )
         .unwrap();
+        ours.ports.insert(p.tcp_addr().unwrap().port());
         // A finished tunnel, a name resolved through the blocking pool, a denied request, and a tunnel still open
         // when the handle is dropped.
         let mut c = connect(&p);
@@ -102,7 +148,15 @@ fn dropping_the_handle_releases_everything() {
         drop(open);
     }
 
-    let (leaked, after_threads) = settle(&before_fds, before_threads);
-    assert!(leaked.is_empty(), "descriptors left open: {leaked:?} (open before: {before_fds:?})");
+    let (leaked, after_threads) = ours.settle(&before_fds, before_threads);
+    let describe =
+        |target: &str| socket_line(target).map_or_else(|| target.to_owned(), |(t, line)| format!("{t}: {line}"));
+    for (fd, target) in fds() {
+        if before_fds.get(&fd) != Some(&target) && target.starts_with("socket:") && !ours.owns(&target) {
+            eprintln!("note: descriptor {fd} is a socket this test did not make: {}", describe(&target));
+        }
+    }
+    let described: Vec<String> = leaked.iter().map(|(fd, target)| format!("{fd}: {}", describe(target))).collect();
+    assert!(leaked.is_empty(), "descriptors left open: {described:#?} (open before: {before_fds:?})");
     assert!(after_threads <= before_threads, "threads before {before_threads} and after {after_threads}");
 }
