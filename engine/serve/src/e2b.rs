@@ -661,88 +661,89 @@ fn connect_code(err: &ApiError) -> &'static str {
 }
 
 async fn process_signal(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let entry = match envd_sandbox(&state, &headers) {
-        Ok(entry) => entry,
-        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
-    };
-    let pid = match selected_pid(&body) {
-        Ok((pid, _)) => pid,
-        Err(message) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", message),
-    };
-    match lock(&state.e2b.running).get(&(entry.id.clone(), pid)) {
-        Some(command) => {
-            // Every signal ends the command: the engine cancels jobs, it does not deliver signals.
-            command.cancel.cancel();
-            Json(json!({})).into_response()
-        }
-        None => rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} not found")),
+    // Every signal ends the command: the engine cancels jobs, it does not deliver signals.
+    let result = command_request(&state, &headers, &body)
+        .and_then(|(key, _)| with_command(&state, &key, |command| command.cancel.cancel()));
+    unary_reply(result)
+}
+
+/// The unary reply: `{}`, or the Connect error.
+fn unary_reply(result: Result<(), ApiError>) -> Response {
+    match result {
+        Ok(()) => Json(json!({})).into_response(),
+        Err(err) => rpc_error(err.status, err.code, err.message),
     }
 }
 
-/// The pid a unary `process.Process/*` request selects, and the request; the error is an `invalid_argument`
-/// message.
-fn selected_pid(body: &[u8]) -> Result<(u32, Value), String> {
-    let request: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
-    match request["process"]["pid"].as_u64().and_then(|p| u32::try_from(p).ok()) {
-        Some(pid) => Ok((pid, request)),
-        None => Err("process.pid is required".to_owned()),
-    }
+/// The command a unary `process.Process/*` request selects (its sandbox and pid), and the request.
+fn command_request(state: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<((String, u32), Value), ApiError> {
+    let entry = envd_sandbox(state, headers).map_err(|err| ApiError { code: connect_code(&err), ..err })?;
+    let request: Value = serde_json::from_slice(body).map_err(|e| invalid_argument(e.to_string()))?;
+    let pid = request["process"]["pid"].as_u64().and_then(|p| u32::try_from(p).ok());
+    let pid = pid.ok_or_else(|| invalid_argument("process.pid is required"))?;
+    Ok(((entry.id.clone(), pid), request))
+}
+
+fn invalid_argument(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "invalid_argument", message)
+}
+
+/// `f` on the running command `key`; `not_found` when there is none.
+fn with_command<T>(
+    state: &AppState,
+    key: &(String, u32),
+    f: impl FnOnce(&mut RunningCommand) -> T,
+) -> Result<T, ApiError> {
+    let mut running = lock(&state.e2b.running);
+    let command = running.get_mut(key).ok_or_else(|| {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("process with pid {} not found", key.1))
+    })?;
+    Ok(f(command))
 }
 
 /// `process.Process/SendInput`: `input.stdin` (base64, as protobuf JSON writes bytes) to a command started with
 /// `stdin: true`. It waits while the command is not reading (at most [`crate::ws`]'s queue of chunks ahead).
 async fn process_send_input(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let entry = match envd_sandbox(&state, &headers) {
-        Ok(entry) => entry,
-        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
-    };
-    let (pid, request) = match selected_pid(&body) {
-        Ok(selected) => selected,
-        Err(message) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", message),
-    };
-    let data = match request["input"]["stdin"].as_str().map(|text| BASE64.decode(text)) {
-        Some(Ok(data)) => data,
-        Some(Err(e)) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", format!("input.stdin: {e}")),
-        None if request["input"]["pty"].is_string() => {
-            return rpc_error(StatusCode::NOT_IMPLEMENTED, "unimplemented", "commands have no terminal here");
+    let prepared = command_request(&state, &headers, &body).and_then(|(key, request)| {
+        let data = match request["input"]["stdin"].as_str() {
+            Some(text) => BASE64.decode(text).map_err(|e| invalid_argument(format!("input.stdin: {e}")))?,
+            None if request["input"]["pty"].is_string() => {
+                return Err(ApiError::new(
+                    StatusCode::NOT_IMPLEMENTED,
+                    "unimplemented",
+                    "commands have no terminal here",
+                ));
+            }
+            None => return Err(invalid_argument("input.stdin is required")),
+        };
+        let stdin = with_command(&state, &key, |command| command.stdin.clone())?;
+        let stdin = stdin.ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "failed_precondition",
+                format!("process {} has no open stdin (start it with stdin, and do not close it)", key.1),
+            )
+        })?;
+        Ok((key.1, data, stdin))
+    });
+    let result = match prepared {
+        Ok((pid, data, stdin)) => {
+            if data.is_empty() || stdin.send(data).await.is_ok() {
+                Ok(())
+            } else {
+                Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} has ended")))
+            }
         }
-        None => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", "input.stdin is required"),
+        Err(err) => Err(err),
     };
-    let stdin = match lock(&state.e2b.running).get(&(entry.id.clone(), pid)) {
-        None => return rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} not found")),
-        Some(command) => command.stdin.clone(),
-    };
-    let Some(stdin) = stdin else {
-        return rpc_error(
-            StatusCode::BAD_REQUEST,
-            "failed_precondition",
-            format!("process {pid} has no open stdin (start it with stdin, and do not close it)"),
-        );
-    };
-    if data.is_empty() || stdin.send(data).await.is_ok() {
-        Json(json!({})).into_response()
-    } else {
-        rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} has ended"))
-    }
+    unary_reply(result)
 }
 
 /// `process.Process/CloseStdin`: the command reads end-of-file once what was sent before is written.
 async fn process_close_stdin(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let entry = match envd_sandbox(&state, &headers) {
-        Ok(entry) => entry,
-        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
-    };
-    let pid = match selected_pid(&body) {
-        Ok((pid, _)) => pid,
-        Err(message) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", message),
-    };
-    match lock(&state.e2b.running).get_mut(&(entry.id.clone(), pid)) {
-        Some(command) => {
-            command.stdin = None;
-            Json(json!({})).into_response()
-        }
-        None => rpc_error(StatusCode::NOT_FOUND, "not_found", format!("process with pid {pid} not found")),
-    }
+    let result = command_request(&state, &headers, &body)
+        .and_then(|(key, _)| with_command(&state, &key, |command| command.stdin = None));
+    unary_reply(result)
 }
 
 async fn process_list(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
