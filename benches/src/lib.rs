@@ -184,3 +184,50 @@ pub fn descendants_pss_kib() -> anyhow::Result<u64> {
     }
     Ok(total)
 }
+
+/// A loopback HTTP origin for egress benchmarks, one thread per connection and one request per connection: a
+/// `GET` gets `total` bytes; a `POST` has its `total` bytes read, then gets an empty `200`. Returns its port.
+pub fn bulk_origin(total: u64) -> anyhow::Result<u16> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                    head.push(byte[0]);
+                }
+                let upload = head.starts_with(b"POST");
+                if upload {
+                    let mut buf = vec![0u8; 1 << 20];
+                    let mut left = total;
+                    while left > 0 {
+                        match stream.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => left = left.saturating_sub(n as u64),
+                        }
+                    }
+                }
+                let len = if upload { 0 } else { total };
+                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n");
+                if stream.write_all(answer.as_bytes()).is_err() {
+                    return;
+                }
+                let chunk = vec![0x5au8; 256 * 1024];
+                let mut left = len;
+                while left > 0 {
+                    let n = left.min(chunk.len() as u64) as usize;
+                    if stream.write_all(&chunk[..n]).is_err() {
+                        return;
+                    }
+                    left -= n as u64;
+                }
+                let _ = stream.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    Ok(port)
+}

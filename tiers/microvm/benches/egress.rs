@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use devices::driver::*;
 use strata_agent::egress::{EgressDial, Forwarder};
+use strata_benches::bulk_origin;
 use strata_egress::{Allowlist, EgressConfig, EgressProxy};
 use strata_guest_proto::EGRESS_PORT;
 use strata_tier_microvm::devices::virtio::vsock::{VsockConfig, VsockDevice};
@@ -48,53 +49,6 @@ enum Way {
     Download,
     /// The client sends `total` bytes (a POST body); the origin answers `200` once it has them all.
     Upload,
-}
-
-/// A loopback HTTP origin: one request per connection, `total` bytes down or up.
-fn origin(total: u64, way: Way) -> (u16, JoinHandle<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind origin");
-    let port = listener.local_addr().expect("addr").port();
-    let thread = std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            std::thread::spawn(move || {
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
-                    head.push(byte[0]);
-                }
-                let (answer_len, body) = match way {
-                    Way::Download => (total, true),
-                    Way::Upload => {
-                        let mut buf = vec![0u8; 1 << 20];
-                        let mut left = total;
-                        while left > 0 {
-                            match stream.read(&mut buf) {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => left = left.saturating_sub(n as u64),
-                            }
-                        }
-                        (0, false)
-                    }
-                };
-                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {answer_len}\r\nConnection: close\r\n\r\n");
-                if stream.write_all(answer.as_bytes()).is_err() {
-                    return;
-                }
-                let chunk = vec![0x5au8; 256 * 1024];
-                let mut left = if body { total } else { 0 };
-                while left > 0 {
-                    let n = left.min(chunk.len() as u64) as usize;
-                    if stream.write_all(&chunk[..n]).is_err() {
-                        return;
-                    }
-                    left -= n as u64;
-                }
-                let _ = stream.shutdown(Shutdown::Write);
-            });
-        }
-    });
-    (port, thread)
 }
 
 /// Fetches (or posts `total` bytes to) `http://127.0.0.1:<origin>/` through the HTTP proxy at `proxy`; returns
@@ -142,7 +96,7 @@ fn check(got: u64, total: u64, way: Way) {
 
 /// The peer: the proxy reached over TCP directly.
 fn direct(total: u64, way: Way) -> f64 {
-    let (origin_port, _origin) = origin(total, way);
+    let origin_port = bulk_origin(total).expect("origin");
     let allow = Allowlist::parse([format!("127.0.0.1:{origin_port}")]).expect("allowlist");
     let proxy =
         EgressProxy::start(EgressConfig::new(allow).with_tcp("127.0.0.1:0".parse().expect("addr"))).expect("proxy");
@@ -155,7 +109,7 @@ fn direct(total: u64, way: Way) -> f64 {
 
 /// Through the tunnel.
 fn tunnel(total: u64, way: Way) -> f64 {
-    let (origin_port, _origin) = origin(total, way);
+    let origin_port = bulk_origin(total).expect("origin");
     let dir = tempfile::tempdir().expect("tempdir");
     let uds = dir.path().join("v.sock");
     let allow = Allowlist::parse([format!("127.0.0.1:{origin_port}")]).expect("allowlist");

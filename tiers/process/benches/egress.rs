@@ -11,13 +11,10 @@
 //! Debian image under `$STRATA_HOME`; skips with one line when it, root or the host's `python3` is missing.
 //! `STRATA_BENCH_MB` sets the bytes per figure (default 512); each figure is the best of 3 runs.
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener};
 use std::path::PathBuf;
 use std::process::Command;
-use std::thread::JoinHandle;
 
-use strata_benches::strata_home;
+use strata_benches::{bulk_origin, strata_home};
 use strata_core::{Capabilities, ExecOptions, Job, Limits, Net, PythonSource, Status, Tier};
 use strata_egress::{Allowlist, EgressConfig, EgressProxy};
 use strata_rootfs_image::DebianImage;
@@ -31,51 +28,6 @@ const RUNS: usize = 3;
 enum Way {
     Download,
     Upload,
-}
-
-/// A loopback HTTP origin: one request per connection, `total` bytes down (or read up, then `200`).
-fn origin(total: u64) -> (u16, JoinHandle<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind origin");
-    let port = listener.local_addr().expect("addr").port();
-    let thread = std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            std::thread::spawn(move || {
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
-                    head.push(byte[0]);
-                }
-                let upload = head.starts_with(b"POST");
-                if upload {
-                    let mut buf = vec![0u8; 1 << 20];
-                    let mut left = total;
-                    while left > 0 {
-                        match stream.read(&mut buf) {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => left = left.saturating_sub(n as u64),
-                        }
-                    }
-                }
-                let len = if upload { 0 } else { total };
-                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n");
-                if stream.write_all(answer.as_bytes()).is_err() {
-                    return;
-                }
-                let chunk = vec![0x5au8; 256 * 1024];
-                let mut left = len;
-                while left > 0 {
-                    let n = left.min(chunk.len() as u64) as usize;
-                    if stream.write_all(&chunk[..n]).is_err() {
-                        return;
-                    }
-                    left -= n as u64;
-                }
-                let _ = stream.shutdown(Shutdown::Write);
-            });
-        }
-    });
-    (port, thread)
 }
 
 /// The client: through the proxy in `HTTP_PROXY`, GET (or POST `total` bytes to) the origin; prints
@@ -122,7 +74,7 @@ fn mb_s(stdout: &[u8], total: u64, way: Way) -> anyhow::Result<f64> {
 
 /// Through a jail: the job's forwarder, the bound socket, the proxy.
 fn jailed(tier: &ProcessTier, total: u64, way: Way) -> anyhow::Result<f64> {
-    let (port, _origin) = origin(total);
+    let port = bulk_origin(total)?;
     let caps = Capabilities { net: Net::Allow(vec![format!("127.0.0.1:{port}")]), ..Capabilities::default() };
     let job = Job::Python { source: PythonSource::Code(script(port, total, way)), args: Vec::new() };
     let outcome = tier.run(&job, &caps, &Limits::default(), ExecOptions::default())?;
@@ -138,7 +90,7 @@ fn jailed(tier: &ProcessTier, total: u64, way: Way) -> anyhow::Result<f64> {
 
 /// The peer: the host's python3, the proxy over TCP.
 fn direct(total: u64, way: Way) -> anyhow::Result<f64> {
-    let (port, _origin) = origin(total);
+    let port = bulk_origin(total)?;
     let allow = Allowlist::parse([format!("127.0.0.1:{port}")])?;
     let proxy = EgressProxy::start(EgressConfig::new(allow).with_tcp("127.0.0.1:0".parse()?))?;
     let proxy_addr = proxy.tcp_addr().ok_or_else(|| anyhow::anyhow!("no tcp listener"))?;
