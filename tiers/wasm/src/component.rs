@@ -37,18 +37,7 @@ pub(crate) fn execute(
 ) -> Result<Outcome, TierError> {
     let net = NetPolicy::for_caps(job.caps)?;
     let captures = Captures::new(job.caps, job.limits, job.sink.clone());
-    let mut argv = vec![program.to_owned()];
-    argv.extend(args.iter().cloned());
-    let spec = WasiSpec {
-        args: argv,
-        base_env: Vec::new(),
-        caps: job.caps,
-        stdin: job.stdin,
-        preopens: Vec::new(),
-        clock: None,
-        net: net.clone(),
-    };
-    let wasi = wasi_ctx(spec, &captures)?;
+    let wasi = wasi_ctx(WasiSpec::command(program, args, &job, net.clone()), &captures)?;
     let ArmedStore { mut store, measured, wall_deadline, _running } =
         arm_store(runtime, wasi, job.limits, job.cancel.clone(), job.tools)?;
     store.data_mut().net = net.clone();

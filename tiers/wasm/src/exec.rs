@@ -240,6 +240,23 @@ pub(crate) struct WasiSpec<'a> {
     pub(crate) net: Option<Arc<NetPolicy>>,
 }
 
+impl<'a> WasiSpec<'a> {
+    /// A one-shot command's context: argv `program args…`, the job's capabilities and stdin, WASI's own clock.
+    pub(crate) fn command(program: &str, args: &[String], job: &JobContext<'a>, net: Option<Arc<NetPolicy>>) -> Self {
+        let mut argv = vec![program.to_owned()];
+        argv.extend(args.iter().cloned());
+        WasiSpec {
+            args: argv,
+            base_env: Vec::new(),
+            caps: job.caps,
+            stdin: job.stdin,
+            preopens: Vec::new(),
+            clock: None,
+            net,
+        }
+    }
+}
+
 /// A monotonic clock that starts at a given reading: a session's starts at zero, a fork's where its snapshot's
 /// stood, so the guest never sees it go back.
 #[derive(Debug, Clone, Copy)]
@@ -499,18 +516,7 @@ pub(crate) fn execute(
 ) -> Result<Outcome, TierError> {
     refuse_net(job.caps, &format!("{program}, a WASI preview1 module (preview1 has no sockets)"))?;
     let captures = Captures::new(job.caps, job.limits, job.sink.clone());
-    let mut argv = vec![program.to_owned()];
-    argv.extend(args.iter().cloned());
-    let wasi_spec = WasiSpec {
-        args: argv,
-        base_env: Vec::new(),
-        caps: job.caps,
-        stdin: job.stdin,
-        preopens: Vec::new(),
-        clock: None,
-        net: None,
-    };
-    let wasi = wasi_ctx(wasi_spec, &captures)?;
+    let wasi = wasi_ctx(WasiSpec::command(program, args, &job, None), &captures)?;
     let ArmedStore { mut store, measured, wall_deadline, _running } =
         arm_store(runtime, wasi, job.limits, job.cancel.clone(), job.tools)?;
 
