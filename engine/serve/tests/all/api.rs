@@ -245,3 +245,27 @@ async fn snapshot_forks_are_independent_copies() {
     server.stop().await;
     assert!(!dir.exists(), "the server's snapshot directory {} is removed at shutdown", dir.display());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_to_a_sandbox_running_a_job_is_409_busy() {
+    let server = TestServer::start().await;
+    let id = server.create(json!({"tier": "wasm"})).await;
+    let (client, url) = (server.client.clone(), server.url(&format!("/v1/sandboxes/{id}/exec")));
+    let long = tokio::spawn(async move {
+        let response = client.post(url).json(&json!({"python": "import time\ntime.sleep(1.5)\nprint('done')"})).send();
+        crate::util::status_json(response.await.expect("exec")).await
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while server.get(&format!("/v1/sandboxes/{id}")).await.1["running"] != true {
+        assert!(std::time::Instant::now() < deadline, "the first job never ran");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let (status, json) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"python": "print(1)"})).await;
+    assert_eq!((status, code(&json)), (409, "sandbox_busy"), "{json}");
+    let (status, outcome) = long.await.expect("first job");
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("done\n")), "{outcome}");
+    // Free again afterwards.
+    let (status, outcome) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"python": "print(2)"})).await;
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("2\n")), "{outcome}");
+    server.stop().await;
+}
