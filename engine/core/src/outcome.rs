@@ -90,7 +90,7 @@ impl fmt::Display for Status {
     }
 }
 
-/// Which captured streams were cut at the output limit.
+/// What was cut: captured streams at the output limit, egress entries at the log's cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Truncated {
@@ -98,6 +98,13 @@ pub struct Truncated {
     pub stdout: bool,
     /// stderr was cut.
     pub stderr: bool,
+    /// Network requests made but not listed in `egress` (the log keeps a bounded number per job); absent when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub egress: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// What a job used.
@@ -365,6 +372,16 @@ mod tests {
             json,
             r#"{"tier":"wasm","status":{"kind":"exited","code":0},"stdout":"hello\n","stderr":"","truncated":{"stdout":false,"stderr":false},"usage":{"wall_ms":1.2,"cpu_ms":1.0,"fuel":12345,"peak_memory_bytes":1114112,"stdout_bytes":6,"stderr_bytes":0},"escalations":[],"tools":[]}"#
         );
+    }
+
+    #[test]
+    fn egress_entries_not_kept_are_counted_in_truncated_only_when_there_are_some() {
+        let mut outcome = sample();
+        outcome.truncated.egress = 3;
+        let json = serde_json::to_value(&outcome).expect("serializes");
+        assert_eq!(json["truncated"], serde_json::json!({"stdout": false, "stderr": false, "egress": 3}));
+        let back: Outcome = serde_json::from_value(json).expect("round-trips");
+        assert_eq!(back.truncated.egress, 3);
     }
 
     #[test]

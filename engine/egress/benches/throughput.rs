@@ -88,7 +88,7 @@ fn main() {
         p / d,
         if p >= 500.0 { "met" } else { "MISSED" }
     );
-    let records = proxy.drain_records_settled(Duration::from_secs(5));
+    let records = proxy.drain_records_settled(Duration::from_secs(5)).records;
     let up: u64 = records.iter().map(|r| r.bytes_up).sum();
     assert_eq!(up, 3 * total, "the log counts every byte");
 }

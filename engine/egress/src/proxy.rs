@@ -307,7 +307,8 @@ impl EgressHandle {
         std::mem::take(&mut self.shared.log().records)
     }
 
-    /// Records not kept because [`EgressConfig::max_records`] were already held.
+    /// Records not kept because [`EgressConfig::max_records`] were already held (since the last
+    /// [`EgressHandle::drain_records_settled`]).
     pub fn records_dropped(&self) -> u64 {
         self.shared.log().dropped
     }
@@ -318,13 +319,15 @@ impl EgressHandle {
     }
 
     /// Waits up to `timeout` for every connection in flight to finish (a job has ended; its last connections are
-    /// closing), then drains the records. Connections still open after `timeout` are recorded when they end.
-    pub fn drain_records_settled(&self, timeout: Duration) -> Vec<EgressRecord> {
+    /// closing), then drains the records, and the count of those not kept meanwhile. Connections still open after
+    /// `timeout` are recorded when they end.
+    pub fn drain_records_settled(&self, timeout: Duration) -> Drained {
         let deadline = Instant::now() + timeout;
         while self.shared.in_flight() > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(2));
         }
-        self.drain_records()
+        let mut log = self.shared.log();
+        Drained { records: std::mem::take(&mut log.records), dropped: std::mem::take(&mut log.dropped) }
     }
 
     /// Stops the proxy (as dropping does) and returns every record not yet drained, connections cancelled by the
@@ -350,6 +353,22 @@ impl EgressHandle {
 impl Drop for EgressHandle {
     fn drop(&mut self) {
         self.stop_and_join();
+    }
+}
+
+/// One job's share of the log ([`EgressHandle::drain_records_settled`]).
+#[derive(Debug, Default)]
+pub struct Drained {
+    /// The records, oldest first.
+    pub records: Vec<EgressRecord>,
+    /// Records not kept because the log was full.
+    pub dropped: u64,
+}
+
+impl Drained {
+    /// The records as the Outcome's entries, and the count not kept.
+    pub fn into_entries(self) -> (Vec<strata_core::outcome::EgressEntry>, u64) {
+        (self.records.into_iter().map(Into::into).collect(), self.dropped)
     }
 }
 

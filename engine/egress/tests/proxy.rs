@@ -355,3 +355,27 @@ fn start_needs_a_listener() {
     let e = EgressProxy::start(EgressConfig::new(Allowlist::deny_all())).unwrap_err();
     assert!(matches!(e, strata_egress::EgressError::NoListener));
 }
+
+#[test]
+fn records_past_the_cap_are_counted_and_the_count_is_drained_with_them() {
+    let mut config =
+        EgressConfig::new(Allowlist::parse(["*.example.com"]).unwrap()).with_tcp("127.0.0.1:0".parse().unwrap());
+    config.max_records = 2;
+    let p = EgressProxy::start(config).unwrap();
+    let deny = |n: usize| {
+        for _ in 0..n {
+            let mut c = connect(&p);
+            c.write_all(b"CONNECT evil.org:443 HTTP/1.1\r\n\r\n").unwrap();
+            assert!(String::from_utf8(read_all(&mut c)).unwrap().starts_with("HTTP/1.1 403"));
+        }
+    };
+    deny(5);
+    let drained = p.drain_records_settled(Duration::from_secs(5));
+    assert_eq!((drained.records.len(), drained.dropped), (2, 3));
+    let (entries, dropped) = drained.into_entries();
+    assert_eq!((entries[0].verdict.as_str(), dropped), ("denied", 3));
+    assert_eq!(p.records_dropped(), 0, "the count went with the drain");
+    deny(1);
+    let drained = p.drain_records_settled(Duration::from_secs(5));
+    assert_eq!((drained.records.len(), drained.dropped), (1, 0));
+}

@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use strata_core::{
-    Capabilities, EgressEntry, ExecOptions, GrantMode, Job, LimitKind, Limits, Net, Outcome, OutputSink, Persisted,
-    PythonSource, Sandbox, Snapshot, Status, Stream, TierError, TierKind, Truncated, Usage,
+    Capabilities, ExecOptions, GrantMode, Job, LimitKind, Limits, Net, Outcome, OutputSink, Persisted, PythonSource,
+    Sandbox, Snapshot, Status, Stream, TierError, TierKind, Truncated, Usage,
 };
 use strata_egress::{Allowlist, EgressConfig, EgressHandle, EgressProxy};
 use strata_guest_proto::{
@@ -375,14 +375,18 @@ impl<H: AgentHost> Session<H> {
         };
         let (out, err) = (stdout.finish(), stderr.finish());
         let cap = limits.output.0;
-        let egress: Vec<EgressEntry> = match &self.egress {
-            Some((proxy, _)) => proxy.drain_records_settled(EGRESS_SETTLE).into_iter().map(EgressEntry::from).collect(),
-            None => Vec::new(),
+        let (egress, egress_dropped) = match &self.egress {
+            Some((proxy, _)) => proxy.drain_records_settled(EGRESS_SETTLE).into_entries(),
+            None => (Vec::new(), 0),
         };
         Ok(Outcome {
             tier: TierKind::Microvm,
             status,
-            truncated: Truncated { stdout: out.truncated || totals.0 > cap, stderr: err.truncated || totals.1 > cap },
+            truncated: Truncated {
+                stdout: out.truncated || totals.0 > cap,
+                stderr: err.truncated || totals.1 > cap,
+                egress: egress_dropped,
+            },
             usage: Usage {
                 wall,
                 cpu,

@@ -1357,7 +1357,7 @@ fn vsock_guest_streams_to_the_egress_port_reach_the_egress_proxy() {
     assert!(allowed.starts_with("HTTP/1.1 200") && allowed.ends_with("hello"), "{allowed}");
     let denied = fetch(40_001, "example.com:80");
     assert!(denied.starts_with("HTTP/1.1 403"), "{denied}");
-    let records = proxy.drain_records_settled(Duration::from_secs(2));
+    let records = proxy.drain_records_settled(Duration::from_secs(2)).records;
     let verdicts: Vec<&str> = records.iter().map(|r| r.verdict.as_str()).collect();
     assert_eq!(verdicts, ["allowed", "denied"], "{records:?}");
 }

@@ -430,7 +430,7 @@ fn run_in(
     let io = JobIo { stdin, stdin_stream, stdout: &stdout, stderr: &stderr };
     let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
     let report = jail.exec(&job.exec, job.program, &io, &watch).map_err(jail_error)?;
-    let egress = jail.drain_egress(EGRESS_SETTLE).into_iter().map(EgressEntry::from).collect();
+    let egress = jail.drain_egress(EGRESS_SETTLE).into_entries();
     outcome(report, &stdout, &stderr, egress)
 }
 
@@ -438,7 +438,7 @@ fn outcome(
     report: JobReport,
     stdout: &OutputCapture,
     stderr: &OutputCapture,
-    egress: Vec<EgressEntry>,
+    (egress, egress_dropped): (Vec<EgressEntry>, u64),
 ) -> Result<Outcome, TierError> {
     let status = match report.end {
         JobEnd::Exited(code) => Status::Exited { code },
@@ -454,7 +454,7 @@ fn outcome(
     Ok(Outcome {
         tier: TierKind::Process,
         status,
-        truncated: Truncated { stdout: out.truncated, stderr: err.truncated },
+        truncated: Truncated { stdout: out.truncated, stderr: err.truncated, egress: egress_dropped },
         usage: Usage {
             wall: report.wall,
             cpu: report.cpu,

@@ -126,7 +126,7 @@ impl ProcessTier {
         let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: None };
         let report = jail.start_zygote(&prepared.exec, &io, &watch).map_err(jail_error)?;
         let ready = report.end == crate::jail::JobEnd::ZygoteReady;
-        let setup_outcome = outcome(report, &stdout, &stderr, Vec::new())?;
+        let setup_outcome = outcome(report, &stdout, &stderr, (Vec::new(), 0))?;
         if !ready {
             jail.close();
             let tail = String::from_utf8_lossy(&setup_outcome.stderr);
@@ -240,7 +240,7 @@ impl ProcessZygote {
         let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
         let handle = ForkHandle { stdin: stdin_w, stdout: stdout_r, stderr: stderr_r, status: status_r, pidfd, cgroup };
         let report = run_fork(handle, &io, &watch);
-        outcome(report, &stdout, &stderr, Vec::new())
+        outcome(report, &stdout, &stderr, (Vec::new(), 0))
     }
 
     /// Forks a Python zygote and runs `source` in the fork, with the setup's globals.

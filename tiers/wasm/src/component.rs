@@ -57,13 +57,8 @@ pub(crate) fn execute(
     let mut outcome = measured.outcome(status, &mut store, &captures, Vec::new());
     if let Some(net) = net {
         let (entries, dropped) = net.take_entries();
-        if dropped > 0 {
-            log::warn!(
-                "{program}: {dropped} more connect attempts than the {} kept in the outcome's egress",
-                crate::net::MAX_EGRESS_ENTRIES
-            );
-        }
         outcome.egress = entries;
+        outcome.truncated.egress = dropped;
     }
     Ok(outcome)
 }

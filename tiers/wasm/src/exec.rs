@@ -457,7 +457,7 @@ impl Measured {
         Outcome {
             tier: TierKind::Wasm,
             status,
-            truncated: Truncated { stdout: out.truncated, stderr: err.truncated },
+            truncated: Truncated { stdout: out.truncated, stderr: err.truncated, egress: 0 },
             usage: Usage { wall, cpu, fuel, peak_memory, stdout_bytes: out.written, stderr_bytes: err.written },
             stdout: out.bytes,
             stderr: err.bytes,

@@ -31,7 +31,7 @@ use nix::sys::signal::Signal;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use nix::unistd::Pid;
 use strata_core::{CancelToken, LimitKind};
-use strata_egress::{EgressHandle, EgressRecord};
+use strata_egress::{Drained, EgressHandle};
 use strata_jail::proto::{self, Bind, Exec, HostFrame, IdMap, JailFrame, PROTOCOL_VERSION, Setup};
 use strata_wasi_shims::OutputCapture;
 
@@ -321,9 +321,10 @@ impl Jail {
         self.egress = Some(proxy);
     }
 
-    /// Takes the egress records of the connections that ended since the last call, first waiting up to
-    /// `settle` for those still open (a job that has ended is closing its last ones). Empty without a proxy.
-    pub fn drain_egress(&self, settle: Duration) -> Vec<EgressRecord> {
+    /// Takes the egress records of the connections that ended since the last call (and the count not kept),
+    /// first waiting up to `settle` for those still open (a job that has ended is closing its last ones). Empty
+    /// without a proxy.
+    pub fn drain_egress(&self, settle: Duration) -> Drained {
         self.egress.as_ref().map(|proxy| proxy.drain_records_settled(settle)).unwrap_or_default()
     }
 
