@@ -426,3 +426,59 @@ fn a_component_job_takes_one_instance_slot() {
         assert_eq!(stdout(&outcome.expect("runs in one slot")), "Hello, slot! (component)\n");
     }
 }
+
+/// A host server on 127.0.0.1 that reports, for each connection, every byte the client sent before it closed.
+fn recorder() -> (u16, std::sync::mpsc::Receiver<Vec<u8>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind recorder");
+    let port = listener.local_addr().expect("addr").port();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut got = Vec::new();
+                let _ = stream.read_to_end(&mut got);
+                let _ = tx.send(got);
+            });
+        }
+    });
+    (port, rx)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn a_tls_client_hello_must_name_what_the_connection_was_allowed_for() {
+    use strata_egress::sni::testing::client_hello;
+    let (port, received) = recorder();
+    let by_ip = allow(&[format!("127.0.0.1:{port}")]);
+    let by_name = allow(&[format!("localhost:{port}")]);
+    let target = format!("127.0.0.1:{port}");
+    let named = format!("localhost:{port}");
+    let cases: [(&str, &Capabilities, &str, Option<&str>, bool); 4] = [
+        ("no SNI where an IP rule allows the address", &by_ip, &target, None, true),
+        ("an SNI through an IP rule: fronting", &by_ip, &target, Some("evil.example"), false),
+        ("the allowed name the guest looked up", &by_name, &named, Some("localhost"), true),
+        ("another name on an address allowed by name", &by_name, &named, Some("evil.example"), false),
+    ];
+    for (case, caps, to, sni, allowed) in cases {
+        let hello = client_hello(sni);
+        let outcome = run(NET, &["send", to, &hex(&hello)], caps, &Limits::default());
+        let entry = one_entry(&outcome).clone();
+        let got = received.recv_timeout(Duration::from_secs(20)).expect("the connection ended");
+        if allowed {
+            assert_eq!(stdout(&outcome), format!("sent {}\ngot 0\n", hello.len()), "{case}: {outcome:?}");
+            assert_eq!((entry.verdict.as_str(), entry.bytes_up), ("allowed", hello.len() as u64), "{case}");
+            assert_eq!(got, hello, "{case}: the server got the ClientHello");
+        } else {
+            assert_eq!(outcome.status, Status::Exited { code: 1 }, "{case}: {outcome:?}");
+            assert!(stdout(&outcome).starts_with("error: write: "), "{case}: {outcome:?}");
+            assert_eq!((entry.verdict.as_str(), entry.bytes_up), ("denied", 0), "{case}: {entry:?}");
+            assert!(entry.reason.as_deref().is_some_and(|r| r.contains("evil.example")), "{case}: {entry:?}");
+            assert!(got.is_empty(), "{case}: the server got {} bytes", got.len());
+        }
+    }
+}

@@ -16,8 +16,12 @@
 //!   allows, rather than when the job starts: a job that never connects costs no DNS query, and a guest that
 //!   connects to an address it did not look up is judged the same (the lookups take at most 5 s in all). An
 //!   address that an allowed name shares with other names (a CDN, virtual hosting) is reachable once the allowed
-//!   name resolved to it: a socket sees addresses, not names, which is also why the egress proxy's TLS SNI check
-//!   has no equivalent here.
+//!   name resolved to it: a socket sees addresses, not names.
+//! - **speak TLS** only under an allowed name: a connection whose first write is a TLS handshake record must hold
+//!   a whole ClientHello whose server name is a name the allowlist allows on that port and the host resolved to
+//!   that address (a ClientHello without SNI only where an IP-literal rule allows the address), the egress
+//!   proxy's SNI rule on a socket. Otherwise nothing of it leaves: the stream is closed, the guest's write fails,
+//!   and the connection's entry turns `denied` with the reason. Bytes that do not start a TLS record pass.
 //! - **look up names** through `wasi:sockets/ip-name-lookup`, but only names that some hostname rule allows (on
 //!   any port), exact or `*.example.com`; other names fail with `permanent-resolver-failure` before any query is
 //!   made. IP literals "resolve" to themselves without a query. wasmtime-wasi 48's own switch for lookups is
@@ -69,6 +73,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use strata_core::{Capabilities, EgressEntry, Net, TierError};
+use strata_egress::sni::{ClientHelloParse, HANDSHAKE_RECORD, parse_client_hello};
 use strata_egress::{Allowlist, Host, HostPattern};
 use wasmtime::StoreContextMut;
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
@@ -80,8 +85,8 @@ use wasmtime_wasi::p2::bindings::sockets::network::{
 use wasmtime_wasi::p2::bindings::sockets::tcp::HostTcpSocket;
 use wasmtime_wasi::p2::pipe::{ClosedInputStream, ClosedOutputStream};
 use wasmtime_wasi::p2::{
-    DynInputStream, DynOutputStream, DynPollable, InputStream, OutputStream, Pollable, SocketError, StreamResult,
-    TcpSocket,
+    DynInputStream, DynOutputStream, DynPollable, InputStream, OutputStream, Pollable, SocketError, StreamError,
+    StreamResult, TcpSocket,
 };
 use wasmtime_wasi::sockets::{SocketAddrUse, WasiSocketsCtxView, WasiSocketsView};
 
@@ -126,19 +131,22 @@ struct NetState {
     /// The attempts kept, each allowed one with its connection's byte counters.
     entries: Vec<(EgressEntry, Option<Arc<Counters>>)>,
     dropped: u64,
-    /// The counters of each socket whose allowed connect is under way (started, not yet finished), by resource.
-    /// A socket dropped while connecting leaves its slot behind until its handle is reused by a socket that
-    /// starts a connect, which overwrites it; at most one slot per live handle.
-    connecting: HashMap<u32, Arc<Counters>>,
+    /// The counters and address of each socket whose allowed connect is under way (started, not yet finished),
+    /// by resource. A socket dropped while connecting leaves its slot behind until its handle is reused by a
+    /// socket that starts a connect, which overwrites it; at most one slot per live handle.
+    connecting: HashMap<u32, (Arc<Counters>, SocketAddr)>,
 }
 
-/// The bytes of one allowed connection so far, shared by its streams' wrappers and its egress entry.
+/// The bytes of one allowed connection so far, shared by its streams' wrappers and its egress entry, and why it
+/// was closed after all when its TLS ClientHello was refused.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     /// Bytes the guest wrote to the connection that wasmtime-wasi accepted.
     up: AtomicU64,
     /// Bytes the guest read or skipped from the connection.
     down: AtomicU64,
+    /// Set when the connection's first write was a TLS ClientHello the allowlist refuses.
+    refused: Mutex<Option<String>>,
 }
 
 impl Counters {
@@ -186,6 +194,10 @@ impl NetPolicy {
                 if let Some(counters) = counters {
                     entry.bytes_up = counters.up.load(Ordering::Relaxed);
                     entry.bytes_down = counters.down.load(Ordering::Relaxed);
+                    if let Some(reason) = counters.refused.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                        entry.verdict = "denied".to_owned();
+                        entry.reason = Some(reason);
+                    }
                 }
                 entry
             })
@@ -268,6 +280,27 @@ impl NetPolicy {
         match names.first() {
             Some(name) => Err((name.clone(), format!("{name}:{port} ({ip}) is not in the allowlist"))),
             None => Err((ip.to_string(), format!("{}:{port} is not in the allowlist", Host::Ip(ip).to_authority()))),
+        }
+    }
+
+    /// The TLS rule, as on the egress proxy: a ClientHello's server name must be a name the allowlist allows on
+    /// `port` that the host resolved to `ip` (so a connection allowed for one name cannot present another, the
+    /// domain-fronting case); a ClientHello without one is accepted only when an IP-literal rule allows `ip`.
+    fn judge_sni(&self, ip: IpAddr, port: u16, sni: Option<&str>) -> Result<(), String> {
+        match sni {
+            None if self.allow.allows(&Host::Ip(ip), port) => Ok(()),
+            None => Err(format!(
+                "TLS ClientHello without SNI to {}:{port}, allowed only by name",
+                Host::Ip(ip).to_authority()
+            )),
+            Some(name) => {
+                let resolved = self.lock().resolved.get(&ip).is_some_and(|names| names.iter().any(|n| n == name));
+                if resolved && self.allow.allows(&Host::Name(name.to_owned()), port) {
+                    Ok(())
+                } else {
+                    Err(format!("TLS SNI {name} is not an allowed name of {}:{port}", Host::Ip(ip).to_authority()))
+                }
+            }
         }
     }
 
@@ -416,7 +449,7 @@ async fn start_connect(
         let counters = net.log(addr.port(), Ok(host));
         let mut state = net.lock();
         match counters {
-            Some(counters) => state.connecting.insert(rep, counters),
+            Some(counters) => state.connecting.insert(rep, (counters, addr)),
             None => state.connecting.remove(&rep),
         };
     }
@@ -437,14 +470,17 @@ fn finish_connect(
     let mut sockets = state.wasi.sockets();
     let finished = HostTcpSocket::finish_connect(&mut sockets, socket);
     // The connect is over unless it is still under way; either way its slot goes once it is.
-    let counters = match &finished {
+    let connection = match &finished {
         Err(err) if matches!(err.downcast_ref(), Some(ErrorCode::WouldBlock)) => None,
-        _ => net.and_then(|net| net.lock().connecting.remove(&rep)),
+        _ => net.and_then(|net| {
+            let (counters, addr) = net.lock().connecting.remove(&rep)?;
+            Some((counters, TlsGate { net, addr }))
+        }),
     };
     match finished {
         Ok(streams) => {
-            if let Some(counters) = counters {
-                count_streams(sockets.table, &streams, &counters)?;
+            if let Some((counters, gate)) = connection {
+                count_streams(sockets.table, &streams, &counters, gate)?;
             }
             Ok((Ok(streams),))
         }
@@ -452,19 +488,47 @@ fn finish_connect(
     }
 }
 
-/// Puts counting wrappers in place of a connection's streams, under the same handles.
+/// Puts counting wrappers in place of a connection's streams, under the same handles; the output's first write
+/// goes through `gate`.
 fn count_streams(
     table: &mut ResourceTable,
     (input, output): &Streams,
     counters: &Arc<Counters>,
+    gate: TlsGate,
 ) -> wasmtime::Result<()> {
     let stream = table.get_mut(input)?;
     let inner = std::mem::replace(stream, Box::new(ClosedInputStream));
     *stream = Box::new(CountedInput { inner, counters: counters.clone() });
     let stream = table.get_mut(output)?;
     let inner = std::mem::replace(stream, Box::new(ClosedOutputStream));
-    *stream = Box::new(CountedOutput { inner, counters: counters.clone() });
+    *stream = Box::new(CountedOutput { inner, counters: counters.clone(), gate: Some(gate) });
     Ok(())
+}
+
+/// The TLS check of a connection's first write: the policy and the address the connection was allowed to.
+struct TlsGate {
+    net: Arc<NetPolicy>,
+    addr: SocketAddr,
+}
+
+impl TlsGate {
+    /// Judges a connection's first write, as the proxy judges a tunnel's first bytes: not TLS passes (the address
+    /// check already bounds where it goes); a TLS handshake record must hold the whole ClientHello (a guest's TLS
+    /// library writes it at once) with a server name [`NetPolicy::judge_sni`] accepts.
+    fn judge(&self, first: &[u8]) -> Result<(), String> {
+        if first.first() != Some(&HANDSHAKE_RECORD) {
+            return Ok(());
+        }
+        match parse_client_hello(first) {
+            Ok(ClientHelloParse::Complete(sni)) => {
+                self.net.judge_sni(self.addr.ip().to_canonical(), self.addr.port(), sni.as_deref())
+            }
+            Ok(ClientHelloParse::Incomplete) => {
+                Err("TLS ClientHello split across writes (the wasm tier judges a connection's first write)".into())
+            }
+            Err(err) => Err(err.to_string()),
+        }
+    }
 }
 
 /// A connection's input stream, counting what the guest reads. Only the methods wasmtime-wasi's TCP stream
@@ -485,6 +549,9 @@ impl Pollable for CountedInput {
 #[wasmtime_wasi::async_trait]
 impl InputStream for CountedInput {
     fn read(&mut self, size: usize) -> StreamResult<bytes::Bytes> {
+        if self.counters.refused.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            return Err(StreamError::Closed);
+        }
         let bytes = self.inner.read(size)?;
         Counters::add(&self.counters.down, bytes.len());
         Ok(bytes)
@@ -500,6 +567,8 @@ impl InputStream for CountedInput {
 struct CountedOutput {
     inner: DynOutputStream,
     counters: Arc<Counters>,
+    /// Until the first write.
+    gate: Option<TlsGate>,
 }
 
 #[wasmtime_wasi::async_trait]
@@ -512,6 +581,14 @@ impl Pollable for CountedOutput {
 #[wasmtime_wasi::async_trait]
 impl OutputStream for CountedOutput {
     fn write(&mut self, bytes: bytes::Bytes) -> StreamResult<()> {
+        if let Some(gate) = self.gate.take()
+            && let Err(reason) = gate.judge(&bytes)
+        {
+            // Nothing of it leaves: the stream is closed, and the connection's entry says why.
+            *self.counters.refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+            self.inner = Box::new(ClosedOutputStream);
+            return Err(StreamError::Closed);
+        }
         let len = bytes.len();
         self.inner.write(bytes)?;
         Counters::add(&self.counters.up, len);
@@ -730,6 +807,30 @@ mod tests {
     }
 
     #[test]
+    fn a_tls_client_hello_must_name_an_allowed_name_of_the_address() {
+        use strata_egress::sni::testing::client_hello;
+        let p = policy(&["*.example.com:443", "10.1.2.3"]);
+        p.note("93.184.216.34".parse().expect("ip"), "api.example.com");
+        let gate = |addr: &str| TlsGate { net: p.clone(), addr: addr.parse().expect("address") };
+        assert_eq!(gate("93.184.216.34:443").judge(&client_hello(Some("api.example.com"))), Ok(()));
+        assert_eq!(gate("93.184.216.34:443").judge(b"GET / HTTP/1.1\r\n\r\n"), Ok(()), "not TLS");
+        for (addr, hello) in [
+            ("93.184.216.34:443", client_hello(Some("evil.org"))),
+            ("93.184.216.34:443", client_hello(Some("www.example.com"))), // allowed, but not resolved to it
+            ("93.184.216.34:443", client_hello(None)),                    // allowed by name only
+            ("10.1.2.3:443", client_hello(Some("api.example.com"))),      // fronting through an IP rule
+        ] {
+            assert!(gate(addr).judge(&hello).is_err(), "{addr}");
+        }
+        assert_eq!(gate("10.1.2.3:443").judge(&client_hello(None)), Ok(()), "no SNI where an IP rule allows");
+        let hello = client_hello(Some("api.example.com"));
+        let err = gate("93.184.216.34:443").judge(&hello[..hello.len() - 1]).expect_err("split");
+        assert!(err.contains("split across writes"), "{err}");
+        let err = gate("93.184.216.34:443").judge(&[0x16, 3, 1, 0, 4, 9, 0, 0, 0]).expect_err("malformed");
+        assert!(err.contains("ClientHello"), "{err}");
+    }
+
+    #[test]
     fn lookups_are_limited_to_allowed_names() {
         let p = policy(&["*.example.com:443", "pypi.org", "10.0.0.1"]);
         assert_eq!(p.lookup_allowed("API.example.com."), Ok(Some("api.example.com".into())));
@@ -868,7 +969,7 @@ mod tests {
         let mut input =
             CountedInput { inner: Box::new(MemoryInputPipe::new(vec![7u8; 100])), counters: counters.clone() };
         let sink = MemoryOutputPipe::new(1 << 20);
-        let mut output = CountedOutput { inner: Box::new(sink.clone()), counters: counters.clone() };
+        let mut output = CountedOutput { inner: Box::new(sink.clone()), counters: counters.clone(), gate: None };
         runtime().block_on(async {
             assert_eq!(input.read(30).expect("read").len(), 30);
             assert_eq!(input.skip(20).expect("skip"), 20);

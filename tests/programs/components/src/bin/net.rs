@@ -6,6 +6,8 @@
 //! - `upload TARGET N [TARGET N]...`: connects to each TARGET in turn (a failed connect is printed as
 //!   `TARGET: error: connect: KIND` and skipped), then sends N bytes on each connection and shuts its sending
 //!   side, then reads each reply to the end, last connection first, and prints it as `TARGET: REPLY`;
+//! - `send TARGET HEX`: connects, writes the bytes HEX spells in one write, shuts its sending side, prints
+//!   `sent N` and then `got M` with the byte count of the reply (a refused write is `error: write: …`);
 //! - `lookup NAME`: resolves NAME and prints each address as `addr IP`;
 //! - `listen`: binds 127.0.0.1:0 and listens, prints `listening`;
 //! - `udp`: binds a UDP socket on 127.0.0.1:0, prints `bound`.
@@ -50,6 +52,19 @@ fn main() {
                 stream.read_to_string(&mut reply).unwrap_or_else(|e| fail("read", e));
                 println!("{target}: {reply}");
             }
+        }
+        "send" => {
+            let hex = arg(3);
+            let bytes: Vec<u8> = (0..hex.len() / 2)
+                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or_default())
+                .collect();
+            let mut stream = TcpStream::connect(arg(2)).unwrap_or_else(|e| fail("connect", e));
+            stream.write_all(&bytes).unwrap_or_else(|e| fail("write", e));
+            println!("sent {}", bytes.len());
+            let _ = stream.shutdown(Shutdown::Write);
+            let mut reply = Vec::new();
+            stream.read_to_end(&mut reply).unwrap_or_else(|e| fail("read", e));
+            println!("got {}", reply.len());
         }
         "lookup" => {
             let addrs = (arg(2).as_str(), 0).to_socket_addrs().unwrap_or_else(|e| fail("lookup", e));
