@@ -730,6 +730,8 @@ impl Engine {
             outcome.route = Some(decision);
             outcome
         };
+        // Both attempts read the same stdin: a stream is read to its end once, here, not used up by the first.
+        let opts = opts.buffered()?;
         let scratch = match escalate::ScratchGrants::prepare(caps, limits.disk.0, &self.scratch_dir()) {
             Ok(scratch) => scratch,
             Err(err) => {

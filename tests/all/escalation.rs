@@ -155,6 +155,24 @@ fn a_missing_module_escalates_and_only_the_native_run_writes() {
 }
 
 #[test]
+fn a_stdin_stream_reaches_the_native_rerun_whole() {
+    let fx = Fixture::new();
+    let engine = engine_with("[tiers]\nnative = \"process\"\n", &fx.scratch);
+    if !process_tier_runs(&engine, "a_stdin_stream_reaches_the_native_rerun_whole") {
+        return;
+    }
+    // stdin as a stream the caller has written and closed: the wasm attempt must not use it up.
+    let (stream, mut writer) = strata_core::StdinStream::pipe().expect("pipe");
+    std::io::Write::write_all(&mut writer, b"streamed in").expect("write");
+    drop(writer);
+    let opts = ExecOptions { stdin_stream: Some(stream), ..ExecOptions::default() };
+    let caps = Capabilities { stdin: Vec::new(), ..fx.caps() };
+    let outcome = run(&engine, TierChoice::Auto, &script(IMPORT_RESOURCE), &caps, opts);
+    assert_eq!(outcome.escalations.len(), 1, "{:?}", outcome.escalations);
+    assert_eq!(outcome.stdout, b"before native streamed in\nafter native True\n", "{}", stderr(&outcome));
+}
+
+#[test]
 fn an_unsupported_call_escalates() {
     let fx = Fixture::new();
     let engine = engine_with("[tiers]\nnative = \"process\"\n", &fx.scratch);
