@@ -10,7 +10,8 @@
 //!   start event, stdout/stderr data and the end event (a command outlives the client that started it);
 //!   `process.Process/Connect` streaming a running command's start event and its frames from then on;
 //!   `SendInput` and `CloseStdin` for a command started with `stdin: true` (its stdin is a pipe the job reads as the
-//!   input comes); `SendSignal` and `List`; `GET`/`POST /files` (multipart or octet-stream); `GET /health`.
+//!   input comes); `SendSignal` and `List`; `filesystem.Filesystem/{ListDir,Stat,MakeDir,Move,Remove}`
+//!   (`e2b_fs`); `GET`/`POST /files` (multipart or octet-stream); `GET /health`.
 //! - The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` streaming NDJSON, the cell run by the
 //!   value of its last expression as the main result. The router picks the cell's tier: cells wasm can run go to a
 //!   live wasm Python session of the sandbox (state carries over as in Jupyter); the others run with the sandbox's
@@ -153,6 +154,11 @@ pub fn envd_routes() -> Router<Arc<AppState>> {
         .route("/process.Process/SendInput", post(process_send_input))
         .route("/process.Process/CloseStdin", post(process_close_stdin))
         .route("/process.Process/List", post(process_list))
+        .route("/filesystem.Filesystem/Stat", post(crate::e2b_fs::stat))
+        .route("/filesystem.Filesystem/ListDir", post(crate::e2b_fs::list_dir))
+        .route("/filesystem.Filesystem/MakeDir", post(crate::e2b_fs::make_dir))
+        .route("/filesystem.Filesystem/Move", post(crate::e2b_fs::move_entry))
+        .route("/filesystem.Filesystem/Remove", post(crate::e2b_fs::remove))
         .route("/files", get(files_read).post(files_write))
         .route("/execute", post(execute))
 }
@@ -399,7 +405,7 @@ fn rest_error(err: &ApiError) -> Response {
 }
 
 /// The sandbox an envd request is for, by `E2b-Sandbox-Id`, checked against its access token.
-fn envd_sandbox(state: &AppState, headers: &HeaderMap) -> Result<Arc<SandboxEntry>, ApiError> {
+pub(crate) fn envd_sandbox(state: &AppState, headers: &HeaderMap) -> Result<Arc<SandboxEntry>, ApiError> {
     let id = headers
         .get("e2b-sandbox-id")
         .and_then(|v| v.to_str().ok())
@@ -665,6 +671,11 @@ async fn process_signal(State(state): State<Arc<AppState>>, headers: HeaderMap, 
     let result = command_request(&state, &headers, &body)
         .and_then(|(key, _)| with_command(&state, &key, |command| command.cancel.cancel()));
     unary_reply(result)
+}
+
+/// A unary Connect error for an API error.
+pub(crate) fn unary_error(err: &ApiError) -> Response {
+    rpc_error(err.status, connect_code(err), err.message.clone())
 }
 
 /// The unary reply: `{}`, or the Connect error.

@@ -33,6 +33,7 @@ pub mod api;
 pub mod auth;
 pub mod capacity;
 pub mod e2b;
+mod e2b_fs;
 pub mod error;
 pub mod metrics;
 pub mod registry;

@@ -171,7 +171,7 @@ fn sdk_python() -> Option<PathBuf> {
 }
 
 const SDK_SCRIPT: &str = r#"
-from e2b import Sandbox, CommandExitException, FileNotFoundException
+from e2b import Sandbox, CommandExitException, FileNotFoundException, NotFoundException
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
 sbx = Sandbox.create()
@@ -190,6 +190,25 @@ try:
     raise SystemExit("no FileNotFoundException")
 except FileNotFoundException:
     pass
+# The filesystem calls: make_dir, list (one level and deeper), get_info, exists, rename, remove.
+assert sbx.files.make_dir("/home/user/d/e") is True
+assert sbx.files.make_dir("/home/user/d/e") is False
+sbx.files.write("/home/user/d/e/f.txt", "hey")
+assert [e.name for e in sbx.files.list("/home/user/d")] == ["e"]
+assert [e.path for e in sbx.files.list("d", depth=2)] == ["/home/user/d/e", "/home/user/d/e/f.txt"]
+info = sbx.files.get_info("/home/user/d/e/f.txt")
+assert (info.name, info.type.name, info.size) == ("f.txt", "FILE", 3), info
+assert sbx.files.get_info("/home/user/d").type.name == "DIR"
+assert sbx.files.exists("/home/user/d/e/f.txt") and not sbx.files.exists("/home/user/nope")
+assert sbx.files.rename("/home/user/d/e/f.txt", "/home/user/d/g.txt").name == "g.txt"
+assert sbx.files.read("/home/user/d/g.txt") == "hey"
+try:
+    sbx.files.get_info("/home/user/nope")
+    raise SystemExit("no NotFoundException")
+except NotFoundException:
+    pass
+sbx.files.remove("/home/user/d")
+assert not sbx.files.exists("/home/user/d")
 sbx.set_timeout(120)
 assert sbx.is_running()
 again = Sandbox.connect(sbx.sandbox_id)
