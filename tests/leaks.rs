@@ -1,7 +1,7 @@
 //! No fd, thread or mapping leaks after 1,000 wasm and Python jobs; no fd, thread, child process, cgroup or
-//! mount leaks after 200 process-tier jobs and sessions; none after 500 forks of a snapshot on each tier, nor after
-//! 500 live forks of a process-tier zygote. A binary of its own (no test harness), so nothing else
-//! runs in the process while it counts.
+//! mount leaks after 200 process-tier jobs and sessions (with jobs at once in them); none after 500 forks of a
+//! snapshot on each tier, nor after 500 live forks of a process-tier zygote. A binary of its own (no test
+//! harness), so nothing else runs in the process while it counts.
 
 use std::time::Instant;
 
@@ -214,6 +214,25 @@ fn process_tier(engine: &Engine, data: &std::path::Path) -> anyhow::Result<()> {
                 anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
             }
             anyhow::ensure!(sandbox.read_file("/tmp/out")? == b"x");
+            // Jobs at once through the handle: one leaves a process behind (its cgroup lingers until the
+            // sandbox goes), one trips its memory limit, one is plain; and a file call beside them.
+            let handle = sandbox.handle().ok_or_else(|| anyhow::anyhow!("a process sandbox has a handle"))?;
+            let tight: LimitsOverride = toml::from_str("memory = \"48MiB\"")?;
+            let tight = ExecOptions { limits: Some(tight.apply(&Limits::default())), ..ExecOptions::default() };
+            std::thread::scope(|scope| -> anyhow::Result<()> {
+                let lingering =
+                    scope.spawn(|| handle.exec(&sh("sleep 9 > /dev/null 2>&1 & echo"), ExecOptions::default()));
+                let hungry = scope.spawn(|| handle.exec(&python("x = bytearray(200 << 20)"), tight));
+                let plain = handle.exec(&sh("cat /tmp/out"), ExecOptions::default())?;
+                anyhow::ensure!(plain.stdout == b"x", "{plain:?}");
+                handle.write_file("/tmp/beside", b"y")?;
+                let lingering = lingering.join().map_err(|_| anyhow::anyhow!("job thread"))??;
+                anyhow::ensure!(lingering.status == Status::Exited { code: 0 }, "{lingering:?}");
+                let hungry = hungry.join().map_err(|_| anyhow::anyhow!("job thread"))??;
+                anyhow::ensure!(matches!(hungry.status, Status::LimitExceeded { .. }), "{hungry:?}");
+                Ok(())
+            })?;
+            anyhow::ensure!(handle.read_file("/tmp/beside")? == b"y");
             if i % 2 == 0 {
                 sandbox.close()?;
             }

@@ -1,6 +1,7 @@
 //! Strata's integration tests: one binary, a module per area.
 
 mod capabilities;
+mod concurrent_jobs;
 mod egress;
 mod escalation;
 mod native;

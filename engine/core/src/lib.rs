@@ -24,6 +24,8 @@ pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
 pub use outcome::{EgressEntry, Escalation, Outcome, RouteDecision, Status, TierKind, Truncated, Usage};
 pub use redact::{Redactor, Secret};
 pub use snapshot::{Manifest, Persisted, Snapshot, SnapshotError, SnapshotWriter};
-pub use tier::{CancelToken, ExecOptions, MAX_BUFFERED_STDIN, OutputSink, Sandbox, StdinStream, Stream, Tier};
+pub use tier::{
+    CancelToken, ExecOptions, MAX_BUFFERED_STDIN, OutputSink, Sandbox, SandboxHandle, StdinStream, Stream, Tier,
+};
 pub use tools::{Tool, ToolCall, ToolDefinitionError, ToolFailure, ToolRegistry};
 pub use units::{ByteSize, UnitsError, format_duration, parse_duration};

@@ -189,8 +189,28 @@ pub trait Sandbox: Send {
         Err(TierError::Unsupported { tier: self.tier(), what: "snapshots".into() })
     }
 
+    /// A handle that runs jobs and file operations in this sandbox at the same time as each other and as this
+    /// sandbox's own calls, from any thread; `None` where the tier runs one job at a time. Each job a handle runs
+    /// is metered and limited on its own (its CPU time, memory and limits are its own), while the sandbox's
+    /// limits bound all of them together. The handle stops working when the sandbox is closed.
+    fn handle(&mut self) -> Option<Arc<dyn SandboxHandle>> {
+        None
+    }
+
     /// Shuts the sandbox down and releases its resources.
     fn close(self: Box<Self>) -> Result<(), TierError>;
+}
+
+/// Jobs and file operations on a live sandbox that run concurrently (from [`Sandbox::handle`]).
+pub trait SandboxHandle: Send + Sync {
+    /// Runs a job inside the sandbox, beside any others running there.
+    fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError>;
+
+    /// Writes a file at a guest path.
+    fn write_file(&self, guest_path: &str, contents: &[u8]) -> Result<(), TierError>;
+
+    /// Reads a file at a guest path.
+    fn read_file(&self, guest_path: &str) -> Result<Vec<u8>, TierError>;
 }
 
 #[cfg(test)]

@@ -155,6 +155,11 @@ pub struct SandboxInfo {
     pub expires_at: u64,
     /// Whether a job is running in it.
     pub running: bool,
+    /// How many jobs are running in it.
+    pub jobs_running: usize,
+    /// Whether it runs jobs at the same time (process tier); elsewhere a request while a job runs is
+    /// `409 sandbox_busy`.
+    pub concurrent: bool,
     /// The host CPUs admission placed it on (bin-packing accounting; its jobs are not pinned to them).
     pub cpus: Vec<usize>,
 }
@@ -167,6 +172,8 @@ impl SandboxInfo {
             created_at: unix_seconds(entry.created),
             expires_at: entry.expires_at(),
             running: entry.is_running(),
+            jobs_running: entry.jobs_running(),
+            concurrent: entry.is_concurrent(),
             cpus: entry.cpus.clone(),
         }
     }
@@ -637,7 +644,7 @@ async fn read_file(
     let entry = state.registry.get(&id, &principal.name)?;
     let started = Instant::now();
     let tier = entry.tier;
-    let bytes = blocking(move || entry.with_sandbox(|sandbox| sandbox.read_file(&query.path))).await?;
+    let bytes = blocking(move || entry.with_calls(|calls| calls.read_file(&query.path))).await?;
     state.metrics.latency(tier.as_str(), "file_read", started.elapsed());
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
 }
@@ -657,7 +664,7 @@ async fn write_file(
     let entry = state.registry.get(&id, &principal.name)?;
     let started = Instant::now();
     let tier = entry.tier;
-    blocking(move || entry.with_sandbox(|sandbox| sandbox.write_file(&query.path, &body))).await?;
+    blocking(move || entry.with_calls(|calls| calls.write_file(&query.path, &body))).await?;
     state.metrics.latency(tier.as_str(), "file_write", started.elapsed());
     Ok(StatusCode::NO_CONTENT)
 }

@@ -783,7 +783,7 @@ async fn files_read(
     let result = async {
         let entry = envd_sandbox(&state, &headers)?;
         let path = query.path.ok_or_else(|| ApiError::bad_request("invalid_query", "path is required"))?;
-        blocking(move || entry.with_sandbox(|sandbox| read_in(sandbox, &path))).await
+        blocking(move || entry.with_calls(|calls| read_in(calls, entry.tier, &path))).await
     }
     .await;
     match result {
@@ -835,9 +835,9 @@ async fn files_write(State(state): State<Arc<AppState>>, Query(query): Query<Fil
             })
             .collect();
         blocking(move || {
-            entry.with_sandbox(|sandbox| {
+            entry.with_calls(|calls| {
                 for (path, data) in &files {
-                    write_in(sandbox, path, data)?;
+                    write_in(calls, entry.tier, path, data)?;
                 }
                 Ok(())
             })
@@ -860,8 +860,13 @@ fn in_home(path: &str) -> bool {
 /// Writes a file in the sandbox. Inside [`HOME`] (a grant) the process tier's `write_file` fails with EOVERFLOW for
 /// a directory owned by a user outside the jail's namespace, so the file is written from inside the sandbox by
 /// `cat`, which resolves the path as the jail does (no host-side path resolution that a planted symlink could steer).
-fn write_in(sandbox: &mut dyn strata_core::Sandbox, path: &str, data: &[u8]) -> Result<(), strata_core::TierError> {
-    if !in_home(path) || sandbox.tier() == TierKind::Wasm {
+fn write_in(
+    sandbox: &dyn strata_core::SandboxHandle,
+    tier: TierKind,
+    path: &str,
+    data: &[u8],
+) -> Result<(), strata_core::TierError> {
+    if !in_home(path) || tier == TierKind::Wasm {
         return sandbox.write_file(path, data);
     }
     let job = Job::Command { argv: ["sh", "-c", "cat > \"$1\"", "sh", path].map(str::to_owned).to_vec() };
@@ -876,8 +881,12 @@ fn write_in(sandbox: &mut dyn strata_core::Sandbox, path: &str, data: &[u8]) -> 
 }
 
 /// Reads a file in the sandbox; inside [`HOME`] from inside the sandbox, as [`write_in`] writes.
-fn read_in(sandbox: &mut dyn strata_core::Sandbox, path: &str) -> Result<Vec<u8>, strata_core::TierError> {
-    if !in_home(path) || sandbox.tier() == TierKind::Wasm {
+fn read_in(
+    sandbox: &dyn strata_core::SandboxHandle,
+    tier: TierKind,
+    path: &str,
+) -> Result<Vec<u8>, strata_core::TierError> {
+    if !in_home(path) || tier == TierKind::Wasm {
         return sandbox.read_file(path);
     }
     let job = Job::Command { argv: ["cat", "--", path].map(str::to_owned).to_vec() };

@@ -1,16 +1,21 @@
 //! The live sandboxes and snapshots the server holds, with their owners, deadlines and admission counts.
 //!
 //! Locks here are `std` mutexes held for a few instructions, never across an `await` or a job: a sandbox's own
-//! lock is taken only on blocking threads (exec, files, close), and [`SandboxEntry::kill`] cancels the running job
-//! before it waits for that lock.
+//! lock is taken only on blocking threads (exec, files, snapshot, close), and [`SandboxEntry::kill`] cancels the
+//! running jobs before it waits for that lock. A sandbox whose tier runs jobs at the same time (the process tier's
+//! [`strata_core::SandboxHandle`]) runs every exec and file call through its handle, without that lock, so a
+//! command started in the background does not hold up the next; elsewhere a second request while one runs is
+//! `409 sandbox_busy`.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use strata_core::{CancelToken, ExecOptions, Job, Limits, Outcome, Sandbox, Snapshot, TierError, TierKind};
+use strata_core::{
+    CancelToken, ExecOptions, Job, Limits, Outcome, Sandbox, SandboxHandle, Snapshot, TierError, TierKind,
+};
 
 use crate::capacity::{HostCapacity, Short};
 use crate::error::ApiError;
@@ -154,7 +159,11 @@ pub struct SandboxEntry {
     pub cpus: Vec<usize>,
     deadline: Mutex<(Instant, SystemTime)>,
     sandbox: Mutex<Option<Box<dyn Sandbox>>>,
-    running: Mutex<Option<CancelToken>>,
+    /// Runs jobs and file calls beside each other, where the tier can.
+    handle: Option<Arc<dyn SandboxHandle>>,
+    /// The jobs running now, by a number of their own.
+    running: Mutex<HashMap<u64, CancelToken>>,
+    next_job: AtomicU64,
     killed: AtomicBool,
     last_used: Mutex<Instant>,
     /// What the E2B-compatible layer knows about it (`None` for sandboxes of the native API).
@@ -173,8 +182,15 @@ impl std::fmt::Debug for SandboxEntry {
 
 impl SandboxEntry {
     /// An entry for a sandbox that lives for `ttl` from now.
-    pub fn new(id: String, owner: String, sandbox: Box<dyn Sandbox>, limits: Limits, ttl: Duration) -> SandboxEntry {
+    pub fn new(
+        id: String,
+        owner: String,
+        mut sandbox: Box<dyn Sandbox>,
+        limits: Limits,
+        ttl: Duration,
+    ) -> SandboxEntry {
         let now = SystemTime::now();
+        let handle = sandbox.handle();
         SandboxEntry {
             id,
             owner,
@@ -184,7 +200,9 @@ impl SandboxEntry {
             cpus: Vec::new(),
             deadline: Mutex::new((Instant::now() + ttl, now + ttl)),
             sandbox: Mutex::new(Some(sandbox)),
-            running: Mutex::new(None),
+            handle,
+            running: Mutex::new(HashMap::new()),
+            next_job: AtomicU64::new(0),
             killed: AtomicBool::new(false),
             last_used: Mutex::new(Instant::now()),
             e2b: None,
@@ -229,7 +247,17 @@ impl SandboxEntry {
 
     /// Whether a job is running in it now.
     pub fn is_running(&self) -> bool {
-        lock(&self.running).is_some()
+        !lock(&self.running).is_empty()
+    }
+
+    /// How many jobs are running in it now.
+    pub fn jobs_running(&self) -> usize {
+        lock(&self.running).len()
+    }
+
+    /// Whether it runs jobs at the same time (else a request while one runs is `sandbox_busy`).
+    pub fn is_concurrent(&self) -> bool {
+        self.handle.is_some()
     }
 
     /// Runs `f` on the sandbox; blocks, so call it on a blocking thread. A sandbox that is busy with another request
@@ -247,19 +275,42 @@ impl SandboxEntry {
         result
     }
 
+    /// Runs `f` with the sandbox's exec and file calls (blocking): through its handle where it has one, beside
+    /// anything else running there; else under its lock, as [`with_sandbox`](SandboxEntry::with_sandbox).
+    pub fn with_calls<T>(&self, f: impl FnOnce(&dyn SandboxHandle) -> Result<T, TierError>) -> Result<T, ApiError> {
+        let Some(handle) = &self.handle else {
+            return self.with_sandbox(|sandbox| f(&Exclusive(Mutex::new(sandbox))));
+        };
+        if self.killed.load(Ordering::SeqCst) {
+            return Err(ApiError::sandbox_not_found(&self.id));
+        }
+        *lock(&self.last_used) = Instant::now();
+        let result = f(handle.as_ref()).map_err(|err| match err {
+            // The sandbox was killed while the call ran.
+            TierError::SessionEnded { .. } if self.killed.load(Ordering::SeqCst) => {
+                ApiError::sandbox_not_found(&self.id)
+            }
+            other => ApiError::from(other),
+        });
+        *lock(&self.last_used) = Instant::now();
+        result
+    }
+
     /// Runs a job in the sandbox (blocking). `opts.cancel` is set when absent; killing the sandbox cancels it.
     pub fn exec(&self, job: &Job, mut opts: ExecOptions) -> Result<Outcome, ApiError> {
         let token = opts.cancel.get_or_insert_with(CancelToken::new).clone();
-        self.with_sandbox(|sandbox| {
-            *lock(&self.running) = Some(token.clone());
+        let number = self.next_job.fetch_add(1, Ordering::Relaxed);
+        let run = |calls: &dyn SandboxHandle| {
+            lock(&self.running).insert(number, token.clone());
             // `kill` sets `killed` before it looks at `running`: one of the two sees the other.
             if self.killed.load(Ordering::SeqCst) {
                 token.cancel();
             }
-            let outcome = sandbox.exec(job, opts);
-            *lock(&self.running) = None;
+            let outcome = calls.exec(job, opts);
+            lock(&self.running).remove(&number);
             outcome
-        })
+        };
+        self.with_calls(run)
     }
 
     /// Snapshots the sandbox into `destination` (blocking).
@@ -270,7 +321,7 @@ impl SandboxEntry {
     /// Kills the running job if any, waits for it, and closes the sandbox (blocking). Idempotent.
     pub fn kill(&self) {
         self.killed.store(true, Ordering::SeqCst);
-        if let Some(token) = lock(&self.running).as_ref() {
+        for token in lock(&self.running).values() {
             token.cancel();
         }
         let sandbox = lock(&self.sandbox).take();
@@ -282,6 +333,23 @@ impl SandboxEntry {
         if let Some(meta) = &self.e2b {
             meta.close();
         }
+    }
+}
+
+/// A sandbox under its lock, as a [`SandboxHandle`] (for [`SandboxEntry::with_calls`]).
+struct Exclusive<'a>(Mutex<&'a mut dyn Sandbox>);
+
+impl SandboxHandle for Exclusive<'_> {
+    fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
+        lock(&self.0).exec(job, opts)
+    }
+
+    fn write_file(&self, guest_path: &str, contents: &[u8]) -> Result<(), TierError> {
+        lock(&self.0).write_file(guest_path, contents)
+    }
+
+    fn read_file(&self, guest_path: &str) -> Result<Vec<u8>, TierError> {
+        lock(&self.0).read_file(guest_path)
     }
 }
 

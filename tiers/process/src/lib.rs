@@ -52,7 +52,7 @@ use strata_wasi_shims::OutputCapture;
 
 pub use sandbox::ProcessSandbox;
 
-use crate::jail::{CgroupLimits, CgroupRoot, Jail, JailConfig, JailError, JobEnd, JobIo, JobReport, JobWatch};
+use crate::jail::{CgroupLimits, CgroupRoot, Jail, JailConfig, JailError, JobEnd, JobIo, JobReport, JobWatch, Lanes};
 
 /// Where programs and scripts from the host are copied in the jail.
 pub const PROGRAM_DIR: &str = "/run/strata";
@@ -189,11 +189,7 @@ impl ProcessTier {
             binds,
             hostname: "strata".into(),
             one_shot,
-            limits: CgroupLimits {
-                memory: limits.memory.0,
-                pids: u64::from(limits.pids) + JAIL_PROCESSES,
-                cpus: limits.vcpus,
-            },
+            limits: cgroup_limits(limits),
             id_map: self.user_namespaces.load(Ordering::Relaxed).then_some(JAIL_IDS),
             restore_upper: None,
             egress_socket: None,
@@ -318,7 +314,7 @@ impl Tier for ProcessTier {
         let prepared = PreparedJob::new(job, caps, limits)?;
         let mut jail = self.start_jail(caps, limits, true, None)?;
         let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
-        let outcome = run_in(&mut jail, prepared, caps, limits, stdin, &opts);
+        let outcome = run_in(Runner::Jail(&mut jail), prepared, caps, limits, stdin, &opts);
         jail.close();
         outcome
     }
@@ -393,6 +389,7 @@ impl PreparedJob {
             nofile: u64::from(limits.files).max(16),
             // The cgroup's CPU accounting stops the job; RLIMIT_CPU is a per-process backstop a second later.
             cpu_seconds: cpu_seconds.saturating_add(1),
+            cgroup_files: 0,
         };
         Ok(PreparedJob { exec, program })
     }
@@ -413,9 +410,15 @@ fn open_host_file(path: &Path, dir: &str) -> Result<(File, String), TierError> {
     Ok((file, format!("{PROGRAM_DIR}/{dir}/{name}")))
 }
 
+/// Where a prepared job runs: the jail's own connection, one job at a time, or a lane of its own beside others.
+enum Runner<'a> {
+    Jail(&'a mut Jail),
+    Lane(&'a Lanes),
+}
+
 /// Runs a prepared job in a jail and assembles its outcome.
 fn run_in(
-    jail: &mut Jail,
+    runner: Runner<'_>,
     job: PreparedJob,
     caps: &Capabilities,
     limits: &Limits,
@@ -429,9 +432,23 @@ fn run_in(
     let stdin_stream = opts.stdin_stream.as_ref().map(StdinStream::as_fd);
     let io = JobIo { stdin, stdin_stream, stdout: &stdout, stderr: &stderr };
     let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
-    let report = jail.exec(&job.exec, job.program, &io, &watch).map_err(jail_error)?;
-    let egress = jail.drain_egress(EGRESS_SETTLE).into_entries();
-    outcome(report, &stdout, &stderr, egress)
+    let (report, egress) = match runner {
+        Runner::Jail(jail) => {
+            let report = jail.exec(&job.exec, job.program, &io, &watch).map_err(jail_error)?;
+            (report, jail.drain_egress(EGRESS_SETTLE))
+        }
+        Runner::Lane(lanes) => {
+            let cgroup = cgroup_limits(limits);
+            let report = lanes.exec(&job.exec, job.program, &io, &watch, &cgroup).map_err(jail_error)?;
+            (report, lanes.drain_egress(EGRESS_SETTLE))
+        }
+    };
+    outcome(report, &stdout, &stderr, egress.into_entries())
+}
+
+/// The cgroup limits of a jail, or of a job, with `limits`.
+fn cgroup_limits(limits: &Limits) -> CgroupLimits {
+    CgroupLimits { memory: limits.memory.0, pids: u64::from(limits.pids) + JAIL_PROCESSES, cpus: limits.vcpus }
 }
 
 fn outcome(

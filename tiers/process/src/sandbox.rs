@@ -1,11 +1,14 @@
 //! A live jail that runs several jobs in turn: its filesystem (the overlay's upper layer) persists between them.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use strata_core::{Capabilities, ExecOptions, Job, Limits, Outcome, Sandbox, Snapshot, TierError, TierKind};
+use strata_core::{
+    Capabilities, ExecOptions, Job, Limits, Outcome, Sandbox, SandboxHandle, Snapshot, TierError, TierKind,
+};
 
-use crate::jail::{Jail, JailError};
-use crate::{PreparedJob, jail_error, run_in};
+use crate::jail::{Jail, JailError, Lanes};
+use crate::{PreparedJob, Runner, jail_error, run_in};
 
 /// The most `read_file` returns.
 const MAX_READ: u64 = 256 * 1024 * 1024;
@@ -71,7 +74,15 @@ impl Sandbox for ProcessSandbox {
         let stdin = opts.stdin.clone().unwrap_or_else(|| self.caps.stdin.clone());
         let caps = self.caps.clone();
         let jail = self.jail()?;
-        run_in(jail, prepared, &caps, &limits, &stdin, &opts)
+        run_in(Runner::Jail(jail), prepared, &caps, &limits, &stdin, &opts)
+    }
+
+    /// Jobs and file operations on lanes of the jail: each job in a child cgroup of the sandbox's, with its own
+    /// limits (the job's, else the sandbox's) inside the sandbox's. See [`Lanes`].
+    fn handle(&mut self) -> Option<Arc<dyn SandboxHandle>> {
+        let (caps, limits) = (self.caps.clone(), self.limits.clone());
+        let lanes = self.jail().ok()?.lanes().ok()?;
+        Some(Arc::new(ProcessHandle { lanes, caps, limits }))
     }
 
     fn write_file(&mut self, path: &str, contents: &[u8]) -> Result<(), TierError> {
@@ -95,5 +106,31 @@ impl Sandbox for ProcessSandbox {
             jail.close();
         }
         Ok(())
+    }
+}
+
+/// A process sandbox's [`SandboxHandle`]: its jobs run on lanes of the jail.
+struct ProcessHandle {
+    lanes: Arc<Lanes>,
+    caps: Capabilities,
+    limits: Limits,
+}
+
+impl SandboxHandle for ProcessHandle {
+    fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
+        let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
+        let prepared = PreparedJob::new(job, &self.caps, &limits)?;
+        let stdin = opts.stdin.clone().unwrap_or_else(|| self.caps.stdin.clone());
+        run_in(Runner::Lane(&self.lanes), prepared, &self.caps, &limits, &stdin, &opts)
+    }
+
+    fn write_file(&self, path: &str, contents: &[u8]) -> Result<(), TierError> {
+        let path = guest_path(path)?;
+        self.lanes.write_file(path, contents, 0o644).map_err(|e| file_error(path, e))
+    }
+
+    fn read_file(&self, path: &str) -> Result<Vec<u8>, TierError> {
+        let path = guest_path(path)?;
+        self.lanes.read_file(path, MAX_READ).map_err(|e| file_error(path, e))
     }
 }

@@ -31,8 +31,8 @@ use strata_core::{Capabilities, ExecOptions, Job, Limits, Net, Outcome, PythonSo
 use strata_jail::proto::Fork;
 use strata_wasi_shims::OutputCapture;
 
-use crate::jail::{CgroupLimits, CgroupRoot, ForkHandle, Jail, JobIo, JobWatch, run_fork};
-use crate::{JAIL_PROCESSES, PreparedJob, ProcessTier, internal, jail_error, outcome};
+use crate::jail::{CgroupRoot, ForkHandle, Jail, JobIo, JobWatch, run_fork};
+use crate::{PreparedJob, ProcessTier, cgroup_limits, internal, jail_error, outcome};
 
 /// The Python side of a zygote: runs the setup source (`argv[1]`) in a fresh `__main__` namespace, says it is
 /// ready on descriptor 3, then reads an 8-byte little-endian length and that many bytes of source from stdin —
@@ -180,14 +180,7 @@ impl ProcessZygote {
     /// waits for the fork to end. Limits are `opts.limits` or the zygote's, enforced on the fork's own cgroup.
     pub fn fork(&self, input: &[u8], opts: &ExecOptions) -> Result<Outcome, TierError> {
         let limits = opts.limits.as_ref().unwrap_or(&self.limits);
-        let cgroup = self
-            .cgroups
-            .create(&CgroupLimits {
-                memory: limits.memory.0,
-                pids: u64::from(limits.pids) + JAIL_PROCESSES,
-                cpus: limits.vcpus,
-            })
-            .map_err(|e| jail_error(e.into()))?;
+        let cgroup = self.cgroups.create(&cgroup_limits(limits)).map_err(|e| jail_error(e.into()))?;
         let cgroup_files = cgroup
             .self_join_files()
             .iter()

@@ -269,3 +269,40 @@ async fn a_request_to_a_sandbox_running_a_job_is_409_busy() {
     assert_eq!((status, outcome["stdout"].as_str()), (200, Some("2\n")), "{outcome}");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_sandbox_serves_requests_while_a_job_runs() {
+    if !process_tier("a_process_sandbox_serves_requests_while_a_job_runs") {
+        return;
+    }
+    let server = TestServer::start().await;
+    let id = server.create(json!({"tier": "process"})).await;
+    let (client, url) = (server.client.clone(), server.url(&format!("/v1/sandboxes/{id}/exec")));
+    // Waits for a file that only a later request writes.
+    let waiter = "while [ ! -e /tmp/go ]; do sleep 0.02; done; echo went $(cat /tmp/go)";
+    let long = tokio::spawn(async move {
+        let response = client.post(url).json(&json!({"command": ["sh", "-c", waiter]})).send();
+        crate::util::status_json(response.await.expect("exec")).await
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let (_, info) = server.get(&format!("/v1/sandboxes/{id}")).await;
+        if info["jobs_running"] == 1 {
+            assert_eq!((info["running"].as_bool(), info["concurrent"].as_bool()), (Some(true), Some(true)), "{info}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the first job never ran: {info}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let (status, outcome) = server.post(&exec, json!({"command": ["echo", "beside"]})).await;
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("beside\n")), "{outcome}");
+    let file = server.url(&format!("/v1/sandboxes/{id}/files?path=/tmp/go"));
+    let response = server.client.put(&file).body(b"now".to_vec()).send().await.expect("put");
+    assert_eq!(response.status().as_u16(), 204);
+    let (status, outcome) = long.await.expect("first job");
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("went now\n")), "{outcome}");
+    let (_, info) = server.get(&format!("/v1/sandboxes/{id}")).await;
+    assert_eq!(info["jobs_running"], 0, "{info}");
+    server.stop().await;
+}

@@ -227,6 +227,15 @@ assert [p.pid for p in sbx.commands.list()] == [h.pid]
 follower = sbx.commands.connect(h.pid)
 assert follower.wait().stdout == "late\n"
 assert h.wait().stdout == "late\n"
+# A server in the background and commands that talk to it meanwhile (E2B's usual pattern), files calls too.
+server = sbx.commands.run("python3 -m http.server 8000 --bind 127.0.0.1", background=True)
+probe = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/').status)"
+page = sbx.commands.run(f"for i in $(seq 200); do python3 -c \"{probe}\" 2>/dev/null && break; sleep 0.05; done")
+assert page.stdout == "200\n", page
+sbx.files.write("/tmp/during.txt", "w")
+assert sbx.files.read("/tmp/during.txt") == "w"
+assert [p.pid for p in sbx.commands.list()] == [server.pid]
+assert sbx.commands.kill(server.pid) is True
 handle = sbx.commands.run("sleep 30", background=True)
 assert sbx.commands.kill(handle.pid) is True
 assert sbx.commands.kill(999999) is False

@@ -17,7 +17,7 @@
 use std::ffi::CString;
 use std::fs;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -180,7 +180,7 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
         Ok(filter) => filter.map(|filter| zygote::Zygote::new(filter, setup.binds.clone(), setup.scratch_bytes)),
         Err(err) => return fail(&ctl, "seccomp", err.to_string()),
     };
-    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None, forwarder, zygote }.serve()
+    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None, forwarder, zygote, lanes: Vec::new() }.serve()
 }
 
 /// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
@@ -427,7 +427,22 @@ struct Init {
     forwarder: Option<Forwarder>,
     /// The zygote and its forks, in a jail set up for one.
     zygote: Option<zygote::Zygote>,
+    /// The other connections ([`HostFrame::Lane`]), each with its own job.
+    lanes: Vec<Lane>,
 }
+
+/// A control connection beside the first one.
+struct Lane {
+    ctl: OwnedFd,
+    job: Option<Pid>,
+}
+
+/// The most lanes open at once; a `Lane` frame past it is dropped (its socket closes, which the host reads as
+/// the jail having ended that lane).
+const MAX_LANES: usize = 1024;
+
+/// Which connection a frame came on: the first (`None`) or a lane.
+type Conn = Option<usize>;
 
 impl Init {
     fn serve(mut self) -> i32 {
@@ -446,6 +461,8 @@ impl Init {
             if let Some(fd) = zygote_fd {
                 fds.push(PollFd::new(fd, PollFlags::POLLIN));
             }
+            let lanes_from = fds.len();
+            fds.extend(self.lanes.iter().map(|lane| PollFd::new(lane.ctl.as_fd(), PollFlags::POLLIN)));
             let net_from = fds.len();
             if let Some(forwarder) = &self.forwarder {
                 forwarder.poll_fds(&mut fds);
@@ -461,6 +478,8 @@ impl Init {
             let zygote_ready = zygote_fd.is_some() && fds[2].revents().is_some_and(|r| !r.is_empty());
             let net: Vec<PollFlags> =
                 fds[net_from..].iter().map(|fd| fd.revents().unwrap_or(PollFlags::empty())).collect();
+            let lanes_ready: Vec<bool> =
+                fds[lanes_from..net_from].iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect();
             drop(fds);
             if zygote_ready
                 && let Some(zygote) = &mut self.zygote
@@ -486,7 +505,23 @@ impl Init {
                     // The host closed the socket or died: end the jail.
                     Ok(None) | Err(_) => return 0,
                     Ok(Some((HostFrame::Shutdown, _))) => return 0,
-                    Ok(Some((frame, fds))) => self.handle(frame, fds),
+                    Ok(Some((frame, fds))) => self.handle(None, frame, fds),
+                }
+            }
+            // Last first: closing a lane removes it from the list.
+            for index in (0..lanes_ready.len()).rev() {
+                if !lanes_ready[index] {
+                    continue;
+                }
+                match proto::recv::<HostFrame>(self.lanes[index].ctl.as_fd()) {
+                    Ok(Some((frame, fds))) => self.handle(Some(index), frame, fds),
+                    // The host closed the lane (or sent garbage): its job goes with it.
+                    Ok(None) | Err(_) => {
+                        let lane = self.lanes.swap_remove(index);
+                        if let Some(pid) = lane.job {
+                            let _ = kill(Pid::from_raw(-pid.as_raw()), Signal::SIGKILL);
+                        }
+                    }
                 }
             }
             if !ctl_ready
@@ -520,14 +555,85 @@ impl Init {
                 if self.one_shot {
                     return true;
                 }
+            } else if let Some(lane) = self.lanes.iter_mut().find(|lane| lane.job == Some(pid)) {
+                lane.job = None;
+                let _ = proto::send(lane.ctl.as_fd(), &JailFrame::Exited { code, signal }, &[]);
             }
         }
     }
 
-    fn handle(&mut self, frame: HostFrame, fds: Vec<OwnedFd>) {
+    /// The socket of connection `conn`.
+    fn conn_fd(&self, conn: Conn) -> BorrowedFd<'_> {
+        match conn {
+            None => self.ctl.as_fd(),
+            Some(index) => self.lanes[index].ctl.as_fd(),
+        }
+    }
+
+    /// The job slot of connection `conn`.
+    fn conn_job(&mut self, conn: Conn) -> &mut Option<Pid> {
+        match conn {
+            None => &mut self.job,
+            Some(index) => &mut self.lanes[index].job,
+        }
+    }
+
+    fn handle(&mut self, conn: Conn, frame: HostFrame, fds: Vec<OwnedFd>) {
+        let reply = match frame {
+            HostFrame::Exec(exec) => {
+                if self.conn_job(conn).is_some() {
+                    exec_failed("busy", libc::EBUSY, "a job is already running".into())
+                } else {
+                    match self.spawn(&exec, fds, None) {
+                        Ok(pid) => {
+                            *self.conn_job(conn) = Some(pid);
+                            JailFrame::Started { pid: pid.as_raw() }
+                        }
+                        Err(failed) => failed,
+                    }
+                }
+            }
+            HostFrame::Kill if conn.is_some() => {
+                // The job called setsid: its process group is its PID.
+                if let Some(pid) = *self.conn_job(conn) {
+                    let _ = kill(Pid::from_raw(-pid.as_raw()), Signal::SIGKILL);
+                }
+                return;
+            }
+            HostFrame::Lane => {
+                let mut fds = fds;
+                if let (Some(ctl), true, true) = (fds.pop(), fds.is_empty(), self.lanes.len() < MAX_LANES) {
+                    self.lanes.push(Lane { ctl, job: None });
+                }
+                return;
+            }
+            HostFrame::WriteFile { path, mode } => write_file(&path, mode, fds, self.userns.as_ref()),
+            HostFrame::ReadFile { path } => match open_for_read(&path) {
+                Ok((file, size)) => {
+                    let _ = proto::send(self.conn_fd(conn), &JailFrame::FileOpened { size }, &[file.as_fd()]);
+                    return;
+                }
+                Err(reply) => reply,
+            },
+            other if conn.is_some() => {
+                let name = format!("{other:?}");
+                let name = name.split(['(', ' ', '{']).next().unwrap_or("frame");
+                exec_failed("protocol", libc::EINVAL, format!("{name} is only taken on the first connection"))
+            }
+            frame => return self.handle_first(frame, fds),
+        };
+        let _ = proto::send(self.conn_fd(conn), &reply, &[]);
+    }
+
+    /// The frames only the first connection takes.
+    fn handle_first(&mut self, frame: HostFrame, fds: Vec<OwnedFd>) {
         let reply = match frame {
             HostFrame::Setup(_) => exec_failed("protocol", 0, "the jail is already set up".into()),
-            HostFrame::Shutdown => return,
+            HostFrame::Shutdown
+            | HostFrame::Exec(_)
+            | HostFrame::Lane
+            | HostFrame::WriteFile { .. }
+            | HostFrame::ReadFile { .. } => return,
             HostFrame::Kill => {
                 // As PID 1, kill(-1) reaches every other process of the namespace.
                 let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
@@ -571,31 +677,10 @@ impl Init {
                 },
                 None => JailFrame::ForkFailed { stage: "protocol".into(), message: "this jail has no zygote".into() },
             },
-            HostFrame::Exec(exec) => {
-                if self.job.is_some() {
-                    exec_failed("busy", libc::EBUSY, "a job is already running".into())
-                } else {
-                    match self.spawn(&exec, fds, None) {
-                        Ok(pid) => {
-                            self.job = Some(pid);
-                            JailFrame::Started { pid: pid.as_raw() }
-                        }
-                        Err(failed) => failed,
-                    }
-                }
-            }
-            HostFrame::WriteFile { path, mode } => write_file(&path, mode, fds, self.userns.as_ref()),
             HostFrame::OpenUpper => {
                 let _ = proto::send(self.ctl.as_fd(), &JailFrame::UpperOpened, &[self.upper.as_fd()]);
                 return;
             }
-            HostFrame::ReadFile { path } => match open_for_read(&path) {
-                Ok((file, size)) => {
-                    let _ = proto::send(self.ctl.as_fd(), &JailFrame::FileOpened { size }, &[file.as_fd()]);
-                    return;
-                }
-                Err(reply) => reply,
-            },
         };
         let _ = proto::send(self.ctl.as_fd(), &reply, &[]);
     }
@@ -607,7 +692,11 @@ impl Init {
             return Err(exec_failed("argv", libc::EINVAL, "empty argument vector".into()));
         }
         let stdio = if filter.is_some() { zygote::ZYGOTE_FDS } else { 3 };
-        let expected = stdio + usize::from(exec.program_copy.is_some());
+        let cgroup_files = exec.cgroup_files as usize;
+        if cgroup_files > zygote::MAX_CGROUP_FILES {
+            return Err(exec_failed("protocol", libc::EINVAL, format!("{cgroup_files} cgroup files")));
+        }
+        let expected = stdio + cgroup_files + usize::from(exec.program_copy.is_some());
         if fds.len() != expected {
             return Err(exec_failed(
                 "protocol",
@@ -619,6 +708,7 @@ impl Init {
             let program = fds.pop().expect("counted above");
             copy_in(program, target, 0o755, self.userns.as_ref()).map_err(|e| io_failed("copy", &e))?;
         }
+        let cgroup = fds.split_off(stdio);
         let path = resolve(&exec.argv[0], &exec.env)
             .ok_or_else(|| exec_failed("lookup", libc::ENOENT, format!("{}: command not found", exec.argv[0])))?;
         let argv = cstrings(exec.argv.iter().map(String::as_str))?;
@@ -638,7 +728,10 @@ impl Init {
                     Ok(moved) => unsafe { OwnedFd::from_raw_fd(moved) },
                     Err(_) => report_w,
                 };
-                let (stage, errno) = self.become_job(exec, &fds, &path, &argv, &env, filter);
+                let (stage, errno) = match join_cgroup(&cgroup) {
+                    Ok(()) => self.become_job(exec, &fds, &path, &argv, &env, filter),
+                    Err(errno) => ("cgroup", errno),
+                };
                 let mut report = fs::File::from(report_w);
                 let _ = report.write_all(format!("{stage}\0{}", errno as i32).as_bytes());
                 // SAFETY: _exit ends this forked child without running the parent's atexit handlers.
@@ -646,7 +739,7 @@ impl Init {
             }
             Ok(ForkResult::Parent { child }) => {
                 drop(report_w);
-                drop(fds);
+                drop((fds, cgroup));
                 let mut text = String::new();
                 let _ = fs::File::from(report_r).read_to_string(&mut text);
                 if text.is_empty() {
@@ -720,6 +813,15 @@ impl Init {
             Ok(never) => match never {},
         }
     }
+}
+
+/// Moves the calling (single-threaded) process into the cgroup whose files are given, by writing `0` into each:
+/// before it runs anything, so everything it starts is in that cgroup too. The files are close-on-exec.
+fn join_cgroup(files: &[OwnedFd]) -> Result<(), Errno> {
+    for file in files {
+        nix::unistd::write(file, b"0")?;
+    }
+    Ok(())
 }
 
 fn exec_failed(stage: &str, errno: i32, message: String) -> JailFrame {

@@ -19,7 +19,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// The protocol version; [`Setup::version`] must equal it.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The control socket's descriptor number when the jail process starts: its standard input.
 pub const CONTROL_FD: RawFd = 0;
@@ -42,10 +42,18 @@ pub const MAX_FDS: usize = 10;
 pub enum HostFrame {
     /// Build the jail. The first frame, exactly once.
     Setup(Setup),
-    /// Run a job. Descriptors: stdin, stdout, stderr, then the program when [`Exec::program_copy`] is set.
+    /// Run a job. Descriptors: stdin, stdout, stderr, then [`Exec::cgroup_files`] cgroup files (the job writes
+    /// `0` into each before it runs), then the program when [`Exec::program_copy`] is set. Answered by `Started`
+    /// or `ExecFailed`; `Exited` follows when the job's main process ends. One job at a time per connection.
     Exec(Exec),
-    /// Kill every process in the jail but PID 1 (the running job and anything it left behind).
+    /// On the first connection: kill every process in the jail but PID 1 (the running job and anything it left
+    /// behind, the jobs of every lane included). On a lane: kill that lane's job's process group.
     Kill,
+    /// Open a lane: the descriptor is a `SOCK_SEQPACKET` socket that PID 1 serves as another connection, beside
+    /// this one and every other, until the host closes it. A lane takes `Exec`, `Kill`, `WriteFile`, `ReadFile`
+    /// and `Lane`; a job started on a lane is reported on that lane, so jobs on different lanes run at once. When
+    /// a lane closes with its job still running, the job's process group is killed. No reply.
+    Lane,
     /// Write a file from the descriptor (a memfd) passed along. Answered by `FileWritten` or `FileError`.
     WriteFile {
         /// Absolute path in the jail.
@@ -159,6 +167,9 @@ pub struct Exec {
     pub nofile: u64,
     /// CPU seconds per process (`RLIMIT_CPU`), a backstop to the cgroup's accounting.
     pub cpu_seconds: u64,
+    /// How many cgroup files follow the standard streams (the job's own cgroup; at most one per hierarchy).
+    #[serde(default)]
+    pub cgroup_files: u32,
 }
 
 /// What the jail tells the host.
@@ -390,6 +401,7 @@ mod tests {
             program_copy: None,
             nofile: 64,
             cpu_seconds: 1,
+            cgroup_files: 0,
         };
         let (r, w) = nix::unistd::pipe().expect("pipe");
         send(a.as_fd(), &HostFrame::Exec(exec), &[r.as_fd(), w.as_fd()]).expect("send");

@@ -666,7 +666,7 @@ fn drain(peer: &OwnedFd) {
 }
 
 /// The most cgroup files a fork request carries (one per cgroup v1 hierarchy).
-const MAX_CGROUP_FILES: usize = 6;
+pub(crate) const MAX_CGROUP_FILES: usize = 6;
 
 /// The scratch page's layout in the fork.
 const PAGE: u64 = 4096;

@@ -8,6 +8,12 @@
 //!
 //! Limits: memory (swap off: v1 `memsw` equal to the limit, v2 `memory.swap.max = 0`), pids, CPU bandwidth.
 //! Readings: CPU time, peak memory, OOM kills, and how often the pids limit refused a fork.
+//!
+//! A job run beside others in one jail (a lane, see [`crate::jail::Lanes`]) gets a child cgroup of the jail's
+//! ([`Cgroup::child`]): its own readings, and a kill that reaches every process it started, while the jail's
+//! limits still bound all of its jobs together. On v1 the child has limits of its own too; on v2 a cgroup that
+//! holds processes cannot hand controllers down (the "no internal processes" rule), so there the child only
+//! counts CPU time and is killed whole, and memory is read from the jail's cgroup.
 
 use std::fs;
 use std::io::ErrorKind;
@@ -175,13 +181,10 @@ impl CgroupRoot {
         removed
     }
 
-    /// How many jail cgroups exist under this root, for leak checks.
+    /// How many cgroups exist under this root, jails' and their jobs' (in the first hierarchy), for leak checks.
     pub fn count(&self) -> usize {
-        self.parents
-            .first()
-            .and_then(|(_, parent)| fs::read_dir(parent).ok())
-            .map(|entries| entries.flatten().filter(|e| e.path().is_dir()).count())
-            .unwrap_or(0)
+        let jails = self.parents.first().map(|(_, parent)| subdirectories(parent)).unwrap_or_default();
+        jails.len() + jails.iter().map(|jail| subdirectories(jail).len()).sum::<usize>()
     }
 }
 
@@ -240,8 +243,8 @@ fn prepare_v2_parent(parent: &Path) -> Result<(), CgroupError> {
     Ok(())
 }
 
-/// One jail's cgroup (a directory per v1 controller, or one v2 directory).
-#[derive(Debug)]
+/// One jail's cgroup (a directory per v1 controller, or one v2 directory). A clone names the same directories.
+#[derive(Debug, Clone)]
 pub struct Cgroup {
     version: CgroupVersion,
     dirs: Vec<(&'static str, PathBuf)>,
@@ -291,6 +294,45 @@ impl Cgroup {
             }
         }
         Ok(())
+    }
+
+    /// Creates a child cgroup for one job: on v1 with `limits` of its own (the jail's still bound it), on v2
+    /// without (see the module's documentation).
+    pub fn child(&self, limits: &CgroupLimits) -> Result<Cgroup, CgroupError> {
+        let name = format!("job-{}", SEQUENCE.fetch_add(1, Ordering::Relaxed));
+        let mut dirs = Vec::new();
+        for (controller, parent) in &self.dirs {
+            let dir = parent.join(&name);
+            if let Err(err) = fs::create_dir(&dir) {
+                Cgroup { version: self.version, dirs }.remove();
+                return Err(io_err(&dir)(err));
+            }
+            dirs.push((*controller, dir));
+        }
+        let child = Cgroup { version: self.version, dirs };
+        if self.version == CgroupVersion::V1
+            && let Err(err) = child.apply(limits)
+        {
+            child.remove();
+            return Err(err);
+        }
+        Ok(child)
+    }
+
+    /// Whether the cgroup has a memory controller of its own (a v2 job's child cgroup has none).
+    pub fn has_memory(&self) -> bool {
+        match self.version {
+            CgroupVersion::V1 => true,
+            CgroupVersion::V2 => self.dir("").join("memory.peak").exists(),
+        }
+    }
+
+    /// Removes the cgroup's directories if no process is left in them, without waiting. Returns whether it did.
+    pub fn try_remove(&self) -> bool {
+        self.dirs.iter().all(|(_, dir)| match fs::remove_dir(dir) {
+            Ok(()) => true,
+            Err(err) => err.kind() == ErrorKind::NotFound,
+        })
     }
 
     /// The files a single-threaded process writes `0` into to move itself into the cgroup: v1's per-thread
@@ -350,14 +392,18 @@ impl Cgroup {
         self.read("pids", "pids.events").and_then(|s| keyed(&s, "max")).unwrap_or(0)
     }
 
-    /// The processes in the cgroup.
+    /// The processes in the cgroup and in its child cgroups.
     pub fn pids(&self) -> Vec<i32> {
-        self.read("pids", "cgroup.procs")
-            .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
-            .unwrap_or_default()
+        let dir = self.dir("pids");
+        let mut dirs = vec![dir.to_path_buf()];
+        dirs.extend(subdirectories(dir));
+        dirs.iter()
+            .filter_map(|dir| fs::read_to_string(dir.join("cgroup.procs")).ok())
+            .flat_map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect::<Vec<i32>>())
+            .collect()
     }
 
-    /// Kills every process in the cgroup (for cgroups of dead engines; live jails die with their PID 1).
+    /// Kills every process in the cgroup and its child cgroups.
     pub fn kill_all(&self) {
         if self.version == CgroupVersion::V2 && self.write("", "cgroup.kill", "1").is_ok() {
             return;
@@ -374,11 +420,14 @@ impl Cgroup {
         }
     }
 
-    /// Removes the cgroup's directories, waiting briefly for dying processes to leave. Returns whether all went.
+    /// Removes the cgroup's directories and its child cgroups', waiting briefly for dying processes to leave.
+    /// Returns whether all went.
     pub fn remove(&self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(2);
         let mut all = true;
-        for (_, dir) in &self.dirs {
+        let children = self.dirs.iter().flat_map(|(_, dir)| subdirectories(dir));
+        let dirs: Vec<PathBuf> = children.chain(self.dirs.iter().map(|(_, dir)| dir.clone())).collect();
+        for dir in &dirs {
             loop {
                 match fs::remove_dir(dir) {
                     Ok(()) => break,
@@ -394,6 +443,15 @@ impl Cgroup {
         }
         all
     }
+}
+
+/// The directories in a cgroup directory: its child cgroups.
+fn subdirectories(dir: &Path) -> Vec<PathBuf> {
+    fs::read_dir(dir)
+        .map(|entries| {
+            entries.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()).collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The value of `key` in a `key value` per line file.

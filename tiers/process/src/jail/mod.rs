@@ -13,6 +13,7 @@
 //! run inside one as Firecracker's jailer does.
 
 pub mod cgroup;
+mod lane;
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -20,7 +21,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -36,6 +37,7 @@ use strata_jail::proto::{self, Bind, Exec, HostFrame, IdMap, JailFrame, PROTOCOL
 use strata_wasi_shims::OutputCapture;
 
 pub use cgroup::{Cgroup, CgroupError, CgroupLimits, CgroupRoot, CgroupVersion};
+pub use lane::Lanes;
 
 /// The `strata-jail` binary, built by this crate's build script.
 static JAIL_BINARY: &[u8] = include_bytes!(env!("STRATA_JAIL_BINARY"));
@@ -204,8 +206,11 @@ pub struct Jail {
     one_shot: bool,
     ended: bool,
     id_map: Option<IdMap>,
-    /// The egress proxy serving this jail: stopped (threads joined, socket file removed) with it.
-    egress: Option<EgressHandle>,
+    /// The egress proxy serving this jail: stopped (threads joined, socket file removed) with it. Its lanes
+    /// hold it weakly.
+    egress: Option<Arc<EgressHandle>>,
+    /// Its lanes, once opened.
+    lanes: Option<Arc<Lanes>>,
 }
 
 /// The embedded binary in a sealed memfd, created once per process.
@@ -265,6 +270,7 @@ impl Jail {
             ended: false,
             id_map: config.id_map,
             egress: None,
+            lanes: None,
         };
         // The jail process moves itself into its cgroup (see `Cgroup::self_join_files`) before it does anything
         // else; nothing runs in the jail outside it.
@@ -318,7 +324,7 @@ impl Jail {
 
     /// Hands the jail the egress proxy its [`JailConfig::egress_socket`] belongs to; it stops with the jail.
     pub fn attach_egress(&mut self, proxy: EgressHandle) {
-        self.egress = Some(proxy);
+        self.egress = Some(Arc::new(proxy));
     }
 
     /// Takes the egress records of the connections that ended since the last call (and the count not kept),
@@ -444,9 +450,8 @@ impl Jail {
             set_nonblocking(fd.as_fd()).map_err(|e| JailError::Spawn(e.into()))?;
         }
         self.cgroup.reset_peak();
-        let cpu0 = self.cgroup.cpu_time();
-        let oom0 = self.cgroup.oom_kills();
-        let pids0 = self.cgroup.pids_refusals();
+        let cgroup = self.cgroup.clone();
+        let counters = Counters { job: Baseline::take(&cgroup), outer: None };
         let start = Instant::now();
         {
             if zygote {
@@ -532,20 +537,7 @@ impl Jail {
             }
             pump.transfer(&ready, io);
             if stopped.is_none() && exit.is_none() && ctl_open {
-                let reason = if watch.cancel.as_ref().is_some_and(CancelToken::is_cancelled) {
-                    Some(JobEnd::Cancelled)
-                } else if self.cgroup.oom_kills() > oom0 {
-                    Some(JobEnd::Limit(LimitKind::Memory))
-                } else if self.cgroup.pids_refusals() > pids0 {
-                    Some(JobEnd::Limit(LimitKind::Pids))
-                } else if start.elapsed() >= watch.wall {
-                    Some(JobEnd::Limit(LimitKind::Wall))
-                } else if self.cgroup.cpu_time().saturating_sub(cpu0) > watch.cpu {
-                    Some(JobEnd::Limit(LimitKind::Cpu))
-                } else {
-                    None
-                };
-                if let Some(reason) = reason {
+                if let Some(reason) = counters.reached(watch, start) {
                     stopped = Some(reason);
                     killed_at = Some(Instant::now());
                     self.kill_job();
@@ -553,23 +545,11 @@ impl Jail {
             }
         }
         let end_time = exited_at.unwrap_or_else(Instant::now);
-        // A limit the kernel enforced (an OOM kill, a refused fork) explains the job's end even when the job
-        // exited on its own before the watch loop saw the counter move, and even when a child took the hit.
-        let end = match (stopped, exit) {
-            (Some(reason), _) => reason,
-            (None, Some(_)) if self.cgroup.oom_kills() > oom0 => JobEnd::Limit(LimitKind::Memory),
-            (None, Some(_)) if self.cgroup.pids_refusals() > pids0 => JobEnd::Limit(LimitKind::Pids),
-            (None, Some(JobEnd::Signaled(_))) if self.cgroup.cpu_time().saturating_sub(cpu0) > watch.cpu => {
-                JobEnd::Limit(LimitKind::Cpu)
-            }
-            (None, Some(end)) => end,
-            (None, None) => JobEnd::JailLost,
-        };
         Ok(JobReport {
-            end,
+            end: counters.explain(stopped, exit, watch),
             wall: end_time.duration_since(start),
-            cpu: self.cgroup.cpu_time().saturating_sub(cpu0),
-            peak_memory: self.cgroup.peak_memory(),
+            cpu: counters.job.cpu(),
+            peak_memory: cgroup.peak_memory(),
         })
     }
 
@@ -618,15 +598,9 @@ impl Jail {
         if self.ended {
             return Err(JailError::Ended);
         }
-        let fd = memfd_create("strata-file", MFdFlags::MFD_CLOEXEC).map_err(|e| JailError::Spawn(e.into()))?;
-        let mut file = File::from(fd);
-        file.write_all(contents).map_err(JailError::Spawn)?;
-        proto::send(self.ctl.as_fd(), &HostFrame::WriteFile { path: path.to_owned(), mode }, &[file.as_fd()])?;
-        match self.reply()? {
-            (JailFrame::FileWritten, _) => Ok(()),
-            (JailFrame::FileError { errno, message }, _) => Err(JailError::File { errno, message }),
-            (other, _) => Err(JailError::Protocol(format!("unexpected {other:?} for WriteFile"))),
-        }
+        let written = write_file_on(self.ctl.as_fd(), path, contents, mode);
+        self.ended |= matches!(written, Err(JailError::Ended));
+        written
     }
 
     /// Reads a regular file of the jail, at most `max` bytes (more is an `EFBIG` error).
@@ -634,39 +608,31 @@ impl Jail {
         if self.ended {
             return Err(JailError::Ended);
         }
-        proto::send(self.ctl.as_fd(), &HostFrame::ReadFile { path: path.to_owned() }, &[])?;
-        match self.reply()? {
-            (JailFrame::FileOpened { .. }, mut fds) if fds.len() == 1 => {
-                let file = File::from(fds.pop().expect("one descriptor"));
-                let mut contents = Vec::new();
-                (&file).take(max.saturating_add(1)).read_to_end(&mut contents).map_err(|e| JailError::File {
-                    errno: e.raw_os_error().unwrap_or(0),
-                    message: format!("{path}: {e}"),
-                })?;
-                if contents.len() as u64 > max {
-                    return Err(JailError::File {
-                        errno: libc::EFBIG,
-                        message: format!("{path} is larger than {max} bytes"),
-                    });
-                }
-                Ok(contents)
-            }
-            (JailFrame::FileError { errno, message }, _) => Err(JailError::File { errno, message }),
-            (other, _) => Err(JailError::Protocol(format!("unexpected {other:?} for ReadFile"))),
-        }
+        let read = read_file_on(self.ctl.as_fd(), path, max);
+        self.ended |= matches!(read, Err(JailError::Ended));
+        read
     }
 
     fn reply(&mut self) -> Result<(JailFrame, Vec<OwnedFd>), JailError> {
-        if !wait_readable(self.ctl.as_fd(), SETUP_TIMEOUT) {
-            return Err(JailError::Protocol("no reply from the jail".into()));
+        let reply = reply_on(self.ctl.as_fd());
+        self.ended |= matches!(reply, Err(JailError::Ended));
+        reply
+    }
+
+    /// Lanes into this jail ([`Lanes`]): jobs and file operations that run beside each other and beside this
+    /// handle's own. The first call opens them; later calls return the same.
+    pub fn lanes(&mut self) -> Result<Arc<Lanes>, JailError> {
+        if self.ended {
+            return Err(JailError::Ended);
         }
-        match proto::recv::<JailFrame>(self.ctl.as_fd())? {
-            Some(reply) => Ok(reply),
-            None => {
-                self.ended = true;
-                Err(JailError::Ended)
-            }
+        if let Some(lanes) = &self.lanes {
+            return Ok(lanes.clone());
         }
+        let root = lane::open(self.ctl.as_fd())?;
+        let egress = self.egress.as_ref().map(Arc::downgrade).unwrap_or_default();
+        let lanes = Arc::new(Lanes::new(root, self.cgroup.clone(), egress));
+        self.lanes = Some(lanes.clone());
+        Ok(lanes)
     }
 
     /// Ends the jail and releases everything it holds (also done on drop).
@@ -723,6 +689,7 @@ pub fn run_fork(fork: ForkHandle, io: &JobIo<'_>, watch: &JobWatch) -> JobReport
     for fd in [&stdin, &stdout, &stderr, &status] {
         let _ = set_nonblocking(fd.as_fd());
     }
+    let counters = Counters { job: Baseline { cgroup: &cgroup, cpu: Duration::ZERO, oom: 0, pids: 0 }, outer: None };
     let start = Instant::now();
     let mut pump = Pump {
         stdin: if io.stdin.is_empty() { None } else { Some(stdin) },
@@ -763,20 +730,7 @@ pub fn run_fork(fork: ForkHandle, io: &JobIo<'_>, watch: &JobWatch) -> JobReport
         }
         pump.transfer(&ready, io);
         if stopped.is_none() && exit.is_none() {
-            let reason = if watch.cancel.as_ref().is_some_and(CancelToken::is_cancelled) {
-                Some(JobEnd::Cancelled)
-            } else if cgroup.oom_kills() > 0 {
-                Some(JobEnd::Limit(LimitKind::Memory))
-            } else if cgroup.pids_refusals() > 0 {
-                Some(JobEnd::Limit(LimitKind::Pids))
-            } else if start.elapsed() >= watch.wall {
-                Some(JobEnd::Limit(LimitKind::Wall))
-            } else if cgroup.cpu_time() > watch.cpu {
-                Some(JobEnd::Limit(LimitKind::Cpu))
-            } else {
-                None
-            };
-            if let Some(reason) = reason {
+            if let Some(reason) = counters.reached(watch, start) {
                 stopped = Some(reason);
                 signal_pidfd(&pidfd, Signal::SIGKILL);
                 ended_at.get_or_insert_with(Instant::now);
@@ -784,15 +738,8 @@ pub fn run_fork(fork: ForkHandle, io: &JobIo<'_>, watch: &JobWatch) -> JobReport
         }
     }
     let end_time = Instant::now();
-    let end = match (stopped, exit) {
-        (Some(reason), _) => reason,
-        (None, Some(_)) if cgroup.oom_kills() > 0 => JobEnd::Limit(LimitKind::Memory),
-        (None, Some(_)) if cgroup.pids_refusals() > 0 => JobEnd::Limit(LimitKind::Pids),
-        (None, Some(end)) => end,
-        (None, None) => JobEnd::JailLost,
-    };
     let report = JobReport {
-        end,
+        end: counters.explain(stopped, exit, watch),
         wall: end_time.duration_since(start),
         cpu: cgroup.cpu_time(),
         peak_memory: cgroup.peak_memory(),
@@ -801,6 +748,125 @@ pub fn run_fork(fork: ForkHandle, io: &JobIo<'_>, watch: &JobWatch) -> JobReport
     cgroup.kill_all();
     cgroup.remove();
     report
+}
+
+/// A cgroup's counters when a job started: what the job did is the difference.
+struct Baseline<'a> {
+    cgroup: &'a Cgroup,
+    cpu: Duration,
+    oom: u64,
+    pids: u64,
+}
+
+impl<'a> Baseline<'a> {
+    fn take(cgroup: &'a Cgroup) -> Baseline<'a> {
+        Baseline { cgroup, cpu: cgroup.cpu_time(), oom: cgroup.oom_kills(), pids: cgroup.pids_refusals() }
+    }
+
+    fn cpu(&self) -> Duration {
+        self.cgroup.cpu_time().saturating_sub(self.cpu)
+    }
+
+    fn oom_killed(&self) -> bool {
+        self.cgroup.oom_kills() > self.oom
+    }
+
+    fn pids_refused(&self) -> bool {
+        self.cgroup.pids_refusals() > self.pids
+    }
+}
+
+/// The job's counters, and those of the jail around it when the job has a cgroup of its own (a lane's job):
+/// a limit of the jail's that the job ran into counts as the job's.
+struct Counters<'a> {
+    job: Baseline<'a>,
+    outer: Option<Baseline<'a>>,
+}
+
+impl Counters<'_> {
+    fn oom_killed(&self) -> bool {
+        self.job.oom_killed() || self.outer.as_ref().is_some_and(Baseline::oom_killed)
+    }
+
+    fn pids_refused(&self) -> bool {
+        self.job.pids_refused() || self.outer.as_ref().is_some_and(Baseline::pids_refused)
+    }
+
+    /// The limit the job has reached while it runs, or a cancel.
+    fn reached(&self, watch: &JobWatch, start: Instant) -> Option<JobEnd> {
+        if watch.cancel.as_ref().is_some_and(CancelToken::is_cancelled) {
+            Some(JobEnd::Cancelled)
+        } else if self.oom_killed() {
+            Some(JobEnd::Limit(LimitKind::Memory))
+        } else if self.pids_refused() {
+            Some(JobEnd::Limit(LimitKind::Pids))
+        } else if start.elapsed() >= watch.wall {
+            Some(JobEnd::Limit(LimitKind::Wall))
+        } else if self.job.cpu() > watch.cpu {
+            Some(JobEnd::Limit(LimitKind::Cpu))
+        } else {
+            None
+        }
+    }
+
+    /// How the job ended: the limit that stopped it, else its exit. A limit the kernel enforced (an OOM kill,
+    /// a refused fork) explains the end even when the job exited on its own before the watch saw the counter
+    /// move, and even when a child took the hit.
+    fn explain(&self, stopped: Option<JobEnd>, exit: Option<JobEnd>, watch: &JobWatch) -> JobEnd {
+        match (stopped, exit) {
+            (Some(reason), _) => reason,
+            (None, Some(_)) if self.oom_killed() => JobEnd::Limit(LimitKind::Memory),
+            (None, Some(_)) if self.pids_refused() => JobEnd::Limit(LimitKind::Pids),
+            (None, Some(JobEnd::Signaled(_))) if self.job.cpu() > watch.cpu => JobEnd::Limit(LimitKind::Cpu),
+            (None, Some(end)) => end,
+            (None, None) => JobEnd::JailLost,
+        }
+    }
+}
+
+/// Writes a file in the jail through the connection `ctl` (parents created), replacing any file there.
+fn write_file_on(ctl: BorrowedFd<'_>, path: &str, contents: &[u8], mode: u32) -> Result<(), JailError> {
+    let fd = memfd_create("strata-file", MFdFlags::MFD_CLOEXEC).map_err(|e| JailError::Spawn(e.into()))?;
+    let mut file = File::from(fd);
+    file.write_all(contents).map_err(JailError::Spawn)?;
+    proto::send(ctl, &HostFrame::WriteFile { path: path.to_owned(), mode }, &[file.as_fd()])?;
+    match reply_on(ctl)? {
+        (JailFrame::FileWritten, _) => Ok(()),
+        (JailFrame::FileError { errno, message }, _) => Err(JailError::File { errno, message }),
+        (other, _) => Err(JailError::Protocol(format!("unexpected {other:?} for WriteFile"))),
+    }
+}
+
+/// Reads a regular file of the jail through the connection `ctl`, at most `max` bytes (more is `EFBIG`).
+fn read_file_on(ctl: BorrowedFd<'_>, path: &str, max: u64) -> Result<Vec<u8>, JailError> {
+    proto::send(ctl, &HostFrame::ReadFile { path: path.to_owned() }, &[])?;
+    match reply_on(ctl)? {
+        (JailFrame::FileOpened { .. }, mut fds) if fds.len() == 1 => {
+            let file = File::from(fds.pop().expect("one descriptor"));
+            let mut contents = Vec::new();
+            (&file).take(max.saturating_add(1)).read_to_end(&mut contents).map_err(|e| JailError::File {
+                errno: e.raw_os_error().unwrap_or(0),
+                message: format!("{path}: {e}"),
+            })?;
+            if contents.len() as u64 > max {
+                return Err(JailError::File {
+                    errno: libc::EFBIG,
+                    message: format!("{path} is larger than {max} bytes"),
+                });
+            }
+            Ok(contents)
+        }
+        (JailFrame::FileError { errno, message }, _) => Err(JailError::File { errno, message }),
+        (other, _) => Err(JailError::Protocol(format!("unexpected {other:?} for ReadFile"))),
+    }
+}
+
+/// The reply to a request on the connection `ctl`; `Ended` when the jail closed it.
+fn reply_on(ctl: BorrowedFd<'_>) -> Result<(JailFrame, Vec<OwnedFd>), JailError> {
+    if !wait_readable(ctl, SETUP_TIMEOUT) {
+        return Err(JailError::Protocol("no reply from the jail".into()));
+    }
+    proto::recv::<JailFrame>(ctl)?.ok_or(JailError::Ended)
 }
 
 /// The state letter of `/proc/<pid>/stat` (`R`, `S`, `T`, ...), `None` when the process is gone.
