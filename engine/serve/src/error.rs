@@ -72,6 +72,15 @@ impl ApiError {
         ApiError::new(StatusCode::CONFLICT, "sandbox_busy", format!("sandbox {id} is running another request"))
     }
 
+    /// 429 `too_many_jobs`: the sandbox runs as many jobs at once as it may.
+    pub fn too_many_jobs(id: &str, max: usize) -> ApiError {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_jobs",
+            format!("sandbox {id} is running {max} jobs, the most it runs at once"),
+        )
+    }
+
     /// 500 `internal`.
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)

@@ -143,6 +143,9 @@ impl From<AdmissionError> for ApiError {
     }
 }
 
+/// The most jobs one sandbox runs at once (each holds a blocking thread of the server while it runs).
+pub const MAX_JOBS: usize = 64;
+
 /// A live sandbox and what the server knows about it.
 pub struct SandboxEntry {
     /// Its identifier.
@@ -301,20 +304,29 @@ impl SandboxEntry {
         let token = opts.cancel.get_or_insert_with(CancelToken::new).clone();
         let number = self.next_job.fetch_add(1, Ordering::Relaxed);
         let run = |calls: &dyn SandboxHandle| {
-            lock(&self.running).insert(number, token.clone());
+            {
+                let mut running = lock(&self.running);
+                if running.len() >= MAX_JOBS {
+                    return Ok(Err(ApiError::too_many_jobs(&self.id, MAX_JOBS)));
+                }
+                running.insert(number, token.clone());
+            }
             // `kill` sets `killed` before it looks at `running`: one of the two sees the other.
             if self.killed.load(Ordering::SeqCst) {
                 token.cancel();
             }
             let outcome = calls.exec(job, opts);
             lock(&self.running).remove(&number);
-            outcome
+            outcome.map(Ok)
         };
-        self.with_calls(run)
+        self.with_calls(run)?
     }
 
-    /// Snapshots the sandbox into `destination` (blocking).
+    /// Snapshots the sandbox into `destination` (blocking). Only between jobs: while any runs it is `sandbox_busy`.
     pub fn snapshot(&self, destination: &std::path::Path) -> Result<Snapshot, ApiError> {
+        if self.is_running() {
+            return Err(ApiError::busy(&self.id));
+        }
         self.with_sandbox(|sandbox| sandbox.snapshot(destination))
     }
 

@@ -297,6 +297,9 @@ async fn a_process_sandbox_serves_requests_while_a_job_runs() {
     let exec = format!("/v1/sandboxes/{id}/exec");
     let (status, outcome) = server.post(&exec, json!({"command": ["echo", "beside"]})).await;
     assert_eq!((status, outcome["stdout"].as_str()), (200, Some("beside\n")), "{outcome}");
+    // A snapshot is taken between jobs only.
+    let (status, json) = server.post(&format!("/v1/sandboxes/{id}/snapshot"), json!({})).await;
+    assert_eq!((status, code(&json)), (409, "sandbox_busy"), "{json}");
     let file = server.url(&format!("/v1/sandboxes/{id}/files?path=/tmp/go"));
     let response = server.client.put(&file).body(b"now".to_vec()).send().await.expect("put");
     assert_eq!(response.status().as_u16(), 204);
@@ -304,5 +307,37 @@ async fn a_process_sandbox_serves_requests_while_a_job_runs() {
     assert_eq!((status, outcome["stdout"].as_str()), (200, Some("went now\n")), "{outcome}");
     let (_, info) = server.get(&format!("/v1/sandboxes/{id}")).await;
     assert_eq!(info["jobs_running"], 0, "{info}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_runs_at_most_max_jobs_at_once() {
+    if !process_tier("a_sandbox_runs_at_most_max_jobs_at_once") {
+        return;
+    }
+    let server = TestServer::start().await;
+    let id = server.create(json!({"tier": "process"})).await;
+    let max = strata_serve::registry::MAX_JOBS;
+    let mut jobs = Vec::new();
+    for _ in 0..max {
+        let (client, url) = (server.client.clone(), server.url(&format!("/v1/sandboxes/{id}/exec")));
+        jobs.push(tokio::spawn(async move {
+            let response = client.post(url).json(&json!({"command": ["sleep", "30"]})).send();
+            crate::util::status_json(response.await.expect("exec")).await
+        }));
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while server.get(&format!("/v1/sandboxes/{id}")).await.1["jobs_running"] != max {
+        assert!(std::time::Instant::now() < deadline, "the jobs never all ran");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (status, json) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"command": ["true"]})).await;
+    assert_eq!((status, code(&json)), (429, "too_many_jobs"), "{json}");
+    // Deleting the sandbox ends them all.
+    assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 204);
+    for job in jobs {
+        let (status, json) = job.await.expect("job");
+        assert_ne!(status, 200, "{json}");
+    }
     server.stop().await;
 }

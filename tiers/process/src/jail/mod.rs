@@ -819,6 +819,8 @@ impl Counters<'_> {
             (None, Some(_)) if self.pids_refused() => JobEnd::Limit(LimitKind::Pids),
             (None, Some(JobEnd::Signaled(_))) if self.job.cpu() > watch.cpu => JobEnd::Limit(LimitKind::Cpu),
             (None, Some(end)) => end,
+            // The jail ended under a cancelled job (its sandbox was closed): the cancel explains it.
+            (None, None) if watch.cancel.as_ref().is_some_and(CancelToken::is_cancelled) => JobEnd::Cancelled,
             (None, None) => JobEnd::JailLost,
         }
     }
