@@ -5,6 +5,8 @@
 //! | `true_inproc`  | `Engine::run_on` (process tier), `/bin/true`          | `bwrap … /bin/true`; bare `/bin/true`  |
 //! | `true_process` | `strata run --tier process -- /bin/true`              | the same two                           |
 //! | `print1`       | `Engine::run_on` (process tier), `python3 -c print(1)`| `bwrap … python3 -c`; bare `python3 -c`|
+//! | `sandbox_*`    | `/bin/true` in a live sandbox: its own connection, a lane | each other                     |
+//! | `lane_8_*`     | 8 lane jobs at once in one sandbox                     | the same 8 in turn                     |
 //!
 //! Each Strata run is a fresh jail: namespaces, a cgroup, an overlay over the Debian rootfs, pivot_root, seccomp,
 //! exec, teardown. The bwrap peer gets a comparable profile on the same rootfs (see [`bwrap`]). Then the targets
@@ -200,6 +202,37 @@ fn main() -> anyhow::Result<()> {
         ratio(name, &py_inproc, peer, "bwrap");
     }
     ratio(name, &py_inproc, &py_bare, "bare");
+
+    // A live sandbox: a job on its own connection (one at a time) and on a lane (beside others: a socket pair
+    // and a child cgroup of its own per job); then 8 lane jobs at once, against 8 in turn.
+    let mut sandbox =
+        engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), &Limits::default())?;
+    let handle = sandbox.handle().context("a process sandbox has a handle")?;
+    let job = Job::Command { argv: vec!["/bin/true".into()] };
+    let exited = |outcome: strata_core::Outcome| -> anyhow::Result<()> {
+        anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
+        Ok(())
+    };
+    let own = latency("sandbox_exec", iters, || exited(sandbox.exec(&job, ExecOptions::default())?))?;
+    let lane = latency("sandbox_lane_exec", iters, || exited(handle.exec(&job, ExecOptions::default())?))?;
+    let batch = |parallel: bool| -> anyhow::Result<()> {
+        if !parallel {
+            return (0..8).try_for_each(|_| exited(handle.exec(&job, ExecOptions::default())?));
+        }
+        std::thread::scope(|scope| {
+            let jobs: Vec<_> = (0..8).map(|_| scope.spawn(|| handle.exec(&job, ExecOptions::default()))).collect();
+            jobs.into_iter().try_for_each(|j| exited(j.join().map_err(|_| anyhow::anyhow!("job thread"))??))
+        })
+    };
+    let in_turn = latency("lane_8_in_turn", (iters / 10).max(5), || batch(false))?;
+    let at_once = latency("lane_8_at_once", (iters / 10).max(5), || batch(true))?;
+    sandbox.close()?;
+    own.print("sandbox, its own connection");
+    lane.print("sandbox, a lane (handle)");
+    ratio("sandbox_lane_exec", &lane, &own, "own connection");
+    in_turn.print("8 lane jobs in turn");
+    at_once.print("8 lane jobs at once");
+    ratio("lane_8_at_once", &at_once, &in_turn, "in turn");
 
     // The targets, informative.
     println!("# targets (benchmarks, not tests: a MISS does not fail the bench)");

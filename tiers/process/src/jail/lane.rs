@@ -129,12 +129,7 @@ impl Lanes {
     ) -> Result<JobReport, JailError> {
         let counters = Counters { job: Baseline::take(cgroup), outer: Some(Baseline::take(&self.cgroup)) };
         let start = Instant::now();
-        let mut pump = Pump {
-            stdin: if io.stdin.is_empty() || io.stdin_stream.is_some() { None } else { Some(stdin_w) },
-            stdin_data: io.stdin,
-            stdout: Some(stdout_r),
-            stderr: Some(stderr_r),
-        };
+        let mut pump = Pump::new(stdin_w, stdout_r, stderr_r, io, true);
         let mut exit: Option<JobEnd> = None;
         let mut stopped: Option<JobEnd> = None;
         let mut killed_at: Option<Instant> = None;
@@ -164,11 +159,7 @@ impl Lanes {
                 match proto::recv::<JailFrame>(lane.as_fd()) {
                     Ok(Some((JailFrame::Started { .. }, _))) => {}
                     Ok(Some((JailFrame::Exited { code, signal }, _))) => {
-                        exit = Some(match (code, signal) {
-                            (Some(code), _) => JobEnd::Exited(code),
-                            (None, Some(signal)) => JobEnd::Signaled(signal),
-                            (None, None) => JobEnd::JailLost,
-                        });
+                        exit = Some(JobEnd::of_exit(code, signal));
                     }
                     Ok(Some((JailFrame::ExecFailed { stage, errno, message }, _))) => {
                         return Err(JailError::NotStarted { stage, errno, message });

@@ -181,6 +181,17 @@ pub enum JobEnd {
     JailLost,
 }
 
+impl JobEnd {
+    /// The end a jail's `Exited` frame reports.
+    fn of_exit(code: Option<i32>, signal: Option<i32>) -> JobEnd {
+        match (code, signal) {
+            (Some(code), _) => JobEnd::Exited(code),
+            (None, Some(signal)) => JobEnd::Signaled(signal),
+            (None, None) => JobEnd::JailLost,
+        }
+    }
+}
+
 /// What a job did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JobReport {
@@ -467,12 +478,7 @@ impl Jail {
         }
         drop((stdin_r, stdout_w, stderr_w, program));
 
-        let mut pump = Pump {
-            stdin: if io.stdin.is_empty() || zygote || io.stdin_stream.is_some() { None } else { Some(stdin_w) },
-            stdin_data: io.stdin,
-            stdout: Some(stdout_r),
-            stderr: Some(stderr_r),
-        };
+        let mut pump = Pump::new(stdin_w, stdout_r, stderr_r, io, !zygote);
         let mut exit: Option<JobEnd> = None;
         let mut stopped: Option<JobEnd> = None;
         let mut killed_at: Option<Instant> = None;
@@ -506,11 +512,7 @@ impl Jail {
                     Ok(Some((JailFrame::Started { .. }, _))) => {}
                     Ok(Some((JailFrame::Exited { code, signal }, _))) => {
                         exited_at = Some(Instant::now());
-                        exit = Some(match (code, signal) {
-                            (Some(code), _) => JobEnd::Exited(code),
-                            (None, Some(signal)) => JobEnd::Signaled(signal),
-                            (None, None) => JobEnd::JailLost,
-                        });
+                        exit = Some(JobEnd::of_exit(code, signal));
                         if self.one_shot {
                             self.ended = true;
                         }
@@ -691,12 +693,7 @@ pub fn run_fork(fork: ForkHandle, io: &JobIo<'_>, watch: &JobWatch) -> JobReport
     }
     let counters = Counters { job: Baseline { cgroup: &cgroup, cpu: Duration::ZERO, oom: 0, pids: 0 }, outer: None };
     let start = Instant::now();
-    let mut pump = Pump {
-        stdin: if io.stdin.is_empty() { None } else { Some(stdin) },
-        stdin_data: io.stdin,
-        stdout: Some(stdout),
-        stderr: Some(stderr),
-    };
+    let mut pump = Pump::new(stdin, stdout, stderr, io, true);
     let mut status = Some(status);
     let mut report = Vec::new();
     let mut exit: Option<JobEnd> = None;
@@ -931,7 +928,14 @@ struct Ready {
     stderr: bool,
 }
 
-impl Pump<'_> {
+impl<'a> Pump<'a> {
+    /// The pumps of a job's pipes; `stdin` is fed `io.stdin` unless `feed` is false or there is nothing to feed
+    /// (then the job's stdin reaches end of file at once, or is `io.stdin_stream`).
+    fn new(stdin: OwnedFd, stdout: OwnedFd, stderr: OwnedFd, io: &JobIo<'a>, feed: bool) -> Pump<'a> {
+        let feed = feed && !io.stdin.is_empty() && io.stdin_stream.is_none();
+        Pump { stdin: feed.then_some(stdin), stdin_data: io.stdin, stdout: Some(stdout), stderr: Some(stderr) }
+    }
+
     fn drained(&self) -> bool {
         self.stdout.is_none() && self.stderr.is_none()
     }
