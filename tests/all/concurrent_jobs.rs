@@ -170,3 +170,18 @@ fn many_jobs_at_once_each_get_their_own_result() {
     }
     sandbox.close().expect("close");
 }
+
+#[test]
+fn a_limit_on_the_sandboxs_own_exec_leaves_the_handles_jobs_running() {
+    let Some((mut sandbox, handle)) = sandbox(&Limits::default()) else { return };
+    std::thread::scope(|scope| {
+        let bystander = scope.spawn(|| handle.exec(&sh("sleep 1.5; echo still here"), ExecOptions::default()));
+        std::thread::sleep(Duration::from_millis(300));
+        let opts = ExecOptions { limits: Some(limits("wall = \"300ms\"")), ..ExecOptions::default() };
+        let stopped = sandbox.exec(&sh("sleep 30 & sleep 31"), opts).expect("exec");
+        assert_eq!(stopped.status, Status::LimitExceeded { limit: LimitKind::Wall }, "{stopped:?}");
+        assert_eq!(processes(handle.as_ref(), "sleep 3"), "", "the stopped job's processes survived");
+        assert_eq!(ok(&bystander.join().expect("bystander thread").expect("bystander")), "still here\n");
+    });
+    sandbox.close().expect("close");
+}

@@ -192,7 +192,8 @@ pub trait Sandbox: Send {
     /// A handle that runs jobs and file operations in this sandbox at the same time as each other and as this
     /// sandbox's own calls, from any thread; `None` where the tier runs one job at a time. Each job a handle runs
     /// is metered and limited on its own (its CPU time, memory and limits are its own), while the sandbox's
-    /// limits bound all of them together. The handle stops working when the sandbox is closed.
+    /// limits bound all of them together. Stopping a job the sandbox's own [`exec`](Sandbox::exec) runs (a limit, a
+    /// cancel) leaves the handle's jobs running. The handle stops working when the sandbox is closed.
     fn handle(&mut self) -> Option<Arc<dyn SandboxHandle>> {
         None
     }

@@ -180,7 +180,9 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
         Ok(filter) => filter.map(|filter| zygote::Zygote::new(filter, setup.binds.clone(), setup.scratch_bytes)),
         Err(err) => return fail(&ctl, "seccomp", err.to_string()),
     };
-    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None, forwarder, zygote, lanes: Vec::new() }.serve()
+    let lanes = Vec::new();
+    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None, forwarder, zygote, lanes, lanes_opened: false }
+        .serve()
 }
 
 /// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
@@ -429,6 +431,8 @@ struct Init {
     zygote: Option<zygote::Zygote>,
     /// The other connections ([`HostFrame::Lane`]), each with its own job.
     lanes: Vec<Lane>,
+    /// Whether a lane was ever opened (their jobs, and what those left behind, may be running).
+    lanes_opened: bool,
 }
 
 /// A control connection beside the first one.
@@ -604,6 +608,7 @@ impl Init {
                 let mut fds = fds;
                 if let (Some(ctl), true, true) = (fds.pop(), fds.is_empty(), self.lanes.len() < MAX_LANES) {
                     self.lanes.push(Lane { ctl, job: None });
+                    self.lanes_opened = true;
                 }
                 return;
             }
@@ -634,6 +639,10 @@ impl Init {
             | HostFrame::Lane
             | HostFrame::WriteFile { .. }
             | HostFrame::ReadFile { .. } => return,
+            HostFrame::Kill if self.lanes_opened => {
+                kill_outside_lanes();
+                return;
+            }
             HostFrame::Kill => {
                 // As PID 1, kill(-1) reaches every other process of the namespace.
                 let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
@@ -811,6 +820,33 @@ impl Init {
         match execve(path, argv, env) {
             Err(errno) => ("exec", errno),
             Ok(never) => match never {},
+        }
+    }
+}
+
+/// Kills every process of the jail but PID 1 that is in the jail's own cgroup: the first connection's jobs and
+/// what they left behind, not the lanes' jobs (each in a child cgroup, which its `/proc/<pid>/cgroup` shows as a
+/// path below this cgroup namespace's root). Repeats until a pass finds no new one (a process forked meanwhile;
+/// a killed one cannot fork).
+fn kill_outside_lanes() {
+    let mut signalled = std::collections::HashSet::new();
+    for _ in 0..1000 {
+        let Ok(entries) = fs::read_dir("/proc") else { return };
+        let mut killed = 0;
+        for entry in entries.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+            if pid == 1 || signalled.contains(&pid) {
+                continue;
+            }
+            let Ok(cgroups) = fs::read_to_string(format!("/proc/{pid}/cgroup")) else { continue };
+            let in_lane = cgroups.lines().any(|line| line.splitn(3, ':').nth(2).is_some_and(|path| path != "/"));
+            if !in_lane && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+                signalled.insert(pid);
+                killed += 1;
+            }
+        }
+        if killed == 0 {
+            return;
         }
     }
 }

@@ -47,7 +47,8 @@ pub enum HostFrame {
     /// or `ExecFailed`; `Exited` follows when the job's main process ends. One job at a time per connection.
     Exec(Exec),
     /// On the first connection: kill every process in the jail but PID 1 (the running job and anything it left
-    /// behind, the jobs of every lane included). On a lane: kill that lane's job's process group.
+    /// behind), except, once a lane was opened, the lanes' jobs (each in a child cgroup of the jail's). On a lane:
+    /// kill that lane's job's process group (the host kills its cgroup).
     Kill,
     /// Open a lane: the descriptor is a `SOCK_SEQPACKET` socket that PID 1 serves as another connection, beside
     /// this one and every other, until the host closes it. A lane takes `Exec`, `Kill`, `WriteFile`, `ReadFile`

@@ -538,12 +538,14 @@ impl Jail {
                 }
             }
             pump.transfer(&ready, io);
-            if stopped.is_none() && exit.is_none() && ctl_open {
-                if let Some(reason) = counters.reached(watch, start) {
-                    stopped = Some(reason);
-                    killed_at = Some(Instant::now());
-                    self.kill_job();
-                }
+            if stopped.is_none()
+                && exit.is_none()
+                && ctl_open
+                && let Some(reason) = counters.reached(watch, start)
+            {
+                stopped = Some(reason);
+                killed_at = Some(Instant::now());
+                self.kill_job();
             }
         }
         let end_time = exited_at.unwrap_or_else(Instant::now);
@@ -726,12 +728,13 @@ pub fn run_fork(fork: ForkHandle, io: &JobIo<'_>, watch: &JobWatch) -> JobReport
             }
         }
         pump.transfer(&ready, io);
-        if stopped.is_none() && exit.is_none() {
-            if let Some(reason) = counters.reached(watch, start) {
-                stopped = Some(reason);
-                signal_pidfd(&pidfd, Signal::SIGKILL);
-                ended_at.get_or_insert_with(Instant::now);
-            }
+        if stopped.is_none()
+            && exit.is_none()
+            && let Some(reason) = counters.reached(watch, start)
+        {
+            stopped = Some(reason);
+            signal_pidfd(&pidfd, Signal::SIGKILL);
+            ended_at.get_or_insert_with(Instant::now);
         }
     }
     let end_time = Instant::now();
