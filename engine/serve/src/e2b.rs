@@ -11,7 +11,8 @@
 //!   `process.Process/Connect` streaming a running command's start event and its frames from then on;
 //!   `SendInput` and `CloseStdin` for a command started with `stdin: true` (its stdin is a pipe the job reads as the
 //!   input comes); `SendSignal` and `List`; `filesystem.Filesystem/{ListDir,Stat,MakeDir,Move,Remove}`
-//!   (`e2b_fs`); `GET`/`POST /files` (multipart or octet-stream); `GET /health`.
+//!   (`e2b_fs`) and `{CreateWatcher,GetWatcherEvents,RemoveWatcher}` (`e2b_watch`); `GET`/`POST /files`
+//!   (multipart or octet-stream); `GET /health`. Commands, file calls and watchers run at the same time.
 //! - The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` streaming NDJSON, the cell run by the
 //!   value of its last expression as the main result. The router picks the cell's tier: cells wasm can run go to a
 //!   live wasm Python session of the sandbox (state carries over as in Jupyter); the others run with the sandbox's
@@ -124,6 +125,8 @@ struct RunningCommand {
 pub struct E2bState {
     next_pid: AtomicU32,
     running: std::sync::Mutex<HashMap<(String, u32), RunningCommand>>,
+    /// Directory watchers ([`crate::e2b_watch`]).
+    pub(crate) watchers: crate::e2b_watch::Watchers,
 }
 
 impl E2bState {
@@ -159,6 +162,9 @@ pub fn envd_routes() -> Router<Arc<AppState>> {
         .route("/filesystem.Filesystem/MakeDir", post(crate::e2b_fs::make_dir))
         .route("/filesystem.Filesystem/Move", post(crate::e2b_fs::move_entry))
         .route("/filesystem.Filesystem/Remove", post(crate::e2b_fs::remove))
+        .route("/filesystem.Filesystem/CreateWatcher", post(crate::e2b_watch::create))
+        .route("/filesystem.Filesystem/GetWatcherEvents", post(crate::e2b_watch::events))
+        .route("/filesystem.Filesystem/RemoveWatcher", post(crate::e2b_watch::remove))
         .route("/files", get(files_read).post(files_write))
         .route("/execute", post(execute))
 }
@@ -383,13 +389,14 @@ async fn refresh(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Cancels every command still running in sandbox `id`.
+/// Cancels every command and watcher still running in sandbox `id`.
 fn cancel_commands(state: &AppState, id: &str) {
     for ((sandbox, _), command) in lock(&state.e2b.running).iter() {
         if sandbox == id {
             command.cancel.cancel();
         }
     }
+    state.e2b.watchers.remove_sandbox(id);
 }
 
 // ---- envd ----

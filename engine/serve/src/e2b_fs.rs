@@ -7,8 +7,8 @@
 //! operation as the jail sees the filesystem (no host-side path resolution that a planted link could steer) and
 //! prints the answer as JSON. Relative paths are relative to `/home/user`, as in E2B. Errors keep E2B's codes:
 //! `not_found` (the SDK's `exists` answers `false`, the others raise `NotFoundException`), `already_exists` (a
-//! `make_dir` of an existing directory answers `false`), `invalid_argument`, `permission_denied`. A call while a
-//! command runs in the sandbox is `409 aborted`: jobs in a sandbox run one at a time.
+//! `make_dir` of an existing directory answers `false`), `invalid_argument`, `permission_denied`. Calls run beside
+//! the sandbox's commands (a process sandbox runs jobs at the same time).
 
 use std::sync::Arc;
 

@@ -34,6 +34,7 @@ pub mod auth;
 pub mod capacity;
 pub mod e2b;
 mod e2b_fs;
+mod e2b_watch;
 pub mod error;
 pub mod metrics;
 pub mod registry;

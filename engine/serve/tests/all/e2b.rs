@@ -209,6 +209,28 @@ except NotFoundException:
     pass
 sbx.files.remove("/home/user/d")
 assert not sbx.files.exists("/home/user/d")
+# A directory watcher: what commands and file calls change, seen as events (names relative to the directory).
+import time
+w = sbx.files.watch_dir("/home/user", recursive=True)
+seen = set()
+def wait_for(*events):
+    global seen
+    for _ in range(200):
+        seen |= {(e.name, e.type.name) for e in w.get_new_events()}
+        if set(events) <= seen:
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"watcher: {events} not in {seen}")
+sbx.files.write("/home/user/w.txt", "1")
+wait_for(("w.txt", "CREATE"))
+sbx.commands.run("mkdir -p /home/user/sub && echo x > /home/user/sub/n.txt && rm /home/user/w.txt")
+wait_for(("sub", "CREATE"), ("sub/n.txt", "CREATE"), ("w.txt", "REMOVE"))
+w.stop()
+try:
+    sbx.files.watch_dir("/home/user/nope")
+    raise SystemExit("no NotFoundException for a missing directory")
+except NotFoundException:
+    pass
 sbx.set_timeout(120)
 assert sbx.is_running()
 again = Sandbox.connect(sbx.sandbox_id)
