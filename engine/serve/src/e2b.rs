@@ -11,7 +11,7 @@
 //!   `process.Process/Connect` streaming a running command's start event and its frames from then on;
 //!   `SendInput` and `CloseStdin` for a command started with `stdin: true` (its stdin is a pipe the job reads as the
 //!   input comes); `SendSignal` and `List`; `filesystem.Filesystem/{ListDir,Stat,MakeDir,Move,Remove}`
-//!   (`e2b_fs`) and `{CreateWatcher,GetWatcherEvents,RemoveWatcher}` (`e2b_watch`); `GET`/`POST /files`
+//!   (`e2b_fs`) and `{CreateWatcher,GetWatcherEvents,RemoveWatcher,WatchDir}` (`e2b_watch`); `GET`/`POST /files`
 //!   (multipart or octet-stream); `GET /health`. Commands, file calls and watchers run at the same time.
 //! - The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` streaming NDJSON, the cell run by the
 //!   value of its last expression as the main result. The router picks the cell's tier: cells wasm can run go to a
@@ -165,6 +165,7 @@ pub fn envd_routes() -> Router<Arc<AppState>> {
         .route("/filesystem.Filesystem/CreateWatcher", post(crate::e2b_watch::create))
         .route("/filesystem.Filesystem/GetWatcherEvents", post(crate::e2b_watch::events))
         .route("/filesystem.Filesystem/RemoveWatcher", post(crate::e2b_watch::remove))
+        .route("/filesystem.Filesystem/WatchDir", post(crate::e2b_watch::watch_dir))
         .route("/files", get(files_read).post(files_write))
         .route("/execute", post(execute))
 }
@@ -402,7 +403,7 @@ fn cancel_commands(state: &AppState, id: &str) {
 // ---- envd ----
 
 /// An envd error: Connect's unary form `{"code":"not_found","message":…}` with its HTTP status.
-fn rpc_error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+pub(crate) fn rpc_error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
     (status, Json(json!({"code": code, "message": message.into()}))).into_response()
 }
 
@@ -438,7 +439,7 @@ pub async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> S
 }
 
 /// One Connect envelope: flags, big-endian length, JSON.
-fn envelope(flags: u8, body: &Value) -> Bytes {
+pub(crate) fn envelope(flags: u8, body: &Value) -> Bytes {
     let payload = body.to_string().into_bytes();
     let mut frame = Vec::with_capacity(payload.len() + 5);
     frame.push(flags);
@@ -448,7 +449,7 @@ fn envelope(flags: u8, body: &Value) -> Bytes {
 }
 
 /// The JSON message of a request made of one uncompressed envelope.
-fn parse_envelope(body: &[u8]) -> Result<Value, String> {
+pub(crate) fn parse_envelope(body: &[u8]) -> Result<Value, String> {
     let Some((&[flags, a, b, c, d], rest)) = body.split_first_chunk::<5>() else {
         return Err("the request is shorter than a Connect envelope".to_owned());
     };
@@ -658,7 +659,7 @@ async fn process_connect(State(state): State<Arc<AppState>>, headers: HeaderMap,
 }
 
 /// The Connect code of an API error.
-fn connect_code(err: &ApiError) -> &'static str {
+pub(crate) fn connect_code(err: &ApiError) -> &'static str {
     match err.status.as_u16() {
         400 => "invalid_argument",
         401 => "unauthenticated",

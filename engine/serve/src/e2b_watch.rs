@@ -1,6 +1,8 @@
-//! The E2B agent's directory watchers, for the SDK's `files.watch_dir`: `filesystem.Filesystem/CreateWatcher`
-//! (`{"path","recursive"}` → `{"watcherId"}`), `GetWatcherEvents` (`{"watcherId"}` → `{"events":[{"name","type"}]}`,
-//! the events since the last call) and `RemoveWatcher`.
+//! The E2B agent's directory watchers, for the SDK's `files.watch_dir`. The sync SDK calls
+//! `filesystem.Filesystem/CreateWatcher` (`{"path","recursive"}` → `{"watcherId"}`), `GetWatcherEvents`
+//! (`{"watcherId"}` → `{"events":[{"name","type"}]}`, the events since the last call) and `RemoveWatcher`; the async
+//! SDK calls the server-streaming `WatchDir` (`{"start":{}}`, then `{"filesystem":{…}}` per change; the watcher
+//! stops when the client closes the stream).
 //!
 //! A watcher is a job in the sandbox, beside its commands: the sandbox's own `python3` lists the directory (its
 //! whole tree when `recursive`) every [`POLL`] and prints what changed as JSON lines, which the server keeps until
@@ -13,13 +15,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
+use futures_util::StreamExt;
 use serde_json::{Value, json};
 use strata_core::{CancelToken, ExecOptions, Job, OutputSink, Stream};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::AppState;
 use crate::error::ApiError;
@@ -30,6 +33,9 @@ const POLL: &str = "0.1";
 
 /// The most events a watcher keeps between two `GetWatcherEvents` (older ones are dropped past it).
 const MAX_EVENTS: usize = 10_000;
+
+/// How often a `WatchDir` stream without events sends a keepalive.
+const KEEPALIVE: Duration = Duration::from_secs(5);
 
 /// How long `CreateWatcher` waits for the first listing.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -114,7 +120,10 @@ struct EventSink {
 #[derive(Debug, Default)]
 struct SinkState {
     partial: Vec<u8>,
+    /// Events kept for `GetWatcherEvents`.
     events: Vec<Value>,
+    /// Where events go instead, for `WatchDir`.
+    stream: Option<mpsc::UnboundedSender<Value>>,
     first: Option<oneshot::Sender<Value>>,
 }
 
@@ -130,6 +139,8 @@ impl OutputSink for EventSink {
             let Ok(value) = serde_json::from_slice::<Value>(&line) else { continue };
             if let Some(first) = state.first.take() {
                 let _ = first.send(value);
+            } else if let Some(stream) = &state.stream {
+                let _ = stream.send(value);
             } else {
                 if state.events.len() >= MAX_EVENTS {
                     state.events.remove(0);
@@ -159,63 +170,108 @@ fn watcher(state: &AppState, headers: &HeaderMap, bytes: &Bytes) -> Result<(Stri
     }
 }
 
+/// Starts a watcher of `request`'s `path` in the sandbox the headers name and waits for its first listing; its
+/// events go to `stream` when given, else are kept for `GetWatcherEvents`. Returns its id.
+async fn start(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    request: &Value,
+    stream: Option<mpsc::UnboundedSender<Value>>,
+) -> Result<String, ApiError> {
+    let entry = crate::e2b::envd_sandbox(state, headers)?;
+    let path = match request["path"].as_str() {
+        Some(path) if !path.is_empty() && !path.contains('\0') => path.to_owned(),
+        _ => return Err(bad_request("path is required")),
+    };
+    let recursive = request["recursive"].as_bool().unwrap_or(false);
+    let (first_tx, first_rx) = oneshot::channel();
+    let sink = SinkState { first: Some(first_tx), stream, ..SinkState::default() };
+    let sink = Arc::new(EventSink { inner: Mutex::new(sink) });
+    let cancel = CancelToken::new();
+    let id = crate::registry::new_id("watch_");
+    let argv = ["python3", "-c", PROGRAM, &path, if recursive { "true" } else { "false" }, POLL];
+    let job = Job::Command { argv: argv.map(str::to_owned).to_vec() };
+    // It runs until removed: the sandbox's own TTL bounds it, not a job's wall or CPU limit.
+    let mut limits = entry.limits.clone();
+    limits.wall = Duration::from_secs(7 * 24 * 3600);
+    limits.cpu = limits.wall;
+    let opts = ExecOptions {
+        limits: Some(limits),
+        sink: Some(sink.clone()),
+        cancel: Some(cancel.clone()),
+        ..ExecOptions::default()
+    };
+    let watcher = Arc::new(Watcher { sandbox: entry.id.clone(), cancel: cancel.clone(), sink });
+    lock(&state.e2b.watchers.0).insert(id.clone(), watcher);
+    let (task_state, task_id, job_entry) = (state.clone(), id.clone(), entry.clone());
+    tokio::spawn(async move {
+        let _ = crate::api::blocking(move || job_entry.exec(&job, opts)).await;
+        // Ended (removed, its sandbox gone, or a limit): nothing more will come.
+        lock(&task_state.e2b.watchers.0).remove(&task_id);
+    });
+    let first = match tokio::time::timeout(START_TIMEOUT, first_rx).await {
+        Ok(Ok(first)) => first,
+        // The job ended, or never answered.
+        _ => {
+            cancel.cancel();
+            return Err(ApiError::internal("the watcher did not start"));
+        }
+    };
+    if let Some(error) = first.get("error") {
+        cancel.cancel();
+        let message = error["message"].as_str().unwrap_or("cannot watch").to_owned();
+        return Err(match error["code"].as_str() {
+            Some("not_found") => ApiError::new(StatusCode::NOT_FOUND, "not_found", message),
+            _ => bad_request(message),
+        });
+    }
+    Ok(id)
+}
+
 /// `filesystem.Filesystem/CreateWatcher`.
 pub(crate) async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, bytes: Bytes) -> Response {
-    let result = async {
-        let entry = crate::e2b::envd_sandbox(&state, &headers)?;
-        let request = body(&bytes)?;
-        let path = match request["path"].as_str() {
-            Some(path) if !path.is_empty() && !path.contains('\0') => path.to_owned(),
-            _ => return Err(bad_request("path is required")),
-        };
-        let recursive = request["recursive"].as_bool().unwrap_or(false);
-        let (first_tx, first_rx) = oneshot::channel();
-        let sink =
-            Arc::new(EventSink { inner: Mutex::new(SinkState { first: Some(first_tx), ..SinkState::default() }) });
-        let cancel = CancelToken::new();
-        let id = crate::registry::new_id("watch_");
-        let argv = ["python3", "-c", PROGRAM, &path, if recursive { "true" } else { "false" }, POLL];
-        let job = Job::Command { argv: argv.map(str::to_owned).to_vec() };
-        // It runs until removed: the sandbox's own TTL bounds it, not a job's wall or CPU limit.
-        let mut limits = entry.limits.clone();
-        limits.wall = Duration::from_secs(7 * 24 * 3600);
-        limits.cpu = limits.wall;
-        let opts = ExecOptions {
-            limits: Some(limits),
-            sink: Some(sink.clone()),
-            cancel: Some(cancel.clone()),
-            ..ExecOptions::default()
-        };
-        let watcher = Arc::new(Watcher { sandbox: entry.id.clone(), cancel: cancel.clone(), sink });
-        lock(&state.e2b.watchers.0).insert(id.clone(), watcher);
-        let (task_state, task_id, job_entry) = (state.clone(), id.clone(), entry.clone());
-        tokio::spawn(async move {
-            let _ = crate::api::blocking(move || job_entry.exec(&job, opts)).await;
-            // Ended (removed, its sandbox gone, or a limit): nothing more will come.
-            lock(&task_state.e2b.watchers.0).remove(&task_id);
-        });
-        let first = match tokio::time::timeout(START_TIMEOUT, first_rx).await {
-            Ok(Ok(first)) => first,
-            // The job ended, or never answered.
-            _ => {
-                cancel.cancel();
-                return Err(ApiError::internal("the watcher did not start"));
-            }
-        };
-        if let Some(error) = first.get("error") {
-            let message = error["message"].as_str().unwrap_or("cannot watch").to_owned();
-            return Err(match error["code"].as_str() {
-                Some("not_found") => ApiError::new(StatusCode::NOT_FOUND, "not_found", message),
-                _ => bad_request(message),
-            });
-        }
-        Ok(json!({"watcherId": id}))
-    }
-    .await;
+    let result = async { start(&state, &headers, &body(&bytes)?, None).await }.await;
     match result {
-        Ok(answer) => Json(answer).into_response(),
+        Ok(id) => Json(json!({"watcherId": id})).into_response(),
         Err(err) => crate::e2b::unary_error(&err),
     }
+}
+
+/// Stops a streamed watcher when its response stream is dropped (the client went away or ended it).
+struct StopOnDrop(Arc<AppState>, String);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if let Some(watcher) = lock(&self.0.e2b.watchers.0).remove(&self.1) {
+            watcher.cancel.cancel();
+        }
+    }
+}
+
+/// `filesystem.Filesystem/WatchDir`: server-streaming.
+pub(crate) async fn watch_dir(State(state): State<Arc<AppState>>, headers: HeaderMap, bytes: Bytes) -> Response {
+    use crate::e2b::{connect_code, envelope, parse_envelope, rpc_error};
+    let request = match parse_envelope(&bytes) {
+        Ok(request) => request,
+        Err(message) => return rpc_error(StatusCode::BAD_REQUEST, "invalid_argument", message),
+    };
+    let (tx, rx) = mpsc::unbounded_channel::<Value>();
+    let id = match start(&state, &headers, &request, Some(tx)).await {
+        Ok(id) => id,
+        Err(err) => return rpc_error(err.status, connect_code(&err), err.message),
+    };
+    let start = futures_util::stream::once(async { envelope(0, &json!({"start": {}})) });
+    // A keepalive now and then also finds a client that went away (writing to it fails), which stops the watcher.
+    let events = futures_util::stream::unfold((rx, StopOnDrop(state, id)), |(mut rx, guard)| async move {
+        let frame = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
+            Ok(event) => json!({"filesystem": event?}),
+            Err(_) => json!({"keepalive": {}}),
+        };
+        Some((envelope(0, &frame), (rx, guard)))
+    });
+    let end = futures_util::stream::once(async { envelope(2, &json!({})) });
+    let frames = start.chain(events).chain(end).map(Ok::<Bytes, std::convert::Infallible>);
+    ([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(frames)).into_response()
 }
 
 /// `filesystem.Filesystem/GetWatcherEvents`.

@@ -132,6 +132,28 @@ async fn e2b_protocol_by_hand() {
     assert_eq!(status, 204);
     let (status, body) = server.post("/sandboxes/sb_gone/timeout", json!({"timeout": 60})).await;
     assert_eq!((status, &body["code"]), (404, &json!(404)), "{body}");
+    // A WatchDir stream's watcher is a job of the sandbox, and a client that goes away stops it.
+    let entry = server.state.registry.get_any(&id).expect("entry");
+    let payload = json!({"path": "/home/user"}).to_string().into_bytes();
+    let mut body = vec![0];
+    body.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    body.extend_from_slice(&payload);
+    let mut response = envd(reqwest::Method::POST, "/filesystem.Filesystem/WatchDir")
+        .header("content-type", "application/connect+json")
+        .body(body)
+        .send()
+        .await
+        .expect("watch");
+    assert_eq!(response.status().as_u16(), 200);
+    let first = response.chunk().await.expect("chunk").expect("a start frame");
+    assert_eq!(envelopes(&first)[0].1, json!({"start": {}}));
+    assert_eq!(entry.jobs_running(), 1);
+    drop(response);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while entry.jobs_running() != 0 {
+        assert!(std::time::Instant::now() < deadline, "the watcher outlived its client");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     // Killing the sandbox stops a cell that would run forever.
     let looping = envd(reqwest::Method::POST, "/execute")
         .header("E2b-Sandbox-Port", "49999")
@@ -226,6 +248,20 @@ wait_for(("w.txt", "CREATE"))
 sbx.commands.run("mkdir -p /home/user/sub && echo x > /home/user/sub/n.txt && rm /home/user/w.txt")
 wait_for(("sub", "CREATE"), ("sub/n.txt", "CREATE"), ("w.txt", "REMOVE"))
 w.stop()
+# The async SDK's watcher is a stream of events, ended by stop().
+import asyncio
+from e2b import AsyncSandbox
+async def watch_async():
+    asbx = await AsyncSandbox.connect(sbx.sandbox_id)
+    got = asyncio.Queue()
+    handle = await asbx.files.watch_dir("/home/user", on_event=got.put_nowait)
+    await asbx.files.write("/home/user/aw.txt", "1")
+    while True:
+        e = await asyncio.wait_for(got.get(), 20)
+        if (e.name, e.type.name) == ("aw.txt", "CREATE"):
+            break
+    await handle.stop()
+asyncio.run(watch_async())
 try:
     sbx.files.watch_dir("/home/user/nope")
     raise SystemExit("no NotFoundException for a missing directory")
