@@ -9,7 +9,8 @@
 //! the client asks. Names are relative to the watched directory, as in E2B. Being a comparison of listings, it
 //! reports `EVENT_TYPE_CREATE`, `EVENT_TYPE_REMOVE`, `EVENT_TYPE_WRITE` (size or modification time changed) and
 //! `EVENT_TYPE_CHMOD`; a rename shows as a removal and a creation, and a change undone within one poll is not seen.
-//! A watcher ends with `RemoveWatcher`, with its sandbox, or when it has run the sandbox's jobs' limits out.
+//! A watcher ends with `RemoveWatcher` (or its stream), with its sandbox, or after about 60 000 events ([`MAX_OUTPUT`]:
+//! a job's output is kept in memory, so it is bounded); then `GetWatcherEvents` is `not_found` and a stream ends.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -40,11 +41,15 @@ const KEEPALIVE: Duration = Duration::from_secs(5);
 /// How long `CreateWatcher` waits for the first listing.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// The watcher: `python3 -c PROGRAM DIR RECURSIVE POLL`. Prints `{"ready":true}` (or `{"error":…}` and ends),
-/// then one event per line.
+/// The most a watcher prints: its output is kept (and capped) like any job's, so it ends there rather than go on
+/// silently. About 60 000 events.
+const MAX_OUTPUT: u64 = 4 << 20;
+
+/// The watcher: `python3 -c PROGRAM DIR RECURSIVE POLL MAX_BYTES`. Prints `{"ready":true}` (or `{"error":…}` and
+/// ends), then one event per line, and ends before it has printed `MAX_BYTES`.
 const PROGRAM: &str = r#"import json, os, sys, time
 root = os.path.normpath(sys.argv[1] if sys.argv[1].startswith('/') else os.path.join('/home/user', sys.argv[1]))
-recursive, poll = sys.argv[2] == 'true', float(sys.argv[3])
+recursive, poll, budget = sys.argv[2] == 'true', float(sys.argv[3]), int(sys.argv[4]) - 8192
 def scan():
     seen = {}
     def walk(d, prefix):
@@ -82,7 +87,11 @@ while True:
         elif mode != old[0]:
             events.append((n, 'EVENT_TYPE_CHMOD'))
     for n, kind in events:
-        print(json.dumps({'name': n, 'type': kind}), flush=True)
+        line = json.dumps({'name': n, 'type': kind})
+        budget -= len(line.encode()) + 1
+        if budget < 0:
+            sys.exit(0)
+        print(line, flush=True)
     before = now
 "#;
 
@@ -189,12 +198,14 @@ async fn start(
     let sink = Arc::new(EventSink { inner: Mutex::new(sink) });
     let cancel = CancelToken::new();
     let id = crate::registry::new_id("watch_");
-    let argv = ["python3", "-c", PROGRAM, &path, if recursive { "true" } else { "false" }, POLL];
+    let cap = MAX_OUTPUT.to_string();
+    let argv = ["python3", "-c", PROGRAM, &path, if recursive { "true" } else { "false" }, POLL, &cap];
     let job = Job::Command { argv: argv.map(str::to_owned).to_vec() };
     // It runs until removed: the sandbox's own TTL bounds it, not a job's wall or CPU limit.
     let mut limits = entry.limits.clone();
     limits.wall = Duration::from_secs(7 * 24 * 3600);
     limits.cpu = limits.wall;
+    limits.output = strata_core::ByteSize(MAX_OUTPUT);
     let opts = ExecOptions {
         limits: Some(limits),
         sink: Some(sink.clone()),
