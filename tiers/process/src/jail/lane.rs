@@ -95,13 +95,12 @@ impl Lanes {
         program: Option<File>,
         io: &JobIo<'_>,
     ) -> Result<(OwnedFd, OwnedFd, OwnedFd), JailError> {
-        let spawn = |e: std::io::Error| JailError::Spawn(e);
         let files = cgroup
             .self_join_files()
             .iter()
             .map(|path| File::options().write(true).open(path))
             .collect::<Result<Vec<File>, _>>()
-            .map_err(spawn)?;
+            .map_err(JailError::Spawn)?;
         let pipe = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| JailError::Spawn(e.into()));
         let ((stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)) = (pipe()?, pipe()?, pipe()?);
         for fd in [&stdin_w, &stdout_r, &stderr_r] {
