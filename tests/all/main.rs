@@ -1,5 +1,6 @@
 //! Strata's integration tests: one binary, a module per area.
 
+mod adversarial;
 mod capabilities;
 mod concurrent_jobs;
 mod egress;
