@@ -1,0 +1,40 @@
+//! Generators and oracles for Strata's fuzz targets, as wasmtime's `crates/fuzzing` keeps them: the libFuzzer
+//! binaries in `fuzz/fuzz_targets/` are one line each and call [`targets`]; this library is also what replays
+//! every target's seed corpus (`fuzz/corpus/<target>/`) as a plain `cargo test`, so a regression input runs on
+//! every test run, with or without libFuzzer.
+//!
+//! - [`targets`]: one module per target, each a `run(&[u8])` that feeds the bytes to one parser a guest or a
+//!   client controls and panics when an oracle (a property the parser promises) fails. [`TARGETS`] lists them.
+//! - [`generate`]: generators of structured inputs (well-formed agent messages, virtio descriptor chains) from the
+//!   fuzzer's bytes, built on [`arbitrary`], and [`generate::Cursor`] for inputs whose seeds are written by hand.
+//! - [`seeds`]: the real examples (frames, requests, ClientHellos, policies) the committed corpus starts from.
+//!
+//! Adding a target: see `fuzz/README.md`.
+
+pub mod generate;
+pub mod seeds;
+pub mod targets;
+
+/// A fuzz target: the name of its libFuzzer binary and corpus folder, and its entry point.
+#[derive(Debug, Clone, Copy)]
+pub struct Target {
+    /// `fuzz/fuzz_targets/<name>.rs`, `fuzz/corpus/<name>/`.
+    pub name: &'static str,
+    /// Feeds one input to the parser; panics when an oracle fails.
+    pub run: fn(&[u8]),
+}
+
+/// Every target.
+pub const TARGETS: &[Target] = &[
+    Target { name: "agent_frames", run: targets::agent_frames::run },
+    Target { name: "agent_client", run: targets::agent_client::run },
+    Target { name: "jail_frames", run: targets::jail_frames::run },
+    Target { name: "egress_request", run: targets::egress_request::run },
+    Target { name: "egress_sni", run: targets::egress_sni::run },
+    Target { name: "egress_allowlist", run: targets::egress_allowlist::run },
+];
+
+/// The target called `name`.
+pub fn target(name: &str) -> Option<&'static Target> {
+    TARGETS.iter().find(|t| t.name == name)
+}

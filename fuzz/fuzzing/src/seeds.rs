@@ -1,0 +1,268 @@
+//! The real examples each target's committed corpus starts from (`fuzz/corpus/<target>/seed-*`): frames an agent
+//! and a host send, control messages, proxy requests, ClientHellos, allowlists. `cargo run -p strata-fuzzing
+//! --example seeds` writes them; the corpus test checks that the committed files are these.
+
+use strata_guest_proto::frame::encode;
+use strata_guest_proto::{
+    Bytes, EntryKind, ExecLimits, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, PROTOCOL_VERSION,
+    RequestId, Rusage, TreeEntry,
+};
+use strata_jail::proto::{Bind, Exec, HostFrame, IdMap, JailFrame, Setup};
+
+use crate::generate::{Script, frame};
+
+/// A seed: its file name in the target's corpus folder, and its bytes.
+pub type Seed = (String, Vec<u8>);
+
+/// The seeds of the target called `name` (none for a target without any).
+pub fn of(name: &str) -> Vec<Seed> {
+    match name {
+        "agent_frames" => agent_frames(),
+        "agent_client" => agent_client(),
+        "jail_frames" => jail_frames(),
+        "egress_request" => egress_request(),
+        "egress_sni" => egress_sni(),
+        "egress_allowlist" => egress_allowlist(),
+        _ => Vec::new(),
+    }
+}
+
+fn named(items: Vec<(&str, Vec<u8>)>) -> Vec<Seed> {
+    items.into_iter().map(|(name, bytes)| (format!("seed-{name}"), bytes)).collect()
+}
+
+fn wire<T: serde::Serialize>(messages: &[T]) -> Vec<u8> {
+    messages.iter().flat_map(|m| frame(&encode(m).expect("a seed message encodes"))).collect()
+}
+
+fn hello() -> GuestMessage {
+    GuestMessage::Hello { version: PROTOCOL_VERSION, agent_version: "0.1.0".into(), kernel: "6.1.0".into() }
+}
+
+fn exited(id: u64, stdout_bytes: u64) -> GuestMessage {
+    GuestMessage::Exited {
+        id: RequestId(id),
+        status: ExitStatus::Code(0),
+        rusage: Rusage { user_us: 1200, sys_us: 300, max_rss_kb: 2048 },
+        oom_killed: false,
+        stdout_bytes,
+        stderr_bytes: 0,
+    }
+}
+
+fn agent_frames() -> Vec<Seed> {
+    let id = RequestId(1);
+    let guest = vec![
+        hello(),
+        GuestMessage::Started { id, pid: 42 },
+        GuestMessage::Output { id, stream: OutputStream::Stdout, data: Bytes(b"hello\n".to_vec()) },
+        exited(1, 6),
+        GuestMessage::TreeEntries {
+            id: RequestId(2),
+            entries: vec![TreeEntry {
+                path: "sub/f".into(),
+                kind: EntryKind::File,
+                mode: 0o644,
+                size: 5,
+                target: None,
+            }],
+        },
+        GuestMessage::TreeDone { id: RequestId(2), count: 1, skipped: 0 },
+        GuestMessage::Error { id: None, message: "malformed frame".into() },
+    ];
+    let host = vec![
+        HostMessage::Hello { version: PROTOCOL_VERSION },
+        HostMessage::Exec {
+            id,
+            request: ExecRequest {
+                argv: vec!["sh".into(), "-c".into(), "echo hello".into()],
+                env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+                cwd: "/".into(),
+                stdin: true,
+                limits: ExecLimits { output: Some(1 << 20), open_files: Some(256), cpu_seconds: Some(10) },
+            },
+        },
+        HostMessage::StdinData { id, data: Bytes(b"input".to_vec()) },
+        HostMessage::WriteFile {
+            id: RequestId(3),
+            path: "/tmp/x".into(),
+            mode: 0o644,
+            data: Bytes(vec![7; 8]),
+            last: true,
+        },
+        HostMessage::ListTree { id: RequestId(4), path: "/data".into(), max_entries: 100_000 },
+    ];
+    named(vec![("agent-session", wire(&guest)), ("host-session", wire(&host))])
+}
+
+/// One step of an agent-client script answered by raw frames.
+fn step(script: &mut Script, op: u8, param: u8, answer: &[GuestMessage]) {
+    script.u8(op).u8(param).u8(0).block(&wire(answer));
+}
+
+fn agent_client() -> Vec<Seed> {
+    let id = RequestId;
+    let mut exec = Script::default();
+    exec.u8(0).block(&wire(&[hello()]));
+    step(&mut exec, 0, 4, &[GuestMessage::Started { id: id(1), pid: 7 }]);
+    step(
+        &mut exec,
+        1,
+        0,
+        &[GuestMessage::Output { id: id(1), stream: OutputStream::Stdout, data: b"hi\n".as_slice().into() }],
+    );
+    step(&mut exec, 1, 0, &[exited(1, 3)]);
+    step(&mut exec, 1, 0, &[]);
+
+    let mut files = Script::default();
+    files.u8(0).block(&wire(&[hello()]));
+    step(
+        &mut files,
+        4,
+        3,
+        &[
+            GuestMessage::FileData { id: id(1), data: b"sandbox\n".as_slice().into() },
+            GuestMessage::FileDone { id: id(1), size: 8 },
+        ],
+    );
+    step(
+        &mut files,
+        5,
+        3,
+        &[
+            GuestMessage::TreeEntries {
+                id: id(2),
+                entries: vec![
+                    TreeEntry { path: "sub".into(), kind: EntryKind::Dir, mode: 0o755, size: 0, target: None },
+                    TreeEntry {
+                        path: "sub/link".into(),
+                        kind: EntryKind::Symlink,
+                        mode: 0o777,
+                        size: 2,
+                        target: Some("..".into()),
+                    },
+                ],
+            },
+            GuestMessage::TreeDone { id: id(2), count: 2, skipped: 1 },
+        ],
+    );
+    step(&mut files, 8, 1, &[GuestMessage::Ack { id: id(3) }]);
+    step(&mut files, 6, 0, &[GuestMessage::FileError { id: id(4), errno: 39, message: "not empty".into() }]);
+    step(&mut files, 9, 0, &[GuestMessage::Ack { id: id(5) }]);
+
+    // Generated answers: the arbitrary bytes become well-formed messages about the latest requests.
+    let mut generated = Script::default();
+    generated.u8(0).block(&wire(&[hello()]));
+    generated.u8(0).u8(0x84).u8(5).block(&[1, 0, 7, 0, 0, 0, 2, 2, 3, 0, 1, 9, 4, 0]);
+    generated.u8(1).u8(0).u8(9).block(&[2, 0, 3, 1, 2, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 0]);
+
+    named(vec![("exec", exec.bytes), ("files", files.bytes), ("generated", generated.bytes)])
+}
+
+fn jail_frames() -> Vec<Seed> {
+    let json = |v: &dyn erased::Json| v.json();
+    let exec = Exec {
+        argv: vec!["/bin/sh".into(), "-c".into(), "echo hi".into()],
+        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+        cwd: "/".into(),
+        program_copy: None,
+        nofile: 1024,
+        cpu_seconds: 10,
+        cgroup_files: 1,
+    };
+    let setup = Setup {
+        version: strata_jail::proto::PROTOCOL_VERSION,
+        join_cgroup: vec!["/sys/fs/cgroup/strata/j1/cgroup.procs".into()],
+        lower: "/root/.cache/strata/images/debian".into(),
+        scratch_mount: "/tmp/strata-scratch".into(),
+        scratch_bytes: 64 << 20,
+        binds: vec![Bind { host: "/srv/data".into(), guest: "/data".into(), read_only: true }],
+        hostname: "sandbox".into(),
+        one_shot: true,
+        id_map: Some(IdMap { base: 100_000, count: 65_536 }),
+        restore_upper: false,
+        egress_socket: None,
+        zygote: false,
+    };
+    let mut seeds = vec![
+        ("ready", json(&JailFrame::Ready { host_pid: 4242, notes: vec!["grant /data bind-mounted plainly".into()] })),
+        (
+            "exec-failed",
+            json(&JailFrame::ExecFailed { stage: "lookup".into(), errno: 2, message: "no such file".into() }),
+        ),
+        ("exited", json(&JailFrame::Exited { code: Some(0), signal: None })),
+        ("file-opened", json(&JailFrame::FileOpened { size: 12 })),
+        ("host-setup", json(&HostFrame::Setup(setup))),
+        ("host-exec", json(&HostFrame::Exec(exec))),
+        ("host-kill", json(&HostFrame::Kill)),
+    ];
+    // Mode byte 0 (inline) before each, and one spilled with a descriptor beside it.
+    let mut spilled = vec![3u8];
+    spilled.extend_from_slice(&json(&JailFrame::Started { pid: 2 }));
+    let mut out: Vec<(&str, Vec<u8>)> = seeds.drain(..).map(|(n, doc)| (n, [&[0u8][..], &doc].concat())).collect();
+    out.push(("spilled", spilled));
+    named(out)
+}
+
+mod erased {
+    /// A frame as JSON, whatever its type.
+    pub trait Json {
+        fn json(&self) -> Vec<u8>;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn json(&self) -> Vec<u8> {
+            serde_json::to_vec(self).expect("a seed frame serializes")
+        }
+    }
+}
+
+fn egress_request() -> Vec<Seed> {
+    named(vec![
+        ("connect", b"CONNECT pypi.org:443 HTTP/1.1\r\nHost: pypi.org:443\r\nUser-Agent: pip/24.0\r\n\r\n".to_vec()),
+        ("connect-v6", b"CONNECT [::1]:8443 HTTP/1.0\r\n\r\n".to_vec()),
+        (
+            "get",
+            b"GET http://Example.COM./simple/?q=1 HTTP/1.1\r\nHost: evil.test\r\nConnection: keep-alive, X-Trace\r\n\
+              X-Trace: 1\r\nProxy-Authorization: Basic Zm9vOmJhcg==\r\nAccept: */*\r\n\r\n"
+                .to_vec(),
+        ),
+        (
+            "post",
+            b"POST http://10.0.0.1:8080/upload HTTP/1.1\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello"
+                .to_vec(),
+        ),
+        (
+            "chunked",
+            b"PUT http://a.example/x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n".to_vec(),
+        ),
+    ])
+}
+
+fn egress_sni() -> Vec<Seed> {
+    use strata_egress::sni::testing::client_hello;
+    let hello = client_hello(Some("files.pythonhosted.org"));
+    let handshake = &hello[5..];
+    let (a, b) = handshake.split_at(20);
+    let mut fragmented = Vec::new();
+    for part in [a, b] {
+        fragmented.extend_from_slice(&[0x16, 0x03, 0x01]);
+        fragmented.extend_from_slice(&u16::try_from(part.len()).expect("small").to_be_bytes());
+        fragmented.extend_from_slice(part);
+    }
+    let mut with_data = client_hello(Some("Example.COM."));
+    with_data.extend_from_slice(&[0x17, 0x03, 0x03, 0x00, 0x02, 0xaa, 0xbb]);
+    named(vec![
+        ("sni", hello.clone()),
+        ("no-sni", client_hello(None)),
+        ("fragmented", fragmented),
+        ("trailing-data", with_data),
+    ])
+}
+
+fn egress_allowlist() -> Vec<Seed> {
+    named(vec![
+        ("specs", b"pypi.org:443\n*.pythonhosted.org\n10.0.0.1\n[::1]:8080\nlocalhost:3000\nExample.COM.".to_vec()),
+        ("hosts", b"a.b.pythonhosted.org:443\nevil-pythonhosted.org\n[::ffff:10.0.0.1]\n127.0.0.1:3000\nxn--bcher-kva.example".to_vec()),
+        ("refused", b"*\nhttp://x.org/\nuser@host\n::1:443\n2130706433\n0x7f.1\na..b\n*.10.0.0.1".to_vec()),
+    ])
+}
