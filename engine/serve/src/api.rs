@@ -905,3 +905,7 @@ async fn fork_sandboxes(
     }
     Ok(entries)
 }
+
+/// Entry points of the fuzz targets (`fuzz/`): the parsers a client feeds, reachable without a server.
+#[doc(hidden)]
+pub mod fuzzing;

@@ -1168,3 +1168,7 @@ mod tests {
         );
     }
 }
+
+/// Entry points of the fuzz targets (`fuzz/`): the parsers a client feeds, reachable without a server.
+#[doc(hidden)]
+pub mod fuzzing;

@@ -174,3 +174,7 @@ pub(crate) async fn move_entry(State(state): State<Arc<AppState>>, headers: Head
 pub(crate) async fn remove(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     call(state, headers, body, "remove").await
 }
+
+/// The request parser, for the fuzz targets (`fuzz/`).
+#[doc(hidden)]
+pub(crate) mod fuzzing;

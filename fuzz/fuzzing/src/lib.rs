@@ -14,6 +14,7 @@
 pub mod generate;
 pub mod seeds;
 pub mod targets;
+pub mod virtio;
 
 /// A fuzz target: the name of its libFuzzer binary and corpus folder, and its entry point.
 #[derive(Debug, Clone, Copy)]
@@ -32,6 +33,13 @@ pub const TARGETS: &[Target] = &[
     Target { name: "egress_request", run: targets::egress_request::run },
     Target { name: "egress_sni", run: targets::egress_sni::run },
     Target { name: "egress_allowlist", run: targets::egress_allowlist::run },
+    Target { name: "policy_toml", run: targets::policy_toml::run },
+    Target { name: "virtio_mmio", run: targets::virtio_mmio::run },
+    Target { name: "virtio_block", run: targets::virtio_block::run },
+    Target { name: "virtio_vsock", run: targets::virtio_vsock::run },
+    Target { name: "e2b_connect", run: targets::e2b_connect::run },
+    Target { name: "api_bodies", run: targets::api_bodies::run },
+    Target { name: "wasm_cache_entry", run: targets::wasm_cache_entry::run },
 ];
 
 /// The target called `name`.

@@ -1,6 +1,6 @@
 //! The real examples each target's committed corpus starts from (`fuzz/corpus/<target>/seed-*`): frames an agent
 //! and a host send, control messages, proxy requests, ClientHellos, allowlists. `cargo run -p strata-fuzzing
-//! --example seeds` writes them; the corpus test checks that the committed files are these.
+//! --example seeds` writes them; the corpus test checks that each is committed, and replays it.
 
 use strata_guest_proto::frame::encode;
 use strata_guest_proto::{
@@ -23,6 +23,12 @@ pub fn of(name: &str) -> Vec<Seed> {
         "egress_request" => egress_request(),
         "egress_sni" => egress_sni(),
         "egress_allowlist" => egress_allowlist(),
+        "policy_toml" => policy_toml(),
+        "virtio_mmio" => virtio_mmio(),
+        "virtio_block" | "virtio_vsock" => generated(),
+        "e2b_connect" => e2b_connect(),
+        "api_bodies" => api_bodies(),
+        "wasm_cache_entry" => wasm_cache_entry(),
         _ => Vec::new(),
     }
 }
@@ -265,4 +271,107 @@ fn egress_allowlist() -> Vec<Seed> {
         ("hosts", b"a.b.pythonhosted.org:443\nevil-pythonhosted.org\n[::ffff:10.0.0.1]\n127.0.0.1:3000\nxn--bcher-kva.example".to_vec()),
         ("refused", b"*\nhttp://x.org/\nuser@host\n::1:443\n2130706433\n0x7f.1\na..b\n*.10.0.0.1".to_vec()),
     ])
+}
+
+fn policy_toml() -> Vec<Seed> {
+    let policies = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../policies");
+    let read = |name: &str| std::fs::read(policies.join(name)).expect("a policy of policies/");
+    let grants = b"[tiers]\nallowed = [\"wasm\", \"process\"]\nnative = \"process\"\npython_native_above = \"30s\"\n\n\
+                   [escalation]\nallowed = true\non = [\"missing_module\"]\n\n[network]\nallow = [\"pypi.org:443\"]\n\n\
+                   [grants.data]\ndirs = [\"/srv/data:/data:ro\", \"out:/out:rw\"]\n\n[limits]\nwall = \"10s\"\n\
+                   memory = \"512MiB\"\nfuel = \"unlimited\"\n";
+    named(vec![("default", read("default.toml")), ("strict", read("strict.toml")), ("grants", grants.to_vec())])
+}
+
+/// Register accesses of a driver's setup: write the status steps, the features, a queue, DRIVER_OK, notify.
+fn virtio_mmio() -> Vec<Seed> {
+    let mut setup = Script::default();
+    setup.u8(0);
+    let write = |s: &mut Script, register: u8, value: u32| {
+        s.u8(register / 4).u32(value);
+    };
+    for (register, value) in [
+        (0x70, 0),
+        (0x70, 1),
+        (0x70, 3),
+        (0x24, 0),
+        (0x20, 0x0000_0260),
+        (0x24, 1),
+        (0x20, 1),
+        (0x70, 11),
+        (0x30, 0),
+        (0x38, 8),
+        (0x80, 0x1000),
+        (0x90, 0x2000),
+        (0xa0, 0x3000),
+        (0x44, 1),
+        (0x70, 15),
+        (0x50, 0),
+    ] {
+        write(&mut setup, register, value);
+    }
+    // Reads of a few registers, 4 bytes each (bit 6 of the op).
+    let mut probe = Script::default();
+    probe.u8(1);
+    for register in [0x00u8, 0x04, 0x08, 0x10, 0x34, 0x60, 0x70, 0xfc] {
+        probe.u8(0x40 | (register / 4)).u32(0);
+    }
+    named(vec![("block-setup", setup.bytes), ("vsock-probe", probe.bytes)])
+}
+
+/// Inputs for the generator-driven targets: the generator makes well-formed requests of most bytes.
+fn generated() -> Vec<Seed> {
+    named(vec![("zeros", vec![0; 96]), ("counting", (0u8..=255).collect()), ("ones", vec![0xff; 96])])
+}
+
+fn envelope(message: &str) -> Vec<u8> {
+    let mut out = vec![0u8];
+    out.extend_from_slice(&u32::try_from(message.len()).expect("small").to_be_bytes());
+    out.extend_from_slice(message.as_bytes());
+    out
+}
+
+fn e2b_connect() -> Vec<Seed> {
+    let with = |selector: u8, body: &[u8]| [&[selector][..], body].concat();
+    let start = envelope(
+        r#"{"process":{"cmd":"/bin/bash","args":["-l","-c","echo hi"],"envs":{"LANG":"C.UTF-8"},"cwd":"/home/user"},"stdin":true}"#,
+    );
+    named(vec![
+        ("start", with(0, &start)),
+        ("send-input", with(1, br#"{"process":{"pid":12},"input":{"stdin":"aGVsbG8K"}}"#)),
+        ("list-dir", with(2 + 4, br#"{"path":"/home/user","depth":2}"#)),
+        ("move", with(2 + 4 * 3, br#"{"source":"/home/user/a","destination":"/home/user/b"}"#)),
+        ("create", with(3, br#"{"templateID":"base","timeout":300,"metadata":{"k":"v"},"envVars":{"A":"1"}}"#)),
+        ("execute", with(3, br#"{"code":"import math\nmath.pi"}"#)),
+    ])
+}
+
+fn api_bodies() -> Vec<Seed> {
+    let with = |kind: u8, body: &[u8]| [&[kind][..], body].concat();
+    named(vec![
+        (
+            "create",
+            with(
+                0,
+                br#"{"tier":"process","capabilities":{"env":{"A":"1"},"secrets":{"TOKEN":"s3cret"},"allow_net":["pypi.org:443"]},"limits":{"wall":"2s","memory":"256MiB"},"ttl":60}"#,
+            ),
+        ),
+        ("run", with(1, br#"{"tier":"auto","job":{"python":"print(1)","args":["a"],"stdin":"x"},"capabilities":{}}"#)),
+        ("exec", with(2, br#"{"command":["ls","-l","/"],"limits":{"wall":"1s","output":"1MiB","fuel":1000000}}"#)),
+        ("timeout", with(3, br#"{"timeout":30}"#)),
+        ("fork", with(4, br#"{"count":3,"ttl":60}"#)),
+    ])
+}
+
+fn wasm_cache_entry() -> Vec<Seed> {
+    let mut forged = Script::default();
+    forged
+        .u8(0)
+        .block(format!("blake3 {} 12\nstamp 64769 1234 12 1700000000.5 1700000000.5\n", "ab".repeat(32)).as_bytes());
+    forged.raw(b"not a module");
+    let mut flipped = Script::default();
+    flipped.u8(1).u16(100).u8(2).u8(0x40).u16(7).u8(0);
+    let mut edited = Script::default();
+    edited.u8(2).raw(b"+stamp 1 2 3 4.5 6.7\n");
+    named(vec![("forged", forged.bytes), ("flipped", flipped.bytes), ("stamped", edited.bytes)])
 }

@@ -431,3 +431,7 @@ mod tests {
         assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
     }
 }
+
+/// Entry points of the fuzz targets (`fuzz/`): the entry loader, reachable without a compile.
+#[doc(hidden)]
+pub mod fuzzing;

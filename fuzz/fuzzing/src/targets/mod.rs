@@ -2,7 +2,14 @@
 
 pub mod agent_client;
 pub mod agent_frames;
+pub mod api_bodies;
+pub mod e2b_connect;
 pub mod egress_allowlist;
 pub mod egress_request;
 pub mod egress_sni;
 pub mod jail_frames;
+pub mod policy_toml;
+pub mod virtio_block;
+pub mod virtio_mmio;
+pub mod virtio_vsock;
+pub mod wasm_cache_entry;
