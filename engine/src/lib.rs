@@ -38,7 +38,8 @@ use std::sync::{Arc, OnceLock};
 
 use strata_core::{
     Capabilities, Escalation, ExecOptions, Job, JobKind, Limits, Net, Outcome, PythonSource, RouteDecision, Sandbox,
-    Snapshot, SnapshotError, Status, Tier, TierError, TierKind, ToolRegistry,
+    Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, Status, Tier, TierError, TierKind,
+    ToolRegistry,
 };
 use strata_python_image::PythonImage;
 use strata_rootfs_image::DebianImage;
@@ -234,6 +235,11 @@ pub struct EngineConfig {
     /// Where a job that may escalate keeps the scratch copies of its read-write grants ([`escalate`]); `None`:
     /// `run/scratch` under `home`, else the system's temporary directory.
     pub scratch_dir: Option<PathBuf>,
+    /// The key snapshots are sealed with and opened by ([`SnapshotTrust`]); `None`: the home's
+    /// (`$STRATA_HOME/keys/snapshot.key`, created on the first snapshot), else a key of this process alone.
+    pub snapshot_key: Option<SnapshotKey>,
+    /// How much a snapshot may hold (files, directories, bytes), checked before the work it costs.
+    pub snapshot_bounds: SnapshotBounds,
 }
 
 impl Default for EngineConfig {
@@ -244,6 +250,8 @@ impl Default for EngineConfig {
             max_wasm_instances: 64,
             vm_image: VmImage::default(),
             scratch_dir: None,
+            snapshot_key: None,
+            snapshot_bounds: SnapshotBounds::default(),
         }
     }
 }
@@ -327,6 +335,8 @@ pub struct Engine {
     /// What the wasm build of Python can import, for the router (generated on the first Python job).
     wasm_modules: OnceLock<Result<scan::WasmModules, String>>,
     tools: ToolRegistry,
+    /// What every tier seals its snapshots with and opens them by.
+    snapshots: SnapshotTrust,
 }
 
 impl Engine {
@@ -341,11 +351,18 @@ impl Engine {
             }
             None => None,
         };
+        let snapshots = match (&config.snapshot_key, &config.home) {
+            (Some(key), _) => SnapshotTrust::new(key.clone()),
+            (None, Some(home)) => SnapshotTrust::in_home(home),
+            (None, None) => SnapshotTrust::process_local(),
+        }
+        .with_bounds(config.snapshot_bounds);
         let wasm = WasmTier::new(WasmTierConfig {
             cache_dir: config.home.as_ref().map(|home| home.join("modules")),
             max_instances: config.max_wasm_instances,
             python,
             tools: tools.clone(),
+            snapshots: snapshots.clone(),
         });
         Ok(Engine {
             config,
@@ -354,6 +371,7 @@ impl Engine {
             microvm: OnceLock::new(),
             wasm_modules: OnceLock::new(),
             tools,
+            snapshots,
         })
     }
 
@@ -381,8 +399,12 @@ impl Engine {
             let home = self.config.home.as_ref().ok_or("no STRATA_HOME (nor HOME) to keep the Debian image in")?;
             let image = DebianImage::new(home).map_err(|e| e.to_string())?;
             let (installed, _) = image.ensure(&|line| log::info!("{line}")).map_err(|e| e.to_string())?;
-            ProcessTier::new(ProcessTierConfig { rootfs: installed.rootfs, run_dir: home.join("run/jail") })
-                .map_err(|e| e.to_string())
+            ProcessTier::new(ProcessTierConfig {
+                rootfs: installed.rootfs,
+                run_dir: home.join("run/jail"),
+                snapshots: self.snapshots.clone(),
+            })
+            .map_err(|e| e.to_string())
         });
         tier.as_ref().map_err(|reason| EngineError::TierUnavailable { tier: TierKind::Process, reason: reason.clone() })
     }
@@ -435,6 +457,7 @@ impl Engine {
                 root_disk,
                 run_dir,
                 cpuid: strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile::Standard,
+                snapshots: self.snapshots.clone(),
             }))
         });
         tier.as_ref().map_err(|reason| unavailable(reason.clone()))
@@ -448,6 +471,18 @@ impl Engine {
     /// Where built artifacts live.
     pub fn home(&self) -> Option<&Path> {
         self.config.home.as_deref()
+    }
+
+    /// What this engine's tiers seal snapshots with and open them by (see [`EngineConfig::snapshot_key`]).
+    pub fn snapshots(&self) -> &SnapshotTrust {
+        &self.snapshots
+    }
+
+    /// Opens and verifies a snapshot directory with this engine's key ([`SnapshotTrust::open`]): a snapshot
+    /// whose manifest is not sealed with it (altered, made in another home, or before snapshot format 2) is
+    /// refused as `snapshot_invalid`.
+    pub fn open_snapshot(&self, dir: &Path) -> Result<Snapshot, EngineError> {
+        Ok(self.snapshots.open(dir).map_err(TierError::Snapshot)?)
     }
 
     /// The wasm tier itself, for embedders that want its specific API (e.g. [`WasmTier::prepare`]).
@@ -845,8 +880,9 @@ impl Engine {
     }
 
     /// Starts a fork of `snapshot` on its own tier ([`Tier::fork`]): independent of the snapshot and of every other
-    /// fork, with fresh randomness. The fork keeps the snapshot's capabilities. `choice` must be `Auto` or the
-    /// snapshot's tier; the policy must allow that tier.
+    /// fork, with fresh randomness. The fork keeps the snapshot's capabilities, read from its sealed manifest as
+    /// the directory holds it when the fork is made (the tier re-opens it with this engine's key). `choice` must be
+    /// `Auto` or the snapshot's tier; the policy must allow that tier.
     pub fn fork(&self, choice: TierChoice, snapshot: &Snapshot) -> Result<Box<dyn Sandbox>, EngineError> {
         if let TierChoice::Tier(tier) = choice
             && tier != snapshot.tier

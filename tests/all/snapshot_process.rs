@@ -15,6 +15,11 @@ use strata_tier_process::ProcessTier;
 
 use crate::util::python_engine;
 
+/// The trust the engine's tiers seal and open snapshots with.
+fn trust() -> &'static strata_core::SnapshotTrust {
+    python_engine().snapshots()
+}
+
 /// The tests here count jails and mounts: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -105,7 +110,7 @@ fn forks_are_independent_of_each_other_the_sandbox_and_the_snapshot() {
     assert_eq!(stdout(&run(a.as_mut(), "cat /tmp/x; ls /tmp")), "a\nonly-a\nx\n");
     // The snapshot directory is only ever read: byte for byte as written, and still verifies.
     assert_eq!(std::fs::read(snapshot.file("upper.tree")).expect("stored tree"), stored);
-    Snapshot::open_for(&snapshot.dir, TierKind::Process).expect("still whole");
+    trust().open_for(&snapshot.dir, TierKind::Process).expect("still whole");
     let c = tier.fork(&snapshot).expect("fork c after the others wrote");
     drop(c);
 
@@ -158,7 +163,7 @@ fn damaged_foreign_and_secret_snapshots_are_refused_with_typed_errors() {
     // A flipped byte in the stored layer, after the snapshot was opened.
     let corrupt = dir.path().join("corrupt");
     copy_dir(&snapshot.dir, &corrupt);
-    let opened = Snapshot::open_for(&corrupt, TierKind::Process).expect("whole before the flip");
+    let opened = trust().open_for(&corrupt, TierKind::Process).expect("whole before the flip");
     // Forked once while whole (the tier then skips re-hashing an unchanged directory), then damaged in place.
     drop(tier.fork_with(&opened, &caps, &Limits::default()).expect("fork while whole"));
     let mut bytes = std::fs::read(corrupt.join("upper.tree")).expect("read");
@@ -169,16 +174,19 @@ fn damaged_foreign_and_secret_snapshots_are_refused_with_typed_errors() {
     assert!(matches!(err, TierError::Snapshot(SnapshotError::Checksum(_))), "{err}");
     assert_eq!(err.code(), "snapshot_invalid");
 
-    // A manifest that says another tier.
+    // A manifest edited to say another tier breaks its seal; a genuine snapshot of another tier is refused.
     let foreign = dir.path().join("foreign");
     copy_dir(&snapshot.dir, &foreign);
     let manifest = std::fs::read_to_string(foreign.join("manifest.json")).expect("manifest");
     std::fs::write(foreign.join("manifest.json"), manifest.replacen("\"tier\": \"process\"", "\"tier\": \"wasm\"", 1))
         .expect("edit");
-    let err = Snapshot::open_for(&foreign, TierKind::Process).expect_err("foreign refused");
+    let err = trust().open_for(&foreign, TierKind::Process).expect_err("edited manifest refused");
+    assert!(matches!(err, SnapshotError::Seal(_)), "{err}");
+    let mut wasm = python_engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("wasm sandbox");
+    let wasm_snapshot = wasm.snapshot(&dir.path().join("wasm")).expect("wasm snapshot");
+    let err = trust().open_for(&wasm_snapshot.dir, TierKind::Process).expect_err("foreign refused");
     assert!(matches!(err, SnapshotError::WrongTier { found: TierKind::Wasm, .. }), "{err}");
-    let forged = Snapshot { dir: foreign.clone(), ..snapshot.clone() };
-    let err = tier.fork(&forged).err().expect("foreign snapshot refused");
+    let err = tier.fork(&wasm_snapshot).err().expect("foreign snapshot refused");
     assert_eq!(err.code(), "snapshot_tier", "{err}");
 
     // Secrets are never written to disk: the plain fork is refused, a fork given the capabilities runs.

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use strata_core::{
     Capabilities, EnvVar, ExecOptions, Grant, GrantMode, Job, Limits, Persisted, PythonSource, Sandbox, Snapshot,
-    SnapshotError, SnapshotWriter, Status, Tier, TierError, TierKind,
+    SnapshotError, Status, Tier, TierError, TierKind,
 };
 use strata_test_programs as programs;
 
@@ -40,7 +40,7 @@ fn numpy_snapshot(dir: &Path) -> (Box<dyn Sandbox>, Snapshot) {
          open('/tmp/note.txt', 'w').write('written before the snapshot')",
     );
     let made = session.snapshot(&dir.join("snap")).expect("snapshot");
-    let snapshot = Snapshot::open_for(&dir.join("snap"), TierKind::Wasm).expect("open");
+    let snapshot = python_engine().snapshots().open_for(&dir.join("snap"), TierKind::Wasm).expect("open");
     assert_eq!(snapshot.manifest, made.manifest);
     (session, snapshot)
 }
@@ -116,7 +116,7 @@ fn a_damaged_snapshot_is_refused() {
     let middle = bytes.len() / 2;
     bytes[middle] ^= 1;
     std::fs::write(&memory, &bytes).expect("flip a byte");
-    let err = Snapshot::open_for(&snapshot.dir, TierKind::Wasm).expect_err("refused");
+    let err = python_engine().snapshots().open_for(&snapshot.dir, TierKind::Wasm).expect_err("refused");
     assert!(matches!(err, SnapshotError::Checksum(_)), "{err}");
     assert_eq!(err.code(), "snapshot_invalid");
 
@@ -133,8 +133,8 @@ fn a_damaged_snapshot_is_refused() {
 
 /// Copies a snapshot's files into a new, validly sealed snapshot (to test what the manifest cannot catch).
 fn reseal(from: &Path, to: &Path) -> Snapshot {
-    let old = Snapshot::read_manifest(from).expect("manifest");
-    let writer = SnapshotWriter::create(to).expect("writer");
+    let old = python_engine().snapshots().manifest(from).expect("manifest");
+    let writer = python_engine().snapshots().writer(to).expect("writer");
     for file in &old.files {
         let target = writer.dir().join(&file.path);
         std::fs::create_dir_all(target.parent().expect("parent")).expect("mkdir");
@@ -146,11 +146,11 @@ fn reseal(from: &Path, to: &Path) -> Snapshot {
 #[test]
 fn a_snapshot_of_another_tier_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let writer = SnapshotWriter::create(&dir.path().join("process")).expect("writer");
+    let writer = engine().snapshots().writer(&dir.path().join("process")).expect("writer");
     std::fs::write(writer.dir().join("upper.tar"), b"not ours").expect("write");
     let foreign =
         writer.commit(TierKind::Process, None, vec![Persisted::Filesystem], serde_json::json!({})).expect("commit");
-    let err = Snapshot::open_for(&foreign.dir, TierKind::Wasm).expect_err("refused");
+    let err = engine().snapshots().open_for(&foreign.dir, TierKind::Wasm).expect_err("refused");
     assert_eq!(err.code(), "snapshot_tier");
     let err = engine().wasm().fork(&foreign).err().expect("refused");
     assert!(matches!(err, TierError::Snapshot(SnapshotError::WrongTier { found: TierKind::Process, .. })), "{err}");

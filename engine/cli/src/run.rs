@@ -260,10 +260,6 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
             format!("--image chooses the microVM's root filesystem; it does not apply to --tier {}", args.tier),
         ));
     }
-    let snapshot = match &args.snapshot {
-        Some(dir) => Some(Snapshot::open(dir).map_err(|e| Failure::new(e.code(), e.to_string()))?),
-        None => None,
-    };
     let config = EngineConfig {
         policy,
         max_wasm_instances: 4,
@@ -271,6 +267,11 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
         ..EngineConfig::from_env()?
     };
     let engine = Engine::new(config)?;
+    // Verified with the home's key before anything of it is used: its seal, then every file.
+    let snapshot = match &args.snapshot {
+        Some(dir) => Some(engine.open_snapshot(dir)?),
+        None => None,
+    };
     let job = match (args.code, args.module, args.file) {
         (Some(code), _, _) => Job::Python { source: PythonSource::Code(code), args: args.args },
         (None, Some(module), _) => Job::Python { source: PythonSource::Module(module), args: args.args },

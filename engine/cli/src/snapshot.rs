@@ -21,7 +21,8 @@ enum SnapshotCommand {
     /// Run a setup job in a fresh sandbox (or a fork of --snapshot) and snapshot the sandbox when the job exits
     /// with 0: `strata snapshot create [RUN OPTIONS] -o DIR FILE | -c CODE | -- COMMAND...`.
     Create(Box<CreateArgs>),
-    /// Verify a snapshot (format, every file's size and sha256) and print its manifest as JSON.
+    /// Verify a snapshot (its seal by this home's key, format, every file's size and sha256) and print its
+    /// manifest as JSON.
     Inspect(InspectArgs),
 }
 
@@ -66,7 +67,8 @@ pub(crate) fn snapshot(args: SnapshotArgs) -> Result<i32, Failure> {
     match args.command {
         SnapshotCommand::Create(create) => self::create(*create),
         SnapshotCommand::Inspect(inspect) => {
-            let snapshot = Snapshot::open(&inspect.dir).map_err(|e| Failure::new(e.code(), e.to_string()))?;
+            let engine = strata_engine::Engine::new(strata_engine::EngineConfig::from_env()?)?;
+            let snapshot = engine.open_snapshot(&inspect.dir)?;
             let text = serde_json::to_string_pretty(&snapshot.manifest)
                 .map_err(|e| Failure::new("internal", format!("cannot encode the manifest: {e}")))?;
             let _ = writeln!(std::io::stdout(), "{text}");

@@ -507,7 +507,7 @@ fn a_python_snapshot_is_forked_with_its_state() {
     assert_eq!(run.code, 0, "{}", run.stderr);
     let manifest: serde_json::Value = serde_json::from_str(&run.stdout).expect("manifest JSON");
     assert_eq!(manifest["tier"], "wasm");
-    assert_eq!(manifest["format"], 1);
+    assert_eq!(manifest["format"], 2);
     // A fork cannot go to another tier, and a setup that fails writes nothing.
     let run = strata(&home, &["run", "--json", "--snapshot", s1, "--tier", "process", "--", "true"], b"");
     assert_eq!((run.code, json(&run)["error"]["kind"].as_str()), (2, Some("snapshot_tier")));

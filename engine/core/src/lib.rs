@@ -13,6 +13,7 @@ pub mod limits;
 pub mod outcome;
 pub mod redact;
 pub mod snapshot;
+pub mod snapshot_key;
 pub mod tier;
 pub mod tools;
 pub mod units;
@@ -23,7 +24,9 @@ pub use job::{Job, JobKind, ModuleSource, PythonSource};
 pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
 pub use outcome::{EgressEntry, Escalation, Outcome, RouteDecision, Status, TierKind, Truncated, Usage};
 pub use redact::{Redactor, Secret};
-pub use snapshot::{Manifest, Persisted, Snapshot, SnapshotError, SnapshotWriter};
+pub use snapshot::{
+    Manifest, Persisted, Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, SnapshotWriter,
+};
 pub use tier::{
     CancelToken, ExecOptions, MAX_BUFFERED_STDIN, OutputSink, Sandbox, SandboxHandle, StdinStream, Stream, Tier,
 };

@@ -1,40 +1,106 @@
 //! Snapshots on disk: one directory per snapshot, the tier's own files beside a `manifest.json` that names every
-//! file with its size and sha256.
+//! file with its size and sha256, and a `manifest.seal` that vouches for the manifest.
 //!
-//! A snapshot directory is written by a [`SnapshotWriter`]: the tier writes its files into a temporary directory
-//! beside the destination, [`SnapshotWriter::commit`] hashes them, writes the manifest, syncs everything and renames
-//! the directory into place, so a snapshot is either complete or absent — never half-written, whatever crashes.
-//! [`Snapshot::open`] reads it back (in this process or another) and refuses anything it cannot vouch for, each
-//! with its own [`SnapshotError`]: a directory without a manifest, a manifest of another format version, a file
-//! missing, truncated or grown, a checksum that does not match, a file the manifest does not list, a path that
-//! would leave the directory. Nothing of a refused snapshot is ever restored.
+//! **Trust.** A snapshot is untrusted data once written: a job that can write where snapshots live could rewrite
+//! the manifest (which records what forks get: grants, environment, network, limits) or swap a file. So every
+//! manifest is sealed with the host's key ([`SnapshotKey`], a keyed BLAKE3 MAC over its exact bytes), and
+//! [`SnapshotTrust`] — the key, the [`SnapshotBounds`] and the only way to open a snapshot — reads the seal and a
+//! bounded number of manifest bytes and compares the MAC (in constant time) before it parses anything; then each
+//! file is checked against the sealed size and sha256. A manifest that was altered, copied from another home or
+//! made before format 2 (unsealed) is refused as `snapshot_invalid`; nothing of it reaches a tier. A [`Snapshot`]
+//! exists only as this module made it (opened, re-opened or committed), and a tier forking one re-opens it first
+//! ([`SnapshotTrust::reopen`]): the directory must still hold the same sealed manifest, and its files are hashed
+//! again unless their identity, size and times are those they were verified with (any write moves the change time,
+//! which no one but the kernel sets). Tiers read their files only through [`Snapshot::read_file`] (bytes checked
+//! against the manifest as they are read) and [`Snapshot::open_file`] (the verified file itself).
+//!
+//! **Bounded work.** Every size comes from `fstatat` without following links and is checked against the manifest
+//! and the bounds before a byte is hashed; files are opened only after `lstat` says they are regular, never
+//! through a link (`O_NOFOLLOW` at every component) and never blocking (`O_NONBLOCK`: a FIFO is refused, not
+//! waited on). Holes count: a sparse file is hashed byte for byte, so the bounds are on apparent sizes. The walk
+//! that finds unlisted files stops at the bounds' counts and depth. Defaults: 4096 files, 4096 directories, 64
+//! levels, 16 GiB a file, 32 GiB in all.
+//!
+//! **Writing.** A [`SnapshotWriter`] fills a private (0700) staging directory `.NAME.partial-PID-RAND` beside
+//! the destination; [`SnapshotWriter::commit`] hashes the files, writes and seals the manifest, syncs everything
+//! and renames the directory into place, so a snapshot is whole or absent. A writer killed before that leaves its
+//! staging directory, which has no seal and is never opened; the next writer in that directory removes the ones
+//! whose process is gone ([`sweep_partials`]).
 //!
 //! ```text
 //! snapshot/
-//!   manifest.json   {"format":1,"tier":"process","id":"…","parent":null,"created":"…Z","persists":["filesystem"],
-//!                    "files":[{"path":"upper.tar","size":10240,"sha256":"…"}],"total_bytes":10240,"meta":{…}}
-//!   upper.tar       the tier's files, as it names them
+//!   manifest.json   {"format":2,"tier":"process","id":"…","parent":null,"created":"…Z","persists":["filesystem"],
+//!                    "files":[{"path":"upper.tree","size":10240,"sha256":"…"}],"total_bytes":10240,"meta":{…}}
+//!   manifest.seal   strata-seal blake3-keyed <64 hex digits: the MAC of manifest.json's bytes>
+//!   upper.tree      the tier's files, as it names them
 //! ```
 
-use std::fs::{self, File};
-use std::io::{self, Write};
+use std::collections::HashSet;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag, openat};
+use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
+use crate::dirfd;
 use crate::outcome::TierKind;
+pub use crate::snapshot_key::SnapshotKey;
 
-/// The manifest format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The manifest format this build writes and reads: 2, sealed (format 1 had no seal and is refused).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The manifest's file name inside a snapshot directory.
 pub const MANIFEST: &str = "manifest.json";
 
+/// The seal's file name inside a snapshot directory.
+pub const SEAL: &str = "manifest.seal";
+
+/// What a seal file says before the MAC's hex digits.
+const SEAL_TAG: &str = "strata-seal blake3-keyed ";
+
 /// A manifest larger than this is not one of ours.
 const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 
-/// A snapshot with more files than this is not one of ours.
-const MAX_FILES: usize = 4096;
+/// A seal file larger than this is not one of ours.
+const MAX_SEAL_BYTES: u64 = 128;
+
+/// How many entries [`sweep_partials`] looks at in one directory.
+const MAX_SWEEP_ENTRIES: usize = 1 << 16;
+
+/// How much a snapshot may hold, checked before the work it would cost is done: when it is opened (from `stat`,
+/// before any byte is hashed) and when it is committed (a snapshot that could not be opened is not written).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotBounds {
+    /// Files in the manifest (and non-directories in the directory).
+    pub max_files: usize,
+    /// Directories in the snapshot directory, itself excluded.
+    pub max_dirs: usize,
+    /// Levels of directories below the snapshot directory.
+    pub max_depth: usize,
+    /// Bytes of one file, holes included (a sparse file is hashed byte for byte).
+    pub max_file_bytes: u64,
+    /// Bytes of all files together, holes included.
+    pub max_total_bytes: u64,
+}
+
+impl Default for SnapshotBounds {
+    fn default() -> Self {
+        SnapshotBounds {
+            max_files: 4096,
+            max_dirs: 4096,
+            max_depth: 64,
+            max_file_bytes: 16 << 30,
+            max_total_bytes: 32 << 30,
+        }
+    }
+}
 
 /// A kind of state a snapshot holds, so `strata snapshot inspect` says honestly what a fork gets back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -84,7 +150,7 @@ pub struct Manifest {
     pub created: String,
     /// What state it holds.
     pub persists: Vec<Persisted>,
-    /// Every file but the manifest.
+    /// Every file but the manifest and its seal.
     pub files: Vec<ManifestFile>,
     /// The sum of the files' sizes.
     pub total_bytes: u64,
@@ -111,6 +177,24 @@ pub enum SnapshotError {
     /// The directory has no manifest: it is not a snapshot, or its writing never finished.
     #[error("{} is not a Strata snapshot (no {MANIFEST})", .0.display())]
     NotASnapshot(PathBuf),
+    /// The directory has a manifest but no seal: made before snapshot format 2, or not by Strata.
+    #[error(
+        "{} has no {SEAL}: it was not sealed on this host (snapshots made before format 2 are refused; make it \
+         again)",
+        .0.display()
+    )]
+    Unsealed(PathBuf),
+    /// The manifest's seal does not match: altered, or sealed with another home's key.
+    #[error("the manifest of {} does not match its seal (altered, or sealed with another key)", .0.display())]
+    Seal(PathBuf),
+    /// The host's snapshot key could not be used.
+    #[error("snapshot key {}: {message}", path.display())]
+    Key {
+        /// The key file (or its directory).
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
     /// The manifest is not valid JSON of the expected shape.
     #[error("the manifest of {} is invalid: {message}", dir.display())]
     InvalidManifest {
@@ -139,6 +223,14 @@ pub enum SnapshotError {
         /// The manifest's tier.
         found: TierKind,
     },
+    /// More than [`SnapshotBounds`] allow: refused before the work is done.
+    #[error("{}: {message}", path.display())]
+    TooLarge {
+        /// The snapshot directory or file.
+        path: PathBuf,
+        /// Which bound, and by how much.
+        message: String,
+    },
     /// A file the manifest lists is missing.
     #[error("{} is missing from the snapshot", .0.display())]
     MissingFile(PathBuf),
@@ -155,11 +247,17 @@ pub enum SnapshotError {
     /// A file's contents differ from the manifest's checksum.
     #[error("{} does not match its sha256 in the manifest (corrupted or altered)", .0.display())]
     Checksum(PathBuf),
+    /// A file changed after it was verified, or while it was.
+    #[error("{} changed since it was verified", .0.display())]
+    Changed(PathBuf),
+    /// The directory holds another snapshot than the one that was opened there.
+    #[error("{} no longer holds the snapshot that was opened there (replaced)", .0.display())]
+    Replaced(PathBuf),
     /// A file in the directory that the manifest does not list.
     #[error("{} is not listed in the snapshot's manifest", .0.display())]
     UnlistedFile(PathBuf),
     /// A path in the manifest or the directory that is not a plain relative path, or a file that is not a
-    /// regular file (a symlink, a device).
+    /// regular file (a symlink, a FIFO, a device).
     #[error("{path:?} in {}: {reason}", dir.display())]
     UnsafePath {
         /// The snapshot directory.
@@ -179,11 +277,17 @@ impl SnapshotError {
             SnapshotError::Exists(_) => "snapshot_exists",
             SnapshotError::FormatVersion { .. } => "snapshot_version",
             SnapshotError::WrongTier { .. } => "snapshot_tier",
+            SnapshotError::Key { .. } => "snapshot_key",
+            SnapshotError::TooLarge { .. } => "snapshot_too_large",
             SnapshotError::NotASnapshot(_)
+            | SnapshotError::Unsealed(_)
+            | SnapshotError::Seal(_)
             | SnapshotError::InvalidManifest { .. }
             | SnapshotError::MissingFile(_)
             | SnapshotError::SizeMismatch { .. }
             | SnapshotError::Checksum(_)
+            | SnapshotError::Changed(_)
+            | SnapshotError::Replaced(_)
             | SnapshotError::UnlistedFile(_)
             | SnapshotError::UnsafePath { .. } => "snapshot_invalid",
         }
@@ -194,8 +298,39 @@ fn io_error(path: &Path) -> impl FnOnce(io::Error) -> SnapshotError + '_ {
     move |source| SnapshotError::Io { path: path.to_owned(), source }
 }
 
-/// A verified snapshot: its directory and manifest. Tiers fork from it ([`crate::Tier::fork`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+fn errno_error(path: &Path) -> impl FnOnce(Errno) -> SnapshotError + '_ {
+    move |errno| SnapshotError::Io { path: path.to_owned(), source: io::Error::from(errno) }
+}
+
+fn too_large(path: &Path, message: String) -> SnapshotError {
+    SnapshotError::TooLarge { path: path.to_owned(), message }
+}
+
+/// A file's identity, size and times: unchanged stamps mean unchanged contents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    size: i64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(st: &FileStat) -> Stamp {
+        Stamp {
+            dev: st.st_dev,
+            ino: st.st_ino,
+            size: st.st_size,
+            mtime: (st.st_mtime, st.st_mtime_nsec),
+            ctime: (st.st_ctime, st.st_ctime_nsec),
+        }
+    }
+}
+
+/// A verified snapshot: its directory and sealed manifest, and the stamps its files were verified with. Made only
+/// by [`SnapshotTrust`] and [`SnapshotWriter::commit`]; tiers fork from it ([`crate::Tier::fork`]).
+#[derive(Debug, Clone)]
 pub struct Snapshot {
     /// The tier that made it.
     pub tier: TierKind,
@@ -203,60 +338,317 @@ pub struct Snapshot {
     pub dir: PathBuf,
     /// Its manifest.
     pub manifest: Manifest,
+    /// The stamps of `manifest.files`, in order, when they were verified.
+    stamps: Vec<Stamp>,
 }
 
+impl PartialEq for Snapshot {
+    fn eq(&self, other: &Snapshot) -> bool {
+        (self.tier, &self.dir, &self.manifest) == (other.tier, &other.dir, &other.manifest)
+    }
+}
+
+impl Eq for Snapshot {}
+
 impl Snapshot {
-    /// Reads and verifies a snapshot directory: the manifest, then every file's size and sha256, and that no
-    /// other file is there. Reads every byte once (about 1 s per GiB).
-    pub fn open(dir: &Path) -> Result<Snapshot, SnapshotError> {
-        let manifest = read_manifest(dir)?;
-        verify_files(dir, &manifest)?;
-        Ok(Snapshot { tier: manifest.tier, dir: dir.to_owned(), manifest })
-    }
-
-    /// [`Snapshot::open`], and the snapshot must belong to `tier`.
-    pub fn open_for(dir: &Path, tier: TierKind) -> Result<Snapshot, SnapshotError> {
-        let manifest = read_manifest(dir)?;
-        if manifest.tier != tier {
-            return Err(SnapshotError::WrongTier { dir: dir.to_owned(), expected: tier, found: manifest.tier });
-        }
-        verify_files(dir, &manifest)?;
-        Ok(Snapshot { tier, dir: dir.to_owned(), manifest })
-    }
-
-    /// Reads the manifest only, checking its format but not the files (for `strata snapshot inspect` of a large
-    /// snapshot; never for restoring).
-    pub fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
-        read_manifest(dir)
-    }
-
-    /// The path of one of its files.
+    /// The path of one of its files (for messages; read it with [`Snapshot::read_file`] or
+    /// [`Snapshot::open_file`]).
     pub fn file(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
+
+    /// The manifest's entry for `name`.
+    pub fn listed(&self, name: &str) -> Option<&ManifestFile> {
+        self.manifest.files.iter().find(|f| f.path == name)
+    }
+
+    /// Opens the listed file `name` as it was verified: never through a link, and only while its identity, size
+    /// and times are those it was verified with.
+    pub fn open_file(&self, name: &str) -> Result<File, SnapshotError> {
+        let index = self
+            .manifest
+            .files
+            .iter()
+            .position(|f| f.path == name)
+            .ok_or_else(|| SnapshotError::MissingFile(self.file(name)))?;
+        let root = open_root(&self.dir)?;
+        let (file, st) = open_regular(&root, &self.dir, name)?;
+        if self.stamps.get(index) != Some(&Stamp::of(&st)) {
+            return Err(SnapshotError::Changed(self.file(name)));
+        }
+        Ok(file)
+    }
+
+    /// The bytes of the listed file `name`, at most `max` of them, checked against the manifest's size and
+    /// sha256 as they are read (what a tier parses must be exactly what was sealed).
+    pub fn read_file(&self, name: &str, max: u64) -> Result<Vec<u8>, SnapshotError> {
+        let path = self.file(name);
+        let listed = self.listed(name).ok_or_else(|| SnapshotError::MissingFile(path.clone()))?;
+        if listed.size > max {
+            return Err(too_large(&path, format!("{} bytes (at most {max} read)", listed.size)));
+        }
+        let file = self.open_file(name)?;
+        let mut bytes = Vec::with_capacity(usize::try_from(listed.size).unwrap_or(0));
+        file.take(listed.size.saturating_add(1)).read_to_end(&mut bytes).map_err(io_error(&path))?;
+        if bytes.len() as u64 != listed.size {
+            return Err(SnapshotError::SizeMismatch { path, expected: listed.size, found: bytes.len() as u64 });
+        }
+        if strata_image_util::hex(&Sha256::digest(&bytes)) != listed.sha256 {
+            return Err(SnapshotError::Checksum(path));
+        }
+        Ok(bytes)
+    }
 }
 
-fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
-    let path = dir.join(MANIFEST);
-    let file = match File::open(&path) {
-        Ok(file) => file,
-        Err(err) if err.kind() == io::ErrorKind::NotFound => {
-            return Err(if dir.is_dir() {
-                SnapshotError::NotASnapshot(dir.to_owned())
-            } else {
-                SnapshotError::Io { path: dir.to_owned(), source: err }
-            });
-        }
-        Err(err) => return Err(SnapshotError::Io { path, source: err }),
-    };
-    let mut text = Vec::new();
-    io::Read::read_to_end(&mut io::Read::take(file, MAX_MANIFEST_BYTES + 1), &mut text).map_err(io_error(&path))?;
-    let invalid = |message: String| SnapshotError::InvalidManifest { dir: dir.to_owned(), message };
-    if text.len() as u64 > MAX_MANIFEST_BYTES {
-        return Err(invalid(format!("larger than {MAX_MANIFEST_BYTES} bytes")));
+/// Where a trust's key comes from.
+enum KeySource {
+    Given(SnapshotKey),
+    /// `$STRATA_HOME/keys/snapshot.key`, loaded (or created) on first use; a failure is retried next time.
+    Home {
+        path: PathBuf,
+        loaded: Mutex<Option<SnapshotKey>>,
+    },
+    ProcessLocal,
+}
+
+/// What snapshots are trusted by: the key that seals them and the bounds of what is read. The only way to open a
+/// snapshot ([`SnapshotTrust::open`]) or to start writing one ([`SnapshotTrust::writer`]). Cheap to clone; the
+/// engine gives its tiers one ([`crate::snapshot_key`] for where the key lives).
+#[derive(Clone)]
+pub struct SnapshotTrust {
+    key: Arc<KeySource>,
+    bounds: SnapshotBounds,
+}
+
+impl std::fmt::Debug for SnapshotTrust {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let key = match &*self.key {
+            KeySource::Given(_) => "given".to_owned(),
+            KeySource::Home { path, .. } => path.display().to_string(),
+            KeySource::ProcessLocal => "process-local".to_owned(),
+        };
+        f.debug_struct("SnapshotTrust").field("key", &key).field("bounds", &self.bounds).finish()
     }
+}
+
+impl SnapshotTrust {
+    /// Trusts snapshots sealed with `key`.
+    pub fn new(key: SnapshotKey) -> SnapshotTrust {
+        SnapshotTrust { key: Arc::new(KeySource::Given(key)), bounds: SnapshotBounds::default() }
+    }
+
+    /// Trusts snapshots sealed with the key of the home `home` ([`crate::snapshot_key::KEY_FILE`] under it,
+    /// created on first use).
+    pub fn in_home(home: &Path) -> SnapshotTrust {
+        let path = home.join(crate::snapshot_key::KEY_FILE);
+        SnapshotTrust {
+            key: Arc::new(KeySource::Home { path, loaded: Mutex::new(None) }),
+            bounds: SnapshotBounds::default(),
+        }
+    }
+
+    /// Trusts snapshots sealed in this process only ([`SnapshotKey::process_local`]).
+    pub fn process_local() -> SnapshotTrust {
+        SnapshotTrust { key: Arc::new(KeySource::ProcessLocal), bounds: SnapshotBounds::default() }
+    }
+
+    /// The same trust with other bounds.
+    pub fn with_bounds(mut self, bounds: SnapshotBounds) -> SnapshotTrust {
+        self.bounds = bounds;
+        self
+    }
+
+    /// Its bounds.
+    pub fn bounds(&self) -> &SnapshotBounds {
+        &self.bounds
+    }
+
+    /// The key (loading or creating a home's key on first use).
+    pub fn key(&self) -> Result<SnapshotKey, SnapshotError> {
+        match &*self.key {
+            KeySource::Given(key) => Ok(key.clone()),
+            KeySource::ProcessLocal => SnapshotKey::process_local(),
+            KeySource::Home { path, loaded } => {
+                let mut loaded = loaded.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(key) = &*loaded {
+                    return Ok(key.clone());
+                }
+                let key = SnapshotKey::load_or_create(path)?;
+                *loaded = Some(key.clone());
+                Ok(key)
+            }
+        }
+    }
+
+    /// Starts a snapshot at `destination` ([`SnapshotWriter`]).
+    pub fn writer(&self, destination: &Path) -> Result<SnapshotWriter, SnapshotError> {
+        SnapshotWriter::create(destination, self)
+    }
+
+    /// Opens and verifies a snapshot directory: the seal, then the manifest, then that no unlisted file is there,
+    /// then every file's size (all of them, from `stat`) and sha256 (reading every byte once, about 1 s per GiB).
+    pub fn open(&self, dir: &Path) -> Result<Snapshot, SnapshotError> {
+        self.open_checked(dir, None)
+    }
+
+    /// [`SnapshotTrust::open`], and the snapshot must belong to `tier` (checked before its files are).
+    pub fn open_for(&self, dir: &Path, tier: TierKind) -> Result<Snapshot, SnapshotError> {
+        self.open_checked(dir, Some(tier))
+    }
+
+    /// The sealed manifest of `dir`, its files not checked (never for restoring).
+    pub fn manifest(&self, dir: &Path) -> Result<Manifest, SnapshotError> {
+        let root = open_root(dir)?;
+        read_sealed(&root, dir, &self.key()?, &self.bounds)
+    }
+
+    /// `snapshot` as its directory holds it now, for a tier about to fork it: the same sealed manifest (else
+    /// [`SnapshotError::Replaced`]), and its files verified again unless each still has the identity, size and
+    /// times it was verified with.
+    pub fn reopen(&self, snapshot: &Snapshot) -> Result<Snapshot, SnapshotError> {
+        let dir = &snapshot.dir;
+        let root = open_root(dir)?;
+        let manifest = read_sealed(&root, dir, &self.key()?, &self.bounds)?;
+        if manifest != snapshot.manifest {
+            return Err(SnapshotError::Replaced(dir.clone()));
+        }
+        let current: Option<Vec<Stamp>> = manifest
+            .files
+            .iter()
+            .map(|file| fstatat(&root, file.path.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).ok().map(|st| Stamp::of(&st)))
+            .collect();
+        if current.as_ref() == Some(&snapshot.stamps) {
+            return Ok(Snapshot { stamps: snapshot.stamps.clone(), ..snapshot.clone() });
+        }
+        let stamps = verify_files(&root, dir, &manifest, &self.bounds)?;
+        Ok(Snapshot { tier: manifest.tier, dir: dir.clone(), manifest, stamps })
+    }
+
+    fn open_checked(&self, dir: &Path, tier: Option<TierKind>) -> Result<Snapshot, SnapshotError> {
+        let root = open_root(dir)?;
+        let manifest = read_sealed(&root, dir, &self.key()?, &self.bounds)?;
+        if let Some(expected) = tier
+            && manifest.tier != expected
+        {
+            return Err(SnapshotError::WrongTier { dir: dir.to_owned(), expected, found: manifest.tier });
+        }
+        let stamps = verify_files(&root, dir, &manifest, &self.bounds)?;
+        Ok(Snapshot { tier: manifest.tier, dir: dir.to_owned(), manifest, stamps })
+    }
+}
+
+/// Opens a snapshot directory (the path itself may be a link; nothing below it is followed).
+fn open_root(dir: &Path) -> Result<OwnedFd, SnapshotError> {
+    match nix::fcntl::open(dir, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty()) {
+        Ok(fd) => Ok(fd),
+        Err(Errno::ENOTDIR) => Err(SnapshotError::NotASnapshot(dir.to_owned())),
+        Err(errno) => Err(errno_error(dir)(errno)),
+    }
+}
+
+/// Flags of every file this module reads: never through a link, never blocking (a FIFO), never a terminal.
+const READ_FLAGS: OFlag =
+    OFlag::O_RDONLY.union(OFlag::O_NOFOLLOW).union(OFlag::O_NONBLOCK).union(OFlag::O_NOCTTY).union(OFlag::O_CLOEXEC);
+
+/// The file `rel` (a plain relative path) below `root`, which `lstat` says is a regular file before it is opened
+/// (nothing else is ever opened) and `fstat` confirms is the same one after.
+fn open_regular(root: &OwnedFd, dir: &Path, rel: &str) -> Result<(File, FileStat), SnapshotError> {
+    let path = dir.join(rel);
+    let not_regular =
+        || SnapshotError::UnsafePath { dir: dir.to_owned(), path: rel.to_owned(), reason: "not a regular file" };
+    let (parent, name) = match rel.rsplit_once('/') {
+        Some((parent, name)) => (Some(parent), name),
+        None => (None, rel),
+    };
+    let opened = match parent {
+        Some(parent) => dirfd::open_beneath(root, Path::new(parent)),
+        None => nix::unistd::dup(root),
+    };
+    let parent_fd = match opened {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) => return Err(SnapshotError::MissingFile(path)),
+        Err(Errno::ELOOP | Errno::ENOTDIR) => return Err(not_regular()),
+        Err(errno) => return Err(errno_error(&path)(errno)),
+    };
+    let before = match fstatat(&parent_fd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+        Ok(st) => st,
+        Err(Errno::ENOENT) => return Err(SnapshotError::MissingFile(path)),
+        Err(errno) => return Err(errno_error(&path)(errno)),
+    };
+    if dirfd::kind_of(&before) != SFlag::S_IFREG {
+        return Err(not_regular());
+    }
+    let fd = match openat(&parent_fd, name, READ_FLAGS, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) => return Err(SnapshotError::MissingFile(path)),
+        Err(Errno::ELOOP) => return Err(not_regular()),
+        Err(errno) => return Err(errno_error(&path)(errno)),
+    };
+    let st = fstat(&fd).map_err(errno_error(&path))?;
+    if dirfd::kind_of(&st) != SFlag::S_IFREG || (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino) {
+        return Err(SnapshotError::Changed(path));
+    }
+    Ok((File::from(fd), st))
+}
+
+/// A small file of the snapshot's own (the manifest, the seal): at most `max` bytes, else `TooLarge` before
+/// it is read. `None` when it does not exist.
+fn read_small(root: &OwnedFd, dir: &Path, name: &str, max: u64) -> Result<Option<Vec<u8>>, SnapshotError> {
+    let (file, st) = match open_regular(root, dir, name) {
+        Ok(opened) => opened,
+        Err(SnapshotError::MissingFile(_)) => return Ok(None),
+        Err(err) => return Err(err),
+    };
+    let path = dir.join(name);
+    let size = u64::try_from(st.st_size).unwrap_or(u64::MAX);
+    if size > max {
+        return Err(too_large(&path, format!("{size} bytes; a snapshot's {name} is at most {max}")));
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+    file.take(max + 1).read_to_end(&mut bytes).map_err(io_error(&path))?;
+    if bytes.len() as u64 > max {
+        return Err(too_large(&path, format!("more than {max} bytes")));
+    }
+    Ok(Some(bytes))
+}
+
+/// The seal file's text for a MAC.
+fn seal_text(mac: &blake3::Hash) -> String {
+    format!("{SEAL_TAG}{}\n", mac.to_hex())
+}
+
+/// Reads the seal and the manifest's bytes, checks the MAC, and only then parses and checks the manifest.
+fn read_sealed(
+    root: &OwnedFd,
+    dir: &Path,
+    key: &SnapshotKey,
+    bounds: &SnapshotBounds,
+) -> Result<Manifest, SnapshotError> {
+    let seal = read_small(root, dir, SEAL, MAX_SEAL_BYTES)?;
+    let bytes = read_small(root, dir, MANIFEST, MAX_MANIFEST_BYTES)?;
+    let (seal, bytes) = match (seal, bytes) {
+        (_, None) => return Err(SnapshotError::NotASnapshot(dir.to_owned())),
+        (None, Some(_)) => return Err(SnapshotError::Unsealed(dir.to_owned())),
+        (Some(seal), Some(bytes)) => (seal, bytes),
+    };
+    let given = std::str::from_utf8(&seal)
+        .ok()
+        .and_then(|text| text.strip_prefix(SEAL_TAG))
+        .and_then(|text| text.strip_suffix('\n'))
+        .and_then(|hex| blake3::Hash::from_hex(hex).ok())
+        .ok_or_else(|| SnapshotError::Seal(dir.to_owned()))?;
+    // blake3::Hash compares in constant time.
+    if key.seal(&bytes) != given {
+        return Err(SnapshotError::Seal(dir.to_owned()));
+    }
+    parse_manifest(dir, &bytes, bounds)
+}
+
+/// Parses a sealed manifest's bytes and checks everything it says against itself and `bounds`.
+fn parse_manifest(dir: &Path, text: &[u8], bounds: &SnapshotBounds) -> Result<Manifest, SnapshotError> {
+    let invalid = |message: String| SnapshotError::InvalidManifest { dir: dir.to_owned(), message };
     // The format is checked before the shape, so a manifest of a newer format is reported as such.
-    let value: serde_json::Value = serde_json::from_slice(&text).map_err(|e| invalid(e.to_string()))?;
+    let value: serde_json::Value = serde_json::from_slice(text).map_err(|e| invalid(e.to_string()))?;
     let found = value.get("format").and_then(serde_json::Value::as_u64);
     match found {
         Some(found) if found == u64::from(FORMAT_VERSION) => {}
@@ -270,15 +662,15 @@ fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
         None => return Err(invalid("no \"format\" number".into())),
     }
     let manifest: Manifest = serde_json::from_value(value).map_err(|e| invalid(e.to_string()))?;
-    if manifest.files.len() > MAX_FILES {
-        return Err(invalid(format!("{} files (at most {MAX_FILES})", manifest.files.len())));
+    if manifest.files.len() > bounds.max_files {
+        return Err(too_large(dir, format!("{} files (at most {})", manifest.files.len(), bounds.max_files)));
     }
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = HashSet::new();
     let mut total: u64 = 0;
     for file in &manifest.files {
         check_relative(dir, &file.path)?;
-        if file.path == MANIFEST {
-            return Err(invalid(format!("lists {MANIFEST} itself")));
+        if file.path == MANIFEST || file.path == SEAL {
+            return Err(invalid(format!("lists {} itself", file.path)));
         }
         if !seen.insert(file.path.as_str()) {
             return Err(invalid(format!("lists {:?} twice", file.path)));
@@ -286,10 +678,19 @@ fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
         if file.sha256.len() != 64 || !file.sha256.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) {
             return Err(invalid(format!("the sha256 of {:?} is not 64 lower-case hex digits", file.path)));
         }
+        if file.size > bounds.max_file_bytes {
+            return Err(too_large(
+                &dir.join(&file.path),
+                format!("{} bytes (a snapshot file is at most {})", file.size, bounds.max_file_bytes),
+            ));
+        }
         total = total.checked_add(file.size).ok_or_else(|| invalid("sizes overflow".into()))?;
     }
     if total != manifest.total_bytes {
         return Err(invalid(format!("total_bytes is {} but the files add up to {total}", manifest.total_bytes)));
+    }
+    if total > bounds.max_total_bytes {
+        return Err(too_large(dir, format!("{total} bytes in all (at most {})", bounds.max_total_bytes)));
     }
     if !manifest.meta.is_object() {
         return Err(invalid("meta is not a JSON object".into()));
@@ -300,8 +701,8 @@ fn read_manifest(dir: &Path) -> Result<Manifest, SnapshotError> {
 /// A manifest path must be plain: relative, `/`-separated normal components, nothing empty, no NUL.
 fn check_relative(dir: &Path, path: &str) -> Result<(), SnapshotError> {
     let unsafe_path = |reason| SnapshotError::UnsafePath { dir: dir.to_owned(), path: path.to_owned(), reason };
-    if path.is_empty() || path.contains('\0') || path.contains('\\') {
-        return Err(unsafe_path("empty, or contains NUL or a backslash"));
+    if path.is_empty() || path.len() > 4096 || path.contains('\0') || path.contains('\\') {
+        return Err(unsafe_path("empty, over-long, or contains NUL or a backslash"));
     }
     if path.split('/').any(|part| part.is_empty() || part == "." || part == "..") {
         return Err(unsafe_path("not a plain relative path"));
@@ -312,61 +713,143 @@ fn check_relative(dir: &Path, path: &str) -> Result<(), SnapshotError> {
     Ok(())
 }
 
-fn verify_files(dir: &Path, manifest: &Manifest) -> Result<(), SnapshotError> {
+/// Checks the directory against the sealed manifest, bounded before the work is done: no unlisted entry (the
+/// walk stops at the bounds), every listed file regular and of its sealed size (all from `lstat`, before any
+/// byte is hashed), then every file's sha256 through the descriptor that was checked. Returns the stamps the
+/// files were verified with.
+fn verify_files(
+    root: &OwnedFd,
+    dir: &Path,
+    manifest: &Manifest,
+    bounds: &SnapshotBounds,
+) -> Result<Vec<Stamp>, SnapshotError> {
+    let listed: HashSet<&str> = manifest.files.iter().map(|f| f.path.as_str()).collect();
+    for relative in walk(root, dir, bounds)? {
+        if relative != MANIFEST && relative != SEAL && !listed.contains(relative.as_str()) {
+            return Err(SnapshotError::UnlistedFile(dir.join(relative)));
+        }
+    }
     for file in &manifest.files {
-        let path = dir.join(&file.path);
-        let meta = match fs::symlink_metadata(&path) {
-            Ok(meta) => meta,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Err(SnapshotError::MissingFile(path)),
-            Err(err) => return Err(SnapshotError::Io { path, source: err }),
+        let st = match fstatat(root, file.path.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::ENOENT) => return Err(SnapshotError::MissingFile(dir.join(&file.path))),
+            // A component that is a link or not a directory: `open_regular` says which below.
+            Err(_) => continue,
         };
-        if !meta.file_type().is_file() {
+        if dirfd::kind_of(&st) != SFlag::S_IFREG {
             return Err(SnapshotError::UnsafePath {
                 dir: dir.to_owned(),
                 path: file.path.clone(),
                 reason: "not a regular file",
             });
         }
-        if meta.len() != file.size {
-            return Err(SnapshotError::SizeMismatch { path, expected: file.size, found: meta.len() });
+        let found = u64::try_from(st.st_size).unwrap_or(u64::MAX);
+        if found != file.size {
+            return Err(SnapshotError::SizeMismatch { path: dir.join(&file.path), expected: file.size, found });
         }
-        let sum = strata_image_util::sha256_file(&path).map_err(io_error(&path))?;
+    }
+    let mut stamps = Vec::with_capacity(manifest.files.len());
+    for file in &manifest.files {
+        let path = dir.join(&file.path);
+        let (opened, before) = open_regular(root, dir, &file.path)?;
+        let found = u64::try_from(before.st_size).unwrap_or(u64::MAX);
+        if found != file.size {
+            return Err(SnapshotError::SizeMismatch { path, expected: file.size, found });
+        }
+        let (read, sum) = sha256_of(opened, file.size).map_err(io_error(&path))?;
+        if read != file.size {
+            return Err(SnapshotError::SizeMismatch { path, expected: file.size, found: read });
+        }
         if sum != file.sha256 {
             return Err(SnapshotError::Checksum(path));
         }
-    }
-    let listed: std::collections::HashSet<&str> = manifest.files.iter().map(|f| f.path.as_str()).collect();
-    for relative in walk(dir)? {
-        if relative != MANIFEST && !listed.contains(relative.as_str()) {
-            return Err(SnapshotError::UnlistedFile(dir.join(relative)));
+        let after = fstatat(root, file.path.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).map_err(errno_error(&path))?;
+        if Stamp::of(&after) != Stamp::of(&before) {
+            return Err(SnapshotError::Changed(path));
         }
+        stamps.push(Stamp::of(&before));
     }
-    Ok(())
+    Ok(stamps)
 }
 
-/// Every non-directory under `dir`, as `/`-separated relative paths; symlinks are reported, never followed.
-fn walk(dir: &Path) -> Result<Vec<String>, SnapshotError> {
+/// The sha256 of at most `size + 1` bytes of `file`, and how many there were.
+fn sha256_of(file: File, size: u64) -> io::Result<(u64, String)> {
+    let mut hasher = Sha256::new();
+    let mut input = file.take(size.saturating_add(1));
+    let mut buf = vec![0u8; 1 << 20];
+    let mut read = 0u64;
+    loop {
+        let n = match input.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        };
+        hasher.update(&buf[..n]);
+        read += n as u64;
+    }
+    Ok((read, strata_image_util::hex(&hasher.finalize())))
+}
+
+/// Every non-directory under `root`, as `/`-separated relative paths; links are reported, never followed. Stops
+/// as soon as the bounds are passed (more non-directories than the manifest may list, more directories, deeper
+/// levels), so a directory bomb costs what the bounds allow and no more.
+fn walk(root: &OwnedFd, dir: &Path, bounds: &SnapshotBounds) -> Result<Vec<String>, SnapshotError> {
     let mut found = Vec::new();
-    let mut pending = vec![(dir.to_owned(), String::new())];
-    while let Some((path, prefix)) = pending.pop() {
-        for entry in fs::read_dir(&path).map_err(io_error(&path))? {
-            let entry = entry.map_err(io_error(&path))?;
-            let name = entry.file_name();
-            let name = name.to_str().ok_or_else(|| SnapshotError::UnsafePath {
+    let mut dirs = 0usize;
+    let mut pending = vec![(nix::unistd::dup(root).map_err(errno_error(dir))?, String::new(), 0usize)];
+    while let Some((fd, prefix, depth)) = pending.pop() {
+        let here = dir.join(&prefix);
+        let parent = nix::unistd::dup(&fd).map_err(errno_error(&here))?;
+        let mut listing = nix::dir::Dir::from_fd(fd).map_err(errno_error(&here))?;
+        let mut subdirs = Vec::new();
+        for entry in listing.iter() {
+            let entry = entry.map_err(errno_error(&here))?;
+            let bytes = entry.file_name().to_bytes();
+            if bytes == b"." || bytes == b".." {
+                continue;
+            }
+            let name = std::str::from_utf8(bytes).map_err(|_| SnapshotError::UnsafePath {
                 dir: dir.to_owned(),
-                path: entry.file_name().to_string_lossy().into_owned(),
+                path: String::from_utf8_lossy(bytes).into_owned(),
                 reason: "not UTF-8",
             })?;
             let relative = if prefix.is_empty() { name.to_owned() } else { format!("{prefix}/{name}") };
-            let kind = entry.file_type().map_err(io_error(&entry.path()))?;
-            if kind.is_dir() {
-                pending.push((entry.path(), relative));
+            let is_dir = match entry.file_type() {
+                Some(nix::dir::Type::Directory) => true,
+                Some(_) => false,
+                None => fstatat(&parent, name, AtFlags::AT_SYMLINK_NOFOLLOW)
+                    .map(|st| dirfd::kind_of(&st) == SFlag::S_IFDIR)
+                    .unwrap_or(false),
+            };
+            if is_dir {
+                dirs += 1;
+                if dirs > bounds.max_dirs {
+                    return Err(too_large(dir, format!("more than {} directories", bounds.max_dirs)));
+                }
+                if depth + 1 > bounds.max_depth {
+                    return Err(too_large(dir, format!("directories nested deeper than {}", bounds.max_depth)));
+                }
+                subdirs.push((name.to_owned(), relative));
             } else {
                 found.push(relative);
+                // The manifest and its seal besides the files.
+                if found.len() > bounds.max_files + 2 {
+                    return Err(too_large(dir, format!("more than {} files", bounds.max_files)));
+                }
             }
-            if found.len() > MAX_FILES + 1 {
-                return Err(SnapshotError::UnlistedFile(entry.path()));
-            }
+        }
+        for (name, relative) in subdirs {
+            let child = match openat(&parent, name.as_str(), dirfd::DIR_FLAGS, Mode::empty()) {
+                Ok(child) => child,
+                // Replaced meanwhile by something that is not a directory: reported as a file.
+                Err(Errno::ENOTDIR | Errno::ELOOP) => {
+                    found.push(relative);
+                    continue;
+                }
+                Err(errno) => return Err(errno_error(&dir.join(&relative))(errno)),
+            };
+            pending.push((child, relative, depth + 1));
         }
     }
     Ok(found)
@@ -379,15 +862,19 @@ fn walk(dir: &Path) -> Result<Vec<String>, SnapshotError> {
 pub struct SnapshotWriter {
     destination: PathBuf,
     staging: PathBuf,
+    key: SnapshotKey,
+    bounds: SnapshotBounds,
     committed: bool,
 }
 
 impl SnapshotWriter {
-    /// Starts a snapshot that will be at `destination` (which must not exist; its parent must).
-    pub fn create(destination: &Path) -> Result<SnapshotWriter, SnapshotError> {
-        if fs::symlink_metadata(destination).is_ok() {
+    /// Starts a snapshot that will be at `destination` (which must not exist; its parent must), sealed with
+    /// `trust`'s key. Staging directories of writers that died in the same parent are removed first.
+    pub fn create(destination: &Path, trust: &SnapshotTrust) -> Result<SnapshotWriter, SnapshotError> {
+        if std::fs::symlink_metadata(destination).is_ok() {
             return Err(SnapshotError::Exists(destination.to_owned()));
         }
+        let key = trust.key()?;
         let name = destination
             .file_name()
             .ok_or_else(|| SnapshotError::Io {
@@ -400,9 +887,16 @@ impl SnapshotWriter {
             Some(parent) if !parent.as_os_str().is_empty() => parent.to_owned(),
             _ => PathBuf::from("."),
         };
+        sweep_partials(&parent);
         let staging = parent.join(format!(".{name}.partial-{}-{}", std::process::id(), random_hex(4)));
-        fs::create_dir(&staging).map_err(io_error(&staging))?;
-        Ok(SnapshotWriter { destination: destination.to_owned(), staging, committed: false })
+        std::fs::DirBuilder::new().mode(0o700).create(&staging).map_err(io_error(&staging))?;
+        Ok(SnapshotWriter {
+            destination: destination.to_owned(),
+            staging,
+            key,
+            bounds: *trust.bounds(),
+            committed: false,
+        })
     }
 
     /// Where the tier writes its files.
@@ -410,7 +904,8 @@ impl SnapshotWriter {
         &self.staging
     }
 
-    /// Hashes every file the tier wrote, writes the manifest, syncs and renames the directory into place.
+    /// Hashes every file the tier wrote (within the bounds, checked from `stat` first), writes the manifest and
+    /// its seal, syncs and renames the directory into place.
     pub fn commit(
         mut self,
         tier: TierKind,
@@ -419,26 +914,57 @@ impl SnapshotWriter {
         meta: serde_json::Value,
     ) -> Result<Snapshot, SnapshotError> {
         let staging = self.staging.clone();
-        let mut names = walk(&staging)?;
+        let root = open_root(&staging)?;
+        let mut names = walk(&root, &staging, &self.bounds)?;
         names.sort();
-        let mut files = Vec::with_capacity(names.len());
-        for name in names {
-            check_relative(&staging, &name)?;
-            if name == MANIFEST {
+        if names.len() > self.bounds.max_files {
+            return Err(too_large(&staging, format!("{} files (at most {})", names.len(), self.bounds.max_files)));
+        }
+        let mut total = 0u64;
+        for name in &names {
+            check_relative(&staging, name)?;
+            if name == MANIFEST || name == SEAL {
                 return Err(SnapshotError::UnsafePath {
                     dir: staging,
-                    path: name,
-                    reason: "the tier's files may not be named manifest.json",
+                    path: name.clone(),
+                    reason: "the tier's files may not be named like the manifest or its seal",
                 });
             }
-            let path = staging.join(&name);
-            let meta = fs::symlink_metadata(&path).map_err(io_error(&path))?;
-            if !meta.file_type().is_file() {
-                return Err(SnapshotError::UnsafePath { dir: staging, path: name, reason: "not a regular file" });
+            let path = staging.join(name);
+            let st = fstatat(&root, name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).map_err(errno_error(&path))?;
+            if dirfd::kind_of(&st) != SFlag::S_IFREG {
+                return Err(SnapshotError::UnsafePath {
+                    dir: staging,
+                    path: name.clone(),
+                    reason: "not a regular file",
+                });
             }
-            File::open(&path).and_then(|f| f.sync_all()).map_err(io_error(&path))?;
-            let sha256 = strata_image_util::sha256_file(&path).map_err(io_error(&path))?;
-            files.push(ManifestFile { path: name, size: meta.len(), sha256 });
+            let size = u64::try_from(st.st_size).unwrap_or(u64::MAX);
+            if size > self.bounds.max_file_bytes {
+                return Err(too_large(
+                    &path,
+                    format!("{size} bytes (a snapshot file is at most {})", self.bounds.max_file_bytes),
+                ));
+            }
+            total = total.saturating_add(size);
+            if total > self.bounds.max_total_bytes {
+                return Err(too_large(&staging, format!("more than {} bytes in all", self.bounds.max_total_bytes)));
+            }
+        }
+        let mut files = Vec::with_capacity(names.len());
+        let mut stamps = Vec::with_capacity(names.len());
+        for name in names {
+            let path = staging.join(&name);
+            let (file, st) = open_regular(&root, &staging, &name)?;
+            file.sync_all().map_err(io_error(&path))?;
+            let size = u64::try_from(st.st_size).unwrap_or(u64::MAX);
+            let (read, sha256) = sha256_of(file, size).map_err(io_error(&path))?;
+            let after = fstatat(&root, name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).map_err(errno_error(&path))?;
+            if read != size || Stamp::of(&after) != Stamp::of(&st) {
+                return Err(SnapshotError::Changed(path));
+            }
+            files.push(ManifestFile { path: name, size, sha256 });
+            stamps.push(Stamp::of(&st));
         }
         let mut persists = persists;
         persists.sort();
@@ -456,43 +982,89 @@ impl SnapshotWriter {
             meta: if meta.is_object() { meta } else { serde_json::json!({ "value": meta }) },
         };
         let path = staging.join(MANIFEST);
-        let text = serde_json::to_vec_pretty(&manifest)
+        let mut text = serde_json::to_vec_pretty(&manifest)
             .map_err(|e| SnapshotError::Io { path: path.clone(), source: io::Error::other(e) })?;
-        let mut out = File::create(&path).map_err(io_error(&path))?;
-        out.write_all(&text)
-            .and_then(|()| out.write_all(b"\n"))
-            .and_then(|()| out.sync_all())
-            .map_err(io_error(&path))?;
+        text.push(b'\n');
+        if text.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(too_large(&path, format!("{} bytes (at most {MAX_MANIFEST_BYTES})", text.len())));
+        }
+        write_new(&path, &text)?;
+        write_new(&staging.join(SEAL), seal_text(&self.key.seal(&text)).as_bytes())?;
         sync_dir(&staging)?;
         // rename(2) onto a path that appeared meanwhile would replace an empty directory: refuse it instead.
-        if fs::symlink_metadata(&self.destination).is_ok() {
+        if std::fs::symlink_metadata(&self.destination).is_ok() {
             return Err(SnapshotError::Exists(self.destination.clone()));
         }
-        fs::rename(&staging, &self.destination).map_err(io_error(&self.destination))?;
+        std::fs::rename(&staging, &self.destination).map_err(io_error(&self.destination))?;
         self.committed = true;
         if let Some(parent) = self.destination.parent().filter(|p| !p.as_os_str().is_empty()) {
             sync_dir(parent)?;
         }
-        Ok(Snapshot { tier, dir: self.destination.clone(), manifest })
+        Ok(Snapshot { tier, dir: self.destination.clone(), manifest, stamps })
     }
 }
 
 impl Drop for SnapshotWriter {
     fn drop(&mut self) {
         if !self.committed {
-            let _ = fs::remove_dir_all(&self.staging);
+            let _ = std::fs::remove_dir_all(&self.staging);
         }
     }
+}
+
+/// Writes a new file (never through a link, never over one that exists) and syncs it.
+fn write_new(path: &Path, bytes: &[u8]) -> Result<(), SnapshotError> {
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(OFlag::O_NOFOLLOW.bits())
+        .open(path)
+        .map_err(io_error(path))?;
+    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(io_error(path))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), SnapshotError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io_error(dir))
 }
 
+/// The PID in a staging directory's name (`.NAME.partial-PID-RAND`, RAND 8 hex digits).
+fn partial_pid(name: &str) -> Option<u32> {
+    let (_, tail) = name.strip_prefix('.')?.rsplit_once(".partial-")?;
+    let (pid, random) = tail.split_once('-')?;
+    if random.len() != 8 || !random.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Removes from `dir` the staging directories of writers whose process is gone (killed before they committed);
+/// returns how many went. Never follows a link; looks at the first 65536 entries at most. A staging directory is
+/// never a snapshot (it has no seal until it is renamed into place whole), so this only reclaims space.
+pub fn sweep_partials(dir: &Path) -> usize {
+    let Ok(root) = nix::fcntl::open(dir, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty()) else {
+        return 0;
+    };
+    let Ok(listing_fd) = nix::unistd::dup(&root) else { return 0 };
+    let Ok(mut listing) = nix::dir::Dir::from_fd(listing_fd) else { return 0 };
+    let me = std::process::id();
+    let mut stale = Vec::new();
+    for entry in listing.iter().take(MAX_SWEEP_ENTRIES).flatten() {
+        let Ok(name) = entry.file_name().to_str() else { continue };
+        if let Some(pid) = partial_pid(name)
+            && pid != me
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
+            stale.push(name.to_owned());
+        }
+    }
+    stale.iter().filter(|name| dirfd::remove_at(&root, name.as_str()).is_ok_and(|n| n > 0)).count()
+}
+
 /// `bytes` random bytes from the kernel, hex (identifiers, temp names).
-fn random_hex(bytes: usize) -> String {
+pub(crate) fn random_hex(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
-    let filled = File::open("/dev/urandom").and_then(|mut f| io::Read::read_exact(&mut f, &mut buf)).is_ok();
+    let filled = File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut buf)).is_ok();
     if !filled {
         // Identifiers only need to be unique, not secret: time and pid will do.
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
@@ -504,20 +1076,38 @@ fn random_hex(bytes: usize) -> String {
     strata_image_util::hex(&buf)
 }
 
+/// For tests and fuzz targets: what only the key's holder can do.
+#[cfg(any(test, feature = "test-utils"))]
+pub mod test_utils {
+    use super::*;
+
+    /// Writes `manifest` as the manifest of `dir` (replacing it) and seals it with `key`: a manifest that says
+    /// whatever the test needs and still passes the seal.
+    pub fn seal(dir: &Path, key: &SnapshotKey, manifest: &[u8]) -> io::Result<()> {
+        std::fs::write(dir.join(MANIFEST), manifest)?;
+        std::fs::write(dir.join(SEAL), seal_text(&key.seal(manifest)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
 
     fn write(dir: &Path, name: &str, data: &[u8]) {
         let path = dir.join(name);
         if let Some(parent) = path.parent() {
-            fs::create_dir_all(parent).expect("mkdir");
+            std::fs::create_dir_all(parent).expect("mkdir");
         }
-        fs::write(path, data).expect("write");
+        std::fs::write(path, data).expect("write");
     }
 
-    fn snapshot(root: &Path) -> Snapshot {
-        let writer = SnapshotWriter::create(&root.join("snap")).expect("create");
+    fn trust() -> SnapshotTrust {
+        SnapshotTrust::new(SnapshotKey::from_bytes([7; 32]))
+    }
+
+    fn snapshot(root: &Path, trust: &SnapshotTrust) -> Snapshot {
+        let writer = trust.writer(&root.join("snap")).expect("create");
         write(writer.dir(), "memory", &[7u8; 10_000]);
         write(writer.dir(), "fs/upper.tar", b"tar bytes");
         writer
@@ -530,12 +1120,17 @@ mod tests {
             .expect("commit")
     }
 
+    fn refused(dir: &Path) -> SnapshotError {
+        trust().open(dir).expect_err("refused")
+    }
+
     #[test]
     fn a_committed_snapshot_opens_in_place_with_its_manifest() {
         let root = tempfile::tempdir().expect("tempdir");
-        let made = snapshot(root.path());
-        let opened = Snapshot::open_for(&root.path().join("snap"), TierKind::Process).expect("open");
+        let made = snapshot(root.path(), &trust());
+        let opened = trust().open_for(&root.path().join("snap"), TierKind::Process).expect("open");
         assert_eq!(opened, made);
+        assert_eq!(opened.manifest.format, 2);
         assert_eq!(opened.manifest.total_bytes, 10_009);
         assert_eq!(
             opened.manifest.files.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(),
@@ -543,67 +1138,107 @@ mod tests {
         );
         assert_eq!(opened.manifest.persists, [Persisted::Memory, Persisted::Filesystem]);
         assert_eq!(opened.manifest.id.len(), 32);
+        assert_eq!(opened.read_file("fs/upper.tar", 100).expect("read"), b"tar bytes");
+        assert_eq!(opened.read_file("memory", 100).expect_err("over max").code(), "snapshot_too_large");
         // Nothing but the snapshot is left in the parent directory.
-        let names: Vec<_> = fs::read_dir(root.path()).expect("ls").map(|e| e.expect("entry").file_name()).collect();
+        let names: Vec<_> =
+            std::fs::read_dir(root.path()).expect("ls").map(|e| e.expect("entry").file_name()).collect();
         assert_eq!(names, ["snap"]);
-        let err = SnapshotWriter::create(&root.path().join("snap")).expect_err("exists");
+        let err = trust().writer(&root.path().join("snap")).expect_err("exists");
         assert_eq!(err.code(), "snapshot_exists");
     }
 
     #[test]
     fn an_abandoned_writer_leaves_nothing() {
         let root = tempfile::tempdir().expect("tempdir");
-        let writer = SnapshotWriter::create(&root.path().join("snap")).expect("create");
+        let writer = trust().writer(&root.path().join("snap")).expect("create");
         write(writer.dir(), "memory", b"x");
         drop(writer);
-        assert_eq!(fs::read_dir(root.path()).expect("ls").count(), 0);
+        assert_eq!(std::fs::read_dir(root.path()).expect("ls").count(), 0);
     }
 
-    fn refused(dir: &Path) -> SnapshotError {
-        Snapshot::open(dir).expect_err("refused")
+    #[test]
+    fn a_manifest_is_trusted_only_under_its_seal_and_this_key() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dir = snapshot(root.path(), &trust()).dir;
+        let text = std::fs::read_to_string(dir.join(MANIFEST)).expect("manifest");
+        // Another key (another home) refuses it.
+        let other = SnapshotTrust::new(SnapshotKey::from_bytes([8; 32]));
+        assert!(matches!(other.open(&dir), Err(SnapshotError::Seal(_))));
+        // Any edit breaks the seal, even one that keeps the JSON valid and harmless-looking.
+        std::fs::write(dir.join(MANIFEST), text.replacen("\"k\": 1", "\"k\": 2", 1)).expect("edit");
+        let err = refused(&dir);
+        assert!(matches!(err, SnapshotError::Seal(_)), "{err}");
+        assert_eq!(err.code(), "snapshot_invalid");
+        std::fs::write(dir.join(MANIFEST), &text).expect("restore");
+        trust().open(&dir).expect("whole again");
+        // A damaged seal; no seal at all (what format 1 snapshots are).
+        let seal = std::fs::read(dir.join(SEAL)).expect("seal");
+        std::fs::write(dir.join(SEAL), b"strata-seal blake3-keyed zz\n").expect("garble");
+        assert!(matches!(refused(&dir), SnapshotError::Seal(_)));
+        std::fs::write(dir.join(SEAL), vec![b'a'; 4096]).expect("huge");
+        assert_eq!(refused(&dir).code(), "snapshot_too_large");
+        std::fs::remove_file(dir.join(SEAL)).expect("rm");
+        let err = refused(&dir);
+        assert!(matches!(err, SnapshotError::Unsealed(_)) && err.to_string().contains("format 2"), "{err}");
+        std::fs::write(dir.join(SEAL), seal).expect("restore");
+        trust().open(&dir).expect("whole again");
     }
 
     #[test]
     fn damaged_snapshots_are_refused_each_with_its_reason() {
         let root = tempfile::tempdir().expect("tempdir");
-        let dir = snapshot(root.path()).dir;
-        let manifest_text = fs::read_to_string(dir.join(MANIFEST)).expect("manifest");
+        let dir = snapshot(root.path(), &trust()).dir;
+        let manifest_text = std::fs::read_to_string(dir.join(MANIFEST)).expect("manifest");
+        let key = SnapshotKey::from_bytes([7; 32]);
 
         // Truncated, grown, corrupted in place, missing.
         let memory = dir.join("memory");
-        fs::write(&memory, [7u8; 9_999]).expect("truncate");
+        std::fs::write(&memory, [7u8; 9_999]).expect("truncate");
         assert!(matches!(refused(&dir), SnapshotError::SizeMismatch { expected: 10_000, found: 9_999, .. }));
-        fs::write(&memory, [7u8; 10_001]).expect("grow");
+        std::fs::write(&memory, [7u8; 10_001]).expect("grow");
         assert!(matches!(refused(&dir), SnapshotError::SizeMismatch { found: 10_001, .. }));
         let mut flipped = vec![7u8; 10_000];
         flipped[5_000] = 8;
-        fs::write(&memory, &flipped).expect("flip");
+        std::fs::write(&memory, &flipped).expect("flip");
         assert!(matches!(refused(&dir), SnapshotError::Checksum(_)));
-        fs::remove_file(&memory).expect("rm");
+        std::fs::remove_file(&memory).expect("rm");
         assert!(matches!(refused(&dir), SnapshotError::MissingFile(_)));
-        fs::write(&memory, [7u8; 10_000]).expect("restore");
-        Snapshot::open(&dir).expect("whole again");
+        std::fs::write(&memory, [7u8; 10_000]).expect("restore");
+        trust().open(&dir).expect("whole again");
 
-        // A file nobody listed, a symlink in place of a file.
+        // A file nobody listed, a symlink in place of a file, a symlinked directory, a FIFO.
         write(&dir, "extra", b"?");
         assert!(matches!(refused(&dir), SnapshotError::UnlistedFile(_)));
-        fs::remove_file(dir.join("extra")).expect("rm");
-        fs::rename(&memory, dir.join("memory.real")).expect("mv");
-        std::os::unix::fs::symlink("memory.real", &memory).expect("symlink");
+        std::fs::remove_file(dir.join("extra")).expect("rm");
+        std::fs::rename(&memory, root.path().join("memory.real")).expect("mv");
+        std::os::unix::fs::symlink(root.path().join("memory.real"), &memory).expect("symlink");
         assert!(matches!(refused(&dir), SnapshotError::UnsafePath { reason: "not a regular file", .. }));
-        fs::remove_file(&memory).expect("rm");
-        fs::rename(dir.join("memory.real"), &memory).expect("mv");
+        std::fs::remove_file(&memory).expect("rm");
+        std::fs::rename(root.path().join("memory.real"), &memory).expect("mv");
+        std::fs::rename(dir.join("fs"), root.path().join("fs.real")).expect("mv");
+        std::os::unix::fs::symlink(root.path().join("fs.real"), dir.join("fs")).expect("symlink");
+        assert!(matches!(refused(&dir), SnapshotError::UnlistedFile(_)), "the link itself is an unlisted entry");
+        std::fs::remove_file(dir.join("fs")).expect("rm");
+        std::fs::rename(root.path().join("fs.real"), dir.join("fs")).expect("mv");
+        std::fs::remove_file(&memory).expect("rm");
+        nix::unistd::mkfifo(&memory, Mode::from_bits_truncate(0o600)).expect("mkfifo");
+        let started = Instant::now();
+        assert!(matches!(refused(&dir), SnapshotError::UnsafePath { reason: "not a regular file", .. }));
+        assert!(started.elapsed() < Duration::from_secs(5), "a FIFO is refused, not read");
+        std::fs::remove_file(&memory).expect("rm");
+        std::fs::write(&memory, [7u8; 10_000]).expect("restore");
 
-        // Manifests: another format, garbage, hostile paths, a wrong total, no manifest at all.
+        // Manifests that say something wrong, sealed with the right key: the parser still refuses them.
         let edit = |from: &str, to: &str| {
             assert!(manifest_text.contains(from), "{from}");
-            fs::write(dir.join(MANIFEST), manifest_text.replacen(from, to, 1)).expect("edit");
+            test_utils::seal(&dir, &key, manifest_text.replacen(from, to, 1).as_bytes()).expect("edit");
         };
-        edit("\"format\": 1", "\"format\": 2");
+        edit("\"format\": 2", "\"format\": 3");
         let err = refused(&dir);
-        assert!(matches!(err, SnapshotError::FormatVersion { found: 2, supported: 1, .. }), "{err}");
+        assert!(matches!(err, SnapshotError::FormatVersion { found: 3, supported: 2, .. }), "{err}");
         assert_eq!(err.code(), "snapshot_version");
-        edit("\"format\": 1", "\"format\": \"one\"");
+        edit("\"format\": 2", "\"format\": \"two\"");
         assert!(matches!(refused(&dir), SnapshotError::InvalidManifest { .. }));
         edit("\"fs/upper.tar\"", "\"../upper.tar\"");
         assert!(matches!(refused(&dir), SnapshotError::UnsafePath { .. }));
@@ -613,13 +1248,131 @@ mod tests {
         assert!(matches!(refused(&dir), SnapshotError::InvalidManifest { .. }));
         edit("\"tier\": \"process\"", "\"tier\": \"wasm\", \"extra\": 1");
         assert!(matches!(refused(&dir), SnapshotError::InvalidManifest { .. }));
-        fs::write(dir.join(MANIFEST), b"\0\0\0").expect("garbage");
+        test_utils::seal(&dir, &key, b"\0\0\0").expect("garbage");
         assert_eq!(refused(&dir).code(), "snapshot_invalid");
-        fs::write(dir.join(MANIFEST), &manifest_text).expect("restore");
-        let err = Snapshot::open_for(&dir, TierKind::Wasm).expect_err("wrong tier");
+        test_utils::seal(&dir, &key, manifest_text.as_bytes()).expect("restore");
+        let err = trust().open_for(&dir, TierKind::Wasm).expect_err("wrong tier");
         assert_eq!(err.code(), "snapshot_tier", "{err}");
-        fs::remove_file(dir.join(MANIFEST)).expect("rm");
+        std::fs::remove_file(dir.join(MANIFEST)).expect("rm");
         assert!(matches!(refused(&dir), SnapshotError::NotASnapshot(_)));
         assert!(matches!(refused(&root.path().join("nowhere")), SnapshotError::Io { .. }));
+    }
+
+    /// A sealed manifest listing `files` (path, size) with made-up hashes.
+    fn sealed_claim(dir: &Path, files: &[(&str, u64)]) {
+        let manifest = Manifest {
+            format: FORMAT_VERSION,
+            strata: "test".into(),
+            tier: TierKind::Wasm,
+            id: "0".repeat(32),
+            parent: None,
+            created: "2025-01-01T00:00:00Z".into(),
+            persists: Vec::new(),
+            files: files
+                .iter()
+                .map(|(path, size)| ManifestFile { path: (*path).into(), size: *size, sha256: "0".repeat(64) })
+                .collect(),
+            total_bytes: files.iter().map(|(_, size)| size).sum(),
+            meta: serde_json::json!({}),
+        };
+        let text = serde_json::to_vec(&manifest).expect("json");
+        test_utils::seal(dir, &SnapshotKey::from_bytes([7; 32]), &text).expect("seal");
+    }
+
+    #[test]
+    fn work_is_bounded_before_it_is_done() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dir = root.path().join("snap");
+        std::fs::create_dir(&dir).expect("mkdir");
+        // A sparse file of 1 TiB that the (sealed) manifest claims: refused from stat, nothing hashed.
+        let huge = File::create(dir.join("memory")).expect("create");
+        huge.set_len(1 << 40).expect("sparse");
+        sealed_claim(&dir, &[("memory", 1 << 40)]);
+        let started = Instant::now();
+        let err = refused(&dir);
+        assert_eq!(err.code(), "snapshot_too_large", "{err}");
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+        // Within the default bounds, but not these: still refused before any byte is read.
+        huge.set_len(64 << 20).expect("smaller");
+        sealed_claim(&dir, &[("memory", 64 << 20)]);
+        let tight = trust().with_bounds(SnapshotBounds { max_file_bytes: 1 << 20, ..SnapshotBounds::default() });
+        assert_eq!(tight.open(&dir).expect_err("over").code(), "snapshot_too_large");
+        let tight = trust().with_bounds(SnapshotBounds { max_total_bytes: 1 << 20, ..SnapshotBounds::default() });
+        assert_eq!(tight.open(&dir).expect_err("over").code(), "snapshot_too_large");
+        // A sealed manifest with too many files.
+        let many: Vec<String> = (0..5000).map(|i| format!("f{i}")).collect();
+        let claims: Vec<(&str, u64)> = many.iter().map(|name| (name.as_str(), 0)).collect();
+        sealed_claim(&dir, &claims);
+        assert_eq!(refused(&dir).code(), "snapshot_too_large");
+        // A directory bomb: the walk stops at the bound.
+        sealed_claim(&dir, &[("memory", 64 << 20)]);
+        for i in 0..5000 {
+            std::fs::create_dir(dir.join(format!("d{i}"))).expect("mkdir");
+        }
+        let err = refused(&dir);
+        assert!(err.to_string().contains("directories"), "{err}");
+        for i in 0..5000 {
+            std::fs::remove_dir(dir.join(format!("d{i}"))).expect("rmdir");
+        }
+        let mut deep = dir.clone();
+        for _ in 0..100 {
+            deep.push("d");
+        }
+        std::fs::create_dir_all(&deep).expect("deep");
+        let err = refused(&dir);
+        assert!(err.to_string().contains("deeper"), "{err}");
+    }
+
+    #[test]
+    fn a_commit_over_the_bounds_is_refused_before_hashing() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let writer = trust().writer(&root.path().join("snap")).expect("create");
+        File::create(writer.dir().join("memory")).expect("create").set_len(1 << 40).expect("sparse");
+        let started = Instant::now();
+        let err = writer.commit(TierKind::Wasm, None, Vec::new(), serde_json::json!({})).expect_err("too large");
+        assert_eq!(err.code(), "snapshot_too_large", "{err}");
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+        assert_eq!(std::fs::read_dir(root.path()).expect("ls").count(), 0, "nothing is left");
+    }
+
+    #[test]
+    fn a_reopened_snapshot_is_the_same_one_and_unchanged() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let made = snapshot(root.path(), &trust());
+        let again = trust().reopen(&made).expect("unchanged");
+        assert_eq!(again, made);
+        again.open_file("memory").expect("as verified");
+        // Rewritten with the same bytes: hashed again, and still good.
+        std::fs::write(made.dir.join("memory"), [7u8; 10_000]).expect("rewrite");
+        assert!(matches!(made.open_file("memory"), Err(SnapshotError::Changed(_))));
+        let again = trust().reopen(&made).expect("same bytes");
+        again.open_file("memory").expect("verified again");
+        // Changed: refused.
+        std::fs::write(made.dir.join("memory"), [8u8; 10_000]).expect("change");
+        assert!(matches!(trust().reopen(&made), Err(SnapshotError::Checksum(_))));
+        // Another (genuine) snapshot moved in its place: refused as a replacement.
+        std::fs::remove_dir_all(&made.dir).expect("rm");
+        let other = snapshot(root.path(), &trust());
+        assert_ne!(other.manifest.id, made.manifest.id);
+        assert!(matches!(trust().reopen(&made), Err(SnapshotError::Replaced(_))));
+    }
+
+    #[test]
+    fn stale_staging_directories_are_swept_live_ones_kept() {
+        let root = tempfile::tempdir().expect("tempdir");
+        // A PID that cannot be running: above the kernel's maximum.
+        let dead = root.path().join(".snap.partial-4194305-0123abcd");
+        std::fs::create_dir(&dead).expect("mkdir");
+        write(&dead, "memory", b"half");
+        let mine = root.path().join(format!(".other.partial-{}-89abcdef", std::process::id()));
+        std::fs::create_dir(&mine).expect("mkdir");
+        let init = root.path().join(".init.partial-1-00000000");
+        std::fs::create_dir(&init).expect("mkdir");
+        let unrelated = root.path().join(".snap.partial-4194305-xyz");
+        std::fs::create_dir(&unrelated).expect("mkdir");
+        snapshot(root.path(), &trust());
+        assert!(!dead.exists(), "the dead writer's directory is swept");
+        assert!(mine.exists() && init.exists() && unrelated.exists());
+        assert_eq!(sweep_partials(root.path()), 0);
     }
 }

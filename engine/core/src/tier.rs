@@ -153,7 +153,8 @@ pub trait Tier: Send + Sync {
     /// Starts a sandbox that keeps its capabilities and state across several [`Sandbox::exec`] calls.
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError>;
 
-    /// Starts a sandbox from a snapshot of this tier ([`Sandbox::snapshot`]), verified by [`Snapshot::open`].
+    /// Starts a sandbox from a snapshot of this tier ([`Sandbox::snapshot`]), opened by a [`crate::SnapshotTrust`]:
+    /// the tier re-opens it with its own ([`crate::SnapshotTrust::reopen`]) before it takes anything from it.
     ///
     /// The fork starts from exactly the snapshot's state ([`crate::snapshot::Manifest::persists`] says which
     /// state a tier keeps) and is independent: its writes, to memory or files, are invisible to the snapshot, to

@@ -1,1 +1,483 @@
-//! (being written)
+//! Snapshots on disk, attacked by whoever can write where they live: capabilities smuggled into a manifest or a
+//! state file (grants of host `/`, environment, network), files swapped, manifests carried over from another
+//! home, and hostile input that would cost unbounded work (a 1 TiB sparse file, huge claimed sizes, links, FIFOs,
+//! directory bombs). A snapshot is trusted only under the seal of this home's key; everything else is refused as
+//! `snapshot_invalid` (or `snapshot_too_large`) before anything of it is used, and quickly. Also: writers killed
+//! mid-snapshot leave nothing that is ever trusted, and a full disk is a typed error.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use strata_core::{
+    Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, ModuleSource, Persisted, SnapshotError, SnapshotKey,
+    SnapshotTrust, Status, Tier, TierError, TierKind,
+};
+use strata_engine::{Engine, EngineConfig};
+use strata_test_programs as programs;
+use strata_tier_wasm::{CacheOutcome, WasmTier, WasmTierConfig};
+
+use crate::util::{engine, job, python_engine, stdout};
+
+/// What an attacker without the key does to a snapshot: changes one file, then fixes up the manifest's size and
+/// sha256 for it (and the total) so that every check but the seal passes.
+fn rewrite(dir: &Path, name: &str, edit: impl FnOnce(Vec<u8>) -> Vec<u8>) {
+    let bytes = edit(std::fs::read(dir.join(name)).expect("read"));
+    std::fs::write(dir.join(name), &bytes).expect("write");
+    rewrite_manifest(dir, |manifest| {
+        let files = manifest["files"].as_array_mut().expect("files");
+        let entry = files.iter_mut().find(|f| f["path"] == name).expect("listed");
+        entry["size"] = json!(bytes.len());
+        entry["sha256"] = json!(hex(&Sha256::digest(&bytes)));
+        let total: u64 = files.iter().filter_map(|f| f["size"].as_u64()).sum();
+        manifest["total_bytes"] = json!(total);
+    });
+}
+
+fn rewrite_manifest(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let path = dir.join("manifest.json");
+    let mut manifest: Value = serde_json::from_slice(&std::fs::read(&path).expect("manifest")).expect("json");
+    edit(&mut manifest);
+    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).expect("json")).expect("write");
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A host directory with a file no sandbox was given.
+struct Victim {
+    dir: tempfile::TempDir,
+}
+
+impl Victim {
+    fn new() -> Victim {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("secret.txt"), b"host secret\n").expect("write");
+        Victim { dir }
+    }
+
+    fn secret(&self) -> PathBuf {
+        self.dir.path().join("secret.txt")
+    }
+
+    fn untouched(&self) {
+        assert_eq!(std::fs::read(self.secret()).expect("read"), b"host secret\n", "the host file was written");
+        let names: Vec<_> =
+            std::fs::read_dir(self.dir.path()).expect("ls").map(|e| e.expect("e").file_name()).collect();
+        assert_eq!(names, ["secret.txt"], "a file was planted on the host");
+    }
+}
+
+/// The grant every attack adds: the host's `/`, read-write, at `/host`.
+fn host_root() -> Value {
+    serde_json::to_value(Grant::new("/", "/host", GrantMode::Rw).expect("grant")).expect("json")
+}
+
+fn assert_invalid(err: &dyn std::fmt::Display, code: &str) {
+    assert_eq!(code, "snapshot_invalid", "{err}");
+}
+
+#[test]
+fn a_wasm_state_rewritten_to_grant_host_root_is_refused() {
+    let victim = Victim::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
+    let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
+    rewrite(&snapshot.dir, "state.json", |bytes| {
+        let mut state: Value = serde_json::from_slice(&bytes).expect("state");
+        state["caps"]["grants"].as_array_mut().expect("grants").push(host_root());
+        state["caps"]["env"].as_array_mut().expect("env").push(json!({"name": "PWNED", "value": "1"}));
+        serde_json::to_vec(&state).expect("json")
+    });
+    match engine().wasm().fork(&snapshot) {
+        Ok(mut fork) => {
+            // What the attack gets when the fork is made: the host's files, through the smuggled grant.
+            let secret = format!("/host{}", victim.secret().display());
+            let read = fork.exec(&job(programs::FS, &["read", &secret]), ExecOptions::default()).expect("read");
+            let _ = fork.exec(&job(programs::FS, &["write", &secret, "pwned"]), ExecOptions::default());
+            victim.untouched();
+            panic!("the rewritten snapshot was forked; it read the host file: {:?}", stdout(&read));
+        }
+        Err(err) => {
+            assert!(matches!(err, TierError::Snapshot(SnapshotError::Seal(_))), "{err}");
+            assert_invalid(&err, err.code());
+        }
+    }
+    let err = engine().open_snapshot(&snapshot.dir).expect_err("refused when opened too");
+    assert_invalid(&err, err.code());
+    victim.untouched();
+}
+
+#[test]
+fn a_process_manifest_rewritten_to_grant_host_root_is_refused() {
+    let Some(tier) = process_tier("a_process_manifest_rewritten_to_grant_host_root_is_refused") else { return };
+    let victim = Victim::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut sandbox = tier.start(&Capabilities::default(), &Limits::default()).expect("start");
+    let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
+    rewrite_manifest(&snapshot.dir, |manifest| {
+        let caps = &mut manifest["meta"]["caps"];
+        caps["grants"].as_array_mut().expect("grants").push(host_root());
+        caps["env"].as_array_mut().expect("env").push(json!({"name": "PWNED", "value": "1"}));
+        caps["net"] = json!({"allow": ["*.com", "*.org", "*.net"]});
+    });
+    match tier.fork(&snapshot) {
+        Ok(mut fork) => {
+            let secret = format!("/host{}", victim.secret().display());
+            let script = format!("cat {secret}; echo pwned > {secret}; echo $PWNED");
+            let job = Job::Command { argv: vec!["sh".into(), "-c".into(), script] };
+            let read = fork.exec(&job, ExecOptions::default()).expect("exec");
+            victim.untouched();
+            panic!("the rewritten snapshot was forked; it read the host file: {:?}", stdout(&read));
+        }
+        Err(err) => {
+            assert!(matches!(err, TierError::Snapshot(SnapshotError::Seal(_))), "{err}");
+            assert_invalid(&err, err.code());
+        }
+    }
+    // Re-opened from the directory (what `strata run --snapshot` does) it is refused as well.
+    let err = python_engine().open_snapshot(&snapshot.dir).expect_err("refused");
+    assert_invalid(&err, err.code());
+    victim.untouched();
+}
+
+/// The process tier, or `None` with a skip line.
+fn process_tier(test: &str) -> Option<&'static strata_tier_process::ProcessTier> {
+    match python_engine().process() {
+        Ok(tier) => Some(tier),
+        Err(err) => {
+            assert!(std::env::var_os("STRATA_REQUIRE_PROCESS_TIER").is_none(), "process tier required: {err}");
+            eprintln!("skip {test}: the process tier cannot run on this host: {err}");
+            None
+        }
+    }
+}
+
+#[test]
+fn a_file_swapped_after_the_snapshot_was_opened_is_refused_at_fork() {
+    let victim = Victim::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rw = tempfile::tempdir().expect("tempdir");
+    let caps = Capabilities {
+        grants: vec![Grant::new(rw.path(), "/work", GrantMode::Rw).expect("grant")],
+        ..Capabilities::default()
+    };
+    let mut sandbox = engine().wasm().start(&caps, &Limits::default()).expect("start");
+    let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
+    let opened = engine().open_snapshot(&snapshot.dir).expect("whole");
+    let state = opened.dir.join("state.json");
+    let original = std::fs::read(&state).expect("state");
+
+    // A state file with other capabilities, in place (same size, so only its contents tell).
+    let mut forged: Value = serde_json::from_slice(&original).expect("state");
+    forged["caps"]["grants"][0]["host"] = json!(victim.dir.path());
+    let mut forged = serde_json::to_vec(&forged).expect("json");
+    forged.resize(original.len(), b' ');
+    std::fs::write(&state, &forged).expect("swap");
+    let err = engine().wasm().fork(&opened).err().expect("refused");
+    assert_invalid(&err, err.code());
+    // A symlink to a host file in its place; a FIFO in its place (refused at once, never waited on).
+    std::fs::remove_file(&state).expect("rm");
+    std::os::unix::fs::symlink(victim.secret(), &state).expect("symlink");
+    let err = engine().wasm().fork(&opened).err().expect("refused");
+    assert_invalid(&err, err.code());
+    std::fs::remove_file(&state).expect("rm");
+    nix_mkfifo(&state);
+    let started = Instant::now();
+    let err = engine().wasm().fork(&opened).err().expect("refused");
+    assert_invalid(&err, err.code());
+    assert!(started.elapsed() < Duration::from_secs(5), "a FIFO is not waited on: {:?}", started.elapsed());
+    // Put back, the same snapshot forks again.
+    std::fs::remove_file(&state).expect("rm");
+    std::fs::write(&state, &original).expect("restore");
+    let mut fork = engine().wasm().fork(&opened).expect("fork of the restored snapshot");
+    let outcome = fork.exec(&job(programs::FS, &["write", "/work/a.txt", "ok"]), ExecOptions::default()).expect("run");
+    assert_eq!(outcome.status, Status::Exited { code: 0 });
+    victim.untouched();
+}
+
+fn nix_mkfifo(path: &Path) {
+    let status = Command::new("mkfifo").arg(path).status().expect("mkfifo");
+    assert!(status.success());
+}
+
+#[test]
+fn a_snapshot_from_another_home_or_an_older_format_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
+    let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
+    // Another home has another key: its engine refuses the snapshot, and so does its wasm tier's fork.
+    let other_home = tempfile::tempdir().expect("tempdir");
+    let other =
+        Engine::new(EngineConfig { home: Some(other_home.path().to_owned()), ..EngineConfig::default() }).expect("e");
+    let err = other.open_snapshot(&snapshot.dir).expect_err("another home's snapshot");
+    assert!(err.to_string().contains("another key"), "{err}");
+    assert_invalid(&err, err.code());
+    let err = other.wasm().fork(&snapshot).err().expect("refused by the other home's tier");
+    assert_invalid(&err, err.code());
+    // A key given by the embedder is a key like any other.
+    let given = SnapshotTrust::new(SnapshotKey::from_bytes([1; 32]));
+    assert!(matches!(given.open(&snapshot.dir), Err(SnapshotError::Seal(_))));
+    // A snapshot of format 1 had no seal: refused with a message that says what to do.
+    std::fs::remove_file(snapshot.dir.join("manifest.seal")).expect("rm");
+    rewrite_manifest(&snapshot.dir, |manifest| manifest["format"] = json!(1));
+    let err = engine().open_snapshot(&snapshot.dir).expect_err("format 1");
+    assert!(err.to_string().contains("format 2") && err.to_string().contains("make it again"), "{err}");
+    assert_invalid(&err, err.code());
+}
+
+#[test]
+fn hostile_sizes_links_fifos_and_directory_bombs_are_refused_quickly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
+    let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
+    let state = snapshot.dir.join("state.json");
+    let original = std::fs::read(&state).expect("state");
+    let quickly = |what: &str| {
+        let started = Instant::now();
+        let err = engine().open_snapshot(&snapshot.dir).expect_err(what);
+        // A generous sanity bound (hashing 1 TiB took about 17 minutes), not a performance claim.
+        assert!(started.elapsed() < Duration::from_secs(5), "{what}: {:?}", started.elapsed());
+        err
+    };
+
+    // A sparse file of 1 TiB in place of the state file, the manifest left alone: refused from `stat`.
+    let huge = std::fs::File::create(&state).expect("create");
+    huge.set_len(1 << 40).expect("sparse");
+    let err = quickly("a 1 TiB sparse file");
+    assert!(matches!(err.code(), "snapshot_invalid"), "{err}");
+    // The same with the manifest claiming it (and everything an attacker can compute): the seal refuses it.
+    rewrite_manifest(&snapshot.dir, |manifest| {
+        manifest["files"][0]["size"] = json!(1u64 << 40);
+        manifest["total_bytes"] = json!(1u64 << 40);
+    });
+    assert_invalid(&"", quickly("a manifest claiming 1 TiB").code());
+    drop(huge);
+    // And sealed with the key (as only the host could): the bounds refuse it before a byte is hashed.
+    let text = std::fs::read(snapshot.dir.join("manifest.json")).expect("manifest");
+    let key = engine().snapshots().key().expect("key");
+    strata_core::snapshot::test_utils::seal(&snapshot.dir, &key, &text).expect("seal");
+    assert_eq!(quickly("a sealed claim of 1 TiB").code(), "snapshot_too_large");
+
+    // Back to the true manifest; now a symlink to a host file, then a FIFO, in place of the state file.
+    let fresh = dir.path().join("fresh");
+    let made = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start").snapshot(&fresh);
+    let fresh_snapshot = made.expect("snapshot");
+    for name in ["manifest.json", "manifest.seal"] {
+        std::fs::copy(fresh_snapshot.dir.join(name), snapshot.dir.join(name)).expect("copy");
+    }
+    std::fs::write(&state, std::fs::read(fresh_snapshot.dir.join("state.json")).expect("state")).expect("restore");
+    engine().open_snapshot(&snapshot.dir).expect("whole again");
+    std::fs::remove_file(&state).expect("rm");
+    std::os::unix::fs::symlink("/etc/passwd", &state).expect("symlink");
+    assert_invalid(&"", quickly("a symlinked file").code());
+    std::fs::remove_file(&state).expect("rm");
+    nix_mkfifo(&state);
+    assert_invalid(&"", quickly("a FIFO").code());
+    std::fs::remove_file(&state).expect("rm");
+    std::fs::write(&state, std::fs::read(fresh_snapshot.dir.join("state.json")).expect("state")).expect("restore");
+
+    // A directory bomb: 20 000 directories; and a tree 200 levels deep.
+    for i in 0..20_000 {
+        std::fs::create_dir(snapshot.dir.join(format!("d{i}"))).expect("mkdir");
+    }
+    assert_eq!(quickly("a directory bomb").code(), "snapshot_too_large");
+    for i in 0..20_000 {
+        std::fs::remove_dir(snapshot.dir.join(format!("d{i}"))).expect("rmdir");
+    }
+    let deep: PathBuf = std::iter::once(snapshot.dir.clone()).chain((0..200).map(|_| PathBuf::from("d"))).collect();
+    std::fs::create_dir_all(&deep).expect("deep");
+    assert_eq!(quickly("a deep tree").code(), "snapshot_too_large");
+    let _ = original;
+}
+
+/// The child of [`a_killed_writer_leaves_a_whole_snapshot_or_none`]: writes snapshots in a loop until killed.
+#[test]
+#[ignore = "run by a_killed_writer_leaves_a_whole_snapshot_or_none in a process it kills"]
+fn killed_writer_child() {
+    let Some(dir) = std::env::var_os("STRATA_TEST_SNAPSHOT_WRITER_DIR") else { return };
+    let dir = PathBuf::from(dir);
+    let trust = SnapshotTrust::new(SnapshotKey::from_bytes([42; 32]));
+    let block = vec![0x5au8; 1 << 20];
+    for i in 0.. {
+        let writer = trust.writer(&dir.join(format!("snap-{i}"))).expect("writer");
+        let mut file = std::fs::File::create(writer.dir().join("memory")).expect("create");
+        for _ in 0..16 {
+            std::io::Write::write_all(&mut file, &block).expect("write");
+        }
+        std::fs::write(writer.dir().join("state.json"), format!("{{\"i\":{i}}}")).expect("state");
+        writer.commit(TierKind::Wasm, None, vec![Persisted::Memory], json!({"i": i})).expect("commit");
+    }
+}
+
+#[test]
+fn a_killed_writer_leaves_a_whole_snapshot_or_none() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trust = SnapshotTrust::new(SnapshotKey::from_bytes([42; 32]));
+    let exe = std::env::current_exe().expect("test binary");
+    let (mut kills, mut whole, mut partial) = (0, 0, 0);
+    for delay_ms in [5u64, 40, 90, 150, 230, 370] {
+        let mut child = Command::new(&exe)
+            .args(["adversarial::snapshots::killed_writer_child", "--exact", "--ignored", "--quiet"])
+            .env("STRATA_TEST_SNAPSHOT_WRITER_DIR", dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn the writer");
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reap");
+        kills += 1;
+        // Every snapshot there is whole and valid; nothing half-written is ever opened as one.
+        for entry in std::fs::read_dir(dir.path()).expect("ls") {
+            let name = entry.expect("entry").file_name().to_string_lossy().into_owned();
+            if name.starts_with("snap-") {
+                let opened = trust.open(&dir.path().join(&name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert_eq!(opened.manifest.total_bytes, (16 << 20) + opened.listed("state.json").expect("state").size);
+                whole += 1;
+            } else {
+                assert!(name.starts_with(".snap-") && name.contains(".partial-"), "{name}");
+                let err = trust.open(&dir.path().join(&name)).expect_err("a staging directory is never a snapshot");
+                assert_invalid(&err, err.code());
+                partial += 1;
+            }
+        }
+    }
+    eprintln!("{kills} writers killed; seen {whole} whole snapshots and {partial} staging directories on the way");
+    assert!(whole > 0, "the writer never finished a snapshot: the test proves nothing");
+    // The next writer sweeps what the dead ones left.
+    let writer = trust.writer(&dir.path().join("after")).expect("writer");
+    drop(writer);
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|name| name.contains(".partial-"))
+        .collect();
+    assert!(left.is_empty(), "staging directories of dead writers were left: {left:?}");
+}
+
+/// A small tmpfs mounted for the test, unmounted when dropped.
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// A tmpfs of `size` bytes, or `None` (with a skip line) where this host cannot mount one.
+    fn mount(test: &str, size: u64) -> Option<Tmpfs> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0755"), "tmpfs"])
+            .arg(dir.path())
+            .stderr(std::process::Stdio::null())
+            .status();
+        match status {
+            Ok(status) if status.success() => Some(Tmpfs { dir }),
+            _ => {
+                eprintln!("skip {test}: cannot mount a tmpfs here (not root?)");
+                None
+            }
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Fills the filesystem up to `leave` free bytes.
+    fn fill(&self, leave: u64) -> PathBuf {
+        let stat = nix::sys::statvfs::statvfs(self.path()).expect("statvfs");
+        let free = stat.blocks_available() * stat.fragment_size();
+        let filler = self.path().join("filler");
+        let file = std::fs::File::create(&filler).expect("filler");
+        let mut left = free.saturating_sub(leave);
+        let block = vec![1u8; 64 << 10];
+        let mut out = std::io::BufWriter::new(file);
+        while left > 0 {
+            let n = left.min(block.len() as u64) as usize;
+            if std::io::Write::write_all(&mut out, &block[..n]).is_err() {
+                break;
+            }
+            left -= n as u64;
+        }
+        let _ = std::io::Write::flush(&mut out);
+        filler
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(self.dir.path()).status();
+    }
+}
+
+fn partials(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|name| name.contains(".partial-") || name.ends_with(".tmp"))
+        .collect()
+}
+
+#[test]
+fn a_full_home_is_a_typed_error_and_leaves_nothing_trusted() {
+    let Some(home) = Tmpfs::mount("a_full_home_is_a_typed_error_and_leaves_nothing_trusted", 4 << 20) else {
+        return;
+    };
+    let engine =
+        Engine::new(EngineConfig { home: Some(home.path().to_owned()), ..EngineConfig::default() }).expect("engine");
+    // A sandbox whose state is larger than the room left: its environment holds 256 KiB.
+    let caps = Capabilities {
+        env: vec![strata_core::EnvVar { name: "BIG".into(), value: "x".repeat(256 << 10) }],
+        ..Capabilities::default()
+    };
+    let mut sandbox = engine.wasm().start(&caps, &Limits::default()).expect("start");
+    // With no room for the key itself: a typed error, no key file and no temporary left.
+    let filler = home.fill(0);
+    let err = sandbox.snapshot(&home.path().join("snap")).expect_err("no room for the key");
+    assert_eq!(err.code(), "snapshot_key", "{err}");
+    assert!(!home.path().join("keys/snapshot.key").exists());
+    assert!(partials(&home.path().join("keys")).is_empty());
+    std::fs::remove_file(&filler).expect("free");
+    engine.snapshots().key().expect("the key, now that there is room");
+
+    // Room for the key but not the state.
+    let filler = home.fill(64 << 10);
+    let err = sandbox.snapshot(&home.path().join("snap")).expect_err("disk full");
+    assert_eq!(err.code(), "snapshot_io", "{err}");
+    assert!(err.to_string().contains("No space left"), "{err}");
+    assert!(!home.path().join("snap").exists(), "no snapshot appears");
+    assert!(partials(home.path()).is_empty(), "{:?}", partials(home.path()));
+    std::fs::remove_file(&filler).expect("free");
+    let snapshot = sandbox.snapshot(&home.path().join("snap")).expect("a snapshot, now that there is room");
+    engine.open_snapshot(&snapshot.dir).expect("whole");
+    let mut fork = engine.wasm().fork(&snapshot).expect("fork");
+    let outcome = fork.exec(&job(programs::HELLO, &["fork"]), ExecOptions::default()).expect("run");
+    assert_eq!(outcome.status, Status::Exited { code: 0 });
+}
+
+#[test]
+fn a_full_module_cache_compiles_anyway_and_keeps_no_half_entry() {
+    let Some(home) = Tmpfs::mount("a_full_module_cache_compiles_anyway_and_keeps_no_half_entry", 4 << 20) else {
+        return;
+    };
+    let cache = home.path().join("modules");
+    std::fs::create_dir(&cache).expect("mkdir");
+    let tier = || WasmTier::new(WasmTierConfig { cache_dir: Some(cache.clone()), ..WasmTierConfig::default() });
+    let module = ModuleSource::File(programs::HELLO.into());
+    let limits = Limits::default();
+    let filler = home.fill(16 << 10);
+    // The entry cannot be stored: the job runs all the same, from the module compiled in memory.
+    let full = tier();
+    assert_eq!(full.prepare(&module, &limits).expect("compiles"), Some(CacheOutcome::Compiled));
+    let job = Job::Wasm { module: module.clone(), args: vec!["full".into()] };
+    let outcome = full.run(&job, &Capabilities::default(), &limits, ExecOptions::default()).expect("runs");
+    assert!(stdout(&outcome).starts_with("Hello, full!"), "{outcome:?}");
+    assert!(partials(&cache).is_empty(), "{:?}", partials(&cache));
+    // Nothing it left is trusted: with room again, the next tier compiles (no entry), the one after loads it.
+    std::fs::remove_file(&filler).expect("free");
+    assert_eq!(tier().prepare(&module, &limits).expect("compile"), Some(CacheOutcome::Compiled));
+    assert_eq!(tier().prepare(&module, &limits).expect("load"), Some(CacheOutcome::Hit));
+}

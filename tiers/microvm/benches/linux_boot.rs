@@ -503,6 +503,7 @@ fn measure(images: &Images, accel: Accel) -> anyhow::Result<()> {
         root_disk: None,
         run_dir: scratch.path().to_owned(),
         cpuid: CpuidProfile::Standard,
+        snapshots: strata_core::SnapshotTrust::process_local(),
     });
     let limits = Limits { memory: ByteSize(MEMORY_MIB << 20), ..Limits::default() };
     let job = Job::Command { argv: vec!["/bin/true".into()] };

@@ -121,7 +121,7 @@ fn main() -> anyhow::Result<()> {
     for i in 0..iters + (iters / 10).max(1) {
         let dest = dir.path().join(format!("save-{i}"));
         let t = Instant::now();
-        machine.snapshot(&dest, None)?;
+        machine.snapshot(&dest, None, &strata_core::SnapshotTrust::process_local())?;
         let took = t.elapsed();
         std::fs::remove_dir_all(&dest)?;
         if i >= (iters / 10).max(1) {
@@ -131,9 +131,11 @@ fn main() -> anyhow::Result<()> {
     all.push(save);
 
     let path = dir.path().join("snap");
-    machine.snapshot(&path, None)?;
-    all.push(latency("snapshot_open", iters, || VmSnapshot::open(&path).map(drop).map_err(Into::into))?);
-    let snap = VmSnapshot::open(&path)?;
+    machine.snapshot(&path, None, &strata_core::SnapshotTrust::process_local())?;
+    all.push(latency("snapshot_open", iters, || {
+        VmSnapshot::open(&path, &strata_core::SnapshotTrust::process_local()).map(drop).map_err(Into::into)
+    })?);
+    let snap = VmSnapshot::open(&path, &strata_core::SnapshotTrust::process_local())?;
     let restore = timed("restore", iters, || Ok(snap.restore(RestoreArgs::default())?))?;
     let fork = timed("fork", iters, || Ok(snap.fork(RestoreArgs::default())?))?;
     let first_out = timed("fork_first_out", iters, || {
@@ -147,9 +149,9 @@ fn main() -> anyhow::Result<()> {
     let slow = (iters / 5).max(1);
     let mut with_irqchip = paused_counter(true, common::MEM_SIZE)?;
     let path = dir.path().join("snap-irqchip");
-    with_irqchip.snapshot(&path, None)?;
+    with_irqchip.snapshot(&path, None, &strata_core::SnapshotTrust::process_local())?;
     drop(with_irqchip);
-    let snap_irqchip = VmSnapshot::open(&path)?;
+    let snap_irqchip = VmSnapshot::open(&path, &strata_core::SnapshotTrust::process_local())?;
     all.push(timed("restore_irqchip", slow, || Ok(snap_irqchip.restore(RestoreArgs::default())?))?);
     all.push(timed("fork_irqchip", slow, || Ok(snap_irqchip.fork(RestoreArgs::default())?))?);
     drop(machine);
@@ -165,9 +167,9 @@ fn main() -> anyhow::Result<()> {
     const PSS_GUEST: u64 = 64 << 20;
     let mut big = paused_counter(false, PSS_GUEST)?;
     let path = dir.path().join("snap-64m");
-    big.snapshot(&path, None)?;
+    big.snapshot(&path, None, &strata_core::SnapshotTrust::process_local())?;
     drop(big);
-    let snap = VmSnapshot::open(&path)?;
+    let snap = VmSnapshot::open(&path, &strata_core::SnapshotTrust::process_local())?;
     let mut buf = vec![0u8; 1 << 20];
     let fork_kib = pss_of(forks, &mut buf, || Ok(snap.fork(RestoreArgs::default())?))?;
     let restore_kib = pss_of(forks, &mut buf, || Ok(snap.restore(RestoreArgs::default())?))?;

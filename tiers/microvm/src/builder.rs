@@ -261,11 +261,12 @@ impl Microvm {
         destination: &std::path::Path,
         parent: Option<String>,
         extra: SnapshotExtra,
+        trust: &strata_core::SnapshotTrust,
     ) -> Result<VmSnapshot, VmSnapshotError> {
         let exits = self.machine.pause();
         let saved = match exits {
             Ok(exits) if exits.iter().all(|e| matches!(e, VcpuExit::Stopped)) => {
-                VmSnapshot::save_with(&mut self.machine, destination, parent, extra)
+                VmSnapshot::save_with(&mut self.machine, destination, parent, extra, trust)
             }
             Ok(exits) => Err(VmSnapshotError::InvalidState(format!(
                 "the guest stopped on its own before the snapshot ({})",

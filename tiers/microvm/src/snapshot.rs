@@ -5,9 +5,9 @@
 //! let mut machine = Machine::new(vm, memory, vcpus, devices);   // a VM the monitor built
 //! machine.resume()?;                                             // vCPU threads run the guest
 //! machine.pause()?;                                              // kicked out of KVM_RUN, pending I/O completed
-//! let snap = machine.snapshot(dest, None)?;                      // = VmSnapshot::save(&mut machine, dest, None)
+//! let snap = machine.snapshot(dest, None, &trust)?;              // = VmSnapshot::save(&mut machine, dest, None, &trust)
 //!
-//! let snap = VmSnapshot::open(dest)?;                            // sha256 of every file, then the state checked
+//! let snap = VmSnapshot::open(dest, &trust)?;                    // seal, sha256 of every file, then the state checked
 //! let again = snap.restore(RestoreArgs::default())?;             // RAM copied into a fresh memfd
 //! let fork = snap.fork(RestoreArgs { guest_cid: Some(7), ..Default::default() })?; // RAM mapped MAP_PRIVATE
 //! ```
@@ -33,7 +33,10 @@
 //! the body is parsed, unknown fields refused, and every count and size validated ([`MicrovmState::validate`])
 //! before anything reaches KVM: a damaged state is a typed [`VmSnapshotError`], never a panic or a huge
 //! allocation. The snapshot directory itself is strata-core's ([`strata_core::SnapshotWriter`]): written atomically
-//! under a manifest with every file's sha256, which [`VmSnapshot::open`] verifies.
+//! under a manifest with every file's sha256, sealed with the host's key ([`SnapshotTrust`]), which
+//! [`VmSnapshot::open`] verifies; the state file is parsed from the bytes the manifest sealed (read and checked in
+//! one pass, [`Snapshot::read_file`]) and the memory file mapped is the one that was verified
+//! ([`Snapshot::open_file`]), never a path opened again.
 //!
 //! **Restore and fork** build a new VM (with an irqchip exactly when the snapshot had one), set the VM state, rebuild
 //! the devices on the caller's buses and create the vCPUs from their state; the vCPUs are left paused
@@ -62,7 +65,7 @@ use kvm_bindings::{
     kvm_ioapic_state__bindgen_ty_1, kvm_irqchip, kvm_pic_state, kvm_pit_channel_state, kvm_pit_state2, kvm_run,
 };
 use serde::{Deserialize, Serialize};
-use strata_core::{Persisted, Snapshot, SnapshotError, SnapshotWriter, TierKind};
+use strata_core::{Persisted, Snapshot, SnapshotError, SnapshotTrust, SnapshotWriter, TierKind};
 use vm_memory::Address;
 
 use crate::devices::bus::{Bus, BusError};
@@ -883,8 +886,13 @@ impl Machine {
     }
 
     /// Saves the paused machine into a new snapshot directory at `dest` ([`VmSnapshot::save`]).
-    pub fn snapshot(&mut self, dest: &Path, parent: Option<String>) -> Result<VmSnapshot, VmSnapshotError> {
-        VmSnapshot::save(self, dest, parent)
+    pub fn snapshot(
+        &mut self,
+        dest: &Path,
+        parent: Option<String>,
+        trust: &SnapshotTrust,
+    ) -> Result<VmSnapshot, VmSnapshotError> {
+        VmSnapshot::save(self, dest, parent, trust)
     }
 
     /// The machine's state (not its memory), saved under the device locks. Pending I/O of a vCPU driven with
@@ -1165,9 +1173,15 @@ impl VmSnapshot {
     /// Saves a paused machine into a new snapshot directory at `dest` (which must not exist): vCPU I/O in flight
     /// completed ([`complete_pending_io`]), then the state file and
     /// the memory file, written under the device locks, then sealed by [`SnapshotWriter::commit`] (sha256 of each
-    /// file, fsync, atomic rename). `parent` is the snapshot the machine was forked from, if any.
-    pub fn save(machine: &mut Machine, dest: &Path, parent: Option<String>) -> Result<VmSnapshot, VmSnapshotError> {
-        VmSnapshot::save_with(machine, dest, parent, SnapshotExtra::default())
+    /// file, the seal of `trust`'s key, fsync, atomic rename). `parent` is the snapshot the machine was forked from,
+    /// if any.
+    pub fn save(
+        machine: &mut Machine,
+        dest: &Path,
+        parent: Option<String>,
+        trust: &SnapshotTrust,
+    ) -> Result<VmSnapshot, VmSnapshotError> {
+        VmSnapshot::save_with(machine, dest, parent, SnapshotExtra::default(), trust)
     }
 
     /// [`VmSnapshot::save`], with what the caller knows about the guest beyond the machine: more kinds of state
@@ -1178,8 +1192,9 @@ impl VmSnapshot {
         dest: &Path,
         parent: Option<String>,
         extra: SnapshotExtra,
+        trust: &SnapshotTrust,
     ) -> Result<VmSnapshot, VmSnapshotError> {
-        let writer = SnapshotWriter::create(dest)?;
+        let writer = SnapshotWriter::create(dest, trust)?;
         let state = machine.save_state_with(|state, memory| {
             let path = writer.dir().join(STATE_FILE);
             let bytes = state.to_bytes()?;
@@ -1219,13 +1234,13 @@ impl VmSnapshot {
         Ok(VmSnapshot { snapshot, state })
     }
 
-    /// Opens a snapshot directory: the manifest and every file's sha256 ([`Snapshot::open_for`]), then the state
-    /// file (header, version, size cap, shape, [`MicrovmState::validate`]) and the memory file's size.
-    pub fn open(dir: &Path) -> Result<VmSnapshot, VmSnapshotError> {
-        VmSnapshot::from_verified(Snapshot::open_for(dir, TierKind::Microvm)?)
+    /// Opens a snapshot directory: the seal, the manifest and every file's sha256 ([`SnapshotTrust::open_for`]),
+    /// then the state file (header, version, size cap, shape, [`MicrovmState::validate`]) and the memory file's size.
+    pub fn open(dir: &Path, trust: &SnapshotTrust) -> Result<VmSnapshot, VmSnapshotError> {
+        VmSnapshot::from_verified(trust.open_for(dir, TierKind::Microvm)?)
     }
 
-    /// As [`VmSnapshot::open`], for a snapshot whose files [`Snapshot::open_for`] has already verified.
+    /// As [`VmSnapshot::open`], for a snapshot a [`SnapshotTrust`] has already verified (opened or re-opened).
     pub fn from_verified(snapshot: Snapshot) -> Result<VmSnapshot, VmSnapshotError> {
         if snapshot.tier != TierKind::Microvm {
             return Err(SnapshotError::WrongTier {
@@ -1238,7 +1253,8 @@ impl VmSnapshot {
         let listed = |name: &str| snapshot.manifest.files.iter().find(|f| f.path == name).map(|f| f.size);
         listed(STATE_FILE).ok_or(VmSnapshotError::MissingFile(STATE_FILE))?;
         let memory_size = listed(MEMORY_FILE).ok_or(VmSnapshotError::MissingFile(MEMORY_FILE))?;
-        let state = MicrovmState::read(&snapshot.file(STATE_FILE))?;
+        let bytes = snapshot.read_file(STATE_FILE, MAX_STATE_BYTES + STATE_HEADER_LEN as u64)?;
+        let state = MicrovmState::from_bytes(&bytes, &snapshot.file(STATE_FILE))?;
         if memory_size != state.memory_bytes {
             return Err(VmSnapshotError::MemorySize { expected: state.memory_bytes, found: memory_size });
         }
@@ -1265,7 +1281,7 @@ impl VmSnapshot {
     pub fn restore(&self, args: RestoreArgs) -> Result<Machine, VmSnapshotError> {
         let memory = GuestMemory::new(self.state.memory_bytes)?;
         let path = self.memory_path();
-        let source = File::open(&path).map_err(io_error(&path))?;
+        let source = self.snapshot.open_file(MEMORY_FILE)?;
         let found = source.metadata().map_err(io_error(&path))?.len();
         if found != self.state.memory_bytes {
             return Err(VmSnapshotError::MemorySize { expected: self.state.memory_bytes, found });
@@ -1283,7 +1299,7 @@ impl VmSnapshot {
     /// with the page cache and every other fork, and its writes never reach the file. Give it a new identity in
     /// `args` (`guest_cid`). The vCPUs are paused.
     pub fn fork(&self, args: RestoreArgs) -> Result<Machine, VmSnapshotError> {
-        let memory = GuestMemory::from_file_private(&self.memory_path())?;
+        let memory = GuestMemory::from_open_file_private(self.snapshot.open_file(MEMORY_FILE)?, &self.memory_path())?;
         if memory.size() != self.state.memory_bytes {
             return Err(VmSnapshotError::MemorySize { expected: self.state.memory_bytes, found: memory.size() });
         }

@@ -23,8 +23,10 @@
 //! new guest CID; the guest's vsock connections were reset (as Firecracker does), so the host reconnects to the
 //! agent, which accepts a new connection as it does after any; the agent then reseeds the guest's randomness from
 //! the host's `getrandom` and sets its clock to the host's ([`AgentClient::after_restore`]). The fork runs with the
-//! recorded capabilities and limits; a snapshot taken with secrets is refused by [`Tier::fork`] (their values were
-//! never written) and forked with [`MicrovmTier::fork_with`] and the capabilities.
+//! recorded capabilities and limits — read only from a manifest sealed with the tier's key, re-opened when the fork
+//! is made ([`strata_core::SnapshotTrust::reopen`]) — and a snapshot taken with secrets is refused by
+//! [`Tier::fork`] (their values were never written) and forked with [`MicrovmTier::fork_with`] and the
+//! capabilities.
 //!
 //! Network egress: [`crate::session`] (a host egress proxy per sandbox on the vsock socket's `_1028` path, the
 //! agent's forwarder on the guest's `127.0.0.1:3128`).
@@ -72,6 +74,8 @@ pub struct MicrovmTierConfig {
     pub run_dir: PathBuf,
     /// CPUID mask.
     pub cpuid: CpuidProfile,
+    /// What seals this tier's snapshots and opens them for forks.
+    pub snapshots: strata_core::SnapshotTrust,
 }
 
 /// A file's identity, size and times: unchanged stamps mean unchanged contents (images are replaced, never edited).
@@ -93,6 +97,8 @@ pub type MicrovmSandbox = Session<MicrovmGuest>;
 pub struct MicrovmGuest {
     vm: Microvm,
     images: Value,
+    /// What its snapshots are sealed with.
+    snapshots: strata_core::SnapshotTrust,
 }
 
 impl MicrovmGuest {
@@ -124,7 +130,7 @@ impl AgentHost for MicrovmGuest {
         mut extra: SnapshotExtra,
     ) -> Result<Snapshot, TierError> {
         extra.meta.insert("images".into(), self.images.clone());
-        let snapshot = self.vm.snapshot(destination, parent, extra).map_err(snapshot_error)?;
+        let snapshot = self.vm.snapshot(destination, parent, extra, &self.snapshots).map_err(snapshot_error)?;
         Ok(snapshot.snapshot().clone())
     }
 
@@ -230,7 +236,8 @@ impl MicrovmTier {
             }
             Err(err) => return Err(internal(err)),
         };
-        Session::with_trees(MicrovmGuest { vm, images }, client, caps, limits, &trees).map(Ok)
+        let guest = MicrovmGuest { vm, images, snapshots: self.config.snapshots.clone() };
+        Session::with_trees(guest, client, caps, limits, &trees).map(Ok)
     }
 
     /// A fork of `snapshot` with the caller's capabilities and limits instead of the recorded ones (the guest's
@@ -242,6 +249,7 @@ impl MicrovmTier {
         caps: &Capabilities,
         limits: &Limits,
     ) -> Result<MicrovmSandbox, TierError> {
+        let snapshot = &self.config.snapshots.reopen(snapshot)?;
         let plan = ForkPlan::read(snapshot)?;
         self.fork_plan(snapshot, &plan, caps, limits)
     }
@@ -269,7 +277,7 @@ impl MicrovmTier {
         let vm_snapshot = VmSnapshot::from_verified(snapshot.clone()).map_err(snapshot_error)?;
         let vm = Microvm::fork(&vm_snapshot, &self.config.run_dir, fresh_guest_cid()?, self.config.root_disk.clone())
             .map_err(snapshot_error)?;
-        let mut guest = MicrovmGuest { vm, images };
+        let mut guest = MicrovmGuest { vm, images, snapshots: self.config.snapshots.clone() };
         let client = guest.vm.connect_agent(RECONNECT_TIMEOUT).map_err(internal)?;
         after_restore(&client)?;
         let parent = Some(snapshot.manifest.id.clone());
@@ -383,6 +391,8 @@ impl Tier for MicrovmTier {
     }
 
     fn fork(&self, snapshot: &Snapshot) -> Result<Box<dyn Sandbox>, TierError> {
+        // The capabilities below come from a manifest sealed with this tier's key, as the directory holds it now.
+        let snapshot = &self.config.snapshots.reopen(snapshot)?;
         let plan = ForkPlan::read(snapshot)?;
         if !plan.secret_names.is_empty() {
             return Err(unsupported(&format!(

@@ -238,6 +238,7 @@ fn the_tier_runs_a_job_or_reports_the_crash() {
         root_disk: None,
         run_dir: scratch.path().to_owned(),
         cpuid: if kind == "pvm" { CpuidProfile::PvmCompat } else { CpuidProfile::Standard },
+        snapshots: strata_core::SnapshotTrust::process_local(),
     });
     let limits = Limits { memory: strata_core::ByteSize(256 << 20), ..Limits::default() };
     let job = Job::Command { argv: vec!["echo".into(), "hello".into()] };
@@ -286,7 +287,8 @@ fn a_booting_microvm_is_snapshotted_and_forked_with_its_devices() {
     let mut extra = SnapshotExtra::default();
     extra.meta.insert("images".into(), serde_json::json!({"kernel": "test"}));
     let started = Instant::now();
-    let saved = vm.snapshot(&dest, None, extra).expect("snapshot a booting VM");
+    let saved =
+        vm.snapshot(&dest, None, extra, &strata_core::SnapshotTrust::process_local()).expect("snapshot a booting VM");
     eprintln!("saved a booting {kind} microVM in {:.1?}", started.elapsed());
     assert!(!vm.has_stopped() || kind == "pvm", "the VM did not resume");
     let state = saved.state();
@@ -304,7 +306,7 @@ fn a_booting_microvm_is_snapshotted_and_forked_with_its_devices() {
     assert_eq!(saved.snapshot().manifest.meta["images"]["kernel"], "test");
     assert_eq!(state.memory_bytes, 128 << 20);
 
-    let opened = VmSnapshot::open(&dest).expect("open");
+    let opened = VmSnapshot::open(&dest, &strata_core::SnapshotTrust::process_local()).expect("open");
     let fork = Microvm::fork(&opened, scratch.path(), 1234, disk).expect("fork into a new monitor");
     std::thread::sleep(Duration::from_millis(100));
     fork.shutdown();

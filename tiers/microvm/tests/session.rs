@@ -68,7 +68,7 @@ impl AgentHost for ProcessAgent {
         parent: Option<String>,
         mut extra: SnapshotExtra,
     ) -> Result<Snapshot, TierError> {
-        let writer = SnapshotWriter::create(destination)?;
+        let writer = SnapshotWriter::create(destination, &strata_core::SnapshotTrust::process_local())?;
         fs::write(writer.dir().join("memory"), b"not a VM").expect("placeholder");
         extra.meta.insert("images".into(), self.images.clone());
         let mut persists = vec![Persisted::Memory, Persisted::Cpu, Persisted::Devices];
@@ -285,8 +285,9 @@ fn a_snapshot_records_caps_by_name_and_refuses_a_fork_without_secrets() {
         root_disk: None,
         run_dir: store.path().to_owned(),
         cpuid: CpuidProfile::Standard,
+        snapshots: strata_core::SnapshotTrust::process_local(),
     });
-    let opened = Snapshot::open(&dest).expect("open");
+    let opened = strata_core::SnapshotTrust::process_local().open(&dest).expect("open");
     let Err(err) = tier.fork(&opened) else { panic!("a snapshot with secrets was forked without them") };
     assert_eq!(err.code(), "unsupported", "{err}");
     assert!(err.to_string().contains("TOKEN") && !err.to_string().contains("hunter2"), "{err}");
@@ -372,6 +373,7 @@ fn a_booted_sandbox_snapshots_and_forks_on_hardware_kvm() {
         root_disk: None,
         run_dir: scratch.path().to_owned(),
         cpuid: CpuidProfile::Standard,
+        snapshots: strata_core::SnapshotTrust::process_local(),
     });
     let limits = Limits { memory: ByteSize(256 << 20), wall: Duration::from_secs(20), ..Limits::default() };
     let mut sandbox = tier.start(&Capabilities::default(), &limits).expect("start");
@@ -383,7 +385,7 @@ fn a_booted_sandbox_snapshots_and_forks_on_hardware_kvm() {
     let dest = scratch.path().join("snap");
     let snapshot = sandbox.snapshot(&dest).expect("snapshot");
     assert!(snapshot.manifest.persists.contains(&Persisted::Processes));
-    let snapshot = Snapshot::open(&dest).expect("open");
+    let snapshot = strata_core::SnapshotTrust::process_local().open(&dest).expect("open");
     let mut forks: Vec<Box<dyn Sandbox>> = (0..2).map(|_| tier.fork(&snapshot).expect("fork")).collect();
     let mut random = Vec::new();
     for (index, fork) in forks.iter_mut().enumerate() {

@@ -13,13 +13,18 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::*;
-use strata_core::{Persisted, SnapshotError, SnapshotWriter, TierKind};
+use strata_core::{Persisted, SnapshotError, SnapshotTrust, SnapshotWriter, TierKind};
 use strata_tier_microvm::devices::serial::SerialLog;
 use strata_tier_microvm::snapshot::{
     MEMORY_FILE, Machine, MicrovmState, RestoreArgs, STATE_FILE, VirtioTransport, VmSnapshot, VmSnapshotError,
 };
 use strata_tier_microvm::vstate::vcpu::VcpuExit;
 use strata_tier_microvm::vstate::vcpu::state::VcpuState;
+
+/// What these tests seal and open snapshots with: a key of this process.
+fn trust() -> SnapshotTrust {
+    SnapshotTrust::process_local()
+}
 
 fn vcpu_state(machine: &Machine) -> VcpuState {
     machine.vcpus()[0].save_state().expect("vCPU state")
@@ -63,7 +68,7 @@ fn a_paused_guest_continues_from_exactly_its_state_in_a_new_monitor() {
     let original_memory = read_mem(machine.memory(), 0, MEM_SIZE as usize);
 
     let path = dir.path().join("snap");
-    let snap = machine.snapshot(&path, None).expect("snapshot");
+    let snap = machine.snapshot(&path, None, &trust()).expect("snapshot");
     assert_eq!(snap.snapshot().tier, TierKind::Microvm);
     assert_eq!(snap.snapshot().manifest.persists, vec![Persisted::Memory, Persisted::Cpu, Persisted::Devices]);
     assert_eq!(std::fs::read(path.join(MEMORY_FILE)).expect("memory file"), original_memory);
@@ -72,7 +77,7 @@ fn a_paused_guest_continues_from_exactly_its_state_in_a_new_monitor() {
     drop(machine);
 
     // Another monitor: opened from disk (checksums, state validation), rebuilt, nothing shared with the first.
-    let snap = VmSnapshot::open(&path).expect("open");
+    let snap = VmSnapshot::open(&path, &trust()).expect("open");
     assert_eq!(snap.state().vcpus[0].regs, saved.regs);
     let new_log = SerialLog::new(64 * 1024);
     let mut restored =
@@ -94,8 +99,9 @@ fn a_paused_guest_continues_from_exactly_its_state_in_a_new_monitor() {
     println!("counted {} before the snapshot and {} after the restore", before.len(), after.len());
 
     // The restored machine can be snapshotted again, and says where it came from.
-    let again =
-        restored.snapshot(&dir.path().join("again"), Some(snap.snapshot().manifest.id.clone())).expect("snapshot");
+    let again = restored
+        .snapshot(&dir.path().join("again"), Some(snap.snapshot().manifest.id.clone()), &trust())
+        .expect("snapshot");
     assert_eq!(again.snapshot().manifest.parent.as_deref(), Some(snap.snapshot().manifest.id.as_str()));
 }
 
@@ -114,7 +120,7 @@ fn a_vcpu_stopped_right_after_an_io_exit_is_settled_before_it_is_saved() {
         }
     }
     assert_eq!(log.contents(), [1, 2, 3, 4, 5]);
-    let snap = machine.snapshot(&dir.path().join("snap"), None).expect("snapshot");
+    let snap = machine.snapshot(&dir.path().join("snap"), None, &trust()).expect("snapshot");
     check_counter(&log.contents(), &snap.state().vcpus[0], counter(&machine));
     let new_log = SerialLog::new(4096);
     let mut restored =
@@ -137,7 +143,7 @@ fn a_vcpu_stopped_right_after_an_io_exit_is_settled_before_it_is_saved() {
     write_reg8(&mut *serial.lock().expect("lock"), 7, 0x5a);
     let exit = machine.vcpus_mut()[0].run_once().expect("run");
     assert!(matches!(exit, VcpuExit::IoIn { port: 0x3ff, .. }), "{exit:?}");
-    let snap = machine.snapshot(&dir.path().join("in"), None).expect("snapshot");
+    let snap = machine.snapshot(&dir.path().join("in"), None, &trust()).expect("snapshot");
     let regs = snap.state().vcpus[0].regs;
     assert_eq!((regs.rip - CODE, regs.rax & 0xff), (5, 0x5a), "the `in` was completed before the save");
     let mut fork = snap.fork(RestoreArgs::default()).expect("fork");
@@ -178,7 +184,7 @@ fn two_forks_of_one_snapshot_have_independent_memory() {
     run_until(&mut machine, Duration::from_secs(10), |_| false);
     assert_eq!(machine.pause().expect("pause"), vec![VcpuExit::Hlt]);
     assert_eq!(log.contents(), b"ready");
-    let snap = machine.snapshot(&dir.path().join("snap"), None).expect("snapshot");
+    let snap = machine.snapshot(&dir.path().join("snap"), None, &trust()).expect("snapshot");
     let memory_file = std::fs::read(snap.memory_path()).expect("memory file");
 
     let fork = |cid: u64, name: &str| {
@@ -208,7 +214,8 @@ fn two_forks_of_one_snapshot_have_independent_memory() {
     assert_eq!(read_mem(c.memory(), 0x5000, 0x1000), vec![0; 0x1000]);
     assert_eq!(read_mem(c.memory(), 0, MEM_SIZE as usize), memory_file);
     // A fork's snapshot holds the fork's own writes (read through its private mapping).
-    let of_a = a.snapshot(&dir.path().join("of-a"), Some(snap.snapshot().manifest.id.clone())).expect("snapshot");
+    let of_a =
+        a.snapshot(&dir.path().join("of-a"), Some(snap.snapshot().manifest.id.clone()), &trust()).expect("snapshot");
     let a_memory = read_mem(a.memory(), 0, MEM_SIZE as usize);
     assert_eq!(std::fs::read(of_a.memory_path()).expect("memory file"), a_memory);
     // Each fork carries the parent's transport, with its own identity.
@@ -230,7 +237,7 @@ fn damage(path: &Path, at: u64) {
 
 /// A snapshot directory whose manifest is sound around a state file of our choosing.
 fn sealed_snapshot(dest: &Path, state: &[u8], memory: &[u8]) {
-    let writer = SnapshotWriter::create(dest).expect("writer");
+    let writer = SnapshotWriter::create(dest, &trust()).expect("writer");
     std::fs::write(writer.dir().join(STATE_FILE), state).expect("state");
     std::fs::write(writer.dir().join(MEMORY_FILE), memory).expect("memory");
     writer.commit(TierKind::Microvm, None, vec![Persisted::Memory], serde_json::json!({})).expect("commit");
@@ -244,7 +251,7 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
     run_until(&mut machine, Duration::from_secs(10), |m| counter(m) >= 10);
     machine.pause().expect("pause");
     let good = dir.path().join("good");
-    let snap = machine.snapshot(&good, None).expect("snapshot");
+    let snap = machine.snapshot(&good, None, &trust()).expect("snapshot");
     let state_bytes = std::fs::read(good.join(STATE_FILE)).expect("state");
     let memory = std::fs::read(good.join(MEMORY_FILE)).expect("memory");
 
@@ -261,16 +268,22 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
     // The store's checks: a flipped memory byte, a truncated memory file, a flipped state byte.
     let flipped = copy("flipped");
     damage(&flipped.join(MEMORY_FILE), 0x1234);
-    assert!(matches!(VmSnapshot::open(&flipped), Err(VmSnapshotError::Store(SnapshotError::Checksum(_)))));
+    assert!(matches!(VmSnapshot::open(&flipped, &trust()), Err(VmSnapshotError::Store(SnapshotError::Checksum(_)))));
     let truncated = copy("truncated");
     OpenOptions::new().write(true).open(truncated.join(MEMORY_FILE)).expect("open").set_len(4096).expect("truncate");
-    assert!(matches!(VmSnapshot::open(&truncated), Err(VmSnapshotError::Store(SnapshotError::SizeMismatch { .. }))));
+    assert!(matches!(
+        VmSnapshot::open(&truncated, &trust()),
+        Err(VmSnapshotError::Store(SnapshotError::SizeMismatch { .. }))
+    ));
     let state_flip = copy("state-flip");
     damage(&state_flip.join(STATE_FILE), 30);
-    assert!(matches!(VmSnapshot::open(&state_flip), Err(VmSnapshotError::Store(SnapshotError::Checksum(_)))));
+    assert!(matches!(VmSnapshot::open(&state_flip, &trust()), Err(VmSnapshotError::Store(SnapshotError::Checksum(_)))));
     let appended = copy("appended");
     OpenOptions::new().append(true).open(appended.join(STATE_FILE)).expect("open").write_all(b"x").expect("append");
-    assert!(matches!(VmSnapshot::open(&appended), Err(VmSnapshotError::Store(SnapshotError::SizeMismatch { .. }))));
+    assert!(matches!(
+        VmSnapshot::open(&appended, &trust()),
+        Err(VmSnapshotError::Store(SnapshotError::SizeMismatch { .. }))
+    ));
 
     // Our own checks, behind a sound manifest: the state file's header, length, shape and contents.
     let cases: Vec<(&str, Vec<u8>, ErrorCheck)> = vec![
@@ -325,7 +338,7 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
     for (i, (what, bytes, expected)) in cases.into_iter().enumerate() {
         let dest = dir.path().join(format!("case-{i}"));
         sealed_snapshot(&dest, &bytes, &memory);
-        match VmSnapshot::open(&dest) {
+        match VmSnapshot::open(&dest, &trust()) {
             Err(e) if expected(&e) => println!("{what}: {e}"),
             Err(e) => panic!("{what}: unexpected error {e:?}"),
             Ok(_) => panic!("{what} was accepted"),
@@ -333,12 +346,12 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
     }
     // A snapshot of another tier.
     let other = dir.path().join("process");
-    let writer = SnapshotWriter::create(&other).expect("writer");
+    let writer = SnapshotWriter::create(&other, &trust()).expect("writer");
     std::fs::write(writer.dir().join("upper.tar"), b"x").expect("write");
     writer.commit(TierKind::Process, None, vec![Persisted::Filesystem], serde_json::json!({})).expect("commit");
-    assert!(matches!(VmSnapshot::open(&other), Err(VmSnapshotError::Store(SnapshotError::WrongTier { .. }))));
+    assert!(matches!(VmSnapshot::open(&other, &trust()), Err(VmSnapshotError::Store(SnapshotError::WrongTier { .. }))));
     // The good one still opens.
-    VmSnapshot::open(&good).expect("the undamaged snapshot");
+    VmSnapshot::open(&good, &trust()).expect("the undamaged snapshot");
 }
 
 #[test]
@@ -381,9 +394,9 @@ fn virtio_mmio_device_state_round_trips() {
     let saved = machine.save_state().expect("state");
     assert_eq!(saved.devices.virtio.len(), 2);
     assert!(saved.vm.irqchip.is_some() && saved.vm.pit.is_some() && saved.vcpus[0].lapic.is_some());
-    let snap = machine.snapshot(&dir.path().join("snap"), None).expect("snapshot");
+    let snap = machine.snapshot(&dir.path().join("snap"), None, &trust()).expect("snapshot");
 
-    let reopened = VmSnapshot::open(snap.snapshot().dir.as_path()).expect("open");
+    let reopened = VmSnapshot::open(snap.snapshot().dir.as_path(), &trust()).expect("open");
     assert!(reopened.state() == snap.state(), "the state file round-trips");
     let mut restored = reopened
         .restore(RestoreArgs {
@@ -453,7 +466,7 @@ fn snapshots_restores_and_forks_leave_nothing_behind() {
         let mut m = tiny_machine(&counter_code(), false);
         run_until(&mut m, Duration::from_secs(10), |m| counter(m) >= 3);
         m.pause().expect("pause");
-        let snap = m.snapshot(&dir.path().join("warm"), None).expect("snapshot");
+        let snap = m.snapshot(&dir.path().join("warm"), None, &trust()).expect("snapshot");
         drop(snap.fork(RestoreArgs::default()).expect("fork"));
     }
     let before = (open_fds(), threads());
@@ -461,7 +474,7 @@ fn snapshots_restores_and_forks_leave_nothing_behind() {
         let mut m = tiny_machine(&counter_code(), true);
         run_until(&mut m, Duration::from_secs(10), |m| counter(m) >= 3);
         m.pause().expect("pause");
-        let snap = m.snapshot(&dir.path().join(format!("s{i}")), None).expect("snapshot");
+        let snap = m.snapshot(&dir.path().join(format!("s{i}")), None, &trust()).expect("snapshot");
         let mut restored = snap.restore(RestoreArgs::default()).expect("restore");
         let mut fork = snap.fork(RestoreArgs::default()).expect("fork");
         restored.resume().expect("resume");
@@ -469,4 +482,67 @@ fn snapshots_restores_and_forks_leave_nothing_behind() {
         // Dropped while running: the machine stops and joins its threads.
     }
     assert_eq!((open_fds(), threads()), before);
+}
+
+/// What an attacker who can write where snapshots live does, without the key: rewrite the manifest (capabilities
+/// for every fork, a file's sha256 recomputed to match a swapped file), carry one over from another home, or swap
+/// the memory file for a link to a host file after the snapshot was opened. None of it is ever restored.
+#[test]
+fn rewritten_swapped_and_foreign_snapshots_are_refused() {
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut machine = tiny_machine(&counter_code(), false);
+    run_until(&mut machine, Duration::from_secs(10), |m| counter(m) >= 10);
+    machine.pause().expect("pause");
+    let good = dir.path().join("good");
+    machine.snapshot(&good, None, &trust()).expect("snapshot");
+    let manifest_path = good.join("manifest.json");
+    let original = std::fs::read(&manifest_path).expect("manifest");
+
+    // Capabilities added to the manifest's meta: refused at the seal.
+    let mut manifest: serde_json::Value = serde_json::from_slice(&original).expect("json");
+    manifest["meta"]["caps"] = serde_json::json!({"grants": [{"host": "/", "guest": "/host", "mode": "rw"}]});
+    std::fs::write(&manifest_path, serde_json::to_vec_pretty(&manifest).expect("json")).expect("rewrite");
+    assert!(matches!(VmSnapshot::open(&good, &trust()), Err(VmSnapshotError::Store(SnapshotError::Seal(_)))));
+    // Another state file with its sha256 and size fixed up in the manifest: refused at the seal too.
+    std::fs::write(&manifest_path, &original).expect("restore");
+    let mut manifest: serde_json::Value = serde_json::from_slice(&original).expect("json");
+    for file in manifest["files"].as_array_mut().expect("files") {
+        if file["path"] == STATE_FILE {
+            file["sha256"] = serde_json::json!("0".repeat(64));
+        }
+    }
+    std::fs::write(&manifest_path, serde_json::to_vec_pretty(&manifest).expect("json")).expect("rewrite");
+    assert!(matches!(VmSnapshot::open(&good, &trust()), Err(VmSnapshotError::Store(SnapshotError::Seal(_)))));
+    std::fs::write(&manifest_path, &original).expect("restore");
+    // Sealed in another home (another key).
+    let other = SnapshotTrust::new(strata_core::SnapshotKey::from_bytes([3; 32]));
+    assert!(matches!(VmSnapshot::open(&good, &other), Err(VmSnapshotError::Store(SnapshotError::Seal(_)))));
+
+    // Opened while whole, then its memory swapped for a link to a host file of the same size: the fork is refused
+    // (it would otherwise map the host file as the guest's RAM).
+    let snap = VmSnapshot::open(&good, &trust()).expect("whole");
+    let host_file = dir.path().join("host-file");
+    std::fs::write(&host_file, vec![0x77u8; snap.state().memory_bytes as usize]).expect("host file");
+    let memory = good.join(MEMORY_FILE);
+    let saved = dir.path().join("memory.saved");
+    std::fs::rename(&memory, &saved).expect("mv");
+    std::os::unix::fs::symlink(&host_file, &memory).expect("symlink");
+    let refused = |what: &str, result: Result<Machine, VmSnapshotError>| match result {
+        Err(VmSnapshotError::Store(err)) => assert_eq!(err.code(), "snapshot_invalid", "{what}: {err}"),
+        Err(other) => panic!("{what}: unexpected error {other:?}"),
+        Ok(machine) => panic!("{what}: restored; its RAM starts {:x?}", &read_mem(machine.memory(), 0, 4)),
+    };
+    refused("fork over a link", snap.fork(RestoreArgs::default()));
+    refused("restore over a link", snap.restore(RestoreArgs::default()));
+    // The same bytes in a file of its own in place (a new inode): not the file that was verified.
+    std::fs::remove_file(&memory).expect("rm");
+    std::fs::copy(&host_file, &memory).expect("copy");
+    refused("fork of a replaced file", snap.fork(RestoreArgs::default()));
+    std::fs::remove_file(&memory).expect("rm");
+    std::fs::rename(&saved, &memory).expect("mv back");
+    // Moved out and back its change time moved: verified again (hashed), then it forks.
+    assert!(matches!(snap.fork(RestoreArgs::default()), Err(VmSnapshotError::Store(SnapshotError::Changed(_)))));
+    let again = VmSnapshot::from_verified(trust().reopen(snap.snapshot()).expect("verified again")).expect("state");
+    again.fork(RestoreArgs::default()).expect("the verified file forks");
 }

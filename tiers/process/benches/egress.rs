@@ -118,7 +118,11 @@ fn main() -> anyhow::Result<()> {
             return Ok(());
         }
     };
-    let tier = match ProcessTier::new(ProcessTierConfig { rootfs, run_dir: home.join("run/jail") }) {
+    let tier = match ProcessTier::new(ProcessTierConfig {
+        rootfs,
+        run_dir: home.join("run/jail"),
+        snapshots: strata_core::SnapshotTrust::process_local(),
+    }) {
         Ok(tier) => tier,
         Err(err) => {
             println!("process egress: skipped: {err}");

@@ -63,7 +63,11 @@ fn main() -> anyhow::Result<()> {
         }
     };
     let numpy = rootfs.join("usr/lib/python3/dist-packages/numpy").is_dir();
-    let tier = match ProcessTier::new(ProcessTierConfig { rootfs, run_dir: home.join("run/jail") }) {
+    let tier = match ProcessTier::new(ProcessTierConfig {
+        rootfs,
+        run_dir: home.join("run/jail"),
+        snapshots: strata_core::SnapshotTrust::process_local(),
+    }) {
         Ok(tier) => tier,
         Err(err) => {
             println!("process zygote: skipped: {err}");

@@ -43,8 +43,8 @@ use std::time::Duration;
 
 use strata_core::outcome::EgressEntry;
 use strata_core::{
-    Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, PythonSource, Sandbox, Snapshot, Status,
-    StdinStream, Stream, Tier, TierError, TierKind, Truncated, Usage,
+    Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, PythonSource, Sandbox, Snapshot, SnapshotTrust,
+    Status, StdinStream, Stream, Tier, TierError, TierKind, Truncated, Usage,
 };
 use strata_egress::{Allowlist, EgressConfig, EgressHandle, EgressProxy};
 use strata_jail::proto::{Bind, Exec, IdMap};
@@ -84,6 +84,8 @@ pub struct ProcessTierConfig {
     pub rootfs: PathBuf,
     /// A directory of Strata's own (under `$STRATA_HOME/run`) over which jails mount their private tmpfs.
     pub run_dir: PathBuf,
+    /// What seals this tier's snapshots and opens them for forks ([`SnapshotTrust`]).
+    pub snapshots: SnapshotTrust,
 }
 
 impl ProcessTierConfig {
@@ -104,8 +106,6 @@ pub struct ProcessTier {
     /// Whether jails get a user namespace; cleared (with a warning) the first time the kernel refuses one or
     /// the idmapped image mount it needs.
     user_namespaces: AtomicBool,
-    /// Snapshot directories already verified in full by a fork.
-    verified: snapshot::Verified,
 }
 
 impl ProcessTier {
@@ -133,7 +133,7 @@ impl ProcessTier {
             path: config.run_dir.clone(),
             source,
         })?;
-        let config = ProcessTierConfig { rootfs, run_dir: config.run_dir };
+        let config = ProcessTierConfig { rootfs, run_dir: config.run_dir, snapshots: config.snapshots };
         let egress_dir = config.egress_dir();
         std::fs::create_dir_all(&egress_dir).map_err(|source| TierError::Storage {
             what: "process tier egress socket directory",
@@ -147,12 +147,7 @@ impl ProcessTier {
             log::info!("removed {stale} cgroups left by engines that were killed");
         }
         log::debug!("process tier: {}", cgroups.describe());
-        Ok(ProcessTier {
-            config,
-            cgroups,
-            user_namespaces: AtomicBool::new(true),
-            verified: snapshot::Verified::default(),
-        })
+        Ok(ProcessTier { config, cgroups, user_namespaces: AtomicBool::new(true) })
     }
 
     /// Where the egress proxies' Unix sockets live while their jails run (see [`ProcessTierConfig::egress_dir`]).
@@ -224,7 +219,7 @@ impl ProcessTier {
         caps: &Capabilities,
         limits: &Limits,
         one_shot: bool,
-        restore_upper: Option<PathBuf>,
+        restore_upper: Option<std::sync::Arc<std::fs::File>>,
     ) -> Result<Jail, TierError> {
         let mut config = self.jail_config(caps, limits, one_shot)?;
         config.restore_upper = restore_upper;
@@ -321,7 +316,7 @@ impl Tier for ProcessTier {
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         let jail = self.start_jail(caps, limits, false, None)?;
-        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.config.rootfs.clone(), None)))
+        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.snapshot_origin(None))))
     }
 
     /// A fork of a snapshot with the capabilities and limits it was taken with (see [`snapshot`] for what a fork

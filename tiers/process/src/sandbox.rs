@@ -1,6 +1,6 @@
 //! A live jail that runs several jobs in turn: its filesystem (the overlay's upper layer) persists between them.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use strata_core::{
@@ -19,10 +19,8 @@ pub struct ProcessSandbox {
     jail: Option<Jail>,
     caps: Capabilities,
     limits: Limits,
-    /// The image under the overlay (recorded in snapshots: a fork must stand on the same one).
-    rootfs: PathBuf,
-    /// The snapshot this sandbox was forked from.
-    parent: Option<String>,
+    /// What its snapshots record and are sealed with.
+    origin: crate::snapshot::Origin,
 }
 
 impl ProcessSandbox {
@@ -30,15 +28,14 @@ impl ProcessSandbox {
         jail: Jail,
         caps: Capabilities,
         limits: Limits,
-        rootfs: PathBuf,
-        parent: Option<String>,
+        origin: crate::snapshot::Origin,
     ) -> ProcessSandbox {
-        ProcessSandbox { jail: Some(jail), caps, limits, rootfs, parent }
+        ProcessSandbox { jail: Some(jail), caps, limits, origin }
     }
 
     /// The id of the snapshot this sandbox was forked from, if it was.
     pub fn parent(&self) -> Option<&str> {
-        self.parent.as_deref()
+        self.origin.parent.as_deref()
     }
 
     pub(crate) fn jail(&mut self) -> Result<&mut Jail, TierError> {
@@ -96,9 +93,8 @@ impl Sandbox for ProcessSandbox {
     }
 
     fn snapshot(&mut self, destination: &Path) -> Result<Snapshot, TierError> {
-        let (caps, limits, rootfs, parent) =
-            (self.caps.clone(), self.limits.clone(), self.rootfs.clone(), self.parent.clone());
-        crate::snapshot::take(self.jail()?, destination, &caps, &limits, &rootfs, parent)
+        let (caps, limits, origin) = (self.caps.clone(), self.limits.clone(), self.origin.clone());
+        crate::snapshot::take(self.jail()?, destination, &caps, &limits, &origin)
     }
 
     fn close(mut self: Box<Self>) -> Result<(), TierError> {

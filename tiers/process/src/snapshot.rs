@@ -16,7 +16,10 @@
 //! `/etc/machine-id` when the setup job had made one). The fork's capabilities are decided when it is made:
 //! [`Tier::fork`](strata_core::Tier::fork) re-applies the recorded ones (grants re-resolved on the host, so a
 //! grant that vanished is refused), [`ProcessTier::fork_with`] applies the caller's own — the way to fork a
-//! snapshot taken with secrets, or to give a fork other grants or limits.
+//! snapshot taken with secrets, or to give a fork other grants or limits. Either way the snapshot is re-opened
+//! with the tier's [`SnapshotTrust`] first: recorded capabilities are read only from a manifest sealed with the
+//! host's key, and the layer the fork's PID 1 restores is the file the snapshot was verified with, handed over
+//! open (never a path it would open again).
 //!
 //! Live forks that share memory — a zygote held stopped and `fork()`ed into fresh namespaces per job — are
 //! [`crate::zygote`]: they live as long as the process that holds the zygote, and are not written to disk.
@@ -27,7 +30,7 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
-use strata_core::{Capabilities, Limits, Persisted, Snapshot, SnapshotWriter, TierError, TierKind};
+use strata_core::{Capabilities, Limits, Persisted, Snapshot, SnapshotTrust, SnapshotWriter, TierError, TierKind};
 use strata_jail::tree::{self, TreeError};
 
 use crate::jail::Jail;
@@ -56,16 +59,34 @@ fn invalid_meta(dir: &Path, message: impl Into<String>) -> TierError {
     TierError::Snapshot(strata_core::SnapshotError::InvalidManifest { dir: dir.to_owned(), message: message.into() })
 }
 
+/// What a sandbox's snapshots record besides its capabilities and limits, and what seals them.
+#[derive(Debug, Clone)]
+pub(crate) struct Origin {
+    /// The image under the overlay (a fork must stand on the same one).
+    pub(crate) rootfs: PathBuf,
+    /// The snapshot the sandbox was forked from.
+    pub(crate) parent: Option<String>,
+    /// The tier's trust: the key its snapshots are sealed with.
+    pub(crate) trust: SnapshotTrust,
+}
+
+impl ProcessTier {
+    /// The origin of a sandbox of this tier forked from `parent` (or not).
+    pub(crate) fn snapshot_origin(&self, parent: Option<String>) -> Origin {
+        Origin { rootfs: self.config.rootfs.clone(), parent, trust: self.config.snapshots.clone() }
+    }
+}
+
 /// Writes a snapshot of `jail`'s filesystem to `destination`.
 pub(crate) fn take(
     jail: &mut Jail,
     destination: &Path,
     caps: &Capabilities,
     limits: &Limits,
-    rootfs: &Path,
-    parent: Option<String>,
+    origin: &Origin,
 ) -> Result<Snapshot, TierError> {
-    let writer = SnapshotWriter::create(destination)?;
+    let (rootfs, parent) = (&origin.rootfs, origin.parent.clone());
+    let writer = SnapshotWriter::create(destination, &origin.trust)?;
     let upper = jail.open_upper().map_err(jail_error)?;
     let id_map = jail.id_map();
     let machine_id =
@@ -128,12 +149,19 @@ struct ForkPlan {
 }
 
 impl ForkPlan {
-    /// Verifies the snapshot again (the directory may have changed since it was opened) and reads its meta.
-    /// Every file's sha256 is checked the first time this tier forks the directory; later forks re-hash only
-    /// when a file's identity, size, modification or change time moved since (any write moves the change time,
-    /// which no one but the clock sets), so forking a large snapshot many times reads it once.
+    /// Re-opens the snapshot with the tier's trust (the same sealed manifest; its files hashed again only when
+    /// one's identity, size or times moved since it was verified: forking a large snapshot many times reads it
+    /// once) and reads its meta.
     fn read(tier: &ProcessTier, snapshot: &Snapshot) -> Result<ForkPlan, TierError> {
-        let snapshot = tier.verified.open(&snapshot.dir)?;
+        let snapshot = tier.config.snapshots.reopen(snapshot)?;
+        if snapshot.tier != TierKind::Process {
+            return Err(strata_core::SnapshotError::WrongTier {
+                dir: snapshot.dir.clone(),
+                expected: TierKind::Process,
+                found: snapshot.tier,
+            }
+            .into());
+        }
         let dir = snapshot.dir.clone();
         let meta = &snapshot.manifest.meta;
         if !snapshot.manifest.persists.contains(&Persisted::Filesystem) {
@@ -218,64 +246,14 @@ impl ProcessTier {
                 ),
             });
         }
-        let upper = plan.snapshot.file(UPPER_FILE);
+        let upper = std::sync::Arc::new(plan.snapshot.open_file(UPPER_FILE)?);
         let mut jail = self.start_jail(caps, limits, false, Some(upper))?;
         if plan.machine_id {
             let id = fresh_machine_id()?;
             jail.write_file("/etc/machine-id", id.as_bytes(), 0o444).map_err(jail_error)?;
         }
-        let parent = Some(plan.snapshot.manifest.id.clone());
-        Ok(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.config.rootfs.clone(), parent))
-    }
-}
-
-/// A file's identity and times: unchanged stamps mean unchanged contents.
-type Stamp = (u64, u64, u64, i64, i64, i64, i64);
-
-fn stamps(dir: &Path, manifest: &strata_core::Manifest) -> Option<Vec<Stamp>> {
-    use std::os::unix::fs::MetadataExt;
-    let names = std::iter::once(strata_core::snapshot::MANIFEST).chain(manifest.files.iter().map(|f| f.path.as_str()));
-    names
-        .map(|name| {
-            let m = std::fs::symlink_metadata(dir.join(name)).ok()?;
-            Some((m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec()))
-        })
-        .collect()
-}
-
-/// Snapshot directories this tier verified in full, with the stamps of their files then.
-#[derive(Debug, Default)]
-pub(crate) struct Verified(std::sync::Mutex<std::collections::HashMap<PathBuf, Vec<Stamp>>>);
-
-/// Directories remembered at most (then the memory starts over).
-const VERIFIED_MAX: usize = 256;
-
-impl Verified {
-    fn open(&self, dir: &Path) -> Result<Snapshot, TierError> {
-        let known = self.0.lock().unwrap_or_else(|e| e.into_inner()).get(dir).cloned();
-        if let Some(known) = known {
-            // The manifest is still parsed and checked in full; only the hashing is skipped.
-            let manifest = Snapshot::read_manifest(dir)?;
-            if manifest.tier == TierKind::Process && stamps(dir, &manifest).as_ref() == Some(&known) {
-                return Ok(Snapshot { tier: TierKind::Process, dir: dir.to_owned(), manifest });
-            }
-        }
-        let before = Snapshot::read_manifest(dir).ok().and_then(|m| stamps(dir, &m));
-        let snapshot = Snapshot::open_for(dir, TierKind::Process)?;
-        let after = stamps(dir, &snapshot.manifest);
-        let mut cache = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        match (before, after) {
-            (Some(before), Some(after)) if before == after => {
-                if cache.len() >= VERIFIED_MAX {
-                    cache.clear();
-                }
-                cache.insert(dir.to_owned(), after);
-            }
-            _ => {
-                cache.remove(dir);
-            }
-        }
-        Ok(snapshot)
+        let origin = self.snapshot_origin(Some(plan.snapshot.manifest.id.clone()));
+        Ok(ProcessSandbox::new(jail, caps.clone(), limits.clone(), origin))
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use strata_benches::{Figures, ratio, strata_home};
-use strata_core::{Capabilities, ExecOptions, Job, Limits, PythonSource, Sandbox, Snapshot, Status, Tier, TierError};
+use strata_core::{Capabilities, ExecOptions, Job, Limits, PythonSource, Sandbox, Status, Tier, TierError};
 use strata_python_image::PythonImage;
 use strata_tier_wasm::{PythonArtifacts, PythonProvider, WasmTier, WasmTierConfig};
 
@@ -86,7 +86,7 @@ fn main() -> anyhow::Result<()> {
         made.manifest.meta["python"]["memory_bytes"].as_u64().unwrap_or(0) / 1_000_000
     );
     let t = Instant::now();
-    let snapshot = Snapshot::open_for(&made.dir, strata_core::TierKind::Wasm)?;
+    let snapshot = strata_core::SnapshotTrust::process_local().open_for(&made.dir, strata_core::TierKind::Wasm)?;
     println!("open + verify                   {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
     parent.close()?;
 

@@ -56,8 +56,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use strata_core::{
-    Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Snapshot, Tier, TierError, TierKind,
-    ToolRegistry,
+    Capabilities, ExecOptions, Job, Limits, ModuleSource, Outcome, Sandbox, Snapshot, SnapshotTrust, Tier, TierError,
+    TierKind, ToolRegistry,
 };
 
 pub use cache::{CacheOutcome, ModuleCache};
@@ -82,6 +82,9 @@ pub struct WasmTierConfig {
     pub python: Option<Arc<dyn PythonProvider>>,
     /// Host tools jobs may call, chosen per job by `Capabilities::tools`.
     pub tools: ToolRegistry,
+    /// What seals this tier's snapshots and opens them for forks ([`SnapshotTrust`]); by default a key of this
+    /// process alone.
+    pub snapshots: SnapshotTrust,
 }
 
 impl std::fmt::Debug for WasmTierConfig {
@@ -91,13 +94,20 @@ impl std::fmt::Debug for WasmTierConfig {
             .field("max_instances", &self.max_instances)
             .field("python", &self.python.is_some())
             .field("tools", &self.tools)
+            .field("snapshots", &self.snapshots)
             .finish()
     }
 }
 
 impl Default for WasmTierConfig {
     fn default() -> Self {
-        WasmTierConfig { cache_dir: None, max_instances: 64, python: None, tools: ToolRegistry::new() }
+        WasmTierConfig {
+            cache_dir: None,
+            max_instances: 64,
+            python: None,
+            tools: ToolRegistry::new(),
+            snapshots: SnapshotTrust::process_local(),
+        }
     }
 }
 
@@ -369,8 +379,10 @@ impl TierInner {
         self.ready.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Starts a sandbox from a snapshot of this tier.
+    /// Starts a sandbox from a snapshot of this tier: re-opened with this tier's trust first (the same sealed
+    /// manifest, its files as verified), and every file read through it.
     fn fork(self: &Arc<Self>, snapshot: &Snapshot) -> Result<WasmSandbox, TierError> {
+        let snapshot = &self.config.snapshots.reopen(snapshot)?;
         let state = snapshot::SandboxState::read(snapshot)?;
         if !state.caps.secrets.is_empty() {
             let names: Vec<&str> = state.caps.secrets.iter().map(|s| s.name.as_str()).collect();

@@ -145,7 +145,7 @@ impl Sandbox for WasmSandbox {
         for secret in &mut caps.secrets {
             secret.value.clear();
         }
-        let writer = SnapshotWriter::create(destination)?;
+        let writer = SnapshotWriter::create(destination, &self.tier.config.snapshots)?;
         let python = match self.python.as_mut() {
             Some(session) => Some(session.snapshot(writer.dir())?),
             None => None,

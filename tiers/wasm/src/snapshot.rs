@@ -162,16 +162,11 @@ impl SandboxState {
                 message: format!("{STATE_FILE}: {message}"),
             })
         };
-        let listed = snapshot.manifest.files.iter().any(|f| f.path == STATE_FILE);
-        if !listed {
+        if snapshot.listed(STATE_FILE).is_none() {
             return Err(SnapshotError::MissingFile(path).into());
         }
-        let io = |source| TierError::Snapshot(SnapshotError::Io { path: path.clone(), source });
-        let size = fs::metadata(&path).map_err(io)?.len();
-        if size > MAX_STATE_BYTES {
-            return Err(invalid(format!("{size} bytes is too large")));
-        }
-        let text = fs::read(&path).map_err(io)?;
+        // The bytes the manifest sealed, checked as they are read: nothing else is parsed.
+        let text = snapshot.read_file(STATE_FILE, MAX_STATE_BYTES)?;
         let state: SandboxState = serde_json::from_slice(&text).map_err(|e| invalid(e.to_string()))?;
         if state.format != STATE_FORMAT {
             return Err(invalid(format!("format {} (this build reads {STATE_FORMAT})", state.format)));
@@ -343,25 +338,100 @@ fn copy_into(from: &Path, to: &Path) -> Result<(), TierError> {
     Ok(())
 }
 
-/// A fork's scratch `/tmp`: a new private directory holding a copy of the snapshot's `tmp/`.
+/// Most directories a fork's scratch `/tmp` is restored with, and how deep.
+const MAX_SCRATCH_DIRS: usize = 4096;
+const MAX_SCRATCH_DEPTH: usize = 64;
+
+/// A fork's scratch `/tmp`: a new private directory holding a copy of the snapshot's `tmp/` — its directories
+/// (walked without following a link, bounded) and the files the manifest lists under it, each read from the file
+/// the snapshot was verified with ([`Snapshot::open_file`]); nothing else of the directory is read.
 pub(crate) fn restore_scratch(snapshot: &Snapshot) -> Result<tempfile::TempDir, TierError> {
     let dir = tempfile::Builder::new().prefix("strata-scratch-").tempdir().map_err(|source| TierError::Storage {
         what: "cannot create a scratch directory in",
         path: std::env::temp_dir(),
         source,
     })?;
-    let saved = snapshot.file(SCRATCH_DIR);
-    if saved.is_dir() {
-        copy_into(&saved, dir.path())?;
+    for relative in scratch_dirs(snapshot)? {
+        let target = dir.path().join(&relative);
+        fs::create_dir_all(&target).map_err(storage("cannot copy the scratch directory to", &target))?;
+    }
+    let prefix = format!("{SCRATCH_DIR}/");
+    for file in &snapshot.manifest.files {
+        let Some(relative) = file.path.strip_prefix(&prefix) else { continue };
+        let target = dir.path().join(relative);
+        if let Some(parent) = target.parent() {
+            fs::create_dir_all(parent).map_err(storage("cannot copy the scratch directory to", parent))?;
+        }
+        let from = snapshot.open_file(&file.path)?;
+        let mut to = File::options()
+            .write(true)
+            .create_new(true)
+            .open(&target)
+            .map_err(storage("cannot copy a scratch file to", &target))?;
+        let copied = std::io::copy(&mut std::io::Read::take(from, file.size), &mut to)
+            .map_err(storage("cannot copy a scratch file to", &target))?;
+        if copied != file.size {
+            return Err(SnapshotError::SizeMismatch {
+                path: snapshot.file(&file.path),
+                expected: file.size,
+                found: copied,
+            }
+            .into());
+        }
     }
     Ok(dir)
 }
 
-/// Opens a snapshot's memory file as an image to map.
+/// The directories under the snapshot's `tmp/` (relative to it), walked by descriptor without following links.
+fn scratch_dirs(snapshot: &Snapshot) -> Result<Vec<PathBuf>, TierError> {
+    use nix::sys::stat::{SFlag, fstatat};
+    use strata_core::dirfd;
+    let io = |path: PathBuf| move |errno: nix::errno::Errno| SnapshotError::Io { path, source: errno.into() };
+    let root: std::os::fd::OwnedFd = match File::open(&snapshot.dir) {
+        Ok(root) => root.into(),
+        Err(source) => return Err(SnapshotError::Io { path: snapshot.dir.clone(), source }.into()),
+    };
+    let top = match dirfd::open_beneath(&root, Path::new(SCRATCH_DIR)) {
+        Ok(top) => top,
+        Err(nix::errno::Errno::ENOENT) => return Ok(Vec::new()),
+        Err(errno) => return Err(io(snapshot.file(SCRATCH_DIR))(errno).into()),
+    };
+    let mut found = Vec::new();
+    let mut pending = vec![(top, PathBuf::new(), 0usize)];
+    while let Some((fd, relative, depth)) = pending.pop() {
+        let here = snapshot.file(SCRATCH_DIR).join(&relative);
+        for name in dirfd::names_in(&fd).map_err(io(here.clone()))? {
+            let Ok(st) = fstatat(&fd, name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) else { continue };
+            if dirfd::kind_of(&st) != SFlag::S_IFDIR {
+                continue;
+            }
+            if found.len() >= MAX_SCRATCH_DIRS || depth >= MAX_SCRATCH_DEPTH {
+                return Err(SnapshotError::TooLarge {
+                    path: here,
+                    message: format!(
+                        "a scratch /tmp of more than {MAX_SCRATCH_DIRS} directories or {MAX_SCRATCH_DEPTH} levels"
+                    ),
+                }
+                .into());
+            }
+            let child = relative.join(&name);
+            let Ok(child_fd) =
+                nix::fcntl::openat(&fd, name.as_os_str(), dirfd::DIR_FLAGS, nix::sys::stat::Mode::empty())
+            else {
+                continue;
+            };
+            found.push(child.clone());
+            pending.push((child_fd, child, depth + 1));
+        }
+    }
+    Ok(found)
+}
+
+/// Opens a snapshot's memory file as an image to map: the file the snapshot was verified with.
 pub(crate) fn open_memory(snapshot: &Snapshot, expected: u64) -> Result<Arc<MemoryImage>, TierError> {
     let path = snapshot.file(MEMORY_FILE);
     let io = |source| TierError::Snapshot(SnapshotError::Io { path: path.clone(), source });
-    let image = MemoryImage::new(File::open(&path).map_err(io)?).map_err(io)?;
+    let image = MemoryImage::new(snapshot.open_file(MEMORY_FILE)?).map_err(io)?;
     if image.len() as u64 != expected {
         return Err(SnapshotError::SizeMismatch { path: path.clone(), expected, found: image.len() as u64 }.into());
     }

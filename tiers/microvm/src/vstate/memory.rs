@@ -160,6 +160,13 @@ impl GuestMemory {
     pub fn from_file_private(path: &Path) -> Result<GuestMemory, MemoryError> {
         let open_error = |source| MemoryError::OpenFile { path: path.to_path_buf(), source };
         let file = File::open(path).map_err(open_error)?;
+        GuestMemory::from_open_file_private(file, path)
+    }
+
+    /// [`GuestMemory::from_file_private`] of a file the caller opened (a snapshot's memory file, as it was
+    /// verified); `path` names it in errors.
+    pub fn from_open_file_private(file: File, path: &Path) -> Result<GuestMemory, MemoryError> {
+        let open_error = |source| MemoryError::OpenFile { path: path.to_path_buf(), source };
         let size = file.metadata().map_err(open_error)?.len();
         let layout = ram_layout(size)?;
         GuestMemory::map(Arc::new(file), size, &layout, Backing::PrivateFile)

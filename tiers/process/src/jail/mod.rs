@@ -71,8 +71,9 @@ pub struct JailConfig {
     /// Jobs run in a user namespace with this mapping (the image and grants mounted idmapped through it);
     /// `None` runs them as host root with every capability dropped.
     pub id_map: Option<IdMap>,
-    /// A [`strata_jail::tree`] file the upper layer starts from (a fork of a snapshot); `None` starts it empty.
-    pub restore_upper: Option<PathBuf>,
+    /// A [`strata_jail::tree`] file the upper layer starts from (a fork of a snapshot: the file as the snapshot
+    /// was verified with, already open); `None` starts it empty.
+    pub restore_upper: Option<std::sync::Arc<File>>,
     /// The host egress proxy's Unix socket, bound into the jail with a forwarder on its `127.0.0.1:3128`
     /// ([`strata_jail::forward`]); `None`: loopback only.
     pub egress_socket: Option<PathBuf>,
@@ -299,13 +300,7 @@ impl Jail {
             egress_socket: config.egress_socket.clone(),
             zygote: config.zygote,
         };
-        let tree = match &config.restore_upper {
-            Some(path) => Some(File::open(path).map_err(|e| JailError::Setup {
-                stage: "restore upper layer".into(),
-                message: format!("{}: {e}", path.display()),
-            })?),
-            None => None,
-        };
+        let tree = config.restore_upper.clone();
         let fds: Vec<BorrowedFd<'_>> = tree.iter().map(|f| f.as_fd()).collect();
         proto::send(jail.ctl.as_fd(), &HostFrame::Setup(setup), &fds)?;
         drop(tree);
