@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 use strata_engine::{EngineConfig, Policy};
-use strata_serve::{KeyStore, ServeConfig};
+use strata_serve::{ConnectionLimits, KeyStore, ServeConfig};
 
 use crate::Failure;
 
@@ -66,6 +66,40 @@ pub(crate) struct ServeArgs {
     #[arg(long)]
     allow_grants: bool,
 
+    /// Close a connection whose request header is not whole this long after its first byte (or after the
+    /// connection opened). Checked before authentication, like every connection limit below.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    header_timeout: Duration,
+
+    /// Close a connection with no request in flight for this long (a long job, a stream or a WebSocket in
+    /// progress is not idle).
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    keep_alive_timeout: Duration,
+
+    /// A request body (a WebSocket's job message too) must arrive whole this long after its header; past it,
+    /// 408 body_timeout and the connection is closed.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    body_timeout: Duration,
+
+    /// Close a connection whose client accepts no byte of a response (or a stream, a WebSocket) for this long.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    write_timeout: Duration,
+
+    /// The largest request body: 413 body_too_large, at once when Content-Length says so, else when the body
+    /// reaches it.
+    #[arg(long, value_name = "SIZE", default_value = "64MiB", value_parser = parse_size)]
+    max_body: strata_core::ByteSize,
+
+    /// Connections open at once, over every client; past it a new one gets 503 too_many_connections at accept,
+    /// before anything is read, and is closed.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    max_connections: usize,
+
+    /// Connections open at once from one client address (IPv6: one /64); past it a new one gets 429
+    /// too_many_connections at accept and is closed.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    max_connections_per_peer: usize,
+
     /// Log one JSON object per line instead of text.
     #[arg(long)]
     log_json: bool,
@@ -109,6 +143,15 @@ pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
         cpu_overcommit: args.cpu_overcommit,
         min_free_memory: args.min_free_memory.map(|m| m.0),
         allow_grants: args.allow_grants,
+        connections: ConnectionLimits {
+            header_timeout: args.header_timeout,
+            keep_alive_timeout: args.keep_alive_timeout,
+            body_timeout: args.body_timeout,
+            write_timeout: args.write_timeout,
+            max_body: usize::try_from(args.max_body.0).unwrap_or(usize::MAX),
+            max_connections: args.max_connections,
+            max_connections_per_peer: args.max_connections_per_peer,
+        },
         ..ServeConfig::new(EngineConfig { policy, ..EngineConfig::from_env()? })
     };
     strata_serve::serve(config).map_err(|e| Failure::new("serve", error_chain(&e)))?;

@@ -29,8 +29,8 @@ use crate::metrics::outcome_label;
 use crate::registry::{SandboxEntry, SnapshotEntry, new_id, unix_seconds};
 use crate::{AppState, Principal};
 
-/// The largest request body (files, jobs) the API accepts.
-pub const MAX_BODY: usize = 64 << 20;
+/// The largest request body (files, jobs) the API accepts by default ([`crate::ConnectionLimits::max_body`]).
+pub const MAX_BODY: usize = crate::connections::DEFAULT_MAX_BODY;
 
 /// The most forks one request may make.
 pub const MAX_FORKS: usize = 64;
@@ -286,7 +286,13 @@ pub struct OutcomeDoc {
 /// The OpenAPI document of the native API.
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "Strata sandbox API", description = "strata serve: sandboxes, jobs, files, snapshots and forks."),
+    info(title = "Strata sandbox API", description = "strata serve: sandboxes, jobs, files, snapshots and forks. \
+        Connections are bounded before any request is routed or authenticated: a connection past the server's caps \
+        per client address (`--max-connections-per-peer`) or in all (`--max-connections`) is answered 429 or 503 \
+        `too_many_connections` and closed; a header must be whole within `--header-timeout` of its first byte, a \
+        body within `--body-timeout` of its header (408 `body_timeout`) and no larger than `--max-body` (413 \
+        `body_too_large`); a connection with no request in flight closes after `--keep-alive-timeout`, and one whose \
+        client accepts no byte of a response for `--write-timeout` is cut off."),
     paths(
         create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout,
         snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files
@@ -296,7 +302,7 @@ pub struct OutcomeDoc {
         SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail,
         LiveForkResponse, FileEntry, FileList
     )),
-    modifiers(&BearerAuth),
+    modifiers(&BearerAuth, &BodyLimits),
     security(("api_key" = []))
 )]
 #[derive(Debug)]
@@ -312,6 +318,31 @@ impl utoipa::Modify for BearerAuth {
             "api_key",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
+    }
+}
+
+/// Documents the 408 and 413 answers of every operation that takes a body.
+struct BodyLimits;
+
+impl utoipa::Modify for BodyLimits {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+        let answers = [
+            ("408", "the body did not arrive whole within the server's body timeout (`body_timeout`)"),
+            ("413", "the body is larger than the server accepts (`body_too_large`)"),
+        ];
+        for item in openapi.paths.paths.values_mut() {
+            for operation in [&mut item.put, &mut item.post].into_iter().flatten() {
+                if operation.request_body.is_none() {
+                    continue;
+                }
+                for (status, description) in answers {
+                    let content = ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build();
+                    let response = ResponseBuilder::new().description(description).content("application/json", content);
+                    operation.responses.responses.entry(status.to_owned()).or_insert(RefOr::T(response.build()));
+                }
+            }
+        }
     }
 }
 
@@ -657,10 +688,11 @@ async fn write_file(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     query: Result<Query<FileQuery>, QueryRejection>,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<StatusCode, ApiError> {
     state.admit()?;
     let Query(query) = query?;
+    let body = body?;
     let entry = state.registry.get(&id, &principal.name)?;
     let started = Instant::now();
     let tier = entry.tier;

@@ -817,7 +817,10 @@ async fn files_write(State(state): State<Arc<AppState>>, Query(query): Query<Fil
                 form.next_field().await.map_err(|e| ApiError::bad_request("invalid_argument", e.body_text()))?
             {
                 let name = field.file_name().map(str::to_owned);
-                let data = field.bytes().await.map_err(|e| ApiError::bad_request("invalid_argument", e.body_text()))?;
+                let data = field.bytes().await.map_err(|e| {
+                    crate::connections::rejected_body(e.status(), &e)
+                        .unwrap_or_else(|| ApiError::bad_request("invalid_argument", e.body_text()))
+                })?;
                 let path = match (&query.path, name) {
                     (Some(path), _) if files.is_empty() => path.clone(),
                     (_, Some(name)) if name.starts_with('/') => name,
@@ -830,9 +833,11 @@ async fn files_write(State(state): State<Arc<AppState>>, Query(query): Query<Fil
                 return Err(ApiError::bad_request("invalid_argument", "compressed uploads are not supported"));
             }
             let path = query.path.clone().ok_or_else(|| ApiError::bad_request("invalid_query", "path is required"))?;
-            let body = axum::body::to_bytes(request.into_body(), crate::api::MAX_BODY)
-                .await
-                .map_err(|e| ApiError::bad_request("invalid_argument", e.to_string()))?;
+            let max = state.connections.limits().max_body;
+            let body = axum::body::to_bytes(request.into_body(), max).await.map_err(|e| {
+                crate::connections::body_error(&e, Some(max))
+                    .unwrap_or_else(|| ApiError::bad_request("invalid_argument", e.to_string()))
+            })?;
             files.push((path, body));
         }
         let written: Vec<Value> = files

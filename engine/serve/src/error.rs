@@ -145,6 +145,9 @@ impl From<EngineError> for ApiError {
 impl From<axum::extract::rejection::JsonRejection> for ApiError {
     fn from(rejection: axum::extract::rejection::JsonRejection) -> ApiError {
         use axum::extract::rejection::JsonRejection as R;
+        if let Some(err) = crate::connections::rejected_body(rejection.status(), &rejection) {
+            return err;
+        }
         let code = match &rejection {
             R::MissingJsonContentType(_) => "unsupported_media_type",
             R::JsonDataError(_) => "invalid_request",
@@ -155,6 +158,13 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
             _ => StatusCode::BAD_REQUEST,
         };
         ApiError::new(status, code, rejection.body_text())
+    }
+}
+
+impl From<axum::extract::rejection::BytesRejection> for ApiError {
+    fn from(rejection: axum::extract::rejection::BytesRejection) -> ApiError {
+        crate::connections::rejected_body(rejection.status(), &rejection)
+            .unwrap_or_else(|| ApiError::bad_request("invalid_body", rejection.body_text()))
     }
 }
 

@@ -10,7 +10,9 @@
 //!
 //! Requests carry an API key (`Authorization: Bearer KEY` or `X-API-Key: KEY`) checked against a file of hashed keys
 //! with per-key quotas ([`auth`]). Without a keys file the server accepts every request as `anonymous`, and for that
-//! reason refuses to listen on anything but a loopback address ([`ServeError::OpenNonLoopback`]).
+//! reason refuses to listen on anything but a loopback address ([`ServeError::OpenNonLoopback`]). Before any of
+//! that, connections are capped per client and in all, and timed out when they never finish a request
+//! ([`connections`]).
 //!
 //! Sandboxes live until deleted or until their TTL passes (a reaper task kills and frees them). Jobs run on
 //! blocking threads, never on the async runtime. On shutdown ([`Server::run`]'s future, SIGTERM/SIGINT under
@@ -32,6 +34,7 @@
 pub mod api;
 pub mod auth;
 pub mod capacity;
+pub mod connections;
 pub mod e2b;
 mod e2b_fs;
 mod e2b_watch;
@@ -52,12 +55,12 @@ use axum::extract::{Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::serve::ListenerExt;
 use strata_engine::{Engine, EngineConfig, EngineError, Policy};
 use tokio::net::TcpListener;
 use tracing::Instrument;
 
 pub use auth::{KeyStore, KeysError, Principal, hash_key};
+pub use connections::{ConnectionLimits, Connections};
 pub use error::ApiError;
 pub use metrics::Metrics;
 pub use registry::{Registry, SandboxEntry};
@@ -100,11 +103,13 @@ pub struct ServeConfig {
     /// Where the server keeps its snapshots (a fresh directory under it, removed at shutdown); `None` is
     /// `$STRATA_HOME/run/serve`, else the system's temporary directory.
     pub state_dir: Option<PathBuf>,
+    /// How connections are capped and timed out, before any request reaches authentication ([`connections`]).
+    pub connections: ConnectionLimits,
 }
 
 impl ServeConfig {
     /// The defaults: [`DEFAULT_LISTEN`], no keys, TTL 300 s (at most 24 h), no idle timeout, 256 sandboxes, no
-    /// memory or CPU budget, no grants.
+    /// memory or CPU budget, no grants, [`ConnectionLimits::default`].
     pub fn new(engine: EngineConfig) -> ServeConfig {
         ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
@@ -121,6 +126,7 @@ impl ServeConfig {
             cpu_overcommit: DEFAULT_CPU_OVERCOMMIT,
             min_free_memory: None,
             state_dir: None,
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -183,6 +189,8 @@ pub struct AppState {
     pub snapshot_dir: PathBuf,
     /// The E2B layer's running commands.
     pub e2b: e2b::E2bState,
+    /// Open connections and their limits.
+    pub connections: Arc<Connections>,
     draining: AtomicBool,
 }
 
@@ -279,6 +287,7 @@ impl Server {
             allow_grants: config.allow_grants,
             snapshot_dir,
             e2b: e2b::E2bState::default(),
+            connections: Arc::new(Connections::new(config.connections)),
             draining: AtomicBool::new(false),
         });
         spawn_reaper(&state, config.reap_interval, config.idle_timeout);
@@ -315,15 +324,7 @@ impl Server {
                 tracing::error!(error = %err, "draining failed");
             }
         };
-        let served = axum::serve(
-            self.listener.tap_io(|tcp| {
-                // Small streamed frames (Connect envelopes, WebSocket chunks) must not wait for Nagle's delayed ACK.
-                let _ = tcp.set_nodelay(true);
-            }),
-            app,
-        )
-        .with_graceful_shutdown(graceful)
-        .await;
+        connections::serve(self.listener, app, state.connections.clone(), graceful).await;
         // Anything created while the last requests finished.
         let last = state.clone();
         let _ = api::blocking(move || {
@@ -331,7 +332,7 @@ impl Server {
             Ok(())
         })
         .await;
-        served.map_err(ServeError::Io)
+        Ok(())
     }
 }
 
@@ -426,18 +427,19 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", axum::routing::get(metrics_text))
         .route("/health", axum::routing::get(e2b::health))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
-        .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY))
+        .layer(axum::extract::DefaultBodyLimit::max(state.connections.limits().max_body))
         .layer(axum::middleware::from_fn_with_state(state.clone(), request_log))
         .with_state(state)
 }
 
 async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let text = state.metrics.render(
+    let mut text = state.metrics.render(
         &state.registry.active_by_tier(),
         state.registry.memory_committed(),
         state.registry.vcpus_committed(),
         state.registry.host_slots(),
     );
+    state.connections.render_metrics(&mut text);
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 

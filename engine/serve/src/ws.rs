@@ -11,7 +11,9 @@
 //!    `"encoding":"base64"` when the chunk is not UTF-8), then `{"type":"outcome","outcome":{…}}` — the Outcome as
 //!    `strata run --json` prints it — or `{"type":"error","error":{"code","message"}}`, and closes.
 //!
-//! A client that closes the socket, or goes away, before the outcome cancels the job.
+//! A client that closes the socket, or goes away, before the outcome cancels the job. The job must come within the
+//! server's body timeout, and a client that stops reading is gone once a write has waited for the write timeout
+//! ([`crate::connections`]).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -120,10 +122,20 @@ async fn feed(stdin: &mut Option<mpsc::Sender<Vec<u8>>>, chunk: Vec<u8>) {
 }
 
 async fn session(state: Arc<AppState>, entry: Arc<SandboxEntry>, mut socket: WebSocket) {
-    let request = match next_data(&mut socket).await {
-        Some(Message::Text(text)) => serde_json::from_str::<JobRequest>(&text),
-        Some(Message::Binary(bytes)) => serde_json::from_slice::<JobRequest>(&bytes),
-        _ => return,
+    // The job is the socket's request body: it must come within the body timeout, like any other.
+    let timeout = state.connections.limits().body_timeout;
+    let request = match tokio::time::timeout(timeout, next_data(&mut socket)).await {
+        Ok(Some(Message::Text(text))) => serde_json::from_str::<JobRequest>(&text),
+        Ok(Some(Message::Binary(bytes))) => serde_json::from_slice::<JobRequest>(&bytes),
+        Ok(_) => return,
+        Err(_) => {
+            let err = ApiError::new(
+                axum::http::StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!("the job did not come within {timeout:?} of the upgrade"),
+            );
+            return finish(socket, error_message(&err)).await;
+        }
     };
     let prepared = request
         .map_err(|e| ApiError::bad_request("invalid_json", format!("the first message must be the job: {e}")))

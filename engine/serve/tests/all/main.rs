@@ -3,6 +3,7 @@
 mod api;
 mod e2b;
 mod lifecycle;
+mod limits;
 mod load;
 mod util;
 mod ws;
