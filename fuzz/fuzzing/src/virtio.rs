@@ -112,20 +112,42 @@ impl Guest {
         copy
     }
 
-    /// Every byte that changed since `before` lies in a device-writable buffer of a descriptor table or in a
-    /// used ring.
+    /// Every byte that changed since `before` lies in a device-writable buffer of a descriptor table (an
+    /// indirect one included) or in a used ring, as they were in `before`: a guest may place a buffer over its
+    /// own rings, and the device may then overwrite the descriptor that allowed it.
     pub fn check_writes(&self, before: &[u8]) {
         let after = self.snapshot();
+        let read = |at: u64| -> Option<Descriptor> {
+            let at = usize::try_from(at).ok()?;
+            let raw: [u8; 16] = before.get(at..at.checked_add(16)?)?.try_into().ok()?;
+            let [a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, f0, f1, n0, n1] = raw;
+            Some(Descriptor::new(
+                u64::from_le_bytes([a0, a1, a2, a3, a4, a5, a6, a7]),
+                u32::from_le_bytes([l0, l1, l2, l3]),
+                u16::from_le_bytes([f0, f1]),
+                u16::from_le_bytes([n0, n1]),
+            ))
+        };
         let mut allowed: Vec<(u64, u64)> = Vec::new();
+        let writable = |d: &Descriptor, allowed: &mut Vec<(u64, u64)>| {
+            if d.flags() & F_WRITE != 0 {
+                allowed.push((d.addr().0, d.addr().0.saturating_add(u64::from(d.len()))));
+            }
+        };
         for index in 0..self.queues.len() {
             let queue = self.queue(index);
             let used = queue.used_addr().0;
             allowed.push((used, used + 6 + 8 * u64::from(self.queues[index].0)));
-            for slot in 0..self.queues[index].0 {
-                let Ok(raw) = queue.desc_table().load(slot) else { continue };
-                let d = Descriptor::from(raw);
-                if d.flags() & F_WRITE != 0 {
-                    allowed.push((d.addr().0, d.addr().0.saturating_add(u64::from(d.len()))));
+            let table = queue.desc_table_addr().0;
+            for slot in 0..u64::from(self.queues[index].0) {
+                let Some(d) = read(table + 16 * slot) else { continue };
+                writable(&d, &mut allowed);
+                if d.flags() & F_INDIRECT != 0 {
+                    for entry in 0..u64::from(d.len() / 16).min(256) {
+                        if let Some(inner) = read(d.addr().0.saturating_add(16 * entry)) {
+                            writable(&inner, &mut allowed);
+                        }
+                    }
                 }
             }
         }
