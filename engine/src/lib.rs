@@ -177,6 +177,19 @@ pub enum EngineError {
     /// The engine has no home directory (`$STRATA_HOME`) for what was asked.
     #[error("no STRATA_HOME (nor HOME) to keep {0} in")]
     NoHome(&'static str),
+    /// A grant of a directory that holds the snapshot key: a job could read it and seal snapshots of its own.
+    #[error(
+        "the grant of {} would expose the snapshot key in {} (a job that reads it can forge snapshots); grant a \
+         directory that does not hold $STRATA_HOME/keys",
+        grant.display(),
+        keys.display()
+    )]
+    GrantExposesKey {
+        /// The grant's host directory.
+        grant: PathBuf,
+        /// The key's directory.
+        keys: PathBuf,
+    },
 }
 
 impl EngineError {
@@ -195,6 +208,7 @@ impl EngineError {
             EngineError::Scratch(_) => "scratch",
             EngineError::SnapshotTier { .. } => "snapshot_tier",
             EngineError::NoHome(_) => "no_home",
+            EngineError::GrantExposesKey { .. } => "invalid_capability",
         }
     }
 }
@@ -478,6 +492,25 @@ impl Engine {
         &self.snapshots
     }
 
+    /// Refuses capabilities whose grants hold the directory of the snapshot key ([`EngineError::GrantExposesKey`]):
+    /// the key is what makes a snapshot's recorded capabilities trusted, so no job may read or replace it.
+    fn check_key_not_granted(&self, caps: &Capabilities) -> Result<(), EngineError> {
+        let Some(keys) = self.snapshots.key_file().and_then(Path::parent) else { return Ok(()) };
+        // The key's directory as it resolves (it may not exist yet: then its home's, or the path as given).
+        let resolved = keys
+            .canonicalize()
+            .or_else(|_| keys.parent().unwrap_or(keys).canonicalize().map(|home| home.join("keys")))
+            .unwrap_or_else(|_| keys.to_owned());
+        for grant in &caps.grants {
+            // A grant that does not resolve is the tier's to refuse (it names no directory).
+            let Ok(host) = grant.host.canonicalize() else { continue };
+            if resolved.starts_with(&host) {
+                return Err(EngineError::GrantExposesKey { grant: grant.host.clone(), keys: resolved });
+            }
+        }
+        Ok(())
+    }
+
     /// Opens and verifies a snapshot directory with this engine's key ([`SnapshotTrust::open`]): a snapshot
     /// whose manifest is not sealed with it (altered, made in another home, or before snapshot format 2) is
     /// refused as `snapshot_invalid`.
@@ -514,6 +547,7 @@ impl Engine {
         caps: &Capabilities,
         limits: &Limits,
     ) -> Result<Route<'_>, EngineError> {
+        self.check_key_not_granted(caps)?;
         let policy = &self.config.policy.tiers;
         let allowed = |tier: TierKind| {
             if policy.allows(tier) { Ok(tier) } else { Err(EngineError::TierNotAllowed { tier }) }
@@ -920,6 +954,7 @@ impl Engine {
         caps: &Capabilities,
         limits: &Limits,
     ) -> Result<Box<dyn Sandbox>, EngineError> {
+        self.check_key_not_granted(caps)?;
         let tier = match choice {
             TierChoice::Auto => TierKind::Wasm,
             TierChoice::Tier(tier) => tier,

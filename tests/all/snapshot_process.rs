@@ -53,7 +53,7 @@ fn tier(test: &str) -> Option<&'static ProcessTier> {
 /// image by one of its own, makes a symlink pointing out of the jail and a FIFO.
 const SETUP: &str = "echo 41 > /tmp/x && echo work > /root/notes && rm /etc/debian_version && \
                      rm -rf /etc/apt && mkdir /etc/apt && echo mine > /etc/apt/only && \
-                     ln -s /etc/shadow /root/link && mkfifo /root/fifo && chmod 4750 /root/notes && \
+                     ln -s /etc/shadow /root/link && mkfifo /root/fifo && chmod 0750 /root/notes && \
                      date +%s%N";
 
 fn snapshot_after_setup(tier: &ProcessTier, dir: &Path, caps: &Capabilities) -> (Box<dyn Sandbox>, Snapshot, u128) {
@@ -86,7 +86,7 @@ fn a_fork_starts_from_the_setup_jobs_filesystem() {
     );
     let text = stdout(&seen);
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(&lines[..6], ["41", "work", "only", "/etc/shadow", "fifo", "4750 0"], "{text}");
+    assert_eq!(&lines[..6], ["41", "work", "only", "/etc/shadow", "fifo", "750 0"], "{text}");
     let now: u128 = lines[6].parse().expect("date");
     assert!(now > then, "the fork's clock moves forward");
     assert_eq!(fork.read_file("/etc/apt/only").expect("read"), b"mine\n");

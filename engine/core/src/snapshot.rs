@@ -463,6 +463,15 @@ impl SnapshotTrust {
         &self.bounds
     }
 
+    /// The file its key is kept in, when it is a home's: what no sandbox may be granted (a job that can read the
+    /// key can seal whatever it likes).
+    pub fn key_file(&self) -> Option<&Path> {
+        match &*self.key {
+            KeySource::Home { path, .. } => Some(path),
+            KeySource::Given(_) | KeySource::ProcessLocal => None,
+        }
+    }
+
     /// The key (loading or creating a home's key on first use).
     pub fn key(&self) -> Result<SnapshotKey, SnapshotError> {
         match &*self.key {

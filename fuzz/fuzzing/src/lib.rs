@@ -13,6 +13,7 @@
 
 pub mod generate;
 pub mod seeds;
+mod snapshot_seeds;
 pub mod targets;
 pub mod virtio;
 
@@ -40,6 +41,10 @@ pub const TARGETS: &[Target] = &[
     Target { name: "e2b_connect", run: targets::e2b_connect::run },
     Target { name: "api_bodies", run: targets::api_bodies::run },
     Target { name: "wasm_cache_entry", run: targets::wasm_cache_entry::run },
+    Target { name: "snapshot_open", run: targets::snapshot_open::run },
+    Target { name: "snapshot_wasm", run: targets::snapshot_wasm::run },
+    Target { name: "snapshot_vm_state", run: targets::snapshot_vm_state::run },
+    Target { name: "snapshot_upper_tree", run: targets::snapshot_upper_tree::run },
 ];
 
 /// The target called `name`.

@@ -29,6 +29,10 @@ pub fn of(name: &str) -> Vec<Seed> {
         "e2b_connect" => e2b_connect(),
         "api_bodies" => api_bodies(),
         "wasm_cache_entry" => wasm_cache_entry(),
+        "snapshot_open" => crate::snapshot_seeds::snapshot_open(),
+        "snapshot_wasm" => crate::snapshot_seeds::snapshot_wasm(),
+        "snapshot_vm_state" => crate::snapshot_seeds::snapshot_vm_state(),
+        "snapshot_upper_tree" => crate::snapshot_seeds::snapshot_upper_tree(),
         _ => Vec::new(),
     }
 }

@@ -230,6 +230,43 @@ fn a_snapshot_from_another_home_or_an_older_format_is_refused() {
 }
 
 #[test]
+fn no_job_is_granted_the_directory_of_the_snapshot_key() {
+    let home = tempfile::tempdir().expect("tempdir");
+    let engine =
+        Engine::new(EngineConfig { home: Some(home.path().to_owned()), ..EngineConfig::default() }).expect("e");
+    let keys = home.path().join("keys");
+    // Whether the key exists yet or not: the home, its parent, the key's directory itself.
+    for made in [false, true] {
+        if made {
+            engine.snapshots().key().expect("key");
+        }
+        for dir in [home.path(), home.path().parent().expect("parent"), keys.as_path()] {
+            if !dir.exists() {
+                continue;
+            }
+            let caps = Capabilities {
+                grants: vec![Grant::new(dir, "/h", GrantMode::Ro).expect("grant")],
+                ..Capabilities::default()
+            };
+            let err = engine.start(strata_engine::TierChoice::Auto, &caps, &Limits::default()).err().expect("refused");
+            assert_eq!(err.code(), "invalid_capability", "{err}");
+            assert!(err.to_string().contains("snapshot key"), "{err}");
+            let job = job(programs::HELLO, &[]);
+            let err = engine.run(&job, &caps, &Limits::default(), ExecOptions::default()).expect_err("refused");
+            assert_eq!(err.code(), "invalid_capability", "{err}");
+        }
+    }
+    // A directory beside the key is fine.
+    let data = home.path().join("data");
+    std::fs::create_dir(&data).expect("mkdir");
+    let caps = Capabilities {
+        grants: vec![Grant::new(&data, "/h", GrantMode::Rw).expect("grant")],
+        ..Capabilities::default()
+    };
+    engine.start(strata_engine::TierChoice::Auto, &caps, &Limits::default()).expect("a grant beside the key");
+}
+
+#[test]
 fn hostile_sizes_links_fifos_and_directory_bombs_are_refused_quickly() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");

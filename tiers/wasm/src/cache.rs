@@ -13,6 +13,11 @@
 //! is not recomputed: any write, truncation, `chmod` or `touch` changes the change time, which a user process
 //! cannot set back. Otherwise it is hashed in full. A truncated, corrupted or swapped entry is detected,
 //! recompiled and replaced, never executed.
+//!
+//! Nothing a failed or killed write leaves is trusted: both files are synced before they are renamed into place
+//! (so a stamp recorded is never of bytes still in flight), a `.sum` is read at most 4 KiB of and a `.cwasm` never
+//! through a link, a full disk fails the store (logged; the job runs from the module compiled in memory) and
+//! removes its temporary, and the temporaries of processes that died while writing are swept by the next store.
 
 use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
@@ -100,6 +105,9 @@ enum Invalid {
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
+/// A `.sum` file is a line or two: more than this is not one.
+const MAX_SUM_BYTES: u64 = 4096;
+
 fn hex(digest: &Digest) -> String {
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -183,13 +191,16 @@ impl ModuleCache {
 
     fn load<C: Compiled>(&self, engine: &Engine, key: &Digest) -> Result<C, Invalid> {
         let (cwasm_path, sum_path) = self.entry_paths(key);
-        let sum = match fs::read_to_string(&sum_path) {
+        let sum = match read_bounded(&sum_path, MAX_SUM_BYTES) {
             Ok(sum) => sum,
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Err(Invalid::Missing),
             Err(err) => return Err(Invalid::Corrupt(format!("reading {}: {err}", sum_path.display()))),
         };
-        let sum = Sum::parse(&sum).ok_or_else(|| Invalid::Corrupt("malformed .sum file".into()))?;
-        let mut file = match File::open(&cwasm_path) {
+        let sum = std::str::from_utf8(&sum)
+            .ok()
+            .and_then(Sum::parse)
+            .ok_or_else(|| Invalid::Corrupt("malformed .sum file".into()))?;
+        let mut file = match open_no_follow(&cwasm_path) {
             Ok(file) => file,
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
                 return Err(Invalid::Corrupt(".sum without .cwasm".into()));
@@ -223,6 +234,7 @@ impl ModuleCache {
     fn store<C: Compiled>(&self, key: &Digest, module: &C) -> io::Result<()> {
         let bytes = module.serialize().map_err(|e| io::Error::other(e.to_string()))?;
         fs::create_dir_all(&self.dir)?;
+        sweep_temporaries(&self.dir);
         let (cwasm_path, sum_path) = self.entry_paths(key);
         let hash = blake3::hash(&bytes).to_hex().to_string();
         // The .cwasm goes first: a reader that sees the new .sum then finds the matching .cwasm. A crash in
@@ -300,15 +312,58 @@ impl Sum {
     }
 }
 
-/// Writes `bytes` to a unique temporary file beside `path` and renames it over `path`.
+/// Opens `path` for reading, never through a link and never blocking on a FIFO.
+fn open_no_follow(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let flags = nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_NONBLOCK;
+    File::options().read(true).custom_flags(flags.bits()).open(path)
+}
+
+/// At most `max` bytes of the regular file `path` (more is an error, before anything is read).
+fn read_bounded(path: &Path, max: u64) -> io::Result<Vec<u8>> {
+    let file = open_no_follow(path)?;
+    let meta = file.metadata()?;
+    if !meta.file_type().is_file() || meta.len() > max {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("not a regular file of at most {max} bytes")));
+    }
+    let mut bytes = Vec::new();
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// The PID in a temporary's name (`.NAME.PID.N.tmp`).
+fn temporary_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix('.')?.strip_suffix(".tmp")?;
+    let mut parts = rest.rsplitn(3, '.');
+    let (_counter, pid) = (parts.next()?.parse::<u64>().ok()?, parts.next()?);
+    parts.next()?;
+    pid.parse().ok()
+}
+
+/// Removes the temporaries that processes which are gone left in `dir` while they wrote (killed mid-store);
+/// looks at 65536 entries at most.
+fn sweep_temporaries(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    let me = std::process::id();
+    for entry in entries.take(1 << 16).flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(temporary_pid) else { continue };
+        if pid != me && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Writes `bytes` to a unique temporary file beside `path`, syncs it and renames it over `path`: whoever sees
+/// `path` sees all of `bytes`, even after a crash.
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)));
     let result = (|| {
-        let mut file = File::create(&tmp)?;
+        let mut file = File::options().write(true).create_new(true).open(&tmp)?;
         file.write_all(bytes)?;
-        file.flush()?;
+        file.sync_all()?;
         fs::rename(&tmp, path)
     })();
     if result.is_err() {
@@ -414,6 +469,27 @@ mod tests {
         let module_key = [6u8; 32];
         cache.load_or_compile(&engine, &module_key, || compile(&engine)).expect("module");
         let (_, outcome) = cache.load_or_compile(&engine, &module_key, component).expect("rebuilt");
+        assert_eq!(outcome, CacheOutcome::Rebuilt);
+    }
+
+    #[test]
+    fn temporaries_of_dead_writers_are_swept_and_huge_sums_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cache = ModuleCache::new(dir.path());
+        let engine = engine();
+        // A PID above the kernel's maximum cannot be running; this process's own is never swept.
+        let dead = dir.path().join(format!(".{}.cwasm.4194305.0.tmp", hex(&[1u8; 32])));
+        let mine = dir.path().join(format!(".x.sum.{}.9.tmp", std::process::id()));
+        fs::write(&dead, b"half a module").expect("write");
+        fs::write(&mine, b"in flight").expect("write");
+        cache.load_or_compile(&engine, &[1u8; 32], || compile(&engine)).expect("compile");
+        assert!(!dead.exists() && mine.exists());
+        assert_eq!(temporary_pid(".a.b.cwasm.77.3.tmp"), Some(77));
+        assert_eq!(temporary_pid(".a.tmp"), None);
+        // A .sum of a megabyte is not read, let alone trusted: the entry is rebuilt.
+        let (_, sum) = cache.entry_paths(&[1u8; 32]);
+        fs::write(&sum, vec![b'a'; 1 << 20]).expect("huge sum");
+        let (_, outcome) = cache.load_or_compile(&engine, &[1u8; 32], || compile(&engine)).expect("rebuild");
         assert_eq!(outcome, CacheOutcome::Rebuilt);
     }
 

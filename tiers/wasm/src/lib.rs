@@ -48,6 +48,8 @@ mod ready;
 mod runtime;
 mod sandbox;
 mod snapshot;
+#[doc(hidden)]
+pub use snapshot::fuzzing as snapshot_fuzzing;
 mod tools;
 
 use std::collections::HashMap;

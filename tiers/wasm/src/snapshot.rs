@@ -10,7 +10,12 @@
 //! tmp/…         the interpreter's scratch /tmp, file for file
 //! ```
 //!
-//! beside the manifest that [`strata_core::SnapshotWriter`] seals. Grants are host directories: a fork sees
+//! beside the manifest that [`strata_core::SnapshotWriter`] seals with the host's key. A fork re-opens the
+//! snapshot with the tier's [`strata_core::SnapshotTrust`] first and reads nothing else: `state.json` (which holds
+//! the capabilities a fork gets) is parsed from the sealed bytes as they are read ([`Snapshot::read_file`]),
+//! `memory.img` is mapped from the descriptor that was verified ([`Snapshot::open_file`]), and `tmp/` is copied
+//! file by file from what the manifest lists, its directories walked without following a link. Grants are host
+//! directories: a fork sees
 //! the same ones, live, not a copy. A fork maps `memory.img` copy-on-write as the new instance's memory (no
 //! compile, no copy: the compiled snapshot-ready runtime is the one every session uses), sets the globals,
 //! copies `tmp/` into a scratch directory of its own and gets a new WASI context from the capabilities: the
@@ -38,6 +43,9 @@ use crate::cache::Digest;
 use crate::exec::JobState;
 use crate::image::MemoryImage;
 use crate::instrument::GLOBAL_EXPORT_PREFIX;
+
+#[doc(hidden)]
+pub mod fuzzing;
 
 /// The state file's name.
 pub(crate) const STATE_FILE: &str = "state.json";

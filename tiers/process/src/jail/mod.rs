@@ -301,6 +301,13 @@ impl Jail {
             zygote: config.zygote,
         };
         let tree = config.restore_upper.clone();
+        if let Some(tree) = &tree {
+            // PID 1 reads it from where the descriptor stands, which a jail that failed before may have moved.
+            std::io::Seek::rewind(&mut &**tree).map_err(|e| JailError::Setup {
+                stage: "restore upper layer".into(),
+                message: format!("rewinding the layer: {e}"),
+            })?;
+        }
         let fds: Vec<BorrowedFd<'_>> = tree.iter().map(|f| f.as_fd()).collect();
         proto::send(jail.ctl.as_fd(), &HostFrame::Setup(setup), &fds)?;
         drop(tree);
