@@ -15,8 +15,11 @@
 //! file or the new one, never a mix), links replaced the same way, and what the guest deleted deleted. A listing
 //! or a transfer that fails any check applies nothing. The host tree is walked by descriptor, one component at a
 //! time with `O_NOFOLLOW`, so no path the guest names can lead outside the grant, whatever links the host tree
-//! holds. Set-user-ID and set-group-ID bits are dropped, and what is created belongs to the grant directory's
-//! owner.
+//! holds. Whatever the guest claims, what lands on the host is a regular file the host created itself (`O_CREAT
+//! | O_EXCL` in the staging directory, filled with bytes), a directory or a link: the listing has no kind for a
+//! device, FIFO or socket (the agent leaves them out), modes are `mode & 0o777` (no set-user-ID, set-group-ID or
+//! sticky bit), no extended attribute is ever set (so no file capability), a link is written as a link and never
+//! followed, and what is created belongs to the grant directory's owner.
 //!
 //! Read-only grants are never copied back: the host copy is unchanged whatever the guest does to its own.
 
@@ -37,8 +40,8 @@ use strata_guest_proto::{AgentClient, ClientError, EntryKind, MAX_CHUNK, MAX_PAT
 /// The most entries one grant may hold, either way.
 pub const MAX_ENTRIES: u64 = 100_000;
 
-/// Permission bits kept from the guest: set-user-ID and set-group-ID are dropped.
-const KEPT_MODE: u32 = 0o1777;
+/// Permission bits kept from the guest: set-user-ID, set-group-ID and sticky are dropped.
+const KEPT_MODE: u32 = 0o777;
 
 /// Why a grant could not be copied in or back.
 #[derive(Debug, thiserror::Error)]

@@ -259,3 +259,89 @@ fn hostile_listings_and_files_change_nothing_on_the_host() {
         agent.join().expect("fake agent");
     }
 }
+
+/// The extended attributes of `path` (not following a link).
+fn xattrs(path: &Path) -> Vec<u8> {
+    let name = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("path");
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: llistxattr writes at most `buf.len()` bytes into `buf` and reads a NUL-terminated path.
+    let n = unsafe { libc::llistxattr(name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert!(n >= 0, "llistxattr {}: {}", path.display(), std::io::Error::last_os_error());
+    buf.truncate(n as usize);
+    buf
+}
+
+/// Gives the file named by its argument a file capability (`cap_net_raw+ep`, a version 2 `security.capability`)
+/// and a user attribute.
+const SET_XATTRS: &str = "import os, struct, sys; \
+    os.setxattr(sys.argv[1], 'security.capability', struct.pack('<5I', 0x02000001, 1 << 13, 0, 0, 0)); \
+    os.setxattr(sys.argv[1], 'user.note', b'hi')";
+
+#[test]
+fn privileged_files_made_in_the_guest_come_back_as_plain_files() {
+    let Some(agent) = RealAgent::spawn() else { return };
+    let host = tempfile::tempdir().expect("tempdir");
+    let outside = tempfile::tempdir().expect("tempdir");
+    fs::write(outside.path().join("target"), b"outside").expect("write");
+    symlink(outside.path().join("target"), host.path().join("out")).expect("symlink");
+    let scanned = grants::scan(host.path(), 1 << 20).expect("scan");
+    let guest_root = tempfile::tempdir().expect("tempdir");
+    let guest = guest_root.path().join("data");
+    let guest = guest.to_str().expect("utf-8");
+    grants::copy_in(agent.client(), &scanned, guest).expect("copy in");
+    // The agent runs as root here, as in a guest: every one of these succeeds in the "guest".
+    let script = format!(
+        "cd {guest} && cp /bin/sh suid && chmod 4755 suid && printf g > sgid && chmod 2755 sgid \
+         && mkdir -m 2775 sgid-dir && mkdir -m 1777 sticky && mknod null c 1 3 && mknod loop b 7 0 \
+         && mkfifo fifo && ln suid hard-link && printf c > caps && python3 -c \"{SET_XATTRS}\" caps \
+         && rm out && printf mine > out"
+    );
+    if agent.sh("command -v python3 >/dev/null") != 0 {
+        eprintln!("skip privileged_files_made_in_the_guest_come_back_as_plain_files: no python3 on this host");
+        return;
+    }
+    assert_eq!(agent.sh(&script), 0);
+    grants::copy_out(agent.client(), guest, host.path(), 4 << 20).expect("copy out");
+    let found = tree(host.path());
+    let kinds: Vec<(&str, char, u32)> = found.iter().map(|(k, (kind, mode, _))| (k.as_str(), *kind, *mode)).collect();
+    assert_eq!(
+        kinds,
+        vec![
+            ("caps", 'f', 0o644),
+            ("hard-link", 'f', 0o755),
+            ("out", 'f', 0o644),
+            ("sgid", 'f', 0o755),
+            ("sgid-dir", 'd', 0o775),
+            ("sticky", 'd', 0o777),
+            ("suid", 'f', 0o755),
+        ],
+        "devices and the FIFO stay in the guest; no mode keeps 07000 bits"
+    );
+    for name in found.keys() {
+        assert!(xattrs(&host.path().join(name)).is_empty(), "{name} carries extended attributes");
+    }
+    // A hard link in the guest is two files on the host, not a link to anything.
+    assert_ne!(
+        fs::metadata(host.path().join("suid")).expect("meta").ino(),
+        fs::metadata(host.path().join("hard-link")).expect("meta").ino()
+    );
+    assert_eq!(fs::read(outside.path().join("target")).expect("read"), b"outside", "a host link was followed");
+    assert_eq!(fs::read(host.path().join("out")).expect("read"), b"mine");
+}
+
+#[test]
+fn a_hostile_listing_cannot_set_privilege_bits() {
+    let host = tempfile::tempdir().expect("tempdir");
+    let entries = vec![
+        TreeEntry { mode: 0o7777, ..dir("d") },
+        TreeEntry { mode: 0o6755, ..file("d/f", 4) },
+        TreeEntry { mode: 0o4777, ..file("g", 4) },
+    ];
+    let (client, agent) = hostile(entries, b"evil".to_vec());
+    grants::copy_out(&client, "/data", host.path(), 1 << 20).expect("copy out");
+    let modes: Vec<(String, char, u32)> =
+        tree(host.path()).into_iter().map(|(k, (kind, mode, _))| (k, kind, mode)).collect();
+    assert_eq!(modes, vec![("d".into(), 'd', 0o777), ("d/f".into(), 'f', 0o755), ("g".into(), 'f', 0o777)]);
+    drop(client);
+    agent.join().expect("fake agent");
+}

@@ -976,6 +976,8 @@ fn copy_in(source: OwnedFd, target: &str, mode: u32, userns: Option<&UserNamespa
     Ok(())
 }
 
+/// Writes a file the host sent. Its set-user-ID and set-group-ID bits are dropped: PID 1 runs under the jail's
+/// filter too, and what the host writes into a grant obeys the rule jobs do (see [`seccomp`]).
 fn write_file(path: &str, mode: u32, mut fds: Vec<OwnedFd>, userns: Option<&UserNamespace>) -> JailFrame {
     let Some(source) = fds.pop().filter(|_| fds.is_empty()) else {
         return JailFrame::FileError { errno: libc::EINVAL, message: "expected one descriptor".into() };
@@ -984,7 +986,7 @@ fn write_file(path: &str, mode: u32, mut fds: Vec<OwnedFd>, userns: Option<&User
     if let Err(err) = std::io::Seek::rewind(&mut src) {
         return file_error(&err);
     }
-    match copy_in(src.into(), path, mode & 0o7777, userns) {
+    match copy_in(src.into(), path, mode & 0o1777, userns) {
         Ok(()) => JailFrame::FileWritten,
         Err(err) => file_error(&err),
     }

@@ -59,7 +59,7 @@ pub enum HostFrame {
     WriteFile {
         /// Absolute path in the jail.
         path: String,
-        /// Permission bits.
+        /// Permission bits (set-user-ID and set-group-ID are dropped).
         mode: u32,
     },
     /// Open a regular file for reading. Answered by `FileOpened` (with the descriptor) or `FileError`.

@@ -9,6 +9,21 @@
 //! `clone3` answers `ENOSYS` (its flags live in memory a filter cannot read), so the C library falls back to
 //! `clone`, whose flags the filter checks. Calls made through another ABI (i386 `int 0x80`) kill the process:
 //! seccompiler checks the architecture first.
+//!
+//! **No privileged files.** What a job writes into a read-write grant is a host file, and the jail's root writes
+//! as host root through the idmapped grant: a set-user-ID or set-group-ID bit there would give any host user who
+//! runs the file its owner's IDs. So no call may set either bit, checked on the mode argument itself: `chmod`,
+//! `fchmod`, `fchmodat`, `fchmodat2`, `mkdir`, `mkdirat`, `creat`, and `open`/`openat` when they create (`O_CREAT`,
+//! `O_TMPFILE`) are refused with `EPERM`; `mknod`/`mknodat` may make only regular files, FIFOs and sockets without
+//! them; `openat2` answers `ENOSYS` (its mode is in memory a filter cannot read), so callers fall back to
+//! `openat`. A filter cannot tell which file a call names, so this holds in the whole jail, where the bits would do
+//! nothing anyway (`no_new_privs`); a program that insists on them (`cp -a` or `dpkg` copying a set-user-ID file)
+//! gets the error and the file keeps its other bits. The rest is the kernel's, and a job holds no capability:
+//! device nodes need `CAP_MKNOD`, file capabilities (`security.capability`) `CAP_SETFCAP`, and writing to a
+//! set-user-ID file clears the bit without `CAP_FSETID`; a rename or hard link into a grant from another mount is
+//! `EXDEV`; `io_uring` is refused. Mapping grants to an unprivileged host ID instead would not do: a set-user-ID
+//! file of that ID still runs as that ID, with everything it owns, for whoever starts it. The check holds while
+//! the job runs, not after it. The sticky bit is allowed.
 
 use std::collections::BTreeMap;
 
@@ -33,7 +48,6 @@ const CLONE_NAMESPACE_FLAGS: u64 = NAMESPACE_FLAGS & !0xff;
 const ALLOWED: &[libc::c_long] = &[
     libc::SYS_read,
     libc::SYS_write,
-    libc::SYS_open,
     libc::SYS_close,
     libc::SYS_stat,
     libc::SYS_fstat,
@@ -113,15 +127,11 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_chdir,
     libc::SYS_fchdir,
     libc::SYS_rename,
-    libc::SYS_mkdir,
     libc::SYS_rmdir,
-    libc::SYS_creat,
     libc::SYS_link,
     libc::SYS_unlink,
     libc::SYS_symlink,
     libc::SYS_readlink,
-    libc::SYS_chmod,
-    libc::SYS_fchmod,
     libc::SYS_chown,
     libc::SYS_fchown,
     libc::SYS_lchown,
@@ -161,7 +171,6 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_rt_sigsuspend,
     libc::SYS_sigaltstack,
     libc::SYS_utime,
-    libc::SYS_mknod,
     libc::SYS_statfs,
     libc::SYS_fstatfs,
     libc::SYS_getpriority,
@@ -239,9 +248,6 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_inotify_init,
     libc::SYS_inotify_add_watch,
     libc::SYS_inotify_rm_watch,
-    libc::SYS_openat,
-    libc::SYS_mkdirat,
-    libc::SYS_mknodat,
     libc::SYS_fchownat,
     libc::SYS_futimesat,
     libc::SYS_newfstatat,
@@ -250,7 +256,6 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_linkat,
     libc::SYS_symlinkat,
     libc::SYS_readlinkat,
-    libc::SYS_fchmodat,
     libc::SYS_faccessat,
     libc::SYS_pselect6,
     libc::SYS_ppoll,
@@ -303,16 +308,41 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_pidfd_send_signal,
     libc::SYS_pidfd_open,
     libc::SYS_close_range,
-    libc::SYS_openat2,
     libc::SYS_faccessat2,
     libc::SYS_process_madvise,
     libc::SYS_epoll_pwait2,
     libc::SYS_futex_waitv,
-    libc::SYS_fchmodat2,
 ];
 
 /// System calls that must answer `ENOSYS` rather than `EPERM`, so callers fall back to an older call.
-const NOT_IMPLEMENTED: &[libc::c_long] = &[libc::SYS_clone3];
+const NOT_IMPLEMENTED: &[libc::c_long] = &[libc::SYS_clone3, libc::SYS_openat2];
+
+/// The mode bits no job may give a file or directory: set-user-ID and set-group-ID.
+const PRIVILEGE_BITS: u64 = (libc::S_ISUID | libc::S_ISGID) as u64;
+
+/// Calls that take a mode, with the index of their mode argument: allowed only without [`PRIVILEGE_BITS`].
+const MODE_ARGUMENT: &[(libc::c_long, u8)] = &[
+    (libc::SYS_chmod, 1),
+    (libc::SYS_fchmod, 1),
+    (libc::SYS_fchmodat, 2),
+    (libc::SYS_fchmodat2, 2),
+    (libc::SYS_mkdir, 1),
+    (libc::SYS_mkdirat, 2),
+    (libc::SYS_creat, 1),
+];
+
+/// `open` and `openat`, with the indexes of their flags and mode arguments: the mode counts only when the flags
+/// create a file.
+const OPEN_ARGUMENTS: &[(libc::c_long, u8, u8)] = &[(libc::SYS_open, 1, 2), (libc::SYS_openat, 2, 3)];
+
+/// The flags with which `open` creates a file (`O_TMPFILE` without the `O_DIRECTORY` it includes).
+const CREATING_FLAGS: u64 = (libc::O_CREAT | (libc::O_TMPFILE & !libc::O_DIRECTORY)) as u64;
+
+/// `mknod` and `mknodat`, with the index of their mode argument (file type and permission bits).
+const MKNOD_ARGUMENT: &[(libc::c_long, u8)] = &[(libc::SYS_mknod, 1), (libc::SYS_mknodat, 2)];
+
+/// The file types `mknod` may make: a regular file (type 0 is one too), a FIFO, a socket; no device, no directory.
+const MKNOD_TYPES: [libc::mode_t; 4] = [0, libc::S_IFREG, libc::S_IFIFO, libc::S_IFSOCK];
 
 /// Why the filter could not be built (a bug in this module, not the job's doing).
 #[derive(Debug)]
@@ -412,6 +442,9 @@ fn build(zygote: bool) -> Result<JailFilters, SeccompBuildError> {
         Ok(vec![SeccompRule::new(vec![cond]).map_err(err)?])
     };
     rules.insert(libc::SYS_unshare, no_namespaces(NAMESPACE_FLAGS)?);
+    for (call, rule) in file_mode_rules()? {
+        rules.insert(call, rule);
+    }
     if zygote {
         // `clone` is checked by the trace filter below; `setns` and the rest are PID 1's to build forks with.
         for &call in ZYGOTE_PID1.iter().chain([&libc::SYS_clone, &libc::SYS_setns]) {
@@ -453,6 +486,30 @@ fn build(zygote: bool) -> Result<JailFilters, SeccompBuildError> {
             .try_into()
             .map_err(err)?;
     Ok(JailFilters { allow, enosys, trace })
+}
+
+/// The rules of the calls that give a file its mode (see the module docs): each allowed only when the mode
+/// holds no [`PRIVILEGE_BITS`] (rules of one call are alternatives; the conditions of one rule all hold).
+fn file_mode_rules() -> Result<Vec<(libc::c_long, Vec<SeccompRule>)>, SeccompBuildError> {
+    let masked = |arg: u8, mask: u64, value: u64| -> Result<SeccompRule, SeccompBuildError> {
+        let cond =
+            SeccompCondition::new(arg, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(mask), value).map_err(err)?;
+        SeccompRule::new(vec![cond]).map_err(err)
+    };
+    let mut rules = Vec::new();
+    for &(call, mode) in MODE_ARGUMENT {
+        rules.push((call, vec![masked(mode, PRIVILEGE_BITS, 0)?]));
+    }
+    for &(call, flags, mode) in OPEN_ARGUMENTS {
+        // Either it creates nothing, or what it creates has no privilege bit.
+        rules.push((call, vec![masked(flags, CREATING_FLAGS, 0)?, masked(mode, PRIVILEGE_BITS, 0)?]));
+    }
+    let type_and_bits = u64::from(libc::S_IFMT) | PRIVILEGE_BITS;
+    for &(call, mode) in MKNOD_ARGUMENT {
+        let allowed = MKNOD_TYPES.iter().map(|&kind| masked(mode, type_and_bits, u64::from(kind)));
+        rules.push((call, allowed.collect::<Result<_, _>>()?));
+    }
+    Ok(rules)
 }
 
 /// Installs the filters on the calling thread (which also sets `no_new_privs`); its children inherit them. The
@@ -500,5 +557,143 @@ mod tests {
         ] {
             assert!(!ALLOWED.contains(&call), "syscall {call} is allowed");
         }
+    }
+
+    #[test]
+    fn calls_that_set_a_mode_are_only_allowed_with_conditions() {
+        let conditional =
+            MODE_ARGUMENT.iter().map(|(call, _)| call).chain(OPEN_ARGUMENTS.iter().map(|(call, ..)| call));
+        for call in conditional.chain(MKNOD_ARGUMENT.iter().map(|(call, _)| call)) {
+            assert!(!ALLOWED.contains(call), "syscall {call} is allowed without conditions");
+        }
+        assert!(!ALLOWED.contains(&libc::SYS_openat2));
+    }
+
+    /// One system call tried under a filter, and the errno it must fail with (0: it must succeed).
+    struct Try {
+        what: &'static str,
+        call: libc::c_long,
+        args: [u64; 4],
+        errno: i32,
+    }
+
+    /// Runs each of `tries` in a child that first runs `install`; returns what each call got (0 or an errno).
+    fn under_filter(install: impl Fn() -> bool, tries: &[Try]) -> Vec<i32> {
+        let (read, write) = nix::unistd::pipe().expect("pipe");
+        let mut results = vec![0i32; tries.len()];
+        // SAFETY: the child makes system calls only (all it uses was allocated before the fork) and _exits.
+        match unsafe { nix::unistd::fork() }.expect("fork") {
+            nix::unistd::ForkResult::Child => {
+                let installed = install();
+                for (slot, t) in results.iter_mut().zip(tries) {
+                    let [a, b, c, d] = t.args;
+                    // SAFETY: the arguments are integers or pointers to NUL-terminated paths the parent keeps.
+                    let rc = unsafe { libc::syscall(t.call, a, b, c, d) };
+                    *slot = match (installed, rc) {
+                        (false, _) => -1,
+                        (true, 0..) => 0,
+                        (true, _) => std::io::Error::last_os_error().raw_os_error().unwrap_or(-2),
+                    };
+                }
+                let mut bytes = [0u8; 4 * 64];
+                for (chunk, result) in bytes.chunks_mut(4).zip(&results) {
+                    chunk.copy_from_slice(&result.to_ne_bytes());
+                }
+                let _ = nix::unistd::write(&write, &bytes[..4 * results.len().min(64)]);
+                // SAFETY: _exit ends the forked child without running the test harness's exit handlers.
+                unsafe { libc::_exit(0) }
+            }
+            nix::unistd::ForkResult::Parent { child } => {
+                drop(write);
+                let mut bytes = Vec::new();
+                std::io::Read::read_to_end(&mut std::fs::File::from(read), &mut bytes).expect("read");
+                nix::sys::wait::waitpid(child, None).expect("wait");
+                assert_eq!(bytes.len(), 4 * tries.len(), "the child reported nothing");
+                bytes.chunks(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
+        }
+    }
+
+    /// Every way of giving a file a mode, with and without privilege bits, in `dir`; `paths` keeps the names the
+    /// calls point to alive.
+    fn mode_tries(dir: &std::path::Path, paths: &mut Vec<std::ffi::CString>) -> Vec<Try> {
+        std::fs::write(dir.join("file"), b"x").expect("file");
+        let file = std::fs::File::open(dir.join("file")).expect("open");
+        let fd = std::os::fd::IntoRawFd::into_raw_fd(file) as u64;
+        let mut path = |name: &str| {
+            let c = std::ffi::CString::new(dir.join(name).into_os_string().into_encoded_bytes()).expect("path");
+            let ptr = c.as_ptr() as u64;
+            paths.push(c);
+            ptr
+        };
+        let (file, here) = (path("file"), path(""));
+        let cwd = libc::AT_FDCWD as u64;
+        let (creat, wronly) = (libc::O_CREAT as u64, libc::O_WRONLY as u64);
+        let (reg, chr, blk, fifo) =
+            (libc::S_IFREG as u64, libc::S_IFCHR as u64, libc::S_IFBLK as u64, libc::S_IFIFO as u64);
+        let t = |what, call, args, errno| Try { what, call, args, errno };
+        let eperm = libc::EPERM;
+        vec![
+            t("chmod 4755", libc::SYS_chmod, [file, 0o4755, 0, 0], eperm),
+            t("chmod 2755", libc::SYS_chmod, [file, 0o2755, 0, 0], eperm),
+            t("chmod 1777", libc::SYS_chmod, [file, 0o1777, 0, 0], 0),
+            t("chmod 755", libc::SYS_chmod, [file, 0o755, 0, 0], 0),
+            t("fchmod 4755", libc::SYS_fchmod, [fd, 0o4755, 0, 0], eperm),
+            t("fchmod 644", libc::SYS_fchmod, [fd, 0o644, 0, 0], 0),
+            t("fchmodat 6755", libc::SYS_fchmodat, [cwd, file, 0o6755, 0], eperm),
+            t("fchmodat2 4755", libc::SYS_fchmodat2, [cwd, file, 0o4755, 0], eperm),
+            t("open O_CREAT 4755", libc::SYS_open, [path("o1"), creat | wronly, 0o4755, 0], eperm),
+            t("openat O_CREAT 2755", libc::SYS_openat, [cwd, path("o2"), creat | wronly, 0o2755], eperm),
+            t("openat O_TMPFILE 4755", libc::SYS_openat, [cwd, here, libc::O_TMPFILE as u64 | wronly, 0o4755], eperm),
+            t("openat O_CREAT 755", libc::SYS_openat, [cwd, path("o3"), creat | wronly, 0o755], 0),
+            t("openat of a file, a stray mode", libc::SYS_openat, [cwd, file, libc::O_RDONLY as u64, 0o4755], 0),
+            t("creat 4755", libc::SYS_creat, [path("o4"), 0o4755, 0, 0], eperm),
+            t("creat 644", libc::SYS_creat, [path("o5"), 0o644, 0, 0], 0),
+            t("openat2", libc::SYS_openat2, [cwd, path("o6"), 0, 0], libc::ENOSYS),
+            t("mkdir 2755", libc::SYS_mkdir, [path("d1"), 0o2755, 0, 0], eperm),
+            t("mkdirat 4755", libc::SYS_mkdirat, [cwd, path("d2"), 0o4755, 0], eperm),
+            t("mkdir 1777", libc::SYS_mkdir, [path("d3"), 0o1777, 0, 0], 0),
+            t("mknod S_IFREG 4755", libc::SYS_mknod, [path("m1"), reg | 0o4755, 0, 0], eperm),
+            t("mknod S_IFCHR 1:3", libc::SYS_mknod, [path("m2"), chr | 0o666, libc::makedev(1, 3), 0], eperm),
+            t("mknodat S_IFBLK 7:0", libc::SYS_mknodat, [cwd, path("m3"), blk | 0o600, libc::makedev(7, 0)], eperm),
+            t("mknodat S_IFIFO 2600", libc::SYS_mknodat, [cwd, path("m4"), fifo | 0o2600, 0], eperm),
+            t("mknodat S_IFIFO 600", libc::SYS_mknodat, [cwd, path("m5"), fifo | 0o600, 0], 0),
+            t("mknod type 0, 644", libc::SYS_mknod, [path("m6"), 0o644, 0, 0], 0),
+        ]
+    }
+
+    /// Asserts that every try got what it must, and that nothing in `dir` has a privilege bit.
+    fn check(dir: &std::path::Path, tries: &[Try], got: &[i32]) {
+        let wrong: Vec<String> = tries
+            .iter()
+            .zip(got)
+            .filter(|(t, got)| t.errno != **got)
+            .map(|(t, got)| format!("{}: errno {got}, expected {}", t.what, t.errno))
+            .collect();
+        assert!(wrong.is_empty(), "{wrong:#?}");
+        for entry in std::fs::read_dir(dir).expect("dir") {
+            let meta = entry.expect("entry").metadata().expect("meta");
+            assert_eq!(std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o6000, 0, "{meta:?}");
+        }
+    }
+
+    #[test]
+    fn no_call_gives_a_file_a_privilege_bit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut paths = Vec::new();
+        let tries = mode_tries(dir.path(), &mut paths);
+        let jail = filters().expect("filters");
+        let got = under_filter(|| install(&jail).is_ok(), &tries);
+        check(dir.path(), &tries, &got);
+    }
+
+    #[test]
+    fn no_call_of_a_zygote_fork_gives_a_file_a_privilege_bit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut paths = Vec::new();
+        let tries = mode_tries(dir.path(), &mut paths);
+        let (pid1, zygote) = (zygote_pid1_filters().expect("filters"), zygote_filter().expect("zygote filter"));
+        let got = under_filter(|| install(&pid1).is_ok() && install_one(&zygote).is_ok(), &tries);
+        check(dir.path(), &tries, &got);
     }
 }
