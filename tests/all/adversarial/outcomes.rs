@@ -1,1 +1,219 @@
-//! (being written)
+//! Outcomes that must not lie under pressure, on the process tier: a memory kill is `limit_exceeded`/`memory`
+//! whatever memory it was (an inode flood is kernel memory, which no process's resident set shows) and whoever
+//! the kernel would have picked, and the job is the victim, not the jail's PID 1; a job that fills its writable
+//! layer (`--disk`: bytes or inodes) is `limit_exceeded`/`disk`, not the `exited 0` its shell made of `ENOSPC`.
+//! One-shot runs, a live sandbox, and jobs on its lanes (`Sandbox::handle`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use strata_core::{
+    ByteSize, Capabilities, ExecOptions, Job, LimitKind, Limits, Outcome, Sandbox, SandboxHandle, Status, TierError,
+    TierKind,
+};
+use strata_engine::{Engine, TierChoice};
+
+use crate::util::python_engine;
+
+fn sh(script: &str) -> Job {
+    Job::Command { argv: vec!["sh".into(), "-c".into(), script.into()] }
+}
+
+/// The engine, when this host runs the process tier (else one skip line).
+fn process(test: &str) -> Option<&'static Engine> {
+    match python_engine().process() {
+        Ok(_) => Some(python_engine()),
+        Err(err) => {
+            assert!(std::env::var_os("STRATA_REQUIRE_PROCESS_TIER").is_none(), "process tier required: {err}");
+            eprintln!("skip {test}: the process tier cannot run on this host: {err}");
+            None
+        }
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Empty files made as fast as a shell can, with no process of its own per file: the memory this takes is the
+/// kernel's (inodes and dentries of the overlay and its tmpfs), while the shell's resident set stays under the
+/// jail's PID 1's. `dir` is where.
+fn inode_flood(dir: &str) -> Job {
+    sh(&format!("mkdir -p {dir} && cd {dir} && i=0; while true > f$i; do i=$((i+1)); done; echo stopped at $i; exit 0"))
+}
+
+/// A small memory limit and a disk limit whose inodes take far more kernel memory than it.
+fn flood_limits() -> Limits {
+    Limits { memory: ByteSize(40 << 20), wall: Duration::from_secs(60), ..Limits::default() }
+}
+
+fn memory_kill(outcome: &Outcome) -> bool {
+    outcome.status == (Status::LimitExceeded { limit: LimitKind::Memory })
+}
+
+fn describe(outcome: &Outcome) -> String {
+    format!("{:?} (stdout {:?}, stderr {:?})", outcome.status, text(&outcome.stdout), text(&outcome.stderr))
+}
+
+#[test]
+fn an_inode_flood_is_always_a_memory_kill_of_the_job() {
+    let Some(engine) = process("an_inode_flood_is_always_a_memory_kill_of_the_job") else { return };
+    let mut seen = Vec::new();
+    for dir in ["/tmp/flood", "/dev/shm/flood"] {
+        for _ in 0..4 {
+            let outcome = engine
+                .run_on(
+                    TierChoice::Tier(TierKind::Process),
+                    &inode_flood(dir),
+                    &Capabilities::default(),
+                    &flood_limits(),
+                    ExecOptions::default(),
+                )
+                .expect("run");
+            seen.push(format!("{dir}: {}", describe(&outcome)));
+        }
+    }
+    assert!(seen.iter().all(|line| line.contains("LimitExceeded { limit: Memory }")), "{seen:#?}");
+}
+
+fn ok(outcome: &Outcome) -> String {
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", describe(outcome));
+    text(&outcome.stdout)
+}
+
+/// What became of a sandbox's next job after a memory kill: `Ok(true)` it ran, `Ok(false)` the sandbox says it
+/// has ended; anything else (another kill, an error) is not a sandbox that goes on or ends cleanly.
+fn usable_or_ended(result: Result<Outcome, TierError>) -> Result<bool, String> {
+    match result {
+        Ok(outcome) if outcome.status == (Status::Exited { code: 0 }) && outcome.stdout == b"alive\n" => Ok(true),
+        Ok(outcome) => Err(describe(&outcome)),
+        Err(TierError::SessionEnded { .. }) => Ok(false),
+        Err(err) => Err(format!("{err:?}")),
+    }
+}
+
+#[test]
+fn an_inode_flood_in_a_sandbox_is_a_memory_kill_and_the_sandbox_goes_on() {
+    let Some(engine) = process("an_inode_flood_in_a_sandbox_is_a_memory_kill_and_the_sandbox_goes_on") else {
+        return;
+    };
+    for round in 0..3 {
+        let mut sandbox = engine
+            .start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), &flood_limits())
+            .expect("start");
+        let flood = sandbox.exec(&inode_flood("/tmp/flood"), ExecOptions::default()).expect("flood");
+        assert!(memory_kill(&flood), "round {round}: {}", describe(&flood));
+        // What the flood left pins the cgroup's memory: the next job removes it, and then anything runs.
+        let cleanup = sandbox.exec(&sh("rm -rf /tmp/flood && echo alive"), ExecOptions::default());
+        if usable_or_ended(cleanup).unwrap_or_else(|e| panic!("round {round}: after the kill: {e}")) {
+            assert_eq!(ok(&sandbox.exec(&sh("echo again"), ExecOptions::default()).expect("exec")), "again\n");
+        } else {
+            let err = sandbox.exec(&sh("true"), ExecOptions::default()).expect_err("an ended sandbox");
+            assert!(matches!(err, TierError::SessionEnded { .. }), "round {round}: {err:?}");
+        }
+        sandbox.close().expect("close");
+    }
+}
+
+fn sandbox_and_handle(engine: &Engine, limits: &Limits) -> (Box<dyn Sandbox>, Arc<dyn SandboxHandle>) {
+    let mut sandbox =
+        engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), limits).expect("start");
+    let handle = sandbox.handle().expect("a process sandbox has a handle");
+    (sandbox, handle)
+}
+
+#[test]
+fn an_inode_flood_on_a_lane_is_a_memory_kill_of_that_job() {
+    let Some(engine) = process("an_inode_flood_on_a_lane_is_a_memory_kill_of_that_job") else { return };
+    let (sandbox, handle) = sandbox_and_handle(engine, &flood_limits());
+    for round in 0..3 {
+        let flood = handle.exec(&inode_flood(&format!("/tmp/flood{round}")), ExecOptions::default()).expect("flood");
+        assert!(memory_kill(&flood), "round {round}: {}", describe(&flood));
+        let cleanup = handle.exec(&sh(&format!("rm -rf /tmp/flood{round} && echo alive")), ExecOptions::default());
+        if !usable_or_ended(cleanup).unwrap_or_else(|e| panic!("round {round}: after the kill: {e}")) {
+            // Ended cleanly: every call says so.
+            let err = handle.exec(&sh("true"), ExecOptions::default()).expect_err("an ended sandbox");
+            assert!(matches!(err, TierError::SessionEnded { .. }), "{err:?}");
+            break;
+        }
+    }
+    sandbox.close().expect("close");
+}
+
+#[test]
+fn a_memory_kill_that_frees_its_memory_leaves_the_sandbox_usable() {
+    let Some(engine) = process("a_memory_kill_that_frees_its_memory_leaves_the_sandbox_usable") else { return };
+    let (mut sandbox, handle) = sandbox_and_handle(engine, &flood_limits());
+    let hog = sh("python3 -c \"x = b'x' * (64 << 20)\"");
+    let killed = sandbox.exec(&hog, ExecOptions::default()).expect("hog");
+    assert!(memory_kill(&killed), "{}", describe(&killed));
+    let next = sandbox.exec(&sh("echo alive"), ExecOptions::default());
+    assert_eq!(usable_or_ended(next), Ok(true), "a sandbox whose memory came back was ended");
+    let killed = handle.exec(&hog, ExecOptions::default()).expect("hog on a lane");
+    assert!(memory_kill(&killed), "{}", describe(&killed));
+    assert_eq!(usable_or_ended(handle.exec(&sh("echo alive"), ExecOptions::default())), Ok(true));
+    sandbox.close().expect("close");
+}
+
+fn disk_limits(disk: u64) -> Limits {
+    Limits { disk: ByteSize(disk), wall: Duration::from_secs(60), ..Limits::default() }
+}
+
+fn disk_full(outcome: &Outcome) -> bool {
+    outcome.status == (Status::LimitExceeded { limit: LimitKind::Disk })
+}
+
+/// Writes until `ENOSPC`, and ignores it.
+const FILL_BYTES: &str = "head -c 1G /dev/zero > /tmp/big 2>/dev/null; echo filled; exit 0";
+
+/// Makes empty files until `ENOSPC` (the layer's inodes, one per 4 KiB of `--disk`), and ignores it.
+const FILL_INODES: &str = "mkdir /tmp/many && cd /tmp/many && i=0; while true > f$i 2>/dev/null; do i=$((i+1)); done; \
+                           echo made $i; exit 0";
+
+#[test]
+fn filling_the_disk_is_a_disk_limit_not_exit_0() {
+    let Some(engine) = process("filling_the_disk_is_a_disk_limit_not_exit_0") else { return };
+    let run = |job: &Job| {
+        engine
+            .run_on(
+                TierChoice::Tier(TierKind::Process),
+                job,
+                &Capabilities::default(),
+                &disk_limits(8 << 20),
+                ExecOptions::default(),
+            )
+            .expect("run")
+    };
+    let bytes = run(&sh(FILL_BYTES));
+    assert!(disk_full(&bytes), "bytes: {}", describe(&bytes));
+    let inodes = run(&sh(FILL_INODES));
+    assert!(disk_full(&inodes), "inodes: {}", describe(&inodes));
+    let made: u64 = text(&inodes.stdout)
+        .trim()
+        .trim_start_matches("made ")
+        .parse()
+        .unwrap_or_else(|_| panic!("{}", describe(&inodes)));
+    assert!((1000..=2048).contains(&made), "8 MiB of disk holds 2048 inodes, made {made}");
+    // A job that fills it and cleans up after itself exited as it said.
+    let cleaned = run(&sh("head -c 1G /dev/zero > /tmp/big 2>/dev/null; rm /tmp/big; exit 3"));
+    assert_eq!(cleaned.status, Status::Exited { code: 3 }, "{}", describe(&cleaned));
+}
+
+#[test]
+fn filling_a_sandboxs_disk_is_a_disk_limit_for_that_job_only() {
+    let Some(engine) = process("filling_a_sandboxs_disk_is_a_disk_limit_for_that_job_only") else { return };
+    let (mut sandbox, handle) = sandbox_and_handle(engine, &disk_limits(8 << 20));
+    let mut exec = |script: &str| sandbox.exec(&sh(script), ExecOptions::default()).expect(script);
+    assert!(disk_full(&exec(FILL_BYTES)));
+    // The layer is still full: a job that merely runs meanwhile did not fill it.
+    assert_eq!(exec("echo still").status, Status::Exited { code: 0 });
+    assert_eq!(text(&exec("rm /tmp/big && echo freed").stdout), "freed\n");
+    assert!(disk_full(&exec(FILL_INODES)));
+    assert_eq!(text(&exec("rm -r /tmp/many && echo freed").stdout), "freed\n");
+    // On a lane, the same.
+    let on_lane = handle.exec(&sh(FILL_BYTES), ExecOptions::default()).expect("lane");
+    assert!(disk_full(&on_lane), "{}", describe(&on_lane));
+    let freed = handle.exec(&sh("rm /tmp/big && echo freed"), ExecOptions::default()).expect("lane");
+    assert_eq!(text(&freed.stdout), "freed\n");
+    sandbox.close().expect("close");
+}

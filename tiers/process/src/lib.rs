@@ -23,8 +23,12 @@
 //!
 //! Limits and usage, per DESIGN §3: wall by killing the job (a one-shot jail's PID 1, and with it its whole PID
 //! namespace); CPU time from the cgroup, checked every 10 ms; memory from the cgroup's OOM kills
-//! (`limit_exceeded`/`memory`); a fork refused by the pids limit stops the job (`limit_exceeded`/`pids`); output
-//! capped per stream; peak memory from the cgroup.
+//! (`limit_exceeded`/`memory`, whatever ended: each job ranks itself first for the OOM killer, so that it, not the
+//! jail's PID 1, is killed, and a session that its own files keep full after such a kill is ended); a fork refused
+//! by the pids limit stops the job (`limit_exceeded`/`pids`); `Limits::disk` bounds the writable layer's bytes and
+//! inodes, and a job that leaves it full is `limit_exceeded`/`disk`; output capped per stream; peak memory from the
+//! cgroup. Nothing a job writes into a grant can be set-user-ID, set-group-ID or a device on the host (see
+//! `strata_jail::seccomp`).
 //!
 //! Jobs run on the caller's thread, which blocks until the job ends. The tier needs root (mounts, namespaces,
 //! cgroups); [`ProcessTier::new`] says so in a typed error otherwise.

@@ -51,6 +51,22 @@ const PROC_MASKED: &[&str] = &["kcore", "keys", "timer_list", "sysrq-trigger", "
 /// `/proc` trees made read-only (kernel tunables and hardware knobs).
 const PROC_READ_ONLY: &[&str] = &["sys", "irq", "bus", "fs", "acpi", "scsi"];
 
+/// Where a process sets how the OOM killer ranks it; the value that exempts it (the jail's own processes);
+/// the value that makes it the first choice (every job).
+const OOM_SCORE_ADJ: &str = "/proc/self/oom_score_adj";
+const OOM_SCORE_ADJ_MIN: &str = "-1000";
+const OOM_SCORE_ADJ_MAX: &str = "1000";
+
+/// Bytes of the writable layer per inode it may hold (a page: what the smallest file with data takes): the disk
+/// limit bounds the files a job can make, and with them the kernel memory they pin, not only their bytes.
+pub(crate) const SCRATCH_BYTES_PER_INODE: u64 = 4096;
+
+/// The options of a writable layer's tmpfs of `bytes` bytes (at least 1 MiB).
+pub(crate) fn scratch_options(bytes: u64) -> String {
+    let bytes = bytes.max(1 << 20);
+    format!("size={bytes},nr_inodes={},mode=0755", bytes / SCRATCH_BYTES_PER_INODE)
+}
+
 /// The `PATH` used to find a job's program when its environment has none.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
@@ -80,6 +96,10 @@ pub fn main() -> i32 {
             return fail(&ctl, "cgroup", format!("{}: {err}", file.display()));
         }
     }
+    // The keeper and PID 1 (which inherits it) are not the OOM killer's to choose where the host lets them say
+    // so (lowering it takes CAP_SYS_RESOURCE, which some hosts' root lacks); each job ranks itself first anyway
+    // (see `Init::become_job`).
+    let _ = fs::write(OOM_SCORE_ADJ, OOM_SCORE_ADJ_MIN);
     let namespaces = CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWUTS
         | CloneFlags::CLONE_NEWIPC
@@ -173,7 +193,7 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
     if let Err(err) = seccomp::install(&filters) {
         return fail(&ctl, "seccomp", err.to_string());
     }
-    if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid, notes }, &[]).is_err() {
+    if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid, notes }, &[upper.as_fd()]).is_err() {
         return 1;
     }
     let zygote = match setup.zygote.then(seccomp::zygote_filter).transpose() {
@@ -198,7 +218,7 @@ fn build(
         mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>),
     )?;
     let scratch = &setup.scratch_mount;
-    let options = format!("size={},mode=0755", setup.scratch_bytes.max(1 << 20));
+    let options = scratch_options(setup.scratch_bytes);
     step(
         "scratch tmpfs",
         mount(Some("strata"), scratch, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str())),
@@ -780,6 +800,11 @@ impl Init {
                 }
             };
         }
+        // The job is the OOM killer's first choice in the jail's cgroup, not PID 1: a job that fills it with kernel
+        // memory (an inode flood) has a smaller resident set than PID 1, which the killer would otherwise pick,
+        // ending the jail instead of the job. Raising needs no capability; it is done while this process still
+        // has CAP_SYS_RESOURCE (where the host gave it one), so that the job cannot lower it again.
+        check!("oom_score_adj", fs::write(OOM_SCORE_ADJ, OOM_SCORE_ADJ_MAX).map_err(|e| io_errno(&e)));
         check!("setsid", setsid());
         // Limits first: raising a hard limit needs a capability of the host's user namespace.
         check!("rlimits", set_limits(exec));
@@ -1008,4 +1033,8 @@ fn open_for_read(path: &str) -> Result<(fs::File, u64), JailFrame> {
 
 fn file_error(err: &std::io::Error) -> JailFrame {
     JailFrame::FileError { errno: err.raw_os_error().unwrap_or(0), message: err.to_string() }
+}
+
+fn io_errno(err: &std::io::Error) -> Errno {
+    Errno::from_raw(err.raw_os_error().unwrap_or(libc::EIO))
 }

@@ -177,7 +177,8 @@ pub struct Exec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub enum JailFrame {
-    /// The jail is built and waits for jobs.
+    /// The jail is built and waits for jobs. A descriptor of the overlay's upper directory is attached: the host
+    /// reads how full the writable layer is from it (`fstatvfs`), and walks nothing through it.
     Ready {
         /// PID 1 as the host sees it (killing it ends the whole PID namespace).
         host_pid: i32,

@@ -553,7 +553,7 @@ fn build_root(
     binds: &[Bind],
     userns: Option<&UserNamespace>,
 ) -> Result<(), StepError> {
-    let options = format!("size={},mode=0755", scratch_bytes.max(1 << 20));
+    let options = crate::init::scratch_options(scratch_bytes);
     step(
         "fork tmpfs",
         mount(

@@ -7,7 +7,8 @@
 //! engine can tell the cgroups of a dead engine (to remove) from those of a live one (to leave alone).
 //!
 //! Limits: memory (swap off: v1 `memsw` equal to the limit, v2 `memory.swap.max = 0`), pids, CPU bandwidth.
-//! Readings: CPU time, peak memory, OOM kills, and how often the pids limit refused a fork.
+//! Readings: CPU time, peak memory, OOM kills, and how often the pids limit refused a fork; and whether memory
+//! can still be freed for another job ([`Cgroup::can_make_room`]), asked after a memory kill.
 //!
 //! A job run beside others in one jail (a lane, see [`crate::jail::Lanes`]) gets a child cgroup of the jail's
 //! ([`Cgroup::child`]): its own readings, and a kill that reaches every process it started, while the jail's
@@ -375,6 +376,51 @@ impl Cgroup {
     pub fn reset_peak(&self) {
         if self.version == CgroupVersion::V1 {
             let _ = self.write("memory", "memory.max_usage_in_bytes", "0");
+        }
+    }
+
+    /// Whether `room` bytes under the memory limit are free, or can be freed by reclaiming what the kernel can
+    /// (page cache). `false` when what fills the cgroup cannot be reclaimed: files of the jail's tmpfs and
+    /// their inodes, shared memory, processes still running; then every new job would be killed for memory. On
+    /// v1 this lowers the limit for a moment (the kernel reclaims to reach it, or refuses with `EBUSY`); on v2
+    /// it asks `memory.reclaim`. When the cgroup cannot tell, it answers `true`.
+    pub fn can_make_room(&self, room: u64) -> bool {
+        let number =
+            |controller: &str, file: &str| self.read(controller, file).and_then(|s| s.trim().parse::<u64>().ok());
+        match self.version {
+            CgroupVersion::V1 => {
+                let (Some(limit), Some(usage)) =
+                    (number("memory", "memory.limit_in_bytes"), number("memory", "memory.usage_in_bytes"))
+                else {
+                    return true;
+                };
+                let target = limit.saturating_sub(room);
+                if usage <= target {
+                    return true;
+                }
+                match self.write("memory", "memory.limit_in_bytes", &target.to_string()) {
+                    Ok(()) => {
+                        let _ = self.write("memory", "memory.limit_in_bytes", &limit.to_string());
+                        true
+                    }
+                    Err(CgroupError::Io { source, .. }) => source.raw_os_error() != Some(libc::EBUSY),
+                    Err(_) => true,
+                }
+            }
+            CgroupVersion::V2 => {
+                let (Some(limit), Some(usage)) = (number("", "memory.max"), number("", "memory.current")) else {
+                    return true;
+                };
+                let target = limit.saturating_sub(room);
+                if usage <= target {
+                    return true;
+                }
+                match self.write("", "memory.reclaim", &(usage - target).to_string()) {
+                    Ok(()) => true,
+                    Err(CgroupError::Io { source, .. }) => source.raw_os_error() != Some(libc::EAGAIN),
+                    Err(_) => true,
+                }
+            }
         }
     }
 

@@ -11,17 +11,18 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::{Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use nix::fcntl::OFlag;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+use strata_core::LimitKind;
 use strata_egress::{Drained, EgressHandle};
 use strata_jail::proto::{self, Exec, HostFrame, JailFrame};
 
 use super::{
-    Baseline, Cgroup, CgroupLimits, Counters, DRAIN_TIMEOUT, JailError, JobEnd, JobIo, JobReport, JobWatch, Pump,
-    WATCH_INTERVAL, read_file_on, set_nonblocking, write_file_on,
+    Baseline, Cgroup, CgroupLimits, Counters, DRAIN_TIMEOUT, DiskWatch, JAMMED, JailError, JobEnd, JobIo, JobReport,
+    JobWatch, MEMORY_HEADROOM, Pump, Scratch, WATCH_INTERVAL, read_file_on, set_nonblocking, write_file_on,
 };
 
 /// Opens a lane through the connection `ctl`: returns the host's end.
@@ -51,11 +52,18 @@ pub struct Lanes {
     egress: Weak<EgressHandle>,
     /// Cgroups of ended jobs whose background processes still run.
     lingering: Mutex<Vec<Cgroup>>,
+    /// The jail's writable layer.
+    scratch: Option<Arc<Scratch>>,
 }
 
 impl Lanes {
-    pub(super) fn new(root: OwnedFd, cgroup: Cgroup, egress: Weak<EgressHandle>) -> Lanes {
-        Lanes { root, cgroup, egress, lingering: Mutex::new(Vec::new()) }
+    pub(super) fn new(
+        root: OwnedFd,
+        cgroup: Cgroup,
+        egress: Weak<EgressHandle>,
+        scratch: Option<Arc<Scratch>>,
+    ) -> Lanes {
+        Lanes { root, cgroup, egress, lingering: Mutex::new(Vec::new()), scratch }
     }
 
     /// Runs one job on a lane of its own and waits for it: stdin fed, output captured, `watch` enforced on the
@@ -83,6 +91,13 @@ impl Lanes {
         let report = self.watch(&lane, &cgroup, (stdin_w, stdout_r, stderr_r), io, watch);
         drop(lane);
         self.retire(cgroup);
+        if report.as_ref().is_ok_and(|r| r.end == JobEnd::Limit(LimitKind::Memory))
+            && !self.cgroup.can_make_room(MEMORY_HEADROOM)
+        {
+            // Everything in the jail's cgroup, PID 1 included: the jail ends, as its handle then finds.
+            log::warn!("{JAMMED}");
+            self.cgroup.kill_all();
+        }
         report
     }
 
@@ -126,7 +141,11 @@ impl Lanes {
         io: &JobIo<'_>,
         watch: &JobWatch,
     ) -> Result<JobReport, JailError> {
-        let counters = Counters { job: Baseline::take(cgroup), outer: Some(Baseline::take(&self.cgroup)) };
+        let counters = Counters {
+            job: Baseline::take(cgroup),
+            outer: Some(Baseline::take(&self.cgroup)),
+            disk: DiskWatch::take(self.scratch.as_deref()),
+        };
         let start = Instant::now();
         let mut pump = Pump::new(stdin_w, stdout_r, stderr_r, io, true);
         let mut exit: Option<JobEnd> = None;

@@ -48,6 +48,14 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often a running job's CPU time, OOM and pids counters are read.
 const WATCH_INTERVAL: Duration = Duration::from_millis(10);
 
+/// The memory a session must be able to free after a job was killed for memory, or no job could run in it
+/// again: enough for a shell and `rm`.
+const MEMORY_HEADROOM: u64 = 8 << 20;
+
+/// Why a session is ended after a memory kill (see [`Cgroup::can_make_room`]).
+const JAMMED: &str = "a jail was ended after a memory kill: what its jobs left in it (files of its tmpfs, their \
+                      inodes, shared memory) fills its memory limit, so that no job could run there again";
+
 /// How long to wait for a killed jail's pipes to close before giving up on the rest of its output.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -223,6 +231,38 @@ pub struct Jail {
     egress: Option<Arc<EgressHandle>>,
     /// Its lanes, once opened.
     lanes: Option<Arc<Lanes>>,
+    /// Its writable layer, watched for a job that fills it.
+    scratch: Option<Arc<Scratch>>,
+}
+
+/// A jail's writable layer as the host watches it: a descriptor of a directory on it (the overlay's upper
+/// directory, from PID 1), used for nothing but `fstatvfs`.
+#[derive(Debug)]
+pub(crate) struct Scratch(OwnedFd);
+
+impl Scratch {
+    /// Whether the layer has no block or no inode left, so that a write or a new file fails with `ENOSPC`.
+    fn is_full(&self) -> bool {
+        nix::sys::statvfs::fstatvfs(&self.0).is_ok_and(|s| s.blocks_available() == 0 || s.files_available() == 0)
+    }
+}
+
+/// Whether a job filled the writable layer: full when it ended and not when it began. A layer that was full
+/// already is the earlier job's doing, reported then.
+#[derive(Debug)]
+struct DiskWatch<'a> {
+    scratch: &'a Scratch,
+    full_at_start: bool,
+}
+
+impl<'a> DiskWatch<'a> {
+    fn take(scratch: Option<&'a Scratch>) -> Option<DiskWatch<'a>> {
+        scratch.map(|scratch| DiskWatch { scratch, full_at_start: scratch.is_full() })
+    }
+
+    fn filled(&self) -> bool {
+        !self.full_at_start && self.scratch.is_full()
+    }
 }
 
 /// The embedded binary in a sealed memfd, created once per process.
@@ -283,6 +323,7 @@ impl Jail {
             id_map: config.id_map,
             egress: None,
             lanes: None,
+            scratch: None,
         };
         // The jail process moves itself into its cgroup (see `Cgroup::self_join_files`) before it does anything
         // else; nothing runs in the jail outside it.
@@ -318,10 +359,11 @@ impl Jail {
             });
         }
         match proto::recv::<JailFrame>(jail.ctl.as_fd())? {
-            Some((JailFrame::Ready { host_pid, notes }, _)) if host_pid > 0 => {
+            Some((JailFrame::Ready { host_pid, notes }, mut fds)) if host_pid > 0 => {
                 for note in notes {
                     log::warn!("jail: {note}");
                 }
+                jail.scratch = fds.pop().map(|fd| Arc::new(Scratch(fd)));
                 jail.pid1 = Pid::from_raw(host_pid);
                 // PID 1 cannot have exited yet: it ends only on our signal, an OOM kill or our closing the socket.
                 jail.pidfd = Some(pidfd_open(host_pid).map_err(|e| JailError::Spawn(e.into()))?);
@@ -464,7 +506,9 @@ impl Jail {
         }
         self.cgroup.reset_peak();
         let cgroup = self.cgroup.clone();
-        let counters = Counters { job: Baseline::take(&cgroup), outer: None };
+        let scratch = self.scratch.clone();
+        let counters =
+            Counters { job: Baseline::take(&cgroup), outer: None, disk: DiskWatch::take(scratch.as_deref()) };
         let start = Instant::now();
         {
             if zygote {
@@ -551,8 +595,13 @@ impl Jail {
             }
         }
         let end_time = exited_at.unwrap_or_else(Instant::now);
+        let end = counters.explain(stopped, exit, watch);
+        if end == JobEnd::Limit(LimitKind::Memory) && !self.ended && !cgroup.can_make_room(MEMORY_HEADROOM) {
+            log::warn!("{JAMMED}");
+            self.kill_pid1();
+        }
         Ok(JobReport {
-            end: counters.explain(stopped, exit, watch),
+            end,
             wall: end_time.duration_since(start),
             cpu: counters.job.cpu(),
             peak_memory: cgroup.peak_memory(),
@@ -636,7 +685,7 @@ impl Jail {
         }
         let root = lane::open(self.ctl.as_fd())?;
         let egress = self.egress.as_ref().map(Arc::downgrade).unwrap_or_default();
-        let lanes = Arc::new(Lanes::new(root, self.cgroup.clone(), egress));
+        let lanes = Arc::new(Lanes::new(root, self.cgroup.clone(), egress, self.scratch.clone()));
         self.lanes = Some(lanes.clone());
         Ok(lanes)
     }
@@ -695,7 +744,8 @@ pub fn run_fork(fork: ForkHandle, io: &JobIo<'_>, watch: &JobWatch) -> JobReport
     for fd in [&stdin, &stdout, &stderr, &status] {
         let _ = set_nonblocking(fd.as_fd());
     }
-    let counters = Counters { job: Baseline { cgroup: &cgroup, cpu: Duration::ZERO, oom: 0, pids: 0 }, outer: None };
+    let counters =
+        Counters { job: Baseline { cgroup: &cgroup, cpu: Duration::ZERO, oom: 0, pids: 0 }, outer: None, disk: None };
     let start = Instant::now();
     let mut pump = Pump::new(stdin, stdout, stderr, io, true);
     let mut status = Some(status);
@@ -779,10 +829,11 @@ impl<'a> Baseline<'a> {
 }
 
 /// The job's counters, and those of the jail around it when the job has a cgroup of its own (a lane's job):
-/// a limit of the jail's that the job ran into counts as the job's.
+/// a limit of the jail's that the job ran into counts as the job's. `disk` watches the jail's writable layer.
 struct Counters<'a> {
     job: Baseline<'a>,
     outer: Option<Baseline<'a>>,
+    disk: Option<DiskWatch<'a>>,
 }
 
 impl Counters<'_> {
@@ -812,13 +863,15 @@ impl Counters<'_> {
     }
 
     /// How the job ended: the limit that stopped it, else its exit. A limit the kernel enforced (an OOM kill,
-    /// a refused fork) explains the end even when the job exited on its own before the watch saw the counter
-    /// move, and even when a child took the hit.
+    /// a refused fork, a writable layer the job filled) explains the end even when the job exited on its own
+    /// before the watch saw the counter move, and even when a child took the hit. An OOM kill, read from the
+    /// cgroup's counter, is `memory` whatever else ended: the job, or the jail under it.
     fn explain(&self, stopped: Option<JobEnd>, exit: Option<JobEnd>, watch: &JobWatch) -> JobEnd {
         match (stopped, exit) {
             (Some(reason), _) => reason,
-            (None, Some(_)) if self.oom_killed() => JobEnd::Limit(LimitKind::Memory),
+            (None, _) if self.oom_killed() => JobEnd::Limit(LimitKind::Memory),
             (None, Some(_)) if self.pids_refused() => JobEnd::Limit(LimitKind::Pids),
+            (None, Some(_)) if self.disk.as_ref().is_some_and(DiskWatch::filled) => JobEnd::Limit(LimitKind::Disk),
             (None, Some(JobEnd::Signaled(_))) if self.job.cpu() > watch.cpu => JobEnd::Limit(LimitKind::Cpu),
             (None, Some(end)) => end,
             // The jail ended under a cancelled job (its sandbox was closed): the cancel explains it.
