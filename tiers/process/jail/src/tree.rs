@@ -16,7 +16,11 @@
 //! or `metacopy` entry, which the jail's mount options rule out) is refused.
 //!
 //! Owners are stored as the jail sees them (0 is the jail's root), so a fork restores them through its own ID
-//! mapping; an ID outside the mapping is stored as 65534, the overflow ID the jail saw for it.
+//! mapping; an ID outside the mapping is stored as 65534, the overflow ID the jail saw for it. What a restore
+//! makes — setuid bits and whiteout devices included — exists only in the new jail's private tmpfs, under its
+//! own mapping, never in a host directory; a restore refuses `..`, absolute and non-plain paths, a record outside
+//! the directory it just made, a hard link to anything but a file it restored, and more than [`MAX_ENTRIES`]
+//! records, and follows no link it made.
 //!
 //! The format (version 1), integers little-endian:
 //!
@@ -57,6 +61,10 @@ pub const OVERFLOW_ID: u32 = 65_534;
 
 /// Directories nested deeper than this are refused (each level holds a descriptor while it is walked).
 pub const MAX_DEPTH: usize = 256;
+
+/// A tree of more records than this is refused, by the writer and by a restore (which stops there): a restore
+/// keeps every path in memory to refuse duplicates.
+pub const MAX_ENTRIES: u64 = 1 << 22;
 
 const MAX_PATH: usize = 4096;
 const MAX_NAME: usize = 255;
@@ -256,6 +264,12 @@ struct Walker<W: Write> {
 impl<W: Write> Walker<W> {
     fn header(&mut self, kind: u8, path: &str, st: &FileStat, xattrs: &[Xattr]) -> Result<(), TreeError> {
         self.out.records += 1;
+        if self.out.records > MAX_ENTRIES {
+            return Err(TreeError::Unsupported {
+                path: path.to_owned(),
+                reason: format!("more than {MAX_ENTRIES} files and directories"),
+            });
+        }
         self.out.u8(kind)?;
         self.out.u16_bytes(path.as_bytes())?;
         self.out.u32(st.st_mode & 0o7777)?;
@@ -644,6 +658,9 @@ pub fn extract_tree(input: impl Read, root: BorrowedFd<'_>, map: Option<IdMap>) 
         };
         let dir = dir.try_clone().map_err(TreeError::Stream)?;
         stats.entries += 1;
+        if stats.entries > MAX_ENTRIES {
+            return Err(format_error(format!("more than {MAX_ENTRIES} records")));
+        }
         match kind {
             KIND_DIR => {
                 if stack.len() > MAX_DEPTH {
