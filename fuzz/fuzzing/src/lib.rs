@@ -34,6 +34,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "egress_request", run: targets::egress_request::run },
     Target { name: "egress_sni", run: targets::egress_sni::run },
     Target { name: "egress_allowlist", run: targets::egress_allowlist::run },
+    Target { name: "egress_proxy", run: targets::egress_proxy::run },
     Target { name: "policy_toml", run: targets::policy_toml::run },
     Target { name: "virtio_mmio", run: targets::virtio_mmio::run },
     Target { name: "virtio_block", run: targets::virtio_block::run },

@@ -23,6 +23,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "egress_request" => egress_request(),
         "egress_sni" => egress_sni(),
         "egress_allowlist" => egress_allowlist(),
+        "egress_proxy" => egress_proxy(),
         "policy_toml" => policy_toml(),
         "virtio_mmio" => virtio_mmio(),
         "virtio_block" | "virtio_vsock" => generated(),
@@ -378,4 +379,17 @@ fn wasm_cache_entry() -> Vec<Seed> {
     let mut edited = Script::default();
     edited.u8(2).raw(b"+stamp 1 2 3 4.5 6.7\n");
     named(vec![("forged", forged.bytes), ("flipped", flipped.bytes), ("stamped", edited.bytes)])
+}
+
+/// Requests to the origin the target's allowlist names (`ORIGIN`, see the target) and one elsewhere.
+fn egress_proxy() -> Vec<Seed> {
+    use strata_egress::sni::testing::client_hello;
+    let mut tls = b"CONNECT ORIGIN HTTP/1.1\r\n\r\n".to_vec();
+    tls.extend_from_slice(&client_hello(Some("example.com")));
+    named(vec![
+        ("get", b"GET http://ORIGIN/x HTTP/1.1\r\nContent-Length: 3\r\n\r\nabcdef".to_vec()),
+        ("connect-tls", tls),
+        ("connect-plain", b"CONNECT ORIGIN HTTP/1.1\r\nHost: x\r\n\r\nSSH-2.0-x\r\n".to_vec()),
+        ("refused", b"CONNECT pypi.org:443 HTTP/1.1\r\n\r\n".to_vec()),
+    ])
 }

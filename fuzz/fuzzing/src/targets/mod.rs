@@ -5,6 +5,7 @@ pub mod agent_frames;
 pub mod api_bodies;
 pub mod e2b_connect;
 pub mod egress_allowlist;
+pub mod egress_proxy;
 pub mod egress_request;
 pub mod egress_sni;
 pub mod jail_frames;
