@@ -799,8 +799,6 @@ impl Engine {
             outcome.route = Some(decision);
             outcome
         };
-        // Both attempts read the same stdin: a stream is read to its end once, here, not used up by the first.
-        let opts = opts.buffered()?;
         let scratch = match escalate::ScratchGrants::prepare(caps, limits.disk.0, &self.scratch_dir()) {
             Ok(scratch) => scratch,
             Err(err) => {
@@ -814,8 +812,20 @@ impl Engine {
             None => std::borrow::Cow::Borrowed(caps),
         };
         let held = opts.sink.as_ref().map(|_| Arc::new(escalate::HeldOutput::default()));
-        let wasm_opts =
-            ExecOptions { sink: held.clone().map(|held| held as Arc<dyn strata_core::OutputSink>), ..opts.clone() };
+        // Both runs read a stdin stream as it arrives: the attempt through a tee, the rerun what it took and the rest.
+        let (tee, attempt_stdin) = match opts.stdin_stream.clone() {
+            Some(stream) => {
+                let (tee, attempt) = escalate::StdinTee::start(stream, escalate::MAX_TEED_STDIN)
+                    .map_err(|source| TierError::ReadInput { path: "stdin stream".into(), source })?;
+                (Some(tee), Some(attempt))
+            }
+            None => (None, None),
+        };
+        let wasm_opts = ExecOptions {
+            sink: held.clone().map(|held| held as Arc<dyn strata_core::OutputSink>),
+            stdin_stream: attempt_stdin,
+            ..opts.clone()
+        };
         // A tier error means the job never ran: the copies go with `scratch`.
         let attempt = route.tier.run(job, &wasm_caps, limits, wasm_opts)?;
         let cancelled = opts.cancel.as_ref().is_some_and(|cancel| cancel.is_cancelled());
@@ -829,6 +839,25 @@ impl Engine {
                 }
             },
             None => None,
+        };
+        let (native, rerun_stdin) = match (native, tee) {
+            (Some(native), Some(tee)) => match tee.rerun() {
+                Ok(Some(rerun)) => (Some(native), Some(rerun)),
+                Ok(None) => {
+                    log::warn!(
+                        "the job failed on wasm ({}) but cannot escalate: it read more than {} bytes of its stdin \
+                         stream, which a rerun could not be given",
+                        native.0.what,
+                        escalate::MAX_TEED_STDIN
+                    );
+                    (None, None)
+                }
+                Err(err) => {
+                    log::warn!("the job failed on wasm ({}) but cannot escalate: {err}", native.0.what);
+                    (None, None)
+                }
+            },
+            (native, _) => (native, None),
         };
         let Some((failure, native)) = native else {
             // The wasm attempt is the result: its output and its writes are the job's.
@@ -847,7 +876,11 @@ impl Engine {
             // `to` is the process tier; say why it is not the policy's native tier.
             reason.push_str(&format!("; {}", fallback.reason));
         }
-        let mut outcome = native.tier.run(job, caps, limits, opts)?;
+        let (stdin_stream, _replay) = match rerun_stdin {
+            Some((stream, replay)) => (Some(stream), Some(replay)),
+            None => (None, None),
+        };
+        let mut outcome = native.tier.run(job, caps, limits, ExecOptions { stdin_stream, ..opts })?;
         outcome.escalations.insert(0, Escalation { from: TierKind::Wasm, to: native.decision.tier, reason });
         Ok(finish(outcome, route.decision))
     }

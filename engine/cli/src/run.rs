@@ -1,6 +1,7 @@
 //! `strata run`.
 
-use std::io::{IsTerminal, Read, Write};
+use std::io::{IsTerminal, Write};
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::{Sender, channel};
@@ -10,14 +11,11 @@ use std::time::Duration;
 use clap::Args;
 use strata_core::{
     ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, Limits, LimitsOverride, Outcome, OutputSink,
-    PythonSource, Snapshot, Status, Stream, format_duration, parse_duration,
+    PythonSource, Snapshot, Status, StdinStream, Stream, format_duration, parse_duration,
 };
 use strata_engine::{Engine, EngineConfig, Policy, TierChoice, VmImage};
 
 use crate::Failure;
-
-/// The most stdin `strata run` reads from a pipe or file to hand to the guest.
-const MAX_STDIN: u64 = 64 << 20;
 
 #[derive(Args)]
 pub(crate) struct RunArgs {
@@ -194,22 +192,20 @@ fn spawn_writer() -> Result<(Arc<TerminalSink>, JoinHandle<()>), Failure> {
     Ok((Arc::new(TerminalSink { queue }), writer))
 }
 
-/// Reads the guest's stdin: this process's stdin when it is a pipe or file, nothing when it is a terminal.
-fn read_stdin() -> Result<Vec<u8>, Failure> {
+/// The guest's stdin: this process's stdin when it is a pipe, a socket or a file, streamed into the job as it
+/// arrives (the job starts at once, and its limits run while it waits for input; end of input is the writer
+/// closing it); nothing when it is a terminal, as for a job that has no input.
+fn stdin_stream() -> Result<Option<StdinStream>, Failure> {
     let stdin = std::io::stdin();
     if stdin.is_terminal() {
-        return Ok(Vec::new());
+        return Ok(None);
     }
-    let mut bytes = Vec::new();
-    stdin
-        .lock()
-        .take(MAX_STDIN + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| Failure::new("input_unreadable", format!("cannot read stdin: {e}")))?;
-    if bytes.len() as u64 > MAX_STDIN {
-        return Err(Failure::new("input_too_large", format!("stdin is larger than {}", ByteSize(MAX_STDIN))));
+    match stdin.as_fd().try_clone_to_owned() {
+        Ok(fd) => Ok(Some(StdinStream::new(fd))),
+        // No descriptor 0 at all (EBADF): no input, as for a closed stdin.
+        Err(err) if err.raw_os_error() == Some(9) => Ok(None),
+        Err(err) => Err(Failure::new("input_unreadable", format!("cannot read stdin: {err}"))),
     }
-    Ok(bytes)
 }
 
 pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
@@ -251,7 +247,8 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
         env: args.env,
         secrets: args.secrets,
         net: policy.network.net_with(&args.allow_net),
-        stdin: read_stdin()?,
+        // stdin reaches the job as a stream (see `execute`), never read up front.
+        stdin: Vec::new(),
         tools: Vec::new(),
     };
     if args.image.is_some() && matches!(args.tier, TierChoice::Tier(tier) if tier != strata_core::TierKind::Microvm) {
@@ -292,10 +289,7 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
     let prepared = prepare(args)?;
     let Prepared { engine, job, caps, limits, tier, snapshot, json } = &prepared;
     let outcome = execute(*json, limits, |opts| match snapshot {
-        Some(snapshot) => {
-            let opts = ExecOptions { stdin: (!caps.stdin.is_empty()).then(|| caps.stdin.clone()), ..opts };
-            engine.run_from_snapshot(*tier, snapshot, job, limits, opts)
-        }
+        Some(snapshot) => engine.run_from_snapshot(*tier, snapshot, job, limits, opts),
         None => engine.run_on(*tier, job, caps, limits, opts),
     })?;
     if *json {
@@ -304,18 +298,19 @@ pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
     Ok(outcome.exit_code())
 }
 
-/// Runs `job` with output streamed to this process's stdout and stderr (or, with `json`, only captured), then
-/// reports what the output cannot say on stderr.
+/// Runs `job` with this process's stdin streamed in and its output streamed to this process's stdout and stderr
+/// (or, with `json`, only captured), then reports what the output cannot say on stderr.
 pub(crate) fn execute<T: AsOutcome>(
     json: bool,
     limits: &Limits,
     job: impl FnOnce(ExecOptions) -> Result<T, strata_engine::EngineError>,
 ) -> Result<T, Failure> {
+    let stdin_stream = stdin_stream()?;
     if json {
-        return Ok(job(ExecOptions::default())?);
+        return Ok(job(ExecOptions { stdin_stream, ..ExecOptions::default() })?);
     }
     let (sink, writer) = spawn_writer()?;
-    let opts = ExecOptions { sink: Some(sink), ..ExecOptions::default() };
+    let opts = ExecOptions { sink: Some(sink), stdin_stream, ..ExecOptions::default() };
     let result = job(opts);
     // The engine has dropped the sink with the job; the writer drains the queue and ends.
     let _ = writer.join();

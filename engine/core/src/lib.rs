@@ -28,7 +28,8 @@ pub use snapshot::{
     Manifest, Persisted, Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, SnapshotWriter,
 };
 pub use tier::{
-    CancelToken, ExecOptions, MAX_BUFFERED_STDIN, OutputSink, Sandbox, SandboxHandle, StdinStream, Stream, Tier,
+    CancelToken, ExecOptions, MAX_BUFFERED_STDIN, OutputSink, PumpStop, Pumped, Sandbox, SandboxHandle, StdinStream,
+    Stream, Tier,
 };
 pub use tools::{Tool, ToolCall, ToolDefinitionError, ToolFailure, ToolRegistry};
 pub use units::{ByteSize, UnitsError, format_duration, parse_duration};

@@ -65,9 +65,9 @@ pub struct ExecOptions {
     pub limits: Option<Limits>,
     /// stdin for this job; the capabilities' stdin when `None`.
     pub stdin: Option<Vec<u8>>,
-    /// stdin for this job as a stream the caller writes while the job runs (instead of `stdin`): the process tier
-    /// gives it to the job as its stdin; the tiers that start a job with all of its stdin read it to its end first
-    /// ([`ExecOptions::buffered`]).
+    /// stdin for this job as a stream the caller writes while the job runs (instead of `stdin`), read by the job as
+    /// it arrives, inside the job's limits, on every tier: the process tier gives the descriptor to the job as its
+    /// stdin, the others pump it in ([`StdinStream::pump`]). Closing the writer is the job's end of input.
     pub stdin_stream: Option<StdinStream>,
     /// Where output goes as it is produced, besides the [`Outcome`].
     pub sink: Option<Arc<dyn OutputSink>>,
@@ -87,18 +87,8 @@ impl fmt::Debug for ExecOptions {
     }
 }
 
-impl ExecOptions {
-    /// These options with `stdin_stream`, if any, read to its end into `stdin` (at most [`MAX_BUFFERED_STDIN`]
-    /// bytes): what a tier that starts a job with all of its stdin calls first.
-    pub fn buffered(mut self) -> Result<ExecOptions, TierError> {
-        if let Some(stream) = self.stdin_stream.take() {
-            self.stdin = Some(stream.read_to_end(MAX_BUFFERED_STDIN)?);
-        }
-        Ok(self)
-    }
-}
-
-/// The most stdin a tier without streamed stdin takes from a [`StdinStream`].
+/// The most of a [`StdinStream`] held in memory at once (what an escalating job's wasm attempt read, kept for its
+/// native rerun). A job reading its stream as it arrives is not bounded by it.
 pub const MAX_BUFFERED_STDIN: usize = 64 << 20;
 
 /// A job's stdin as a stream: the read end of a pipe (any readable descriptor) whose writer the caller keeps while
@@ -123,6 +113,65 @@ impl StdinStream {
         self.0.as_fd()
     }
 
+    /// Reads the stream on a thread of its own as its bytes arrive, handing each chunk (at most `chunk` bytes,
+    /// at least one) to `to`, then its end ([`Pumped::End`], the writer closed) or a read error; `to` returning
+    /// `false` stops the pump. This is how a tier that cannot give the descriptor to the job itself streams it
+    /// in (the wasm tier's stdin, the microVM agent's `StdinData`, an escalation's tee).
+    ///
+    /// The thread waits in `poll(2)` on the stream and on the returned [`PumpStop`], so dropping that wakes it
+    /// and it ends without reading further: a writer that holds the pipe open keeps no thread past its job. A
+    /// pump blocked inside `to` ends once `to` returns; `to` must therefore block only on something the job's
+    /// end releases (a channel whose receiver goes with the job, a pipe whose reader does). The descriptor stays
+    /// as it is (blocking or not: `O_NONBLOCK` lives on the open file description, which the caller may share).
+    pub fn pump(&self, chunk: usize, to: impl FnMut(Pumped<'_>) -> bool + Send + 'static) -> std::io::Result<PumpStop> {
+        self.pump_after(Vec::new(), chunk, to)
+    }
+
+    /// [`StdinStream::pump`], handing `first` to `to` before anything read from the stream (a prefix the job reads
+    /// before its stdin, as a process-tier fork reads its source first).
+    pub fn pump_after(
+        &self,
+        first: Vec<u8>,
+        chunk: usize,
+        mut to: impl FnMut(Pumped<'_>) -> bool + Send + 'static,
+    ) -> std::io::Result<PumpStop> {
+        let (stop, wake) = std::io::pipe()?;
+        let fd = Arc::clone(&self.0);
+        let mut buf = vec![0u8; chunk.max(1)];
+        std::thread::Builder::new().name("strata-stdin".into()).spawn(move || {
+            if !first.is_empty() && !to(Pumped::Data(&first)) {
+                return;
+            }
+            loop {
+                match wait_readable(fd.as_fd(), stop.as_fd()) {
+                    Ok(true) => {}
+                    Ok(false) => return,
+                    Err(err) => {
+                        to(Pumped::Failed(err));
+                        return;
+                    }
+                }
+                match nix::unistd::read(fd.as_fd(), &mut buf) {
+                    Ok(0) => {
+                        to(Pumped::End);
+                        return;
+                    }
+                    Ok(n) => {
+                        if !to(Pumped::Data(&buf[..n.min(buf.len())])) {
+                            return;
+                        }
+                    }
+                    Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => {}
+                    Err(err) => {
+                        to(Pumped::Failed(err.into()));
+                        return;
+                    }
+                }
+            }
+        })?;
+        Ok(PumpStop { _wake: wake })
+    }
+
     /// Everything until the writer closes; more than `cap` bytes is an error.
     pub fn read_to_end(&self, cap: usize) -> Result<Vec<u8>, TierError> {
         let read_err = |source| TierError::ReadInput { path: "stdin stream".into(), source };
@@ -132,10 +181,51 @@ impl StdinStream {
         if data.len() > cap {
             return Err(read_err(std::io::Error::new(
                 std::io::ErrorKind::FileTooLarge,
-                format!("more than {cap} bytes (the most this tier takes before a job starts)"),
+                format!("more than {cap} bytes (the most read into memory at once)"),
             )));
         }
         Ok(data)
+    }
+}
+
+/// What a [`StdinStream::pump`] hands on.
+#[derive(Debug)]
+pub enum Pumped<'a> {
+    /// Bytes that arrived.
+    Data(&'a [u8]),
+    /// The writer closed the stream: end of input.
+    End,
+    /// Reading failed; nothing more comes.
+    Failed(std::io::Error),
+}
+
+/// Stops a [`StdinStream::pump`] when dropped (its thread wakes and ends without reading more).
+#[derive(Debug)]
+pub struct PumpStop {
+    _wake: std::io::PipeWriter,
+}
+
+/// Waits until `fd` can be read without blocking (data, its end or an error) or `stop`'s writer is closed:
+/// `Ok(true)` for the first, `Ok(false)` for the second.
+fn wait_readable(fd: BorrowedFd<'_>, stop: BorrowedFd<'_>) -> std::io::Result<bool> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    loop {
+        let mut fds = [PollFd::new(fd, PollFlags::POLLIN), PollFd::new(stop, PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(err) => return Err(err.into()),
+        }
+        let [stream, stop] = fds.map(|fd| fd.revents().unwrap_or(PollFlags::empty()));
+        if !stop.is_empty() {
+            return Ok(false);
+        }
+        if stream.contains(PollFlags::POLLNVAL) {
+            return Err(std::io::Error::from_raw_os_error(nix::libc::EBADF));
+        }
+        if !stream.is_empty() {
+            return Ok(true);
+        }
     }
 }
 
@@ -224,18 +314,60 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_stream_is_buffered_to_its_end_and_refused_past_the_cap() {
+    fn a_stream_is_read_to_its_end_and_refused_past_the_cap() {
         let (stream, mut writer) = StdinStream::pipe().unwrap();
         writer.write_all(b"hello").unwrap();
         drop(writer);
-        let opts = ExecOptions { stdin_stream: Some(stream), ..ExecOptions::default() }.buffered().unwrap();
-        assert_eq!((opts.stdin.as_deref(), opts.stdin_stream.is_none()), (Some(&b"hello"[..]), true));
-        assert!(ExecOptions::default().buffered().unwrap().stdin.is_none());
+        assert_eq!(stream.read_to_end(5).unwrap(), b"hello");
 
         let (stream, mut writer) = StdinStream::pipe().unwrap();
         writer.write_all(b"12345").unwrap();
         drop(writer);
         let err = stream.read_to_end(4).unwrap_err();
         assert!(matches!(err, TierError::ReadInput { .. }) && err.to_string().contains("more than 4 bytes"), "{err}");
+    }
+
+    /// What a pump hands on, as text: `data` chunks, then `end` or `failed`.
+    fn pumped(stream: &StdinStream) -> (PumpStop, std::sync::mpsc::Receiver<String>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stop = stream
+            .pump(64, move |pumped| {
+                let text = match pumped {
+                    Pumped::Data(data) => String::from_utf8_lossy(data).into_owned(),
+                    Pumped::End => "end".into(),
+                    Pumped::Failed(err) => format!("failed: {err}"),
+                };
+                tx.send(text).is_ok()
+            })
+            .unwrap();
+        (stop, rx)
+    }
+
+    #[test]
+    fn a_pump_hands_on_each_write_as_it_comes_then_the_end() {
+        let (stream, mut writer) = StdinStream::pipe().unwrap();
+        let (_stop, rx) = pumped(&stream);
+        let wait = std::time::Duration::from_secs(10);
+        writer.write_all(b"one\n").unwrap();
+        assert_eq!(rx.recv_timeout(wait).unwrap(), "one\n");
+        writer.write_all(b"two\n").unwrap();
+        assert_eq!(rx.recv_timeout(wait).unwrap(), "two\n");
+        drop(writer);
+        assert_eq!(rx.recv_timeout(wait).unwrap(), "end");
+        assert!(rx.recv_timeout(wait).is_err(), "the pump's thread ended");
+    }
+
+    #[test]
+    fn a_stopped_pump_ends_while_the_writer_holds_the_stream_open() {
+        let (stream, mut writer) = StdinStream::pipe().unwrap();
+        let (stop, rx) = pumped(&stream);
+        drop(stop);
+        // The thread ends (dropping its sender) without waiting for the writer, and reads nothing more.
+        let ended = rx.recv_timeout(std::time::Duration::from_secs(10));
+        assert!(matches!(ended, Err(std::sync::mpsc::RecvTimeoutError::Disconnected)), "{ended:?}");
+        writer.write_all(b"late").unwrap();
+        let mut left = [0u8; 8];
+        let n = nix::unistd::read(stream.as_fd(), &mut left).unwrap();
+        assert_eq!(&left[..n], b"late", "the stopped pump left the stream's bytes unread");
     }
 }

@@ -39,13 +39,13 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use strata_core::{
-    Capabilities, ExecOptions, GrantMode, Job, LimitKind, Limits, Net, Outcome, OutputSink, Persisted, PythonSource,
-    Sandbox, Snapshot, Status, Stream, TierError, TierKind, Truncated, Usage,
+    Capabilities, ExecOptions, GrantMode, Job, LimitKind, Limits, Net, Outcome, OutputSink, Persisted, Pumped,
+    PythonSource, Sandbox, Snapshot, Status, Stream, TierError, TierKind, Truncated, Usage,
 };
 use strata_egress::{Allowlist, EgressConfig, EgressHandle, EgressProxy};
 use strata_guest_proto::{
     AgentClient, ClientError, DEFAULT_EGRESS_CONNECTIONS, EGRESS_PORT, ExecEvent, ExecLimits, ExecRequest, ExitStatus,
-    OutputStream,
+    MAX_CHUNK, OutputStream,
 };
 use strata_wasi_shims::OutputCapture;
 
@@ -283,12 +283,13 @@ impl<H: AgentHost> Session<H> {
             env.push((var.name.clone(), var.value.clone()));
         }
         let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
+        let stream = opts.stdin_stream.as_ref();
         let workdir = self.host.as_ref().map_or(DEFAULT_WORKDIR, AgentHost::workdir).to_owned();
         let request = ExecRequest {
             argv,
             env,
             cwd: workdir,
-            stdin: !stdin.is_empty(),
+            stdin: stream.is_some() || !stdin.is_empty(),
             limits: ExecLimits {
                 output: Some(limits.output.0),
                 open_files: Some(u64::from(limits.files)),
@@ -303,10 +304,28 @@ impl<H: AgentHost> Session<H> {
             other => internal(other),
         })?;
         let control = handle.control();
-        if !stdin.is_empty() {
-            control.write_stdin(stdin).map_err(internal)?;
-            control.close_stdin().map_err(internal)?;
-        }
+        // A stream goes to the agent chunk by chunk as it arrives (the agent queues it for the job), and stops being
+        // read when the job ends: the pump is stopped with this function's return.
+        let _pump = match stream {
+            Some(stream) => {
+                let control = control.clone();
+                let pump = stream.pump(MAX_CHUNK, move |pumped| match pumped {
+                    Pumped::Data(data) => control.write_stdin(data).is_ok(),
+                    Pumped::End | Pumped::Failed(_) => {
+                        let _ = control.close_stdin();
+                        false
+                    }
+                });
+                Some(pump.map_err(|source| TierError::ReadInput { path: "stdin stream".into(), source })?)
+            }
+            None => {
+                if !stdin.is_empty() {
+                    control.write_stdin(stdin).map_err(internal)?;
+                    control.close_stdin().map_err(internal)?;
+                }
+                None
+            }
+        };
         let deadline = started + limits.wall;
         let mut stopped: Option<LimitKind> = None;
         let mut lost: Option<ClientError> = None;
@@ -451,8 +470,7 @@ impl<H: AgentHost> Sandbox for Session<H> {
     }
 
     fn exec(&mut self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
-        // The agent takes a job's stdin with the job.
-        self.exec_job(job, &opts.buffered()?, Instant::now())
+        self.exec_job(job, &opts, Instant::now())
     }
 
     fn write_file(&mut self, guest_path: &str, contents: &[u8]) -> Result<(), TierError> {

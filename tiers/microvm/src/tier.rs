@@ -360,8 +360,6 @@ impl Tier for MicrovmTier {
     }
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
-        // The agent takes a job's stdin with the job.
-        let opts = opts.buffered()?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let started = Instant::now();
         let prepared = PreparedJob::new(job)?;

@@ -24,7 +24,7 @@
 //! jobs forked from it are towards each other (as with any shared snapshot).
 
 use std::fs::File;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Mutex;
 
 use strata_core::{Capabilities, ExecOptions, Job, Limits, Net, Outcome, PythonSource, Status, TierError, TierKind};
@@ -162,6 +162,28 @@ impl ProcessTier {
     }
 }
 
+/// Writes all of `data` into a fork's stdin pipe (which [`run_fork`] makes non-blocking), waiting for room; false
+/// once the fork is gone (its end of the pipe closed).
+fn feed(pipe: &OwnedFd, mut data: &[u8]) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    while !data.is_empty() {
+        match nix::unistd::write(pipe, data) {
+            Ok(n) => data = data.get(n..).unwrap_or_default(),
+            Err(nix::errno::Errno::EAGAIN) => {
+                // Room, or an error once the reader is gone (the next write says EPIPE).
+                let mut fds = [PollFd::new(pipe.as_fd(), PollFlags::POLLOUT)];
+                match poll(&mut fds, PollTimeout::NONE) {
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                    Err(_) => return false,
+                }
+            }
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
 fn describe(status: &Status) -> String {
     match status {
         Status::Exited { code } => format!("exited with {code}"),
@@ -176,7 +198,8 @@ impl ProcessZygote {
         self.python
     }
 
-    /// Forks the zygote and lets the fork resume its read of stdin, which gets `input` and then `opts.stdin`;
+    /// Forks the zygote and lets the fork resume its read of stdin, which gets `input` and then `opts.stdin` (or
+    /// `opts.stdin_stream`, as it arrives);
     /// waits for the fork to end. Limits are `opts.limits` or the zygote's, enforced on the fork's own cgroup.
     pub fn fork(&self, input: &[u8], opts: &ExecOptions) -> Result<Outcome, TierError> {
         let limits = opts.limits.as_ref().unwrap_or(&self.limits);
@@ -221,10 +244,27 @@ impl ProcessZygote {
                 });
             }
         };
-        // A fork resumes the zygote's read of one buffer.
-        let opts = opts.clone().buffered()?;
+        // A fork resumes the zygote's read of one buffer: its input, then the job's stdin. A stream is pumped in as it
+        // arrives, after the input, until the fork ends (the pump stops with this function's return).
         let mut stdin = input.to_vec();
-        stdin.extend_from_slice(opts.stdin.as_deref().unwrap_or(&self.caps.stdin));
+        let (stdin_w, _pump) = match &opts.stdin_stream {
+            Some(stream) => {
+                let read_err = |source| TierError::ReadInput { path: "stdin stream".into(), source };
+                let feeder = stdin_w.try_clone().map_err(read_err)?;
+                let pump = stream
+                    .pump_after(std::mem::take(&mut stdin), 64 << 10, move |pumped| match pumped {
+                        // Its end of input when this thread ends, with `feeder`.
+                        strata_core::Pumped::Data(data) => feed(&feeder, data),
+                        strata_core::Pumped::End | strata_core::Pumped::Failed(_) => false,
+                    })
+                    .map_err(read_err)?;
+                (stdin_w, Some(pump))
+            }
+            None => {
+                stdin.extend_from_slice(opts.stdin.as_deref().unwrap_or(&self.caps.stdin));
+                (stdin_w, None)
+            }
+        };
         let secrets = self.caps.secret_values();
         let stdout =
             OutputCapture::new(strata_core::Stream::Stdout, limits.output.0, secrets.clone(), opts.sink.clone());

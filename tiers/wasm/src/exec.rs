@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use strata_core::{
-    CancelToken, Capabilities, GrantMode, LimitKind, Limits, Net, Outcome, OutputSink, Status, Stream, TierError,
-    TierKind, ToolCall, ToolRegistry, Truncated, Usage,
+    CancelToken, Capabilities, ExecOptions, GrantMode, LimitKind, Limits, Net, Outcome, OutputSink, Status,
+    StdinStream, Stream, TierError, TierKind, ToolCall, ToolRegistry, Truncated, Usage,
 };
-use strata_wasi_shims::{Captured, OutputCapture};
+use strata_wasi_shims::{Captured, OutputCapture, StreamedStdin};
 use wasmtime::{ResourceLimiter, Store, Trap, UpdateDeadline, WasmBacktrace};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryInputPipe;
@@ -171,7 +171,20 @@ pub(crate) fn thread_cpu_time() -> Duration {
 thread_local! {
     /// Each thread that runs jobs keeps one single-threaded tokio runtime: wasmtime's async calls, WASI's
     /// timers and the wall-clock timeout run on it, on the caller's own thread.
-    static EXECUTOR: RefCell<Option<tokio::runtime::Runtime>> = const { RefCell::new(None) };
+    static EXECUTOR: RefCell<Option<Executor>> = const { RefCell::new(None) };
+}
+
+/// A job thread's runtime, which never waits for its blocking pool when it goes (with its thread): a task
+/// wasmtime-wasi handed to that pool (a name lookup, a file operation) may still be blocked in the host after
+/// its job was stopped, and must not hold the job's thread, nor the process's exit, until it returns.
+struct Executor(Option<tokio::runtime::Runtime>);
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 pub(crate) fn block_on<F: Future>(future: F) -> Result<F::Output, TierError> {
@@ -179,15 +192,18 @@ pub(crate) fn block_on<F: Future>(future: F) -> Result<F::Output, TierError> {
         return Err(internal("a job was started on a thread inside an async runtime"));
     }
     // The runtime is taken out of its slot while it runs, so nothing borrowed is held across the job.
-    let runtime = match EXECUTOR.with(|cell| cell.borrow_mut().take()) {
-        Some(runtime) => runtime,
-        None => tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| internal(format!("cannot start the executor: {e}")))?,
+    let executor = match EXECUTOR.with(|cell| cell.borrow_mut().take()) {
+        Some(executor) => executor,
+        None => Executor(Some(
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| internal(format!("cannot start the executor: {e}")))?,
+        )),
     };
+    let Some(runtime) = &executor.0 else { return Err(internal("the executor is gone")) };
     let output = runtime.block_on(future);
-    EXECUTOR.with(|cell| *cell.borrow_mut() = Some(runtime));
+    EXECUTOR.with(|cell| *cell.borrow_mut() = Some(executor));
     Ok(output)
 }
 
@@ -232,7 +248,7 @@ pub(crate) struct WasiSpec<'a> {
     /// Set before the capabilities' env, which may override them.
     pub(crate) base_env: Vec<(&'static str, String)>,
     pub(crate) caps: &'a Capabilities,
-    pub(crate) stdin: &'a [u8],
+    pub(crate) stdin: GuestStdin<'a>,
     pub(crate) preopens: Vec<Preopen>,
     /// The guest's monotonic clock; WASI's default (zero when the context is made) when `None`.
     pub(crate) clock: Option<GuestClock>,
@@ -249,10 +265,31 @@ impl<'a> WasiSpec<'a> {
             args: argv,
             base_env: Vec::new(),
             caps: job.caps,
-            stdin: job.stdin,
+            stdin: job.stdin.clone(),
             preopens: Vec::new(),
             clock: None,
             net,
+        }
+    }
+}
+
+/// A job's stdin.
+#[derive(Debug, Clone)]
+pub(crate) enum GuestStdin<'a> {
+    /// All of it, known before the job starts.
+    Bytes(&'a [u8]),
+    /// A stream the job reads as it arrives ([`StreamedStdin`]).
+    Stream(StdinStream),
+    /// One the caller keeps, to switch it to another input later (a session's, between turns).
+    Switched(StreamedStdin),
+}
+
+impl<'a> GuestStdin<'a> {
+    /// The stdin of a job with these options: their stream, else their bytes, else the capabilities' bytes.
+    pub(crate) fn of(opts: &'a ExecOptions, caps: &'a Capabilities) -> GuestStdin<'a> {
+        match &opts.stdin_stream {
+            Some(stream) => GuestStdin::Stream(stream.clone()),
+            None => GuestStdin::Bytes(opts.stdin.as_deref().unwrap_or(&caps.stdin)),
         }
     }
 }
@@ -303,10 +340,12 @@ pub(crate) fn wasi_ctx(spec: WasiSpec<'_>, captures: &Captures) -> Result<WasiP1
     for var in spec.caps.guest_env() {
         builder.env(&var.name, &var.value);
     }
-    builder
-        .stdin(MemoryInputPipe::new(spec.stdin.to_vec()))
-        .stdout(captures.stdout.clone())
-        .stderr(captures.stderr.clone());
+    match spec.stdin {
+        GuestStdin::Bytes(bytes) => builder.stdin(MemoryInputPipe::new(bytes.to_vec())),
+        GuestStdin::Stream(stream) => builder.stdin(StreamedStdin::new(stream)),
+        GuestStdin::Switched(stdin) => builder.stdin(stdin),
+    };
+    builder.stdout(captures.stdout.clone()).stderr(captures.stderr.clone());
     crate::net::configure(&mut builder, spec.net.as_ref());
     for preopen in &spec.preopens {
         let perms = if preopen.writable { FsPerms::ReadWrite } else { FsPerms::ReadOnly };
@@ -474,7 +513,7 @@ impl Measured {
 pub(crate) struct JobContext<'a> {
     pub(crate) caps: &'a Capabilities,
     pub(crate) limits: &'a Limits,
-    pub(crate) stdin: &'a [u8],
+    pub(crate) stdin: GuestStdin<'a>,
     pub(crate) sink: Option<Arc<dyn OutputSink>>,
     pub(crate) cancel: Option<CancelToken>,
     pub(crate) tools: ToolHost,

@@ -9,11 +9,15 @@
 //!   files are recognised by their metadata, so a repeated job does one `stat` before instantiating.
 //! - Limits: fuel (`Limits::fuel`), a wall-clock deadline and CPU time checked at every epoch tick and by a
 //!   timer around blocking host calls, linear memory by a `ResourceLimiter`; each reports its own
-//!   `LimitExceeded { limit }`.
+//!   `LimitExceeded { limit }`. Every host call a guest can wait in is asynchronous on the job's executor, so
+//!   the deadline and a cancel end the wait: sleeps and `poll_oneoff` (see [`strata_wasi_shims::poll`]), stdin,
+//!   sockets, name lookups, host tool calls (whose handler, host code, is left to finish on a thread of its own);
+//!   and nothing is opened whose open could wait on the job's thread, a FIFO or a device ([`strata_wasi_shims::open`]).
 //! - Capabilities: grants become preopened directories (cap-std: no escape by `..`, absolute paths or
 //!   symlinks; read-only grants refuse every change), env and secrets become the environment, stdin is a byte
-//!   buffer. Preview1 modules and Python have no network: a job of theirs whose capabilities allow network
-//!   egress is refused (`unsupported`) rather than run without it.
+//!   buffer or a stream read as it arrives ([`strata_wasi_shims::StreamedStdin`]). Preview1 modules and Python
+//!   have no network: a job of theirs whose capabilities allow network egress is refused (`unsupported`) rather
+//!   than run without it.
 //! - Snapshots and forks ([`snapshot`](Tier::fork)): Python sessions run a snapshot-ready form of the runtime
 //!   (its mutable globals exported, its data segments moved into a memory image) whose linear memory is mapped
 //!   copy-on-write from an image file; a snapshot saves the memory, the globals and the scratch `/tmp`, and a
@@ -292,8 +296,6 @@ impl TierInner {
     }
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
-        // A job starts with all of its stdin here.
-        let opts = opts.buffered()?;
         if tokio::runtime::Handle::try_current().is_err() {
             return self.run_here(job, caps, limits, opts);
         }
@@ -454,7 +456,7 @@ impl TierInner {
         let context = |tools| exec::JobContext {
             caps,
             limits,
-            stdin: opts.stdin.as_deref().unwrap_or(&caps.stdin),
+            stdin: exec::GuestStdin::of(&opts, caps),
             sink: opts.sink.clone(),
             cancel: opts.cancel.clone(),
             tools,

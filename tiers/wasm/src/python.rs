@@ -10,7 +10,8 @@
 //!
 //! **Sessions** keep one instance: each `exec` is one `turn`, with variables and imports kept and a final
 //! expression echoed as in the REPL, under its own limits. A trap, a limit or `exit()` ends the session;
-//! `close` calls `shutdown()`.
+//! `close` calls `shutdown()`. The session's stdin is the sandbox's (`Capabilities::stdin`), read across turns; a
+//! turn that brings its own (bytes, or a stream read as it arrives) reads that one during the turn instead.
 //!
 //! The guest sees the stdlib zip read-only at `/usr/local/lib`, matplotlib's data beside it, a private scratch
 //! `/tmp` (removed with the job or session), and its grants; nothing else of the host.
@@ -18,7 +19,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use strata_core::{Capabilities, ExecOptions, Limits, Outcome, PythonSource, Status, TierError, TierKind};
+use strata_wasi_shims::{StdinSource, StreamedStdin};
 use wasmtime::{Extern, Store, TypedFunc};
 
 use crate::exec::{
@@ -312,6 +315,8 @@ pub(crate) struct PythonSession {
     /// The instance, for the snapshot-ready module's exported globals.
     instance: Option<wasmtime::Instance>,
     captures: Captures,
+    /// The guest's stdin: the sandbox's, until a turn brings its own.
+    stdin: StreamedStdin,
     metered: bool,
     /// The engine the instance lives in.
     allocation: Allocation,
@@ -384,13 +389,14 @@ impl PythonSession {
             None => scratch,
         };
         let captures = Captures::new(caps, limits, None);
+        let stdin = StreamedStdin::of(StdinSource::Bytes(Bytes::from(caps.stdin.clone())));
         let preopens = preopens(artifacts, caps, scratch.as_ref().map(|d| d.path()))?;
         let first_free_fd = u32::try_from(3 + preopens.len() + caps.grants.len()).unwrap_or(u32::MAX);
         let spec = WasiSpec {
             args: vec![PYTHON_EXECUTABLE.into()],
             base_env: base_env(),
             caps,
-            stdin: &caps.stdin,
+            stdin: exec::GuestStdin::Switched(stdin.clone()),
             preopens,
             clock: Some(clock),
             net: None,
@@ -438,6 +444,7 @@ impl PythonSession {
             live: Some((store, exports)),
             instance: Some(instance),
             captures,
+            stdin,
             metered: runtime.metered,
             allocation: module.allocation,
             snapshots: module.snapshots.clone(),
@@ -519,12 +526,6 @@ impl PythonSession {
         if let Some(reason) = &self.ended {
             return Err(TierError::SessionEnded { reason: reason.clone() });
         }
-        if opts.stdin.is_some() {
-            return Err(TierError::Unsupported {
-                tier: TierKind::Wasm,
-                what: "stdin per turn of a Python session (give stdin when the sandbox starts)".into(),
-            });
-        }
         if limits.fuel.limit().is_some() && !self.metered {
             return Err(TierError::Unsupported {
                 tier: TierKind::Wasm,
@@ -538,6 +539,14 @@ impl PythonSession {
         let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
         store.data_mut().meter.arm(limits, opts.cancel.clone());
         self.captures.restart(limits, opts.sink.clone());
+        // A turn's own stdin is read during the turn only (a stream as it arrives); without one, the turn reads on
+        // from the sandbox's, which a turn with its own leaves where it was.
+        let own_stdin = match (&opts.stdin_stream, &opts.stdin) {
+            (Some(stream), _) => Some(StdinSource::Stream(stream.clone())),
+            (None, Some(bytes)) => Some(StdinSource::Bytes(Bytes::from(bytes.clone()))),
+            (None, None) => None,
+        };
+        let _own_stdin = own_stdin.map(|source| self.stdin.switch_for_now(source));
         let fuel_budget = set_fuel(runtime, store, limits)?;
         store.set_epoch_deadline(1);
         let measured = Measured::start(store, fuel_budget);

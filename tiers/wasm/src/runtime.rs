@@ -184,6 +184,12 @@ impl Runtime {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p1::add_to_linker_async(&mut linker, |state: &mut JobState| &mut state.wasi)
             .map_err(|e| internal(format!("cannot link WASI: {e}")))?;
+        // Its sleeps on the job's executor, where the wall limit and a cancel end them.
+        strata_wasi_shims::poll::add_to_linker(&mut linker, |state: &mut JobState| &mut state.wasi)
+            .map_err(|e| internal(format!("cannot link poll_oneoff: {e}")))?;
+        // File I/O runs inline: no opening what could wait for ever there (a FIFO, a device).
+        strata_wasi_shims::open::add_to_linker(&mut linker, |state: &mut JobState| &mut state.wasi)
+            .map_err(|e| internal(format!("cannot link path_open: {e}")))?;
         linker
             .func_wrap_async(
                 "host",
@@ -410,12 +416,13 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// WASI 0.2 (wasmtime-wasi's `p2`), with `wasi:sockets/ip-name-lookup` replaced by the job's filter and TCP
-/// connects logged and counted ([`crate::net`]).
+/// WASI 0.2 (wasmtime-wasi's `p2`), with `wasi:sockets/ip-name-lookup` replaced by the job's filter, TCP
+/// connects logged and counted ([`crate::net`]), and opens of what could wait refused ([`strata_wasi_shims::open`]).
 fn component_linker(engine: &Engine) -> wasmtime::Result<ComponentLinker> {
     let mut linker = ComponentLinker::new(engine);
     wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
     crate::net::add_to_linker(&mut linker)?;
+    strata_wasi_shims::open::add_to_component_linker(&mut linker)?;
     Ok(linker)
 }
 

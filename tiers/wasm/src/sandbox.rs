@@ -90,7 +90,6 @@ impl Sandbox for WasmSandbox {
     }
 
     fn exec(&mut self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
-        let opts = opts.buffered()?;
         let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
         let Job::Python { source, args } = job else {
             return self.tier.run(job, &self.caps, &limits, opts);

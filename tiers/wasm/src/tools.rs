@@ -8,7 +8,11 @@
 //! Frames are UTF-8 JSON objects `{"v":1,"id":N,"op":"list"|"call",...}`, answered with
 //! `{"v":1,"id":N,"ok":true,...}` or `{"v":1,"id":N,"ok":false,"error":{"kind":K,"message":M}}`. Requests are
 //! capped at 1 MiB, answers at 16 MiB, nesting at 64 levels and calls per job at [`MAX_CALLS`]; a handler's
-//! failure reaches the guest as its own message and nothing else.
+//! failure reaches the guest as its own message and nothing else. A handler runs on a thread of its own while the
+//! job waits for it asynchronously, so the job's wall limit and cancel end the job during a call that never
+//! returns ([`run_handler`] says what becomes of the handler).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{Value, json};
 use strata_core::{Tool, ToolCall, ToolFailure};
@@ -242,16 +246,59 @@ pub(crate) async fn host_call(
         Request::Answer(answer) => answer,
         Request::Call { id, tool, args } => {
             let name = tool.name().to_owned();
-            // The handler runs on a blocking thread, so the job's wall deadline and cancellation still apply
-            // while it works; a handler that outlives its job is left to finish on its own.
-            let result = match tokio::task::spawn_blocking(move || tool.call(args)).await {
-                Ok(result) => result,
-                Err(_) => Err(ToolFailure::Error(format!("{name} failed"))),
-            };
+            let result = run_handler(tool, args).await;
             caller.data_mut().tools.answer_call(seq, &id, &name, len, result)
         }
     };
     write_answer(caller, &memory, &answer, out_ptr, out_len).await
+}
+
+/// Handlers running in this process at once, for [`run_handler`].
+static RUNNING_HANDLERS: AtomicUsize = AtomicUsize::new(0);
+
+/// The most handlers that run at once in this process, those of ended jobs included.
+pub(crate) const MAX_RUNNING_HANDLERS: usize = 256;
+
+/// One of the [`MAX_RUNNING_HANDLERS`] places, held by a handler's thread until the handler returns.
+struct HandlerSlot;
+
+impl HandlerSlot {
+    fn take() -> Option<HandlerSlot> {
+        RUNNING_HANDLERS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < MAX_RUNNING_HANDLERS).then_some(n + 1))
+            .ok()
+            .map(|_| HandlerSlot)
+    }
+}
+
+impl Drop for HandlerSlot {
+    fn drop(&mut self) {
+        RUNNING_HANDLERS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Runs a tool's handler on a thread of its own and waits for its answer asynchronously, on the job's executor:
+/// the job's wall deadline and cancel end that wait, and with it the job, at once. A handler is host code that
+/// cannot be interrupted, so one still working then runs on, detached, until it returns; its answer is dropped.
+/// Such threads hold a place among [`MAX_RUNNING_HANDLERS`], so handlers that never return cannot pile up
+/// threads without bound: a call finding no place fails at once (`tool_error`).
+async fn run_handler(tool: Tool, args: Value) -> Result<Value, ToolFailure> {
+    let name = tool.name().to_owned();
+    let Some(slot) = HandlerSlot::take() else {
+        return Err(ToolFailure::Error(format!(
+            "{name}: {MAX_RUNNING_HANDLERS} tool calls are already running on this host; try again later"
+        )));
+    };
+    let (answer, answered) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new().name("strata-tool".into()).spawn(move || {
+        let _slot = slot;
+        let _ = answer.send(tool.call(args));
+    });
+    if let Err(err) = spawned {
+        return Err(ToolFailure::Error(format!("{name}: cannot start a thread for it: {err}")));
+    }
+    // A handler that panicked dropped the sender.
+    answered.await.unwrap_or_else(|_| Err(ToolFailure::Error(format!("{name} failed"))))
 }
 
 /// Allocates `answer` in the guest with its `host_alloc` export and stores its address and length.
