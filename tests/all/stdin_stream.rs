@@ -1,6 +1,6 @@
-//! stdin as a stream (`ExecOptions::stdin_stream`): the process tier gives the pipe to the job itself, so the job
-//! reads each line as the caller writes it; the wasm tier, which starts a job with all of its stdin, reads the stream
-//! to its end first. Both in one-shot runs and in sandboxes.
+//! stdin as a stream (`ExecOptions::stdin_stream`): the job reads each line as the caller writes it, on every tier
+//! (the process tier gives the pipe to the job itself; the wasm tier pumps it into the guest, a Python session's
+//! turn included). Both in one-shot runs and in sandboxes.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -55,7 +55,17 @@ fn the_process_tier_reads_a_stream_while_the_caller_writes_it() {
         eprintln!("skip: the process tier cannot run on this host: {err}");
         return;
     }
-    let choice = TierChoice::Tier(TierKind::Process);
+    reads_a_stream_while_the_caller_writes_it(TierKind::Process);
+}
+
+#[test]
+fn the_wasm_tier_reads_a_stream_while_the_caller_writes_it() {
+    reads_a_stream_while_the_caller_writes_it(TierKind::Wasm);
+}
+
+fn reads_a_stream_while_the_caller_writes_it(tier: TierKind) {
+    let engine = python_engine();
+    let choice = TierChoice::Tier(tier);
     let (caps, limits) = (Capabilities::default(), Limits::default());
     let mut sandbox = engine.start(choice, &caps, &limits).expect("sandbox");
     for round in 0..2 {
@@ -78,26 +88,58 @@ fn the_process_tier_reads_a_stream_while_the_caller_writes_it() {
             drop(writer);
             job.join().expect("job thread")
         });
-        assert_eq!(outcome.status, Status::Exited { code: 0 }, "{outcome:?}");
+        assert_eq!((outcome.tier, outcome.status.clone()), (tier, Status::Exited { code: 0 }), "{outcome:?}");
         assert_eq!(String::from_utf8_lossy(&outcome.stdout), "got one\ngot two\n", "round {round}");
     }
     sandbox.close().expect("close");
 }
 
+/// An escalating job reads its stream live on both runs: the wasm attempt takes the first line and fails for want
+/// of a module; the native rerun gets that line again (replayed) and then the rest as the caller writes it, after
+/// the rerun has started (its own output says so).
 #[test]
-fn the_wasm_tier_reads_a_stream_to_its_end_before_the_job_starts() {
-    let engine = python_engine();
-    let (caps, limits) = (Capabilities::default(), Limits::default());
+fn an_escalating_job_reads_its_stream_live_on_both_runs() {
+    let scratch = tempfile::tempdir().expect("scratch");
+    let policy =
+        strata_engine::Policy::from_toml("[tiers]\nnative = \"process\"\n", std::path::Path::new("policy.toml"))
+            .expect("policy");
+    let home = strata_engine::strata_home().expect("STRATA_HOME or HOME");
+    let engine = strata_engine::Engine::new(strata_engine::EngineConfig {
+        home: Some(home),
+        policy,
+        scratch_dir: Some(scratch.path().to_owned()),
+        ..strata_engine::EngineConfig::default()
+    })
+    .expect("engine");
+    if let Err(err) = engine.process() {
+        eprintln!("skip: the process tier cannot run on this host: {err}");
+        return;
+    }
+    // `resource` through a name the import scan cannot see: the router sends the job to wasm, which lacks it.
+    let job = Job::Python {
+        source: PythonSource::Code(
+            "import importlib, sys\n\
+             print('first', sys.stdin.readline().strip(), flush=True)\n\
+             importlib.import_module('res' + 'ource')\n\
+             print('rest', sys.stdin.read().strip(), flush=True)\n"
+                .into(),
+        ),
+        args: Vec::new(),
+    };
     let (stream, mut writer) = StdinStream::pipe().expect("pipe");
-    let writing = std::thread::spawn(move || {
-        for line in ["one\n", "two\n"] {
-            writer.write_all(line.as_bytes()).expect("write");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+    let sink = Arc::new(Collect::default());
+    let opts = ExecOptions { stdin_stream: Some(stream), sink: Some(sink.clone()), ..ExecOptions::default() };
+    let (caps, limits) = (Capabilities::default(), Limits::default());
+    let outcome = std::thread::scope(|scope| {
+        let job = scope.spawn(|| engine.run_on(TierChoice::Auto, &job, &caps, &limits, opts).expect("runs"));
+        writer.write_all(b"one\n").expect("write");
+        // Only the native run's output reaches the sink: it has read the replayed line.
+        sink.wait_for("first one\n");
+        writer.write_all(b"two\nthree\n").expect("write");
+        drop(writer);
+        job.join().expect("job thread")
     });
-    let opts = ExecOptions { stdin_stream: Some(stream), ..ExecOptions::default() };
-    let outcome = engine.run_on(TierChoice::Tier(TierKind::Wasm), &echo_lines(), &caps, &limits, opts).expect("runs");
-    writing.join().expect("writer");
-    assert_eq!((outcome.tier, outcome.status.clone()), (TierKind::Wasm, Status::Exited { code: 0 }), "{outcome:?}");
-    assert_eq!(String::from_utf8_lossy(&outcome.stdout), "got one\ngot two\n");
+    assert_eq!(outcome.escalations.len(), 1, "{outcome:?}");
+    assert_eq!((outcome.tier, outcome.status.clone()), (TierKind::Process, Status::Exited { code: 0 }), "{outcome:?}");
+    assert_eq!(String::from_utf8_lossy(&outcome.stdout), "first one\nrest two\nthree\n");
 }

@@ -684,3 +684,107 @@ fn json_shows_a_dynamic_escalation() {
     assert_eq!(run.code, 1);
     assert_eq!(json(&run)["escalations"], serde_json::json!([]));
 }
+
+/// A `strata run` whose stdin is a pipe the test holds: lines it writes, and whether it is still running.
+struct Piped {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+/// How long a piped run may take to answer or end (a sanity bound).
+const PIPED_BOUND: std::time::Duration = std::time::Duration::from_secs(20);
+
+impl Piped {
+    fn start(home: &Path, args: &[&str]) -> Piped {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(args)
+            .env("STRATA_HOME", home)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn strata");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Piped { stdin: child.stdin.take(), child, lines }
+    }
+
+    fn write(&mut self, text: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        stdin.write_all(text.as_bytes()).expect("write stdin");
+        stdin.flush().expect("flush stdin");
+    }
+
+    /// The next line the guest printed, within the bound.
+    fn line(&self) -> String {
+        self.lines.recv_timeout(PIPED_BOUND).expect("a line from the guest within the bound")
+    }
+
+    /// Its exit code, within the bound (killed and failed past it); stdin stays as it is (open, unless closed).
+    fn exit_code(&mut self) -> i32 {
+        let started = std::time::Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status.code().expect("exit code");
+            }
+            if started.elapsed() > PIPED_BOUND {
+                let _ = self.child.kill();
+                panic!("strata still running {PIPED_BOUND:?} after it started, its stdin held open");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+/// The same job, one per tier that runs here: `block lines` on wasm, a shell loop on the native tiers.
+fn echo_lines_on(home: &Path) -> Vec<Vec<&'static str>> {
+    let mut runs = vec![vec!["run", programs::BLOCK, "--", "lines"]];
+    let shell = "while read line; do echo \"got $line\"; done; echo eof";
+    if process_tier_available(home) {
+        runs.push(vec!["run", "--tier", "process", "--", "sh", "-c", shell]);
+    }
+    // The microVM boots Linux only on hardware KVM; `strata doctor` says whether this host has it.
+    let doctor = strata(home, &["doctor"], b"");
+    if doctor.stdout.contains("tier microvm available") {
+        runs.push(vec!["run", "--tier", "vm", "--", "sh", "-c", shell]);
+    } else {
+        eprintln!("skip: the microVM tier boots no Linux guest on this host (no hardware KVM)");
+    }
+    runs
+}
+
+#[test]
+fn a_stdin_pipe_held_open_does_not_outlast_the_timeout() {
+    let home = shared_home();
+    for args in echo_lines_on(&home) {
+        let mut args = args.clone();
+        args.splice(1..1, ["--timeout", "2s"]);
+        let mut run = Piped::start(&home, &args);
+        // The pipe stays open: the job waits for input, inside its wall limit.
+        assert_eq!(run.exit_code(), 124, "{args:?}");
+    }
+}
+
+#[test]
+fn stdin_lines_reach_the_guest_as_they_are_written_and_eof_ends_it() {
+    let home = shared_home();
+    for args in echo_lines_on(&home) {
+        let mut run = Piped::start(&home, &args);
+        for line in ["one", "two"] {
+            run.write(&format!("{line}\n"));
+            assert_eq!(run.line(), format!("got {line}"), "{args:?}: each line is answered before the next is written");
+        }
+        drop(run.stdin.take());
+        assert_eq!(run.line(), "eof", "{args:?}");
+        assert_eq!(run.exit_code(), 0, "{args:?}");
+    }
+}

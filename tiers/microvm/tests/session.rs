@@ -408,3 +408,75 @@ fn a_booted_sandbox_snapshots_and_forks_on_hardware_kvm() {
     }
     sandbox.close().expect("close");
 }
+
+/// A job's stdin as a stream goes to the guest as it is written (the agent queues it for the job): each line is
+/// answered before the next is written, and closing the writer is the job's end of input. A job waiting on a stream
+/// held open is stopped by its wall limit and by a cancel, within a sanity bound.
+#[test]
+fn a_stdin_stream_reaches_the_job_as_written_and_one_held_open_is_stopped() {
+    use std::io::Write;
+    use std::sync::Mutex;
+
+    #[derive(Default)]
+    struct Collect(Mutex<Vec<u8>>);
+    impl strata_core::OutputSink for Collect {
+        fn output(&self, stream: strata_core::Stream, chunk: &[u8]) {
+            if stream == strata_core::Stream::Stdout {
+                self.0.lock().expect("lock").extend_from_slice(chunk);
+            }
+        }
+    }
+    let wait_for = |sink: &Collect, text: &str| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !String::from_utf8_lossy(&sink.0.lock().expect("lock")).contains(text) {
+            assert!(Instant::now() < deadline, "no {text:?} from the job");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let fixture = Fixture::new();
+    let Some((mut session, _)) = fixture.session(&limits()) else { return };
+
+    let (stream, mut writer) = strata_core::StdinStream::pipe().expect("pipe");
+    let sink = std::sync::Arc::new(Collect::default());
+    let opts = ExecOptions { stdin_stream: Some(stream), sink: Some(sink.clone()), ..ExecOptions::default() };
+    let echo = sh("while read line; do echo \"got $line\"; done; echo eof");
+    let outcome = std::thread::scope(|scope| {
+        let job = scope.spawn(|| session.exec(&echo, opts));
+        writer.write_all(b"one\n").expect("write");
+        wait_for(&sink, "got one\n");
+        writer.write_all(b"two\n").expect("write");
+        wait_for(&sink, "got two\n");
+        drop(writer);
+        job.join().expect("job thread")
+    })
+    .expect("exec");
+    assert_eq!((outcome.status, outcome.stdout), (Status::Exited { code: 0 }, b"got one\ngot two\neof\n".to_vec()));
+
+    for cancelled in [false, true] {
+        let (stream, writer) = strata_core::StdinStream::pipe().expect("pipe");
+        let cancel = strata_core::CancelToken::new();
+        let wall = if cancelled { Duration::from_secs(3600) } else { Duration::from_secs(1) };
+        let opts = ExecOptions {
+            stdin_stream: Some(stream),
+            limits: Some(Limits { wall, ..limits() }),
+            cancel: Some(cancel.clone()),
+            ..ExecOptions::default()
+        };
+        if cancelled {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                cancel.cancel();
+            });
+        }
+        let started = Instant::now();
+        let result = session.exec(&Job::Command { argv: vec!["cat".into()] }, opts);
+        assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+        match (cancelled, result) {
+            (false, Ok(outcome)) => assert_eq!(outcome.status, Status::LimitExceeded { limit: LimitKind::Wall }),
+            (true, Err(err)) => assert_eq!(err.code(), "cancelled", "{err}"),
+            (_, other) => panic!("cancelled {cancelled}: {other:?}"),
+        }
+        drop(writer);
+    }
+    Box::new(session).close().expect("close");
+}
