@@ -45,10 +45,10 @@ async fn wasm_sandbox_create_exec_list_get_delete() {
     assert!(outcome["usage"]["wall_ms"].is_number() && outcome["truncated"].is_object(), "{outcome}");
     let (_, outcome) = server.post(&exec, json!({"python": "print(x + 1)"})).await;
     assert_eq!(outcome["stdout"], "42\n", "{outcome}");
-    // A wasm Python session takes stdin only when it starts: a typed refusal, not a silent drop.
-    let (status, json) =
+    // A wasm Python session's turn reads the stdin it brings.
+    let (status, outcome) =
         server.post(&exec, json!({"python": "import sys\nprint(sys.stdin.read())", "stdin": "abc"})).await;
-    assert_eq!((status, code(&json)), (501, "unsupported"), "{json}");
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("abc\n")), "{outcome}");
 
     // The Outcome is the engine's own serde: it deserializes back into strata_core::Outcome.
     let (_, outcome) = server.post(&exec, json!({"python": "raise SystemExit(3)"})).await;
@@ -60,10 +60,9 @@ async fn wasm_sandbox_create_exec_list_get_delete() {
     assert_eq!((status, code(&body)), (404, "sandbox_not_found"));
     assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 404);
     let metrics = server.client.get(server.url("/metrics")).send().await.expect("m").text().await.expect("t");
-    assert!(metrics.contains("strata_jobs_total{tier=\"wasm\",outcome=\"ok\"} 2"), "{metrics}");
+    assert!(metrics.contains("strata_jobs_total{tier=\"wasm\",outcome=\"ok\"} 3"), "{metrics}");
     assert!(metrics.contains("strata_jobs_total{tier=\"wasm\",outcome=\"nonzero\"} 1"), "{metrics}");
-    assert!(metrics.contains("strata_jobs_total{tier=\"wasm\",outcome=\"error\"} 1"), "{metrics}");
-    assert!(metrics.contains("strata_operation_duration_seconds_count{tier=\"wasm\",op=\"exec\"} 3"), "{metrics}");
+    assert!(metrics.contains("strata_operation_duration_seconds_count{tier=\"wasm\",op=\"exec\"} 4"), "{metrics}");
     server.stop().await;
 }
 
