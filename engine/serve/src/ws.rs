@@ -3,10 +3,9 @@
 //! Protocol:
 //! 1. The client's first message is the job, as JSON ([`crate::api::JobRequest`]).
 //! 2. With `"stdin_stream": true`, the next messages (binary or text) are the job's stdin, written into a pipe as
-//!    they come, up to an empty message (EOF, the pipe closed). On the process tier the pipe is the job's stdin:
-//!    it reads each message as it arrives, and its answers stream back meanwhile. Tiers that start a job with all
-//!    of its stdin (wasm, microVM) read the pipe to its end first ([`strata_core::ExecOptions::buffered`]). A job
-//!    that stops reading stops the reading of further messages (back-pressure), never the output.
+//!    they come, up to an empty message (EOF, the pipe closed). On every tier the job reads each message as it
+//!    arrives, and its answers stream back meanwhile ([`strata_core::ExecOptions::stdin_stream`]). A job that stops
+//!    reading stops the reading of further messages (back-pressure), never the output.
 //! 3. The server sends text messages as output comes: `{"type":"stdout"|"stderr","data":"…"}` (with
 //!    `"encoding":"base64"` when the chunk is not UTF-8), then `{"type":"outcome","outcome":{…}}` — the Outcome as
 //!    `strata run --json` prints it — or `{"type":"error","error":{"code","message"}}`, and closes.
