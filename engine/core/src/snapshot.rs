@@ -23,9 +23,11 @@
 //!
 //! **Writing.** A [`SnapshotWriter`] fills a private (0700) staging directory `.NAME.partial-PID-RAND` beside
 //! the destination; [`SnapshotWriter::commit`] hashes the files, writes and seals the manifest, syncs everything
-//! and renames the directory into place, so a snapshot is whole or absent. A writer killed before that leaves its
-//! staging directory, which has no seal and is never opened; the next writer in that directory removes the ones
-//! whose process is gone ([`sweep_partials`]).
+//! and renames the directory into place (never over a path that appeared meanwhile), so a snapshot is whole or
+//! absent. A writer killed before that leaves its staging directory: killed before the seal, it has none and is
+//! refused; killed between the seal and the rename, its files were synced before the manifest was sealed, so it
+//! opens only as whole as any snapshot (every file checked against the seal). Nothing opens a staging directory by
+//! itself, and the next writer in that directory removes the ones whose process is gone ([`sweep_partials`]).
 //!
 //! ```text
 //! snapshot/
@@ -1000,11 +1002,18 @@ impl SnapshotWriter {
         write_new(&path, &text)?;
         write_new(&staging.join(SEAL), seal_text(&self.key.seal(&text)).as_bytes())?;
         sync_dir(&staging)?;
-        // rename(2) onto a path that appeared meanwhile would replace an empty directory: refuse it instead.
-        if std::fs::symlink_metadata(&self.destination).is_ok() {
-            return Err(SnapshotError::Exists(self.destination.clone()));
-        }
-        std::fs::rename(&staging, &self.destination).map_err(io_error(&self.destination))?;
+        // A plain rename(2) onto a path that appeared meanwhile would replace an empty directory: refuse it instead.
+        nix::fcntl::renameat2(
+            nix::fcntl::AT_FDCWD,
+            &staging,
+            nix::fcntl::AT_FDCWD,
+            &self.destination,
+            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+        )
+        .map_err(|errno| match errno {
+            Errno::EEXIST => SnapshotError::Exists(self.destination.clone()),
+            errno => SnapshotError::Io { path: self.destination.clone(), source: errno.into() },
+        })?;
         self.committed = true;
         if let Some(parent) = self.destination.parent().filter(|p| !p.as_os_str().is_empty()) {
             sync_dir(parent)?;
@@ -1048,8 +1057,9 @@ fn partial_pid(name: &str) -> Option<u32> {
 }
 
 /// Removes from `dir` the staging directories of writers whose process is gone (killed before they committed);
-/// returns how many went. Never follows a link; looks at the first 65536 entries at most. A staging directory is
-/// never a snapshot (it has no seal until it is renamed into place whole), so this only reclaims space.
+/// returns how many went. Never follows a link; looks at the first 65536 entries at most. Nothing opens a staging
+/// directory as a snapshot by its name (and one that opens passed every check a snapshot does), so this only
+/// reclaims space.
 pub fn sweep_partials(dir: &Path) -> usize {
     let Ok(root) = nix::fcntl::open(dir, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty()) else {
         return 0;
