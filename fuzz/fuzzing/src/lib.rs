@@ -7,11 +7,13 @@
 //!   client controls and panics when an oracle (a property the parser promises) fails. [`TARGETS`] lists them.
 //! - [`generate`]: generators of structured inputs (well-formed agent messages, virtio descriptor chains) from the
 //!   fuzzer's bytes, built on [`arbitrary`], and [`generate::Cursor`] for inputs whose seeds are written by hand.
+//! - [`scratch`]: the one directory per process where targets keep their files, removed at exit.
 //! - [`seeds`]: the real examples (frames, requests, ClientHellos, policies) the committed corpus starts from.
 //!
 //! Adding a target: see `fuzz/README.md`.
 
 pub mod generate;
+pub mod scratch;
 pub mod seeds;
 mod snapshot_seeds;
 pub mod targets;

@@ -21,7 +21,7 @@ fn state() -> &'static Arc<AppState> {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
         let mut config = ServeConfig::new(strata_engine::EngineConfig::default());
         config.listen = "127.0.0.1:0".parse().expect("an address");
-        config.state_dir = Some(std::env::temp_dir().join(format!("strata-fuzz-serve-{}", std::process::id())));
+        config.state_dir = Some(crate::scratch::dir().join("serve"));
         let server = runtime.block_on(Server::bind(config)).expect("a server state");
         let state = server.state();
         // The runtime (its reaper task) and the listener live as long as the process.

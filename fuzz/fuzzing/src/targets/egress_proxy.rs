@@ -84,7 +84,7 @@ fn rig() -> &'static Rig {
                 let _ = stream.write_all(ANSWER);
             }
         });
-        let socket = std::env::temp_dir().join(format!("strata-fuzz-egress-{}.sock", std::process::id()));
+        let socket = crate::scratch::dir().join("egress.sock");
         let _ = std::fs::remove_file(&socket);
         let allow = Allowlist::parse([format!("127.0.0.1:{origin_port}")]).expect("the allowlist");
         let proxy = EgressProxy::start(

@@ -14,7 +14,6 @@
 
 use std::os::unix::fs::symlink;
 use std::path::{Component, Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 use strata_core::snapshot::{SEAL, test_utils};
@@ -38,14 +37,7 @@ fn trust() -> SnapshotTrust {
 
 /// A fresh private directory for one input.
 pub fn scratch(what: &str) -> PathBuf {
-    static COUNT: AtomicU64 = AtomicU64::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "strata-fuzz-{what}-{}-{}",
-        std::process::id(),
-        COUNT.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::DirBuilder::new().recursive(true).create(&dir).expect("a scratch directory");
-    dir
+    crate::scratch::fresh(what)
 }
 
 /// A name the target may create below the snapshot directory (plain and relative), if `raw` is one.

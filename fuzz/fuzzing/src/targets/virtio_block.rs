@@ -34,9 +34,7 @@ pub fn disk_path() -> PathBuf {
 fn disk() -> &'static PathBuf {
     static DISK: OnceLock<PathBuf> = OnceLock::new();
     DISK.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("strata-fuzz-block-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("a temporary directory");
-        let path = dir.join("disk.img");
+        let path = crate::scratch::dir().join("disk.img");
         let bytes: Vec<u8> = (0..SECTORS * SECTOR_SIZE).map(|i| (i % 251) as u8).collect();
         std::fs::File::create(&path).and_then(|mut f| f.write_all(&bytes)).expect("the disk image");
         path

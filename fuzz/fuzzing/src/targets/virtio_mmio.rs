@@ -25,7 +25,7 @@ pub fn run(data: &[u8]) {
         let device = BlockDevice::new(BlockConfig { path, id: None }).expect("the device");
         drive(device, &mut input);
     } else {
-        let uds = std::env::temp_dir().join(format!("strata-fuzz-mmio-{}.sock", std::process::id()));
+        let uds = crate::scratch::dir().join("mmio.sock");
         let _ = std::fs::remove_file(&uds);
         let device = VsockDevice::new(VsockConfig { guest_cid: 3, uds_path: uds }).expect("the device");
         drive(device, &mut input);

@@ -12,6 +12,7 @@
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use arbitrary::{Result, Unstructured};
@@ -31,9 +32,8 @@ const QUEUE: u16 = 8;
 const OPS: [u16; 9] = [1, 2, 3, 4, 5, 6, 7, 0, 99];
 
 fn socket_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("strata-fuzz-vsock-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("a temporary directory");
-    dir
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| crate::scratch::fresh("vsock")).clone()
 }
 
 /// Runs the actions in `data`.

@@ -11,7 +11,6 @@
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use strata_tier_wasm::cache::ModuleCache;
 use strata_tier_wasm::cache::fuzzing::{load, parse_sum, store, sum_round_trips};
@@ -48,12 +47,7 @@ fn genuine() -> &'static Genuine {
 }
 
 fn scratch() -> PathBuf {
-    static COUNT: AtomicU64 = AtomicU64::new(0);
-    std::env::temp_dir().join(format!(
-        "strata-fuzz-cache-{}-{}",
-        std::process::id(),
-        COUNT.fetch_add(1, Ordering::Relaxed)
-    ))
+    crate::scratch::fresh("cache")
 }
 
 /// Loads the entry `data` describes.
