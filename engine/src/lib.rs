@@ -213,6 +213,11 @@ impl EngineError {
     }
 }
 
+/// Where the process tier's jails mount their private tmpfs (its egress sockets go beside it).
+fn jail_run_dir(home: &Path) -> PathBuf {
+    home.join("run/jail")
+}
+
 /// The route of a job run in a fork: the snapshot's own tier.
 fn forked(snapshot: &Snapshot) -> RouteDecision {
     RouteDecision {
@@ -415,12 +420,28 @@ impl Engine {
             let (installed, _) = image.ensure(&|line| log::info!("{line}")).map_err(|e| e.to_string())?;
             ProcessTier::new(ProcessTierConfig {
                 rootfs: installed.rootfs,
-                run_dir: home.join("run/jail"),
+                run_dir: jail_run_dir(home),
                 snapshots: self.snapshots.clone(),
             })
             .map_err(|e| e.to_string())
         });
         tier.as_ref().map_err(|reason| EngineError::TierUnavailable { tier: TierKind::Process, reason: reason.clone() })
+    }
+
+    /// Removes what engines that are no longer running left in this home — the process tier's cgroups (and any
+    /// process still in them) and egress sockets, the scratch copies of escalated jobs — without starting a tier.
+    /// Each tier sweeps the same when it starts; a long-lived server calls this at its own start, so that a
+    /// predecessor killed mid-job leaves nothing past it even when no job comes. Blocks while it kills and
+    /// removes; call it on a blocking thread.
+    pub fn remove_stale(&self) {
+        let Some(home) = &self.config.home else { return };
+        if self.process.get().is_none() {
+            let removed = strata_tier_process::remove_stale(&jail_run_dir(home));
+            if removed > 0 {
+                log::info!("removed {removed} cgroups left by engines that were killed");
+            }
+        }
+        escalate::sweep_stale(&self.scratch_dir());
     }
 
     /// The microVM initramfs (the embedded guest agent as `/init` and Debian's static busybox), built into

@@ -101,8 +101,7 @@ pub struct JobRequest {
     #[schema(value_type = Object)]
     pub limits: LimitsOverride,
     /// WebSocket only: the client's messages after this one are the job's stdin as it runs, up to an empty message
-    /// (EOF). On the process tier the job reads them as they come; a wasm or microVM sandbox starts the job once it
-    /// has all of them (at most 64 MiB).
+    /// (EOF). The job reads each as it arrives, on every tier.
     pub stdin_stream: bool,
 }
 

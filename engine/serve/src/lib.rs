@@ -17,7 +17,9 @@
 //! Sandboxes live until deleted or until their TTL passes (a reaper task kills and frees them). Jobs run on
 //! blocking threads, never on the async runtime. On shutdown ([`Server::run`]'s future, SIGTERM/SIGINT under
 //! [`serve`]) the server refuses new work with 503 `shutting_down`, kills running jobs, closes every sandbox and
-//! removes its snapshots.
+//! removes its snapshots. A server killed before it could do so leaves its state directory, cgroups and sockets
+//! behind (its jails end with it: each jail's PID 1 ends when its control socket closes); the next server removes
+//! them when it starts, before it takes a request.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), strata_serve::ServeError> {
@@ -262,6 +264,10 @@ impl Server {
             },
         };
         remove_stale_state(&base);
+        // What a predecessor killed mid-job left (cgroups and what still runs in them, egress sockets, scratch
+        // copies) goes before this server takes any request, not at the first job of the tier concerned.
+        let sweeper = engine.clone();
+        let _ = tokio::task::spawn_blocking(move || sweeper.remove_stale()).await;
         let snapshot_dir = base.join(registry::new_id(&format!("server-{}-", std::process::id())));
         std::fs::create_dir_all(&snapshot_dir)
             .map_err(|source| ServeError::StateDir { path: snapshot_dir.clone(), source })?;

@@ -96,9 +96,7 @@ impl ProcessTierConfig {
     /// Where the egress proxies' Unix sockets are created (`<run_dir>-egress`, beside the run directory: a jail
     /// covers its run directory with its own tmpfs, which would hide a socket in it).
     pub fn egress_dir(&self) -> PathBuf {
-        let mut name = self.run_dir.file_name().unwrap_or_default().to_os_string();
-        name.push("-egress");
-        self.run_dir.with_file_name(name)
+        egress_dir_beside(&self.run_dir)
     }
 }
 
@@ -256,6 +254,23 @@ impl ProcessTier {
 
 fn is_reserved_guest_path(guest: &str) -> bool {
     ["/proc", "/dev", PROGRAM_DIR].iter().any(|r| guest == *r || guest.starts_with(&format!("{r}/")))
+}
+
+/// `<run_dir>-egress`: where the egress proxies' sockets of jails under `run_dir` live.
+fn egress_dir_beside(run_dir: &Path) -> PathBuf {
+    let mut name = run_dir.file_name().unwrap_or_default().to_os_string();
+    name.push("-egress");
+    run_dir.with_file_name(name)
+}
+
+/// Removes what engines that are no longer running left behind — their jails' cgroups (killing whatever still
+/// runs in them) and their egress proxies' sockets beside `run_dir` — without checking the host or starting the
+/// tier: what [`ProcessTier::new`] sweeps first. A long-lived server calls it when it starts, so that a
+/// predecessor killed mid-job leaves nothing past its successor's start, even when no job comes to this tier.
+/// Returns how many cgroups it removed (none where this host has no cgroups Strata can use).
+pub fn remove_stale(run_dir: &Path) -> usize {
+    remove_stale_sockets(&egress_dir_beside(run_dir));
+    CgroupRoot::detect().map(|cgroups| cgroups.remove_stale()).unwrap_or(0)
 }
 
 /// Removes the egress sockets of engines that are no longer running (`<pid>-<n>.sock`).
