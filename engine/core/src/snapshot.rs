@@ -999,8 +999,12 @@ impl SnapshotWriter {
         if text.len() as u64 > MAX_MANIFEST_BYTES {
             return Err(too_large(&path, format!("{} bytes (at most {MAX_MANIFEST_BYTES})", text.len())));
         }
-        write_new(&path, &text)?;
-        write_new(&staging.join(SEAL), seal_text(&self.key.seal(&text)).as_bytes())?;
+        // Both written before either is synced: one journal commit then takes both files' blocks.
+        let seal_path = staging.join(SEAL);
+        let manifest_file = write_new(&path, &text)?;
+        let seal_file = write_new(&seal_path, seal_text(&self.key.seal(&text)).as_bytes())?;
+        manifest_file.sync_all().map_err(io_error(&path))?;
+        seal_file.sync_all().map_err(io_error(&seal_path))?;
         sync_dir(&staging)?;
         // A plain rename(2) onto a path that appeared meanwhile would replace an empty directory: refuse it instead.
         nix::fcntl::renameat2(
@@ -1031,7 +1035,8 @@ impl Drop for SnapshotWriter {
 }
 
 /// Writes a new file (never through a link, never over one that exists) and syncs it.
-fn write_new(path: &Path, bytes: &[u8]) -> Result<(), SnapshotError> {
+/// Creates `path` (never through a link, never over a file) with `bytes`; the caller syncs it.
+fn write_new(path: &Path, bytes: &[u8]) -> Result<File, SnapshotError> {
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -1039,7 +1044,8 @@ fn write_new(path: &Path, bytes: &[u8]) -> Result<(), SnapshotError> {
         .custom_flags(OFlag::O_NOFOLLOW.bits())
         .open(path)
         .map_err(io_error(path))?;
-    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(io_error(path))
+    file.write_all(bytes).map_err(io_error(path))?;
+    Ok(file)
 }
 
 fn sync_dir(dir: &Path) -> Result<(), SnapshotError> {
