@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+mod docs;
 mod doctor;
 mod images;
 mod run;
@@ -26,8 +27,7 @@ const USAGE_ERROR: u8 = 2;
     about = "Run untrusted code fast, isolated and metered.",
     long_about = "Run untrusted code fast, isolated and metered: WebAssembly modules and Python on the wasm tier \
                   (wasmtime), Linux programs in a jail on the process tier, with file grants, limits and a usage \
-                  report.",
-    disable_help_subcommand = true
+                  report."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -47,6 +47,10 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Serve the sandbox API over HTTP and WebSocket (`/v1`, `/metrics`) until SIGTERM or SIGINT.
     Serve(Box<serve::ServeArgs>),
+    /// Print a completion script for a shell: `strata completions bash > ~/.local/share/bash-completion/completions/strata`.
+    Completions(docs::CompletionsArgs),
+    /// Print the manual page (roff), or write one page per command into a directory (`--dir`).
+    Man(docs::ManArgs),
 }
 
 /// A usage or input error, reported as one line (or a JSON object) with exit status 2.
@@ -124,6 +128,8 @@ fn main() -> ExitCode {
         Command::Images(args) => images::images(args).map_err(|failure| (false, failure)),
         Command::Doctor(args) => doctor::doctor(args).map_err(|failure| (false, failure)),
         Command::Serve(args) => serve::serve(*args).map_err(|failure| (false, failure)),
+        Command::Completions(args) => docs::completions::<Cli>(&args).map_err(|failure| (false, failure)),
+        Command::Man(args) => docs::man::<Cli>(&args).map_err(|failure| (false, failure)),
     };
     match result {
         // Exit codes outside 0..=255 cannot be represented; WASI limits them to 0..126 anyway.

@@ -788,3 +788,36 @@ fn stdin_lines_reach_the_guest_as_they_are_written_and_eof_ends_it() {
         assert_eq!(run.exit_code(), 0, "{args:?}");
     }
 }
+
+#[test]
+fn help_completions_and_manual_pages_come_from_the_same_definitions() {
+    let home = home();
+    let help = strata(home.path(), &["help"], b"");
+    assert_eq!(help.code, 0, "{}", help.stderr);
+    for command in ["run", "snapshot", "images", "doctor", "serve", "completions", "man"] {
+        assert!(help.stdout.contains(&format!("\n  {command} ")), "`strata help` lists no {command}: {}", help.stdout);
+    }
+    let run_help = strata(home.path(), &["help", "run"], b"");
+    assert_eq!(run_help.code, 0, "{}", run_help.stderr);
+    assert!(run_help.stdout.contains("--timeout"), "{}", run_help.stdout);
+
+    let bash = strata(home.path(), &["completions", "bash"], b"");
+    assert_eq!(bash.code, 0, "{}", bash.stderr);
+    assert!(bash.stdout.contains("complete -F _strata") && bash.stdout.contains("--timeout"), "{}", bash.stdout);
+    let bad = strata(home.path(), &["completions", "tcsh"], b"");
+    assert_eq!(bad.code, 2, "{}", bad.stderr);
+    assert_eq!(bad.stderr.lines().count(), 1, "{}", bad.stderr);
+
+    let man = strata(home.path(), &["man"], b"");
+    assert_eq!(man.code, 0, "{}", man.stderr);
+    assert!(man.stdout.contains(".TH strata 1") && man.stdout.contains("strata\\-run(1)"), "{}", man.stdout);
+    let dir = home.path().join("man1");
+    let pages = strata(home.path(), &["man", "--dir", dir.to_str().expect("utf-8")], b"");
+    assert_eq!(pages.code, 0, "{}", pages.stderr);
+    for page in ["strata.1", "strata-run.1", "strata-serve.1", "strata-snapshot.1"] {
+        let text = std::fs::read_to_string(dir.join(page)).unwrap_or_else(|e| panic!("{page}: {e}"));
+        assert!(text.starts_with(".ie") && text.contains(".SH SYNOPSIS"), "{page}: {text}");
+    }
+    let run_page = std::fs::read_to_string(dir.join("strata-run.1")).expect("strata-run.1");
+    assert!(run_page.contains("\\-\\-timeout"), "{run_page}");
+}
