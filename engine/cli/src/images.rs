@@ -124,7 +124,8 @@ fn build_python(engine: &Engine, metered: bool) -> Result<i32, Failure> {
     for limits in variants {
         let label = if limits.fuel.limit().is_some() { "fuel-metered" } else { "unmetered" };
         let outcome = engine.wasm().prepare_python(&limits).map_err(EngineError::from)?;
-        say(&format!("python runtime ({label}) compiled code: {outcome:?}"));
+        let origin = outcome.map_or_else(|| "already loaded in this process".to_owned(), |o| o.to_string());
+        say(&format!("python runtime ({label}): compiled code {origin}"));
         engine.wasm().prepare_python_sessions(&limits).map_err(EngineError::from)?;
         say(&format!("python runtime ({label}) for sessions and snapshots: ready"));
     }

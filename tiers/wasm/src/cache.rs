@@ -19,6 +19,7 @@
 //! through a link, a full disk fails the store (logged; the job runs from the module compiled in memory) and
 //! removes its temporary, and the temporaries of processes that died while writing are swept by the next store.
 
+use std::fmt;
 use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
 use std::os::unix::fs::MetadataExt;
@@ -88,6 +89,18 @@ pub enum CacheOutcome {
     Compiled,
     /// An entry existed but failed verification; the module was recompiled and the entry replaced.
     Rebuilt,
+}
+
+impl fmt::Display for CacheOutcome {
+    /// What a user is told: "loaded from the cache", "compiled and cached", "recompiled (its cached entry failed
+    /// verification)".
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CacheOutcome::Hit => "loaded from the cache",
+            CacheOutcome::Compiled => "compiled and cached",
+            CacheOutcome::Rebuilt => "recompiled (its cached entry failed verification)",
+        })
+    }
 }
 
 /// The precompiled-module directory.
