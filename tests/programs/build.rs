@@ -46,7 +46,27 @@ fn main() {
     fs::write(out_dir.join("programs.rs"), consts).expect("write programs.rs");
 }
 
+/// Ends the build with one line (no panic, no backtrace) saying what to do.
+fn fail(message: &str) -> ! {
+    eprintln!("error: {message}");
+    std::process::exit(1)
+}
+
+/// Ends the build with the one command that fixes it when `target`'s standard library is not installed.
+fn require_target(target: &str) {
+    let rustc = env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let Ok(out) = Command::new(rustc).args(["--print", "sysroot"]).output() else { return };
+    let sysroot = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    if out.status.success() && !Path::new(&sysroot).join("lib/rustlib").join(target).exists() {
+        fail(&format!(
+            "the {target} Rust target is not installed (the test guest programs are built for it): run \
+             `rustup target add {target}` (tests/run does this)"
+        ));
+    }
+}
+
 fn build_guests(guests: &Path, target: &str, target_dir: &Path) -> Vec<(String, PathBuf)> {
+    require_target(target);
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.args(["build", "--release", "--quiet", "--target", target, "--bins", "--manifest-path"])
@@ -68,11 +88,7 @@ fn build_guests(guests: &Path, target: &str, target_dir: &Path) -> Vec<(String, 
     }
     let status = cmd.status().expect("run cargo for the guest programs");
     if !status.success() {
-        panic!(
-            "building the {target} guest programs in {} failed ({status}); is the target installed? \
-             run `rustup target add {target}` (tests/run does this)",
-            guests.display()
-        );
+        fail(&format!("building the {target} guest programs in {} failed ({status}); see above", guests.display()));
     }
     let bin_dir = target_dir.join(target).join("release");
     let mut built = Vec::new();
