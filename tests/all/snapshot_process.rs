@@ -13,7 +13,7 @@ use strata_core::{
 };
 use strata_tier_process::ProcessTier;
 
-use crate::util::python_engine;
+use crate::util::{process_tier, python_engine};
 
 /// The trust the engine's tiers seal and open snapshots with.
 fn trust() -> &'static strata_core::SnapshotTrust {
@@ -37,18 +37,6 @@ fn stdout(outcome: &Outcome) -> String {
     String::from_utf8_lossy(&outcome.stdout).into_owned()
 }
 
-/// The process tier, or `None` with a skip line.
-fn tier(test: &str) -> Option<&'static ProcessTier> {
-    match python_engine().process() {
-        Ok(tier) => Some(tier),
-        Err(err) => {
-            assert!(std::env::var_os("STRATA_REQUIRE_PROCESS_TIER").is_none(), "process tier required: {err}");
-            eprintln!("skip {test}: the process tier cannot run on this host: {err}");
-            None
-        }
-    }
-}
-
 /// The setup job: writes in `/tmp` and the workdir, deletes a file of the image, replaces a directory of the
 /// image by one of its own, makes a symlink pointing out of the jail and a FIFO.
 const SETUP: &str = "echo 41 > /tmp/x && echo work > /root/notes && rm /etc/debian_version && \
@@ -67,7 +55,7 @@ fn snapshot_after_setup(tier: &ProcessTier, dir: &Path, caps: &Capabilities) -> 
 #[test]
 fn a_fork_starts_from_the_setup_jobs_filesystem() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("a_fork_starts_from_the_setup_jobs_filesystem") else { return };
+    let Some(tier) = process_tier("a_fork_starts_from_the_setup_jobs_filesystem") else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut sandbox, snapshot, then) = snapshot_after_setup(tier, dir.path(), &Capabilities::default());
     let manifest = &snapshot.manifest;
@@ -97,7 +85,7 @@ fn a_fork_starts_from_the_setup_jobs_filesystem() {
 #[test]
 fn forks_are_independent_of_each_other_the_sandbox_and_the_snapshot() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("forks_are_independent") else { return };
+    let Some(tier) = process_tier("forks_are_independent") else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut sandbox, snapshot, _) = snapshot_after_setup(tier, dir.path(), &Capabilities::default());
     let stored = std::fs::read(snapshot.file("upper.tree")).expect("stored tree");
@@ -129,7 +117,7 @@ fn forks_are_independent_of_each_other_the_sandbox_and_the_snapshot() {
 #[test]
 fn a_machine_id_made_by_the_setup_job_is_fresh_in_every_fork() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("a_machine_id_made_by_the_setup_job") else { return };
+    let Some(tier) = process_tier("a_machine_id_made_by_the_setup_job") else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let mut sandbox = tier.start(&Capabilities::default(), &Limits::default()).expect("start");
     run(sandbox.as_mut(), "rm -f /etc/machine-id && echo 0123456789abcdef0123456789abcdef > /etc/machine-id");
@@ -152,7 +140,7 @@ fn copy_dir(from: &Path, to: &Path) {
 #[test]
 fn damaged_foreign_and_secret_snapshots_are_refused_with_typed_errors() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("damaged_foreign_and_secret_snapshots") else { return };
+    let Some(tier) = process_tier("damaged_foreign_and_secret_snapshots") else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let caps = Capabilities {
         secrets: vec![EnvVar { name: "TOKEN".into(), value: "s3cr3t-value".into() }],
@@ -235,7 +223,7 @@ fn held(tier: &ProcessTier) -> Held {
 #[test]
 fn a_hundred_forks_leave_nothing_behind() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("a_hundred_forks_leave_nothing_behind") else { return };
+    let Some(tier) = process_tier("a_hundred_forks_leave_nothing_behind") else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let (sandbox, snapshot, _) = snapshot_after_setup(tier, dir.path(), &Capabilities::default());
     drop(sandbox);
@@ -273,7 +261,7 @@ fn a_hundred_forks_leave_nothing_behind() {
 #[test]
 fn a_fork_whose_disk_limit_cannot_hold_the_snapshot_is_refused() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("a_fork_whose_disk_limit_cannot_hold_the_snapshot") else { return };
+    let Some(tier) = process_tier("a_fork_whose_disk_limit_cannot_hold_the_snapshot") else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let mut sandbox = tier.start(&Capabilities::default(), &Limits::default()).expect("start");
     run(sandbox.as_mut(), "head -c 6291456 /dev/zero > /root/six-mib");

@@ -30,6 +30,19 @@ pub fn python_engine() -> &'static Engine {
     })
 }
 
+/// The process tier of [`python_engine`], or `None` after one skip line naming `test` where this host cannot run
+/// it (`STRATA_REQUIRE_PROCESS_TIER` set turns that into a failure).
+pub fn process_tier(test: &str) -> Option<&'static strata_tier_process::ProcessTier> {
+    match python_engine().process() {
+        Ok(tier) => Some(tier),
+        Err(err) => {
+            assert!(std::env::var_os("STRATA_REQUIRE_PROCESS_TIER").is_none(), "process tier required: {err}");
+            eprintln!("skip {test}: the process tier cannot run on this host: {err}");
+            None
+        }
+    }
+}
+
 /// Tools the Python tests call: `add(a, b=2)` and `fail(reason)`.
 fn register_test_tools(registry: &strata_core::ToolRegistry) {
     use serde_json::json;

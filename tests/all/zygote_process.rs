@@ -12,22 +12,10 @@ use strata_core::{ByteSize, Capabilities, ExecOptions, Job, LimitKind, Limits, O
 use strata_tier_process::ProcessTier;
 use strata_tier_process::zygote::ProcessZygote;
 
-use crate::util::python_engine;
+use crate::util::process_tier;
 
 /// The tests here count processes and cgroups: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-/// The process tier, or `None` with a skip line.
-fn tier(test: &str) -> Option<&'static ProcessTier> {
-    match python_engine().process() {
-        Ok(tier) => Some(tier),
-        Err(err) => {
-            assert!(std::env::var_os("STRATA_REQUIRE_PROCESS_TIER").is_none(), "process tier required: {err}");
-            eprintln!("skip {test}: the process tier cannot run on this host: {err}");
-            None
-        }
-    }
-}
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
@@ -61,7 +49,7 @@ fn zygote(tier: &ProcessTier) -> ProcessZygote {
 #[test]
 fn a_fork_starts_from_the_setup_state() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("a_fork_starts_from_the_setup_state") else { return };
+    let Some(tier) = process_tier("a_fork_starts_from_the_setup_state") else { return };
     let zygote = zygote(tier);
     let out = fork(
         &zygote,
@@ -86,7 +74,7 @@ fn a_fork_starts_from_the_setup_state() {
 #[test]
 fn forks_are_independent_of_each_other_and_of_the_zygote() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("forks_are_independent_of_each_other_and_of_the_zygote") else { return };
+    let Some(tier) = process_tier("forks_are_independent_of_each_other_and_of_the_zygote") else { return };
     let zygote = zygote(tier);
     let first = fork(
         &zygote,
@@ -108,7 +96,7 @@ fn forks_are_independent_of_each_other_and_of_the_zygote() {
 #[test]
 fn forks_get_fresh_randomness_identity_and_a_clock_that_moves_on() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("forks_get_fresh_randomness_identity_and_a_clock_that_moves_on") else { return };
+    let Some(tier) = process_tier("forks_get_fresh_randomness_identity_and_a_clock_that_moves_on") else { return };
     let zygote = zygote(tier);
     let probe = "import random, socket\n\
                  print(os.urandom(16).hex(), random.random(), socket.gethostname(), os.getpid(), time.time() >= t0)";
@@ -130,7 +118,7 @@ fn forks_get_fresh_randomness_identity_and_a_clock_that_moves_on() {
 #[test]
 fn a_fork_is_alone_and_unprivileged() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("a_fork_is_alone_and_unprivileged") else { return };
+    let Some(tier) = process_tier("a_fork_is_alone_and_unprivileged") else { return };
     let zygote = zygote(tier);
     let out = fork(
         &zygote,
@@ -162,7 +150,7 @@ fn a_fork_is_alone_and_unprivileged() {
 #[test]
 fn limits_are_the_forks_and_the_zygote_survives_them() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("limits_are_the_forks_and_the_zygote_survives_them") else { return };
+    let Some(tier) = process_tier("limits_are_the_forks_and_the_zygote_survives_them") else { return };
     let zygote = zygote(tier);
     let wall = ExecOptions {
         limits: Some(Limits { wall: Duration::from_millis(300), ..Limits::default() }),
@@ -198,7 +186,7 @@ fn limits_are_the_forks_and_the_zygote_survives_them() {
 #[test]
 fn forks_run_side_by_side() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("forks_run_side_by_side") else { return };
+    let Some(tier) = process_tier("forks_run_side_by_side") else { return };
     let zygote = zygote(tier);
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..6)
@@ -229,7 +217,7 @@ fn refused(tier: &ProcessTier, setup: &str) -> String {
 #[test]
 fn zygotes_that_cannot_be_held_are_refused_with_the_reason() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("zygotes_that_cannot_be_held_are_refused_with_the_reason") else { return };
+    let Some(tier) = process_tier("zygotes_that_cannot_be_held_are_refused_with_the_reason") else { return };
     let threads =
         refused(tier, "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()");
     assert!(threads.contains("threads"), "{threads}");
@@ -248,7 +236,7 @@ fn zygotes_that_cannot_be_held_are_refused_with_the_reason() {
 #[test]
 fn a_zygote_that_tampers_with_its_fork_channel_gets_no_fork() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("a_zygote_that_tampers_with_its_fork_channel_gets_no_fork") else { return };
+    let Some(tier) = process_tier("a_zygote_that_tampers_with_its_fork_channel_gets_no_fork") else { return };
     // Descriptor 4 replaced by a pipe with bytes in it: the injected recvmsg must not take anything from it.
     let setup = "import os\nr, w = os.pipe()\nos.write(w, b'x' * 64)\nos.dup2(r, 4)";
     let (zygote, _) = tier.python_zygote(setup, &Capabilities::default(), &Limits::default()).expect("zygote");
@@ -262,7 +250,7 @@ fn a_zygote_that_tampers_with_its_fork_channel_gets_no_fork() {
 #[test]
 fn a_command_zygote_follows_the_convention() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("a_command_zygote_follows_the_convention") else { return };
+    let Some(tier) = process_tier("a_command_zygote_follows_the_convention") else { return };
     let script = "echo setting up; x=41; printf r >&3; read line; echo \"$line $x\"";
     let job = Job::Command { argv: vec!["sh".into(), "-c".into(), script.into()] };
     let (zygote, setup) = tier.zygote(&job, &Capabilities::default(), &Limits::default()).expect("zygote");
@@ -301,7 +289,7 @@ fn held(tier: &ProcessTier) -> [usize; 4] {
 #[test]
 fn a_hundred_forks_leave_nothing_behind() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(tier) = tier("a_hundred_forks_leave_nothing_behind") else { return };
+    let Some(tier) = process_tier("a_hundred_forks_leave_nothing_behind") else { return };
     // Warm up (the embedded jail binary's memfd, the engine's lazies).
     let warm = zygote(tier);
     assert_eq!(ok(&fork(&warm, "print(x)")), "41\n");

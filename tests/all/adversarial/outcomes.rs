@@ -21,14 +21,7 @@ fn sh(script: &str) -> Job {
 
 /// The engine, when this host runs the process tier (else one skip line).
 fn process(test: &str) -> Option<&'static Engine> {
-    match python_engine().process() {
-        Ok(_) => Some(python_engine()),
-        Err(err) => {
-            assert!(std::env::var_os("STRATA_REQUIRE_PROCESS_TIER").is_none(), "process tier required: {err}");
-            eprintln!("skip {test}: the process tier cannot run on this host: {err}");
-            None
-        }
-    }
+    crate::util::process_tier(test).map(|_| python_engine())
 }
 
 fn text(bytes: &[u8]) -> String {

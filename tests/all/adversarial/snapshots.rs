@@ -19,7 +19,7 @@ use strata_engine::{Engine, EngineConfig};
 use strata_test_programs as programs;
 use strata_tier_wasm::{CacheOutcome, WasmTier, WasmTierConfig};
 
-use crate::util::{engine, job, python_engine, stdout};
+use crate::util::{engine, job, process_tier, python_engine, stdout};
 
 /// What an attacker without the key does to a snapshot: changes one file, then fixes up the manifest's size and
 /// sha256 for it (and the total) so that every check but the seal passes.
@@ -142,18 +142,6 @@ fn a_process_manifest_rewritten_to_grant_host_root_is_refused() {
     let err = python_engine().open_snapshot(&snapshot.dir).expect_err("refused");
     assert_invalid(&err, err.code());
     victim.untouched();
-}
-
-/// The process tier, or `None` with a skip line.
-fn process_tier(test: &str) -> Option<&'static strata_tier_process::ProcessTier> {
-    match python_engine().process() {
-        Ok(tier) => Some(tier),
-        Err(err) => {
-            assert!(std::env::var_os("STRATA_REQUIRE_PROCESS_TIER").is_none(), "process tier required: {err}");
-            eprintln!("skip {test}: the process tier cannot run on this host: {err}");
-            None
-        }
-    }
 }
 
 #[test]
