@@ -12,6 +12,7 @@ pub mod job;
 pub mod limits;
 pub mod outcome;
 pub mod redact;
+pub mod sealed;
 pub mod snapshot;
 pub mod snapshot_key;
 pub mod tier;
@@ -24,6 +25,7 @@ pub use job::{Job, JobKind, ModuleSource, PythonSource};
 pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
 pub use outcome::{EgressEntry, Escalation, Outcome, RouteDecision, Status, TierKind, Truncated, Usage};
 pub use redact::{Redactor, Secret};
+pub use sealed::SealedFile;
 pub use snapshot::{
     Manifest, Persisted, Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, SnapshotWriter,
 };

@@ -37,13 +37,13 @@
 //!   upper.tree      the tier's files, as it names them
 //! ```
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat};
@@ -53,6 +53,7 @@ use sha2::{Digest, Sha256};
 
 use crate::dirfd;
 use crate::outcome::TierKind;
+use crate::sealed::SealedFile;
 pub use crate::snapshot_key::SnapshotKey;
 
 /// The manifest format this build writes and reads: 2, sealed (format 1 had no seal and is refused).
@@ -342,6 +343,26 @@ pub struct Snapshot {
     pub manifest: Manifest,
     /// The stamps of `manifest.files`, in order, when they were verified.
     stamps: Vec<Stamp>,
+    /// Sealed copies of its files made so far ([`Snapshot::sealed_file`]), shared by its clones.
+    copies: Arc<Copies>,
+}
+
+/// Live sealed copies of snapshot files by content (sha256 and size): one trust's, shared by every snapshot
+/// it opens, so forks of one image from several snapshot handles share one copy. Only weak references: a copy
+/// lives as long as a snapshot handle or a mapping holds it.
+type ByContent = Arc<Mutex<HashMap<(String, u64), Weak<SealedFile>>>>;
+
+/// The sealed copies one verified snapshot holds.
+#[derive(Debug, Default)]
+struct Copies {
+    held: Mutex<HashMap<String, Arc<SealedFile>>>,
+    by_content: ByContent,
+}
+
+impl Copies {
+    fn new(by_content: &ByContent) -> Arc<Copies> {
+        Arc::new(Copies { held: Mutex::default(), by_content: by_content.clone() })
+    }
 }
 
 impl PartialEq for Snapshot {
@@ -400,6 +421,47 @@ impl Snapshot {
         }
         Ok(bytes)
     }
+
+    /// The listed file `name` as a [`SealedFile`]: its bytes copied into a sealed memfd and checked against the
+    /// manifest's size and sha256 as they are copied. This, not the file, is what a tier maps: nothing done to
+    /// the snapshot directory afterwards (truncating the file, rewriting it) reaches a mapping of the copy. The
+    /// copy is made once per content: this snapshot keeps it, and every snapshot of the same trust asking for
+    /// the same bytes while it lives gets the same one.
+    pub fn sealed_file(&self, name: &str) -> Result<Arc<SealedFile>, SnapshotError> {
+        let path = self.file(name);
+        let listed = self.listed(name).ok_or_else(|| SnapshotError::MissingFile(path.clone()))?;
+        let mut held = self.copies.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(copy) = held.get(name) {
+            return Ok(copy.clone());
+        }
+        let key = (listed.sha256.clone(), listed.size);
+        let shared = self.copies.by_content.lock().unwrap_or_else(|p| p.into_inner()).get(&key).and_then(Weak::upgrade);
+        let copy = match shared {
+            Some(copy) => copy,
+            None => {
+                let file = self.open_file(name)?;
+                let mut hasher = Sha256::new();
+                let copy =
+                    SealedFile::copy_from(c"strata-snapshot-file", file, listed.size, |chunk| hasher.update(chunk))
+                        .map_err(|source| match source.kind() {
+                            io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
+                                SnapshotError::Changed(path.clone())
+                            }
+                            _ => SnapshotError::Io { path: path.clone(), source },
+                        })?;
+                if strata_image_util::hex(&hasher.finalize()) != listed.sha256 {
+                    return Err(SnapshotError::Checksum(path));
+                }
+                let copy = Arc::new(copy);
+                let mut by_content = self.copies.by_content.lock().unwrap_or_else(|p| p.into_inner());
+                by_content.retain(|_, weak| weak.strong_count() > 0);
+                by_content.insert(key, Arc::downgrade(&copy));
+                copy
+            }
+        };
+        held.insert(name.to_owned(), copy.clone());
+        Ok(copy)
+    }
 }
 
 /// Where a trust's key comes from.
@@ -420,6 +482,7 @@ enum KeySource {
 pub struct SnapshotTrust {
     key: Arc<KeySource>,
     bounds: SnapshotBounds,
+    copies: ByContent,
 }
 
 impl std::fmt::Debug for SnapshotTrust {
@@ -436,22 +499,23 @@ impl std::fmt::Debug for SnapshotTrust {
 impl SnapshotTrust {
     /// Trusts snapshots sealed with `key`.
     pub fn new(key: SnapshotKey) -> SnapshotTrust {
-        SnapshotTrust { key: Arc::new(KeySource::Given(key)), bounds: SnapshotBounds::default() }
+        SnapshotTrust::with_key(KeySource::Given(key))
     }
 
     /// Trusts snapshots sealed with the key of the home `home` ([`crate::snapshot_key::KEY_FILE`] under it,
     /// created on first use).
     pub fn in_home(home: &Path) -> SnapshotTrust {
         let path = home.join(crate::snapshot_key::KEY_FILE);
-        SnapshotTrust {
-            key: Arc::new(KeySource::Home { path, loaded: Mutex::new(None) }),
-            bounds: SnapshotBounds::default(),
-        }
+        SnapshotTrust::with_key(KeySource::Home { path, loaded: Mutex::new(None) })
     }
 
     /// Trusts snapshots sealed in this process only ([`SnapshotKey::process_local`]).
     pub fn process_local() -> SnapshotTrust {
-        SnapshotTrust { key: Arc::new(KeySource::ProcessLocal), bounds: SnapshotBounds::default() }
+        SnapshotTrust::with_key(KeySource::ProcessLocal)
+    }
+
+    fn with_key(key: KeySource) -> SnapshotTrust {
+        SnapshotTrust { key: Arc::new(key), bounds: SnapshotBounds::default(), copies: ByContent::default() }
     }
 
     /// The same trust with other bounds.
@@ -532,7 +596,7 @@ impl SnapshotTrust {
             return Ok(Snapshot { stamps: snapshot.stamps.clone(), ..snapshot.clone() });
         }
         let stamps = verify_files(&root, dir, &manifest, &self.bounds)?;
-        Ok(Snapshot { tier: manifest.tier, dir: dir.clone(), manifest, stamps })
+        Ok(Snapshot { tier: manifest.tier, dir: dir.clone(), manifest, stamps, copies: Copies::new(&self.copies) })
     }
 
     fn open_checked(&self, dir: &Path, tier: Option<TierKind>) -> Result<Snapshot, SnapshotError> {
@@ -544,7 +608,7 @@ impl SnapshotTrust {
             return Err(SnapshotError::WrongTier { dir: dir.to_owned(), expected, found: manifest.tier });
         }
         let stamps = verify_files(&root, dir, &manifest, &self.bounds)?;
-        Ok(Snapshot { tier: manifest.tier, dir: dir.to_owned(), manifest, stamps })
+        Ok(Snapshot { tier: manifest.tier, dir: dir.to_owned(), manifest, stamps, copies: Copies::new(&self.copies) })
     }
 }
 
@@ -875,6 +939,7 @@ pub struct SnapshotWriter {
     staging: PathBuf,
     key: SnapshotKey,
     bounds: SnapshotBounds,
+    copies: ByContent,
     committed: bool,
 }
 
@@ -906,6 +971,7 @@ impl SnapshotWriter {
             staging,
             key,
             bounds: *trust.bounds(),
+            copies: trust.copies.clone(),
             committed: false,
         })
     }
@@ -1022,7 +1088,7 @@ impl SnapshotWriter {
         if let Some(parent) = self.destination.parent().filter(|p| !p.as_os_str().is_empty()) {
             sync_dir(parent)?;
         }
-        Ok(Snapshot { tier, dir: self.destination.clone(), manifest, stamps })
+        Ok(Snapshot { tier, dir: self.destination.clone(), manifest, stamps, copies: Copies::new(&self.copies) })
     }
 }
 
@@ -1380,6 +1446,52 @@ mod tests {
         let other = snapshot(root.path(), &trust());
         assert_ne!(other.manifest.id, made.manifest.id);
         assert!(matches!(trust().reopen(&made), Err(SnapshotError::Replaced(_))));
+    }
+
+    #[test]
+    fn a_sealed_copy_is_the_verified_bytes_whatever_happens_to_the_file() {
+        use std::os::unix::fs::FileExt;
+        let root = tempfile::tempdir().expect("tempdir");
+        let trust = trust();
+        let made = snapshot(root.path(), &trust);
+        let copy = made.sealed_file("memory").expect("sealed copy");
+        // Truncated and rewritten under the copy: the copy is unchanged, and still the one this snapshot holds.
+        let memory = made.dir.join("memory");
+        std::fs::OpenOptions::new().write(true).open(&memory).expect("open").set_len(0).expect("truncate");
+        let mut read = vec![0u8; 10_000];
+        copy.file().read_exact_at(&mut read, 0).expect("read the copy");
+        assert_eq!(read, [7u8; 10_000]);
+        assert!(Arc::ptr_eq(&copy, &made.sealed_file("memory").expect("again")));
+        // Another handle of the same trust, to the same bytes: the same copy, made once.
+        let other = snapshot(&root.path().join("other").tap_mkdir(), &trust);
+        assert!(Arc::ptr_eq(&copy, &other.sealed_file("memory").expect("shared")));
+        // A handle with no copy yet, over the changed file: refused, nothing copied.
+        drop(copy);
+        drop(other);
+        let reopened = trust.open(&made.dir);
+        assert!(reopened.is_err(), "the truncated file no longer verifies");
+        // A file changed after it was verified (same size, other bytes): its copy is refused, by its stamp or,
+        // when the change landed within the clock tick of the verification (its times look the same), by the
+        // hash of the bytes copied.
+        // (With no live copy of those bytes left: while one lives, it is what the manifest's sha256 names, and is
+        // given out without reading the file.)
+        drop(made);
+        let fresh = snapshot(&root.path().join("fresh").tap_mkdir(), &trust);
+        std::fs::write(fresh.dir.join("memory"), [9u8; 10_000]).expect("rewrite");
+        let refused = fresh.sealed_file("memory").expect_err("changed");
+        assert!(matches!(refused, SnapshotError::Changed(_) | SnapshotError::Checksum(_)), "{refused}");
+        assert!(matches!(fresh.sealed_file("absent"), Err(SnapshotError::MissingFile(_))));
+    }
+
+    trait TapMkdir {
+        fn tap_mkdir(self) -> PathBuf;
+    }
+
+    impl TapMkdir for PathBuf {
+        fn tap_mkdir(self) -> PathBuf {
+            std::fs::create_dir_all(&self).expect("mkdir");
+            self
+        }
     }
 
     #[test]

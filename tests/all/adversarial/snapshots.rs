@@ -187,6 +187,40 @@ fn a_file_swapped_after_the_snapshot_was_opened_is_refused_at_fork() {
     victim.untouched();
 }
 
+/// A fork's memory is never a mapping of the snapshot's file: truncated under a live fork, a mapped file raised
+/// SIGBUS in the host at the fork's next touch of a page past the new end, killing the server with every
+/// sandbox in it. The fork maps a sealed copy, so it runs on; new forks re-verify the file and are refused.
+#[test]
+fn a_memory_image_truncated_or_rewritten_under_live_forks_reaches_none_of_them() {
+    let py = |code: &str| Job::Python { source: strata_core::PythonSource::Code(code.into()), args: Vec::new() };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let engine = python_engine();
+    let mut sandbox = engine.wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
+    sandbox.exec(&py("x = 41"), ExecOptions::default()).expect("turn");
+    let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
+    let image = snapshot.dir.join("memory.img");
+    let length = std::fs::metadata(&image).expect("memory.img").len();
+    let mut first = engine.wasm().fork(&snapshot).expect("fork");
+    let mut second = engine.wasm().fork(&snapshot).expect("fork");
+
+    std::fs::OpenOptions::new().write(true).open(&image).expect("open").set_len(0).expect("truncate");
+    // A full collection walks every object the interpreter has: pages of the image the fork never touched.
+    let code = "import gc; gc.collect(); print(sum(range(10**6)), x + 1)";
+    let outcome = first.exec(&py(code), ExecOptions::default()).expect("the fork runs on");
+    assert_eq!((&outcome.status, stdout(&outcome).as_str()), (&Status::Exited { code: 0 }, "499999500000 42\n"));
+    let err = engine.wasm().fork(&snapshot).err().expect("a new fork of the truncated file is refused");
+    assert_invalid(&err, err.code());
+
+    // Rewritten at its size with other bytes: the same.
+    std::fs::write(&image, vec![0xcc; usize::try_from(length).expect("size")]).expect("rewrite");
+    let outcome = second.exec(&py(code), ExecOptions::default()).expect("the other fork runs on");
+    assert_eq!(stdout(&outcome), "499999500000 42\n");
+    let err = engine.wasm().fork(&snapshot).err().expect("a new fork of the rewritten file is refused");
+    assert_invalid(&err, err.code());
+    let err = engine.open_snapshot(&snapshot.dir).expect_err("and opening it again");
+    assert_invalid(&err, err.code());
+}
+
 fn nix_mkfifo(path: &Path) {
     let status = Command::new("mkfifo").arg(path).status().expect("mkfifo");
     assert!(status.success());

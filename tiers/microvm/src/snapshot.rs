@@ -35,15 +35,17 @@
 //! allocation. The snapshot directory itself is strata-core's ([`strata_core::SnapshotWriter`]): written atomically
 //! under a manifest with every file's sha256, sealed with the host's key ([`SnapshotTrust`]), which
 //! [`VmSnapshot::open`] verifies; the state file is parsed from the bytes the manifest sealed (read and checked in
-//! one pass, [`Snapshot::read_file`]) and the memory file mapped is the one that was verified
-//! ([`Snapshot::open_file`]), never a path opened again.
+//! one pass, [`Snapshot::read_file`]) and the memory mapped or copied is the memory file's sealed copy
+//! ([`Snapshot::sealed_file`]: a memfd checked against the manifest as it was filled, which no one can shrink or
+//! write), never the file or a path opened again.
 //!
 //! **Restore and fork** build a new VM (with an irqchip exactly when the snapshot had one), set the VM state, rebuild
 //! the devices on the caller's buses and create the vCPUs from their state; the vCPUs are left paused
 //! ([`Machine::resume`] starts them). [`VmSnapshot::restore`] copies RAM into a fresh memfd: the machine owns its
-//! memory like a booted one. [`VmSnapshot::fork`] maps the memory file `MAP_PRIVATE`: pages are shared with the page
-//! cache (and every other fork) until the guest writes them, so forks are cheap and independent, and the file never
-//! changes — which is also why a snapshot's files must never be modified while forks of it live. Host resources
+//! memory like a booted one. [`VmSnapshot::fork`] maps the sealed copy `MAP_PRIVATE`: pages are shared with every
+//! other fork until the guest writes them, so forks are cheap and independent, and whatever is done to the
+//! snapshot's files while forks live reaches none of them (a mapped file truncated under a fork would raise
+//! `SIGBUS` in the monitor). Host resources
 //! that are not state come in [`RestoreArgs`]: the vsock socket path, a new guest CID for a fork's identity, the
 //! disk images, extra devices on the buses.
 //!
@@ -1281,25 +1283,33 @@ impl VmSnapshot {
     pub fn restore(&self, args: RestoreArgs) -> Result<Machine, VmSnapshotError> {
         let memory = GuestMemory::new(self.state.memory_bytes)?;
         let path = self.memory_path();
-        let source = self.snapshot.open_file(MEMORY_FILE)?;
-        let found = source.metadata().map_err(io_error(&path))?.len();
+        // From the sealed copy, not the file: the bytes copied are the ones the manifest names, whatever happens
+        // to the file meanwhile.
+        let sealed = self.snapshot.sealed_file(MEMORY_FILE)?;
+        let source = sealed.file();
+        let found = sealed.len();
         if found != self.state.memory_bytes {
             return Err(VmSnapshotError::MemorySize { expected: self.state.memory_bytes, found });
         }
         // Only the pages that hold data: the memfd's holes read as zero, and cost nothing until the guest uses them.
         let size = self.state.memory_bytes;
         let mut sparse = SparseCopy::new(memory.file());
-        for (start, len) in data_extents(&source, size) {
+        for (start, len) in data_extents(source, size) {
             sparse.copy_range(start, len, |offset, buf| source.read_exact_at(buf, offset)).map_err(io_error(&path))?;
         }
         self.build(memory, args)
     }
 
-    /// Rebuilds the machine over the memory file mapped `MAP_PRIVATE`: it shares every page it has not written
-    /// with the page cache and every other fork, and its writes never reach the file. Give it a new identity in
+    /// Rebuilds the machine over the memory file's sealed copy ([`Snapshot::sealed_file`], made once and
+    /// checked against the manifest as it is made) mapped `MAP_PRIVATE`: it shares every page it has not written
+    /// with every other fork, its writes reach no one else, and nothing done to the snapshot's file afterwards
+    /// reaches it (a truncated mapped file would kill the monitor with `SIGBUS`). Give it a new identity in
     /// `args` (`guest_cid`). The vCPUs are paused.
     pub fn fork(&self, args: RestoreArgs) -> Result<Machine, VmSnapshotError> {
-        let memory = GuestMemory::from_open_file_private(self.snapshot.open_file(MEMORY_FILE)?, &self.memory_path())?;
+        let path = self.memory_path();
+        let sealed = self.snapshot.sealed_file(MEMORY_FILE)?;
+        let file = sealed.file().try_clone().map_err(io_error(&path))?;
+        let memory = GuestMemory::from_open_file_private(file, &path)?;
         if memory.size() != self.state.memory_bytes {
             return Err(VmSnapshotError::MemorySize { expected: self.state.memory_bytes, found: memory.size() });
         }

@@ -225,6 +225,48 @@ fn two_forks_of_one_snapshot_have_independent_memory() {
     }
 }
 
+#[test]
+fn forks_survive_their_memory_file_truncated_or_rewritten() {
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut parts = parts(&fork_code(), false);
+    let vsock = parts.add_vsock(MMIO_BASE, 5, 3, &dir.path().join("parent.sock"));
+    activate(&mut *vsock.lock().expect("lock"), 3, 8, 0x40000);
+    let mut machine = parts.machine();
+    run_until(&mut machine, Duration::from_secs(10), |_| false);
+    assert_eq!(machine.pause().expect("pause"), vec![VcpuExit::Hlt]);
+    let snap = machine.snapshot(&dir.path().join("snap"), None, &trust()).expect("snapshot");
+    let memory_file = std::fs::read(snap.memory_path()).expect("memory file");
+    let fork = |cid: u64, name: &str| {
+        let args = RestoreArgs {
+            vsock_uds: Some(dir.path().join(name)),
+            guest_cid: Some(cid),
+            serial_log: Some(SerialLog::new(4096)),
+            ..Default::default()
+        };
+        snap.fork(args).expect("fork")
+    };
+    let mut a = fork(5, "a.sock");
+    // Truncated under the live fork: a mapping of the file would raise SIGBUS in this process at the next read
+    // of a page the fork had not touched. The fork maps the sealed copy, so it runs on and reads every page.
+    OpenOptions::new().write(true).open(snap.memory_path()).expect("open").set_len(0).expect("truncate");
+    run_until(&mut a, Duration::from_secs(10), |_| false);
+    assert_eq!(a.pause().expect("pause"), vec![VcpuExit::Hlt]);
+    assert_eq!(a.serial_log().expect("serial").contents(), [5]);
+    // Every page read (each one a SIGBUS before): the fork's own writes, the rest as it was.
+    let all = read_mem(a.memory(), 0, MEM_SIZE as usize);
+    assert_eq!(all[0x5000..0x6000], [5; 0x1000]);
+    assert_eq!(counter(&a), 5);
+    assert_eq!(all[..0x4000], memory_file[..0x4000]);
+    // Rewritten with other bytes of the right size: a new fork of this verified snapshot still starts from the
+    // bytes that were sealed, never from the file's new ones.
+    std::fs::write(snap.memory_path(), vec![0xcc; memory_file.len()]).expect("rewrite");
+    let b = fork(6, "b.sock");
+    assert_eq!(read_mem(b.memory(), 0, MEM_SIZE as usize), memory_file);
+    // Opened again from the directory, the rewritten snapshot is refused.
+    assert!(VmSnapshot::open(&dir.path().join("snap"), &trust()).is_err());
+}
+
 /// Whether an error is the one a damaged snapshot should get.
 type ErrorCheck = fn(&VmSnapshotError) -> bool;
 

@@ -4,38 +4,40 @@
 //! The engine that runs snapshot-ready modules allocates instances on demand with [`MappedMemoryCreator`] as
 //! its memory creator. Before instantiating, the caller names the image the instance's memory starts from
 //! ([`with_image`]); the creator reserves the memory's whole address range (reservation plus guard, as the
-//! compiled code expects), maps the image file over its start `MAP_PRIVATE` and makes the rest of the initial
-//! size zero pages. Pages the guest only reads stay the page cache's, shared by every instance mapped from the
-//! same file; a write copies that one page into the instance. A memory created with no image named (the GC
+//! compiled code expects), maps the image over its start `MAP_PRIVATE` and makes the rest of the initial size
+//! zero pages. An image is always a [`SealedFile`] (a memfd no one can shrink or write), never a file on disk:
+//! a mapped file that someone truncates kills the host with `SIGBUS` at the next touch of a page past its end.
+//! Pages the guest only reads stay the memfd's, shared by every instance mapped from the same image; a write
+//! copies that one page into the instance. A memory created with no image named (the GC
 //! heap that exception handling needs) is plain zeroed memory.
 //!
 //! All of this tier's `mmap` lives in this module.
 
 use std::cell::RefCell;
 use std::ffi::c_void;
-use std::fs::File;
 use std::num::NonZeroUsize;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use nix::sys::mman::{MapFlags, ProtFlags, mmap, mmap_anonymous, mprotect, munmap};
+use strata_core::SealedFile;
 use wasmtime::{LinearMemory, MemoryCreator, MemoryType};
 
-/// A memory image: a file whose bytes are a linear memory's first `len` bytes.
+/// A memory image: a sealed file whose bytes are a linear memory's first `len` bytes.
 #[derive(Debug)]
 pub(crate) struct MemoryImage {
-    file: File,
+    sealed: Arc<SealedFile>,
     len: usize,
 }
 
 impl MemoryImage {
-    /// An image of the whole of `file`, which must not change while instances map it.
-    pub(crate) fn new(file: File) -> std::io::Result<MemoryImage> {
-        let len = usize::try_from(file.metadata()?.len()).map_err(std::io::Error::other)?;
+    /// An image of the whole of `sealed`.
+    pub(crate) fn new(sealed: Arc<SealedFile>) -> std::io::Result<MemoryImage> {
+        let len = usize::try_from(sealed.len()).map_err(std::io::Error::other)?;
         if !(len as u64).is_multiple_of(crate::instrument::WASM_PAGE) {
             return Err(std::io::Error::other(format!("a memory image of {len} bytes is not whole wasm pages")));
         }
-        Ok(MemoryImage { file, len })
+        Ok(MemoryImage { sealed, len })
     }
 
     /// Its size in bytes.
@@ -116,14 +118,15 @@ unsafe impl MemoryCreator for MappedMemoryCreator {
         let mapped = match (&image, NonZeroUsize::new(image.as_ref().map_or(0, |i| i.len))) {
             (Some(image), Some(len)) => {
                 // SAFETY: the range [base, base + len) lies inside the reservation made above, which belongs to
-                // this memory alone; MAP_FIXED replaces those reserved pages with a private mapping of the file.
+                // this memory alone; MAP_FIXED replaces those reserved pages with a private mapping of the sealed
+                // memfd, whose size cannot change under the mapping.
                 unsafe {
                     mmap(
                         NonZeroUsize::new(base.as_ptr() as usize),
                         len,
                         ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
                         MapFlags::MAP_PRIVATE | MapFlags::MAP_FIXED,
-                        &image.file,
+                        image.sealed.file(),
                         0,
                     )
                 }

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! <id>.image       the initial memory of a fresh interpreter (the module's data segments, laid out)
-//! <id>.image.sum   `blake3 HASH LEN` of it, checked once per process before it is mapped
+//! <id>.image.sum   `blake3 HASH LEN` of it, checked once per process as it is copied into the sealed memfd
+//!                  that instances map (never the file itself: see [`crate::image`])
 //! <id>.refused     why the runtime cannot be made snapshot-ready (sessions then run the plain runtime)
 //! ```
 //!
@@ -11,11 +12,10 @@
 //! into the module cache under the same id, and rewritten again only when that entry must be compiled.
 
 use std::fs::{self, File};
-use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use strata_core::TierError;
+use strata_core::{SealedFile, TierError};
 
 use crate::cache::{Digest, ModuleCache, write_atomically};
 use crate::image::MemoryImage;
@@ -92,7 +92,11 @@ fn ready(digest: Digest, base_image: Arc<MemoryImage>) -> ReadyRuntime {
     ReadyRuntime { digest, base_image, minimum_pages }
 }
 
-/// The cached image, if it is there and matches its checksum.
+/// The name of the memfd an image is copied into.
+const IMAGE_NAME: &std::ffi::CStr = c"strata-python-image";
+
+/// The cached image, if it is there and matches its checksum: copied into a sealed memfd and checked as it is
+/// copied, so what instances map is exactly what was checked.
 fn load_image(image_path: &Path, sum_path: &Path) -> Option<Arc<MemoryImage>> {
     let sum = fs::read_to_string(sum_path).ok()?;
     let mut words = sum.split_whitespace();
@@ -100,31 +104,30 @@ fn load_image(image_path: &Path, sum_path: &Path) -> Option<Arc<MemoryImage>> {
         return None;
     };
     let len: u64 = len.parse().ok()?;
-    let mut file = File::open(image_path).ok()?;
+    let file = File::open(image_path).ok()?;
     let mut hasher = blake3::Hasher::new();
-    let read = io::copy(&mut file, &mut hasher).ok()?;
-    if read != len || hasher.finalize().to_hex().as_str() != hash {
+    let copied = SealedFile::copy_from(IMAGE_NAME, file, len, |chunk| {
+        hasher.update(chunk);
+    });
+    if copied.is_err() || hasher.finalize().to_hex().as_str() != hash {
         log::warn!("{} does not match its checksum; making it again", image_path.display());
         return None;
     }
-    MemoryImage::new(file).ok().map(Arc::new)
+    MemoryImage::new(Arc::new(copied.ok()?)).ok().map(Arc::new)
 }
 
+/// Writes the image into the cache (when there is one, for the next process) and returns it as a sealed memfd.
 fn store_image(cache: Option<&ModuleCache>, digest: &Digest, bytes: &[u8]) -> Result<Arc<MemoryImage>, TierError> {
-    let Some(cache) = cache else {
-        // No cache directory: an unnamed file of this process's own.
+    if let Some(cache) = cache {
+        let (image_path, sum_path, _) = paths(cache.dir(), digest);
         let fail =
-            |source| TierError::Storage { what: "cannot write a memory image in", path: std::env::temp_dir(), source };
-        let mut file = tempfile::tempfile().map_err(fail)?;
-        file.write_all(bytes).map_err(fail)?;
-        return MemoryImage::new(file).map(Arc::new).map_err(fail);
-    };
-    let (image_path, sum_path, _) = paths(cache.dir(), digest);
-    let fail = |source| TierError::Storage { what: "cannot write the memory image", path: image_path.clone(), source };
-    fs::create_dir_all(cache.dir()).map_err(fail)?;
-    write_atomically(&image_path, bytes).map_err(fail)?;
-    let sum = format!("blake3 {} {}\n", blake3::hash(bytes).to_hex(), bytes.len());
-    write_atomically(&sum_path, sum.as_bytes()).map_err(fail)?;
-    let file = File::open(&image_path).map_err(fail)?;
-    MemoryImage::new(file).map(Arc::new).map_err(fail)
+            |source| TierError::Storage { what: "cannot write the memory image", path: image_path.clone(), source };
+        fs::create_dir_all(cache.dir()).map_err(fail)?;
+        write_atomically(&image_path, bytes).map_err(fail)?;
+        let sum = format!("blake3 {} {}\n", blake3::hash(bytes).to_hex(), bytes.len());
+        write_atomically(&sum_path, sum.as_bytes()).map_err(fail)?;
+    }
+    let fail = |source| TierError::Storage { what: "cannot make a memory image in", path: "memfd".into(), source };
+    let sealed = SealedFile::copy_from(IMAGE_NAME, bytes, bytes.len() as u64, |_| {}).map_err(fail)?;
+    MemoryImage::new(Arc::new(sealed)).map(Arc::new).map_err(fail)
 }

@@ -435,13 +435,14 @@ fn scratch_dirs(snapshot: &Snapshot) -> Result<Vec<PathBuf>, TierError> {
     Ok(found)
 }
 
-/// Opens a snapshot's memory file as an image to map: the file the snapshot was verified with.
+/// A snapshot's memory file as an image to map: its sealed copy ([`Snapshot::sealed_file`]), made once and
+/// checked against the manifest as it is made; nothing done to the file afterwards reaches a fork.
 pub(crate) fn open_memory(snapshot: &Snapshot, expected: u64) -> Result<Arc<MemoryImage>, TierError> {
     let path = snapshot.file(MEMORY_FILE);
-    let io = |source| TierError::Snapshot(SnapshotError::Io { path: path.clone(), source });
-    let image = MemoryImage::new(snapshot.open_file(MEMORY_FILE)?).map_err(io)?;
-    if image.len() as u64 != expected {
-        return Err(SnapshotError::SizeMismatch { path: path.clone(), expected, found: image.len() as u64 }.into());
+    let sealed = snapshot.sealed_file(MEMORY_FILE)?;
+    if sealed.len() != expected {
+        return Err(SnapshotError::SizeMismatch { path, expected, found: sealed.len() }.into());
     }
+    let image = MemoryImage::new(sealed).map_err(|source| TierError::Snapshot(SnapshotError::Io { path, source }))?;
     Ok(Arc::new(image))
 }
