@@ -11,8 +11,8 @@ pub mod error;
 pub mod job;
 pub mod limits;
 pub mod outcome;
+pub mod private_copy;
 pub mod redact;
-pub mod sealed;
 pub mod snapshot;
 pub mod snapshot_key;
 pub mod tier;
@@ -24,8 +24,8 @@ pub use error::TierError;
 pub use job::{Job, JobKind, ModuleSource, PythonSource};
 pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
 pub use outcome::{EgressEntry, Escalation, Outcome, RouteDecision, Status, TierKind, Truncated, Usage};
+pub use private_copy::PrivateCopy;
 pub use redact::{Redactor, Secret};
-pub use sealed::SealedFile;
 pub use snapshot::{
     Manifest, Persisted, Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, SnapshotWriter,
 };

@@ -12,7 +12,8 @@
 //! ([`SnapshotTrust::reopen`]): the directory must still hold the same sealed manifest, and its files are hashed
 //! again unless their identity, size and times are those they were verified with (any write moves the change time,
 //! which no one but the kernel sets). Tiers read their files only through [`Snapshot::read_file`] (bytes checked
-//! against the manifest as they are read) and [`Snapshot::open_file`] (the verified file itself).
+//! against the manifest as they are read) and [`Snapshot::open_file`] (the verified file itself), and map only
+//! [`Snapshot::private_copy`] (the bytes copied where no one else can change them, checked as they are copied).
 //!
 //! **Bounded work.** Every size comes from `fstatat` without following links and is checked against the manifest
 //! and the bounds before a byte is hashed; files are opened only after `lstat` says they are regular, never
@@ -53,7 +54,7 @@ use sha2::{Digest, Sha256};
 
 use crate::dirfd;
 use crate::outcome::TierKind;
-use crate::sealed::SealedFile;
+use crate::private_copy::PrivateCopy;
 pub use crate::snapshot_key::SnapshotKey;
 
 /// The manifest format this build writes and reads: 2, sealed (format 1 had no seal and is refused).
@@ -70,6 +71,9 @@ const SEAL_TAG: &str = "strata-seal blake3-keyed ";
 
 /// A manifest larger than this is not one of ours.
 const MAX_MANIFEST_BYTES: u64 = 1 << 20;
+
+/// Where, under a home, the unnamed files of private copies are made ([`Snapshot::private_copy`]).
+pub const COPIES_DIR: &str = "run/copies";
 
 /// A seal file larger than this is not one of ours.
 const MAX_SEAL_BYTES: u64 = 128;
@@ -347,21 +351,29 @@ pub struct Snapshot {
     copies: Arc<Copies>,
 }
 
-/// Live sealed copies of snapshot files by content (sha256 and size): one trust's, shared by every snapshot
+/// Live private copies of snapshot files by content (sha256 and size): one trust's, shared by every snapshot
 /// it opens, so forks of one image from several snapshot handles share one copy. Only weak references: a copy
 /// lives as long as a snapshot handle or a mapping holds it.
-type ByContent = Arc<Mutex<HashMap<(String, u64), Weak<SealedFile>>>>;
+type ByContent = Arc<Mutex<HashMap<(String, u64), Weak<PrivateCopy>>>>;
 
-/// The sealed copies one verified snapshot holds.
-#[derive(Debug, Default)]
-struct Copies {
-    held: Mutex<HashMap<String, Arc<SealedFile>>>,
+/// Where a trust's private copies go, and the live ones.
+#[derive(Debug, Clone, Default)]
+struct CopyPlace {
+    /// The directory of their unnamed files (see [`crate::private_copy`]); `None`: sealed memfds.
+    dir: Option<PathBuf>,
     by_content: ByContent,
 }
 
+/// The private copies one verified snapshot holds.
+#[derive(Debug)]
+struct Copies {
+    held: Mutex<HashMap<String, Arc<PrivateCopy>>>,
+    place: CopyPlace,
+}
+
 impl Copies {
-    fn new(by_content: &ByContent) -> Arc<Copies> {
-        Arc::new(Copies { held: Mutex::default(), by_content: by_content.clone() })
+    fn new(place: &CopyPlace) -> Arc<Copies> {
+        Arc::new(Copies { held: Mutex::default(), place: place.clone() })
     }
 }
 
@@ -422,12 +434,13 @@ impl Snapshot {
         Ok(bytes)
     }
 
-    /// The listed file `name` as a [`SealedFile`]: its bytes copied into a sealed memfd and checked against the
-    /// manifest's size and sha256 as they are copied. This, not the file, is what a tier maps: nothing done to
-    /// the snapshot directory afterwards (truncating the file, rewriting it) reaches a mapping of the copy. The
-    /// copy is made once per content: this snapshot keeps it, and every snapshot of the same trust asking for
-    /// the same bytes while it lives gets the same one.
-    pub fn sealed_file(&self, name: &str) -> Result<Arc<SealedFile>, SnapshotError> {
+    /// The listed file `name` as a [`PrivateCopy`]: its bytes copied where no one else can reach them (an
+    /// unnamed file in the trust's directory for them, or a sealed memfd) and checked against the manifest's
+    /// size and sha256 as they are copied. This, not the file, is what a tier maps: nothing done to the snapshot
+    /// directory afterwards (truncating the file, rewriting it) reaches a mapping of the copy. The copy is made
+    /// once per content: this snapshot keeps it, and every snapshot of the same trust asking for the same bytes
+    /// while it lives gets the same one.
+    pub fn private_copy(&self, name: &str) -> Result<Arc<PrivateCopy>, SnapshotError> {
         let path = self.file(name);
         let listed = self.listed(name).ok_or_else(|| SnapshotError::MissingFile(path.clone()))?;
         let mut held = self.copies.held.lock().unwrap_or_else(|p| p.into_inner());
@@ -435,14 +448,20 @@ impl Snapshot {
             return Ok(copy.clone());
         }
         let key = (listed.sha256.clone(), listed.size);
-        let shared = self.copies.by_content.lock().unwrap_or_else(|p| p.into_inner()).get(&key).and_then(Weak::upgrade);
+        let place = &self.copies.place;
+        let shared = place.by_content.lock().unwrap_or_else(|p| p.into_inner()).get(&key).and_then(Weak::upgrade);
         let copy = match shared {
             Some(copy) => copy,
             None => {
                 let file = self.open_file(name)?;
                 let mut hasher = Sha256::new();
+                if let Some(dir) = &place.dir {
+                    // Best effort: without it the copy is a memfd.
+                    let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir);
+                }
+                let name = c"strata-snapshot-file";
                 let copy =
-                    SealedFile::copy_from(c"strata-snapshot-file", file, listed.size, |chunk| hasher.update(chunk))
+                    PrivateCopy::copy_from(place.dir.as_deref(), name, file, listed.size, |chunk| hasher.update(chunk))
                         .map_err(|source| match source.kind() {
                             io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
                                 SnapshotError::Changed(path.clone())
@@ -453,7 +472,7 @@ impl Snapshot {
                     return Err(SnapshotError::Checksum(path));
                 }
                 let copy = Arc::new(copy);
-                let mut by_content = self.copies.by_content.lock().unwrap_or_else(|p| p.into_inner());
+                let mut by_content = place.by_content.lock().unwrap_or_else(|p| p.into_inner());
                 by_content.retain(|_, weak| weak.strong_count() > 0);
                 by_content.insert(key, Arc::downgrade(&copy));
                 copy
@@ -482,7 +501,7 @@ enum KeySource {
 pub struct SnapshotTrust {
     key: Arc<KeySource>,
     bounds: SnapshotBounds,
-    copies: ByContent,
+    copies: CopyPlace,
 }
 
 impl std::fmt::Debug for SnapshotTrust {
@@ -499,23 +518,24 @@ impl std::fmt::Debug for SnapshotTrust {
 impl SnapshotTrust {
     /// Trusts snapshots sealed with `key`.
     pub fn new(key: SnapshotKey) -> SnapshotTrust {
-        SnapshotTrust::with_key(KeySource::Given(key))
+        SnapshotTrust::with_key(KeySource::Given(key), Some(std::env::temp_dir()))
     }
 
     /// Trusts snapshots sealed with the key of the home `home` ([`crate::snapshot_key::KEY_FILE`] under it,
     /// created on first use).
     pub fn in_home(home: &Path) -> SnapshotTrust {
         let path = home.join(crate::snapshot_key::KEY_FILE);
-        SnapshotTrust::with_key(KeySource::Home { path, loaded: Mutex::new(None) })
+        SnapshotTrust::with_key(KeySource::Home { path, loaded: Mutex::new(None) }, Some(home.join(COPIES_DIR)))
     }
 
     /// Trusts snapshots sealed in this process only ([`SnapshotKey::process_local`]).
     pub fn process_local() -> SnapshotTrust {
-        SnapshotTrust::with_key(KeySource::ProcessLocal)
+        SnapshotTrust::with_key(KeySource::ProcessLocal, Some(std::env::temp_dir()))
     }
 
-    fn with_key(key: KeySource) -> SnapshotTrust {
-        SnapshotTrust { key: Arc::new(key), bounds: SnapshotBounds::default(), copies: ByContent::default() }
+    fn with_key(key: KeySource, copies: Option<PathBuf>) -> SnapshotTrust {
+        let copies = CopyPlace { dir: copies, by_content: ByContent::default() };
+        SnapshotTrust { key: Arc::new(key), bounds: SnapshotBounds::default(), copies }
     }
 
     /// The same trust with other bounds.
@@ -939,7 +959,7 @@ pub struct SnapshotWriter {
     staging: PathBuf,
     key: SnapshotKey,
     bounds: SnapshotBounds,
-    copies: ByContent,
+    copies: CopyPlace,
     committed: bool,
 }
 
@@ -1449,22 +1469,22 @@ mod tests {
     }
 
     #[test]
-    fn a_sealed_copy_is_the_verified_bytes_whatever_happens_to_the_file() {
+    fn a_private_copy_is_the_verified_bytes_whatever_happens_to_the_file() {
         use std::os::unix::fs::FileExt;
         let root = tempfile::tempdir().expect("tempdir");
         let trust = trust();
         let made = snapshot(root.path(), &trust);
-        let copy = made.sealed_file("memory").expect("sealed copy");
+        let copy = made.private_copy("memory").expect("sealed copy");
         // Truncated and rewritten under the copy: the copy is unchanged, and still the one this snapshot holds.
         let memory = made.dir.join("memory");
         std::fs::OpenOptions::new().write(true).open(&memory).expect("open").set_len(0).expect("truncate");
         let mut read = vec![0u8; 10_000];
         copy.file().read_exact_at(&mut read, 0).expect("read the copy");
         assert_eq!(read, [7u8; 10_000]);
-        assert!(Arc::ptr_eq(&copy, &made.sealed_file("memory").expect("again")));
+        assert!(Arc::ptr_eq(&copy, &made.private_copy("memory").expect("again")));
         // Another handle of the same trust, to the same bytes: the same copy, made once.
         let other = snapshot(&root.path().join("other").tap_mkdir(), &trust);
-        assert!(Arc::ptr_eq(&copy, &other.sealed_file("memory").expect("shared")));
+        assert!(Arc::ptr_eq(&copy, &other.private_copy("memory").expect("shared")));
         // A handle with no copy yet, over the changed file: refused, nothing copied.
         drop(copy);
         drop(other);
@@ -1478,9 +1498,9 @@ mod tests {
         drop(made);
         let fresh = snapshot(&root.path().join("fresh").tap_mkdir(), &trust);
         std::fs::write(fresh.dir.join("memory"), [9u8; 10_000]).expect("rewrite");
-        let refused = fresh.sealed_file("memory").expect_err("changed");
+        let refused = fresh.private_copy("memory").expect_err("changed");
         assert!(matches!(refused, SnapshotError::Changed(_) | SnapshotError::Checksum(_)), "{refused}");
-        assert!(matches!(fresh.sealed_file("absent"), Err(SnapshotError::MissingFile(_))));
+        assert!(matches!(fresh.private_copy("absent"), Err(SnapshotError::MissingFile(_))));
     }
 
     trait TapMkdir {

@@ -189,7 +189,7 @@ fn a_file_swapped_after_the_snapshot_was_opened_is_refused_at_fork() {
 
 /// A fork's memory is never a mapping of the snapshot's file: truncated under a live fork, a mapped file raised
 /// SIGBUS in the host at the fork's next touch of a page past the new end, killing the server with every
-/// sandbox in it. The fork maps a sealed copy, so it runs on; new forks re-verify the file and are refused.
+/// sandbox in it. The fork maps a private copy, so it runs on; new forks re-verify the file and are refused.
 #[test]
 fn a_memory_image_truncated_or_rewritten_under_live_forks_reaches_none_of_them() {
     let py = |code: &str| Job::Python { source: strata_core::PythonSource::Code(code.into()), args: Vec::new() };

@@ -35,14 +35,14 @@
 //! allocation. The snapshot directory itself is strata-core's ([`strata_core::SnapshotWriter`]): written atomically
 //! under a manifest with every file's sha256, sealed with the host's key ([`SnapshotTrust`]), which
 //! [`VmSnapshot::open`] verifies; the state file is parsed from the bytes the manifest sealed (read and checked in
-//! one pass, [`Snapshot::read_file`]) and the memory mapped or copied is the memory file's sealed copy
-//! ([`Snapshot::sealed_file`]: a memfd checked against the manifest as it was filled, which no one can shrink or
-//! write), never the file or a path opened again.
+//! one pass, [`Snapshot::read_file`]) and the memory mapped or copied is the memory file's private copy
+//! ([`Snapshot::private_copy`]: an unnamed file or a sealed memfd, checked against the manifest as it was filled,
+//! which no other process can shrink or write), never the file or a path opened again.
 //!
 //! **Restore and fork** build a new VM (with an irqchip exactly when the snapshot had one), set the VM state, rebuild
 //! the devices on the caller's buses and create the vCPUs from their state; the vCPUs are left paused
 //! ([`Machine::resume`] starts them). [`VmSnapshot::restore`] copies RAM into a fresh memfd: the machine owns its
-//! memory like a booted one. [`VmSnapshot::fork`] maps the sealed copy `MAP_PRIVATE`: pages are shared with every
+//! memory like a booted one. [`VmSnapshot::fork`] maps the private copy `MAP_PRIVATE`: pages are shared with every
 //! other fork until the guest writes them, so forks are cheap and independent, and whatever is done to the
 //! snapshot's files while forks live reaches none of them (a mapped file truncated under a fork would raise
 //! `SIGBUS` in the monitor). Host resources
@@ -1283,11 +1283,11 @@ impl VmSnapshot {
     pub fn restore(&self, args: RestoreArgs) -> Result<Machine, VmSnapshotError> {
         let memory = GuestMemory::new(self.state.memory_bytes)?;
         let path = self.memory_path();
-        // From the sealed copy, not the file: the bytes copied are the ones the manifest names, whatever happens
+        // From the private copy, not the file: the bytes copied are the ones the manifest names, whatever happens
         // to the file meanwhile.
-        let sealed = self.snapshot.sealed_file(MEMORY_FILE)?;
-        let source = sealed.file();
-        let found = sealed.len();
+        let copy = self.snapshot.private_copy(MEMORY_FILE)?;
+        let source = copy.file();
+        let found = copy.len();
         if found != self.state.memory_bytes {
             return Err(VmSnapshotError::MemorySize { expected: self.state.memory_bytes, found });
         }
@@ -1300,15 +1300,15 @@ impl VmSnapshot {
         self.build(memory, args)
     }
 
-    /// Rebuilds the machine over the memory file's sealed copy ([`Snapshot::sealed_file`], made once and
+    /// Rebuilds the machine over the memory file's private copy ([`Snapshot::private_copy`], made once and
     /// checked against the manifest as it is made) mapped `MAP_PRIVATE`: it shares every page it has not written
     /// with every other fork, its writes reach no one else, and nothing done to the snapshot's file afterwards
     /// reaches it (a truncated mapped file would kill the monitor with `SIGBUS`). Give it a new identity in
     /// `args` (`guest_cid`). The vCPUs are paused.
     pub fn fork(&self, args: RestoreArgs) -> Result<Machine, VmSnapshotError> {
         let path = self.memory_path();
-        let sealed = self.snapshot.sealed_file(MEMORY_FILE)?;
-        let file = sealed.file().try_clone().map_err(io_error(&path))?;
+        let copy = self.snapshot.private_copy(MEMORY_FILE)?;
+        let file = copy.file().try_clone().map_err(io_error(&path))?;
         let memory = GuestMemory::from_open_file_private(file, &path)?;
         if memory.size() != self.state.memory_bytes {
             return Err(VmSnapshotError::MemorySize { expected: self.state.memory_bytes, found: memory.size() });

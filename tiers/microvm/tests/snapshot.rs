@@ -248,7 +248,7 @@ fn forks_survive_their_memory_file_truncated_or_rewritten() {
     };
     let mut a = fork(5, "a.sock");
     // Truncated under the live fork: a mapping of the file would raise SIGBUS in this process at the next read
-    // of a page the fork had not touched. The fork maps the sealed copy, so it runs on and reads every page.
+    // of a page the fork had not touched. The fork maps the private copy, so it runs on and reads every page.
     OpenOptions::new().write(true).open(snap.memory_path()).expect("open").set_len(0).expect("truncate");
     run_until(&mut a, Duration::from_secs(10), |_| false);
     assert_eq!(a.pause().expect("pause"), vec![VcpuExit::Hlt]);

@@ -5,10 +5,10 @@
 //! its memory creator. Before instantiating, the caller names the image the instance's memory starts from
 //! ([`with_image`]); the creator reserves the memory's whole address range (reservation plus guard, as the
 //! compiled code expects), maps the image over its start `MAP_PRIVATE` and makes the rest of the initial size
-//! zero pages. An image is always a [`SealedFile`] (a memfd no one can shrink or write), never a file on disk:
-//! a mapped file that someone truncates kills the host with `SIGBUS` at the next touch of a page past its end.
-//! Pages the guest only reads stay the memfd's, shared by every instance mapped from the same image; a write
-//! copies that one page into the instance. A memory created with no image named (the GC
+//! zero pages. An image is always a [`PrivateCopy`] (an unnamed file or a sealed memfd, which no other process
+//! can shrink or write), never a file others can reach: a mapped file that someone truncates kills the host with
+//! `SIGBUS` at the next touch of a page past its end. Pages the guest only reads stay the copy's, shared by every
+//! instance mapped from the same image; a write copies that one page into the instance. A memory created with no image named (the GC
 //! heap that exception handling needs) is plain zeroed memory.
 //!
 //! All of this tier's `mmap` lives in this module.
@@ -20,24 +20,24 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use nix::sys::mman::{MapFlags, ProtFlags, mmap, mmap_anonymous, mprotect, munmap};
-use strata_core::SealedFile;
+use strata_core::PrivateCopy;
 use wasmtime::{LinearMemory, MemoryCreator, MemoryType};
 
-/// A memory image: a sealed file whose bytes are a linear memory's first `len` bytes.
+/// A memory image: a private copy whose bytes are a linear memory's first `len` bytes.
 #[derive(Debug)]
 pub(crate) struct MemoryImage {
-    sealed: Arc<SealedFile>,
+    copy: Arc<PrivateCopy>,
     len: usize,
 }
 
 impl MemoryImage {
-    /// An image of the whole of `sealed`.
-    pub(crate) fn new(sealed: Arc<SealedFile>) -> std::io::Result<MemoryImage> {
-        let len = usize::try_from(sealed.len()).map_err(std::io::Error::other)?;
+    /// An image of the whole of `copy`.
+    pub(crate) fn new(copy: Arc<PrivateCopy>) -> std::io::Result<MemoryImage> {
+        let len = usize::try_from(copy.len()).map_err(std::io::Error::other)?;
         if !(len as u64).is_multiple_of(crate::instrument::WASM_PAGE) {
             return Err(std::io::Error::other(format!("a memory image of {len} bytes is not whole wasm pages")));
         }
-        Ok(MemoryImage { sealed, len })
+        Ok(MemoryImage { copy, len })
     }
 
     /// Its size in bytes.
@@ -118,15 +118,15 @@ unsafe impl MemoryCreator for MappedMemoryCreator {
         let mapped = match (&image, NonZeroUsize::new(image.as_ref().map_or(0, |i| i.len))) {
             (Some(image), Some(len)) => {
                 // SAFETY: the range [base, base + len) lies inside the reservation made above, which belongs to
-                // this memory alone; MAP_FIXED replaces those reserved pages with a private mapping of the sealed
-                // memfd, whose size cannot change under the mapping.
+                // this memory alone; MAP_FIXED replaces those reserved pages with a private mapping of the private
+                // copy, which no one else can shrink under the mapping.
                 unsafe {
                     mmap(
                         NonZeroUsize::new(base.as_ptr() as usize),
                         len,
                         ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
                         MapFlags::MAP_PRIVATE | MapFlags::MAP_FIXED,
-                        image.sealed.file(),
+                        image.copy.file(),
                         0,
                     )
                 }

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! <id>.image       the initial memory of a fresh interpreter (the module's data segments, laid out)
-//! <id>.image.sum   `blake3 HASH LEN` of it, checked once per process as it is copied into the sealed memfd
+//! <id>.image.sum   `blake3 HASH LEN` of it, checked once per process as it is copied into the private copy
 //!                  that instances map (never the file itself: see [`crate::image`])
 //! <id>.refused     why the runtime cannot be made snapshot-ready (sessions then run the plain runtime)
 //! ```
@@ -15,7 +15,7 @@ use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use strata_core::{SealedFile, TierError};
+use strata_core::{PrivateCopy, TierError};
 
 use crate::cache::{Digest, ModuleCache, write_atomically};
 use crate::image::MemoryImage;
@@ -95,8 +95,8 @@ fn ready(digest: Digest, base_image: Arc<MemoryImage>) -> ReadyRuntime {
 /// The name of the memfd an image is copied into.
 const IMAGE_NAME: &std::ffi::CStr = c"strata-python-image";
 
-/// The cached image, if it is there and matches its checksum: copied into a sealed memfd and checked as it is
-/// copied, so what instances map is exactly what was checked.
+/// The cached image, if it is there and matches its checksum: copied into a private copy (an unnamed file in
+/// the cache directory) and checked as it is copied, so what instances map is exactly what was checked.
 fn load_image(image_path: &Path, sum_path: &Path) -> Option<Arc<MemoryImage>> {
     let sum = fs::read_to_string(sum_path).ok()?;
     let mut words = sum.split_whitespace();
@@ -106,7 +106,7 @@ fn load_image(image_path: &Path, sum_path: &Path) -> Option<Arc<MemoryImage>> {
     let len: u64 = len.parse().ok()?;
     let file = File::open(image_path).ok()?;
     let mut hasher = blake3::Hasher::new();
-    let copied = SealedFile::copy_from(IMAGE_NAME, file, len, |chunk| {
+    let copied = PrivateCopy::copy_from(image_path.parent(), IMAGE_NAME, file, len, |chunk| {
         hasher.update(chunk);
     });
     if copied.is_err() || hasher.finalize().to_hex().as_str() != hash {
@@ -116,7 +116,7 @@ fn load_image(image_path: &Path, sum_path: &Path) -> Option<Arc<MemoryImage>> {
     MemoryImage::new(Arc::new(copied.ok()?)).ok().map(Arc::new)
 }
 
-/// Writes the image into the cache (when there is one, for the next process) and returns it as a sealed memfd.
+/// Writes the image into the cache (when there is one, for the next process) and returns its private copy.
 fn store_image(cache: Option<&ModuleCache>, digest: &Digest, bytes: &[u8]) -> Result<Arc<MemoryImage>, TierError> {
     if let Some(cache) = cache {
         let (image_path, sum_path, _) = paths(cache.dir(), digest);
@@ -128,6 +128,7 @@ fn store_image(cache: Option<&ModuleCache>, digest: &Digest, bytes: &[u8]) -> Re
         write_atomically(&sum_path, sum.as_bytes()).map_err(fail)?;
     }
     let fail = |source| TierError::Storage { what: "cannot make a memory image in", path: "memfd".into(), source };
-    let sealed = SealedFile::copy_from(IMAGE_NAME, bytes, bytes.len() as u64, |_| {}).map_err(fail)?;
-    MemoryImage::new(Arc::new(sealed)).map(Arc::new).map_err(fail)
+    let dir = cache.map(ModuleCache::dir);
+    let copy = PrivateCopy::copy_from(dir, IMAGE_NAME, bytes, bytes.len() as u64, |_| {}).map_err(fail)?;
+    MemoryImage::new(Arc::new(copy)).map(Arc::new).map_err(fail)
 }

@@ -435,14 +435,14 @@ fn scratch_dirs(snapshot: &Snapshot) -> Result<Vec<PathBuf>, TierError> {
     Ok(found)
 }
 
-/// A snapshot's memory file as an image to map: its sealed copy ([`Snapshot::sealed_file`]), made once and
+/// A snapshot's memory file as an image to map: its private copy ([`Snapshot::private_copy`]), made once and
 /// checked against the manifest as it is made; nothing done to the file afterwards reaches a fork.
 pub(crate) fn open_memory(snapshot: &Snapshot, expected: u64) -> Result<Arc<MemoryImage>, TierError> {
     let path = snapshot.file(MEMORY_FILE);
-    let sealed = snapshot.sealed_file(MEMORY_FILE)?;
-    if sealed.len() != expected {
-        return Err(SnapshotError::SizeMismatch { path, expected, found: sealed.len() }.into());
+    let copy = snapshot.private_copy(MEMORY_FILE)?;
+    if copy.len() != expected {
+        return Err(SnapshotError::SizeMismatch { path, expected, found: copy.len() }.into());
     }
-    let image = MemoryImage::new(sealed).map_err(|source| TierError::Snapshot(SnapshotError::Io { path, source }))?;
+    let image = MemoryImage::new(copy).map_err(|source| TierError::Snapshot(SnapshotError::Io { path, source }))?;
     Ok(Arc::new(image))
 }
