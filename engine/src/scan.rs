@@ -669,11 +669,17 @@ pub fn route_python(refs: &[ImportRef], modules: Option<&WasmModules>) -> Python
         }
         return PythonVerdict::Native(format!("python: {}", parts.join("; ")));
     }
-    let unknown = if modules.is_none() { " (the wasm build's module list is unavailable)" } else { "" };
     if present.is_empty() {
-        return PythonVerdict::Wasm(format!("python: imports nothing the wasm build lacks{unknown}"));
+        // Nothing imported (or only what is covered above): no module list is needed to say so.
+        return PythonVerdict::Wasm("python: imports nothing the wasm build lacks".to_owned());
     }
-    PythonVerdict::Wasm(format!("python: imports only modules the wasm build has ({}){unknown}", list(&present)))
+    if modules.is_none() {
+        return PythonVerdict::Wasm(format!(
+            "python: imports {} (the wasm build's module list is unavailable, so not checked)",
+            list(&present)
+        ));
+    }
+    PythonVerdict::Wasm(format!("python: imports only modules the wasm build has ({})", list(&present)))
 }
 
 /// The verdict for source that does not parse: wasm, whose interpreter reports the `SyntaxError` with a real
@@ -775,6 +781,16 @@ mod tests {
             PythonVerdict::Wasm("python: imports only modules the wasm build has (numpy, json, sys)".into())
         );
         assert_eq!(route("x = 1\n"), PythonVerdict::Wasm("python: imports nothing the wasm build lacks".into()));
+        // Without the module list (it is made only when something is imported), a script that imports nothing
+        // says only that; one that imports says what was not checked.
+        let unlisted = |source: &str| route_python(&scan_source(source).expect("parses"), None);
+        assert_eq!(unlisted("print(1)\n"), PythonVerdict::Wasm("python: imports nothing the wasm build lacks".into()));
+        assert_eq!(
+            unlisted("import json\n"),
+            PythonVerdict::Wasm(
+                "python: imports json (the wasm build's module list is unavailable, so not checked)".into()
+            )
+        );
         assert_eq!(
             route("import subprocess\nsubprocess.run(['ls'])\n"),
             PythonVerdict::Native("python: imports subprocess (needs processes)".into())
