@@ -371,7 +371,10 @@ impl Engine {
             None => None,
         };
         let snapshots = match (&config.snapshot_key, &config.home) {
-            (Some(key), _) => SnapshotTrust::new(key.clone()),
+            (Some(key), Some(home)) => {
+                SnapshotTrust::new(key.clone()).with_copies_in(home.join(strata_core::snapshot::COPIES_DIR))
+            }
+            (Some(key), None) => SnapshotTrust::new(key.clone()),
             (None, Some(home)) => SnapshotTrust::in_home(home),
             (None, None) => SnapshotTrust::process_local(),
         }

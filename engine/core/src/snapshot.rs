@@ -544,6 +544,14 @@ impl SnapshotTrust {
         self
     }
 
+    /// The same trust with the unnamed files of its private copies ([`Snapshot::private_copy`]) made in `dir`
+    /// (created when missing) instead of the default: [`COPIES_DIR`] under the home for [`SnapshotTrust::in_home`],
+    /// the temporary directory otherwise.
+    pub fn with_copies_in(mut self, dir: PathBuf) -> SnapshotTrust {
+        self.copies.dir = Some(dir);
+        self
+    }
+
     /// Its bounds.
     pub fn bounds(&self) -> &SnapshotBounds {
         &self.bounds
