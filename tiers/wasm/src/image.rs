@@ -5,9 +5,10 @@
 //! its memory creator. Before instantiating, the caller names the image the instance's memory starts from
 //! ([`with_image`]); the creator reserves the memory's whole address range (reservation plus guard, as the
 //! compiled code expects), maps the image over its start `MAP_PRIVATE` and makes the rest of the initial size
-//! zero pages. An image is always a [`PrivateCopy`] (an unnamed file or a sealed memfd, which no other process
-//! can shrink or write), never a file others can reach: a mapped file that someone truncates kills the host with
-//! `SIGBUS` at the next touch of a page past its end. Pages the guest only reads stay the copy's, shared by every
+//! zero pages. An image is never a file others can reach: a mapped file that someone truncates kills the host
+//! with `SIGBUS` at the next touch of a page past its end. A snapshot's memory is its [`PrivateCopy`] (an unnamed
+//! file or a sealed memfd, which no other process can shrink or write); the runtime's base image is the module
+//! cache's entry, which only the host writes, by rename. Pages the guest only reads stay the copy's, shared by every
 //! instance mapped from the same image; a write copies that one page into the instance. A memory created with no image named (the GC
 //! heap that exception handling needs) is plain zeroed memory.
 //!
@@ -15,6 +16,7 @@
 
 use std::cell::RefCell;
 use std::ffi::c_void;
+use std::fs::File;
 use std::num::NonZeroUsize;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -23,21 +25,47 @@ use nix::sys::mman::{MapFlags, ProtFlags, mmap, mmap_anonymous, mprotect, munmap
 use strata_core::PrivateCopy;
 use wasmtime::{LinearMemory, MemoryCreator, MemoryType};
 
-/// A memory image: a private copy whose bytes are a linear memory's first `len` bytes.
+/// A memory image: a file whose bytes are a linear memory's first `len` bytes.
 #[derive(Debug)]
 pub(crate) struct MemoryImage {
-    copy: Arc<PrivateCopy>,
+    file: ImageFile,
     len: usize,
+}
+
+#[derive(Debug)]
+enum ImageFile {
+    /// A private copy: a snapshot's memory, or an image made in this process.
+    Copy(Arc<PrivateCopy>),
+    /// An entry of the module cache, which only the host writes, and only by rename (as the compiled code that
+    /// wasmtime maps from the same directory): the runtime's base image.
+    Cache(File),
 }
 
 impl MemoryImage {
     /// An image of the whole of `copy`.
     pub(crate) fn new(copy: Arc<PrivateCopy>) -> std::io::Result<MemoryImage> {
-        let len = usize::try_from(copy.len()).map_err(std::io::Error::other)?;
-        if !(len as u64).is_multiple_of(crate::instrument::WASM_PAGE) {
+        let len = copy.len();
+        MemoryImage::of(ImageFile::Copy(copy), len)
+    }
+
+    /// An image of the whole of a module cache entry, of `len` bytes.
+    pub(crate) fn cached(file: File, len: u64) -> std::io::Result<MemoryImage> {
+        MemoryImage::of(ImageFile::Cache(file), len)
+    }
+
+    fn of(file: ImageFile, len: u64) -> std::io::Result<MemoryImage> {
+        if !len.is_multiple_of(crate::instrument::WASM_PAGE) {
             return Err(std::io::Error::other(format!("a memory image of {len} bytes is not whole wasm pages")));
         }
-        Ok(MemoryImage { copy, len })
+        let len = usize::try_from(len).map_err(std::io::Error::other)?;
+        Ok(MemoryImage { file, len })
+    }
+
+    fn file(&self) -> &File {
+        match &self.file {
+            ImageFile::Copy(copy) => copy.file(),
+            ImageFile::Cache(file) => file,
+        }
     }
 
     /// Its size in bytes.
@@ -118,15 +146,15 @@ unsafe impl MemoryCreator for MappedMemoryCreator {
         let mapped = match (&image, NonZeroUsize::new(image.as_ref().map_or(0, |i| i.len))) {
             (Some(image), Some(len)) => {
                 // SAFETY: the range [base, base + len) lies inside the reservation made above, which belongs to
-                // this memory alone; MAP_FIXED replaces those reserved pages with a private mapping of the private
-                // copy, which no one else can shrink under the mapping.
+                // this memory alone; MAP_FIXED replaces those reserved pages with a private mapping of the image,
+                // which no one else can shrink under the mapping (see `ImageFile`).
                 unsafe {
                     mmap(
                         NonZeroUsize::new(base.as_ptr() as usize),
                         len,
                         ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
                         MapFlags::MAP_PRIVATE | MapFlags::MAP_FIXED,
-                        image.copy.file(),
+                        image.file(),
                         0,
                     )
                 }

@@ -3,8 +3,7 @@
 //!
 //! ```text
 //! <id>.image       the initial memory of a fresh interpreter (the module's data segments, laid out)
-//! <id>.image.sum   `blake3 HASH LEN` of it, checked once per process as it is copied into the private copy
-//!                  that instances map (never the file itself: see [`crate::image`])
+//! <id>.image.sum   `blake3 HASH LEN` of it, checked once per process before the same descriptor is mapped
 //! <id>.refused     why the runtime cannot be made snapshot-ready (sessions then run the plain runtime)
 //! ```
 //!
@@ -95,8 +94,9 @@ fn ready(digest: Digest, base_image: Arc<MemoryImage>) -> ReadyRuntime {
 /// The name of the memfd an image is copied into.
 const IMAGE_NAME: &std::ffi::CStr = c"strata-python-image";
 
-/// The cached image, if it is there and matches its checksum: copied into a private copy (an unnamed file in
-/// the cache directory) and checked as it is copied, so what instances map is exactly what was checked.
+/// The cached image, if it is there and matches its checksum; the descriptor checked is the one mapped. Not
+/// copied (as a snapshot's memory is): the cache is the host's own, written only by rename, like the compiled
+/// code wasmtime maps from it, and a copy would cost every process that starts a session a write of the image.
 fn load_image(image_path: &Path, sum_path: &Path) -> Option<Arc<MemoryImage>> {
     let sum = fs::read_to_string(sum_path).ok()?;
     let mut words = sum.split_whitespace();
@@ -104,16 +104,14 @@ fn load_image(image_path: &Path, sum_path: &Path) -> Option<Arc<MemoryImage>> {
         return None;
     };
     let len: u64 = len.parse().ok()?;
-    let file = File::open(image_path).ok()?;
+    let mut file = File::open(image_path).ok()?;
     let mut hasher = blake3::Hasher::new();
-    let copied = PrivateCopy::copy_from(image_path.parent(), IMAGE_NAME, file, len, |chunk| {
-        hasher.update(chunk);
-    });
-    if copied.is_err() || hasher.finalize().to_hex().as_str() != hash {
+    let read = std::io::copy(&mut std::io::Read::take(&mut file, len.saturating_add(1)), &mut hasher).ok()?;
+    if read != len || hasher.finalize().to_hex().as_str() != hash {
         log::warn!("{} does not match its checksum; making it again", image_path.display());
         return None;
     }
-    MemoryImage::new(Arc::new(copied.ok()?)).ok().map(Arc::new)
+    MemoryImage::cached(file, len).ok().map(Arc::new)
 }
 
 /// Writes the image into the cache (when there is one, for the next process) and returns its private copy.
