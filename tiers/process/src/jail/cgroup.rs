@@ -22,10 +22,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// How many times [`Cgroup::can_make_room`] asks again after a refusal, and the pause between.
-const ROOM_RETRIES: u32 = 5;
-const ROOM_RETRY_PAUSE: Duration = Duration::from_millis(20);
-
 /// Which cgroup hierarchy a jail's cgroup lives in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CgroupVersion {
@@ -387,20 +383,8 @@ impl Cgroup {
     /// (page cache). `false` when what fills the cgroup cannot be reclaimed: files of the jail's tmpfs and
     /// their inodes, shared memory, processes still running; then every new job would be killed for memory. On
     /// v1 this lowers the limit for a moment (the kernel reclaims to reach it, or refuses with `EBUSY`); on v2
-    /// it asks `memory.reclaim`. When the cgroup cannot tell, it answers `true`. A killed job's memory can come
-    /// back a moment after its end is seen (the OOM reaper, a sibling still exiting, on a loaded host), so a
-    /// refusal is asked again a few times over ~100 ms before it is the answer.
+    /// it asks `memory.reclaim`. When the cgroup cannot tell, it answers `true`.
     pub fn can_make_room(&self, room: u64) -> bool {
-        for _ in 0..ROOM_RETRIES {
-            if self.try_make_room(room) {
-                return true;
-            }
-            std::thread::sleep(ROOM_RETRY_PAUSE);
-        }
-        self.try_make_room(room)
-    }
-
-    fn try_make_room(&self, room: u64) -> bool {
         let number =
             |controller: &str, file: &str| self.read(controller, file).and_then(|s| s.trim().parse::<u64>().ok());
         match self.version {
