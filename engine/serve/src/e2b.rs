@@ -1,5 +1,5 @@
 //! The E2B-compatible layer, over the same sandbox registry as the native API, so that the official E2B SDK works
-//! unmodified with `E2B_API_URL` and `E2B_SANDBOX_URL` both set to this server (`../shared/e2b-protocol.md`).
+//! unmodified with `E2B_API_URL` and `E2B_SANDBOX_URL` both set to this server (`docs/DESIGN.md` §8).
 //!
 //! - Control plane (API key in `X-API-Key`): `POST /sandboxes` and `/v2/sandboxes` (201 with `templateID`,
 //!   `sandboxID`, `clientID`, `envdVersion`, `envdAccessToken`), `GET /sandboxes` and `/v2/sandboxes`,
