@@ -457,6 +457,17 @@ impl Engine {
             .map_err(|e| EngineError::Image(e.to_string()))
     }
 
+    /// The microVM initramfs when it is built for this agent and busybox; builds nothing (`strata images list`).
+    pub fn installed_initramfs(
+        &self,
+    ) -> Result<Option<strata_rootfs_image::initramfs::InstalledInitramfs>, EngineError> {
+        let home = self.config.home.as_ref().ok_or(EngineError::NoHome("the initramfs"))?;
+        let agent = strata_tier_microvm::guest::agent_binary().map_err(|e| EngineError::Image(e.to_string()))?;
+        let busybox = Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
+        strata_rootfs_image::initramfs::installed_initramfs(home, agent, busybox)
+            .map_err(|e| EngineError::Image(e.to_string()))
+    }
+
     /// What this host can run and why not (`strata doctor`). Reads kernel files only; starts nothing.
     pub fn doctor(&self) -> doctor::HostReport {
         doctor::report(self)

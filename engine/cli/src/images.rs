@@ -48,7 +48,7 @@ enum Image {
 }
 
 fn say(line: &str) {
-    let _ = writeln!(std::io::stderr(), "strata: {line}");
+    crate::progress::line(line, false);
 }
 
 fn image_error(err: impl std::fmt::Display) -> EngineError {
@@ -136,7 +136,7 @@ fn build_python(engine: &Engine, metered: bool) -> Result<i32, Failure> {
 fn list(engine: &Engine) -> Result<i32, Failure> {
     let mut out = std::io::stdout().lock();
     let row = |out: &mut std::io::StdoutLock<'_>, name: &str, id: &str, state: &str, size: &str, path: &str| {
-        let _ = writeln!(out, "{name:<7} {id:<24} {state:<14} {size:>8}  {path}");
+        let _ = writeln!(out, "{name:<9} {id:<24} {state:<14} {size:>8}  {path}");
     };
     let python = engine.python_image()?;
     let package = &python.manifest().package;
@@ -151,6 +151,19 @@ fn list(engine: &Engine) -> Result<i32, Failure> {
         Ok(installed) => row(&mut out, "debian", &id, "installed", &megabytes(installed.size_bytes), &dir),
         Err(RootfsError::NotInstalled { .. }) => row(&mut out, "debian", &id, "not installed", "-", &dir),
         Err(err) => row(&mut out, "debian", &id, "broken", "-", &format!("{dir} ({err})")),
+    }
+    // The microVM's disk is the Debian tree as squashfs: it can only exist for an installed tree.
+    match debian.installed() {
+        Ok(installed) => {
+            let path = strata_rootfs_image::disk::disk_image_path(&installed).display().to_string();
+            match strata_rootfs_image::disk::installed_disk_image(&installed) {
+                Some(disk) => {
+                    row(&mut out, "disk", "squashfs of debian", "installed", &megabytes(disk.size_bytes), &path)
+                }
+                None => row(&mut out, "disk", "squashfs of debian", "not built", "-", &path),
+            }
+        }
+        Err(_) => row(&mut out, "disk", "squashfs of debian", "not built", "-", "- (needs the debian image)"),
     }
     for old in debian.other_installs() {
         row(&mut out, "debian", "(an older recipe)", "kept", "-", &old.display().to_string());
@@ -167,6 +180,15 @@ fn list(engine: &Engine) -> Result<i32, Failure> {
     }
     for old in kernel.other_installs() {
         row(&mut out, "kernel", "(other source/config)", "kept", "-", &old.display().to_string());
+    }
+    match engine.installed_initramfs() {
+        Ok(Some(initramfs)) => {
+            let size = std::fs::metadata(&initramfs.path).map_or("-".to_owned(), |m| megabytes(m.len()));
+            let id = format!("sha256 {}", initramfs.sha256.get(..16).unwrap_or_default());
+            row(&mut out, "initramfs", &id, "installed", &size, &initramfs.path.display().to_string());
+        }
+        Ok(None) => row(&mut out, "initramfs", "agent + busybox", "not built", "-", "-"),
+        Err(err) => row(&mut out, "initramfs", "agent + busybox", "cannot build", "-", &err.to_string()),
     }
     Ok(0)
 }

@@ -28,11 +28,7 @@ pub struct InstalledDisk {
 
 /// The squashfs image of `rootfs`, built when missing, stale or damaged. `progress` gets a line when it builds.
 pub fn ensure_disk_image(rootfs: &InstalledRootfs, progress: &dyn Fn(&str)) -> Result<InstalledDisk, RootfsError> {
-    let images = rootfs.dir.parent().unwrap_or(&rootfs.dir).to_owned();
-    let name = rootfs.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "debian".into());
-    let path = images.join(format!("{name}.squashfs"));
-    let stamp = path.with_extension("squashfs.json");
-    let key = format!("{DISK_FORMAT}:{}", rootfs.tree_hash);
+    let (path, stamp, key) = locate(rootfs);
     if let Some(disk) = cached(&path, &stamp, &key) {
         return Ok(disk);
     }
@@ -65,6 +61,25 @@ pub fn ensure_disk_image(rootfs: &InstalledRootfs, progress: &dyn Fn(&str)) -> R
     fs::write(&stamp, record.to_string()).map_err(io_err("cannot write", &stamp))?;
     progress(&format!("debian disk image: {} ({} MB)", path.display(), size_bytes.div_ceil(1_000_000)));
     Ok(InstalledDisk { path, sha256, size_bytes })
+}
+
+/// The disk image of `rootfs` when it is built, current and intact (its sha256 checked); builds nothing.
+pub fn installed_disk_image(rootfs: &InstalledRootfs) -> Option<InstalledDisk> {
+    let (path, stamp, key) = locate(rootfs);
+    cached(&path, &stamp, &key)
+}
+
+/// Where the disk image of `rootfs` lives, its stamp, and the key the stamp must record.
+pub fn disk_image_path(rootfs: &InstalledRootfs) -> PathBuf {
+    locate(rootfs).0
+}
+
+fn locate(rootfs: &InstalledRootfs) -> (PathBuf, PathBuf, String) {
+    let images = rootfs.dir.parent().unwrap_or(&rootfs.dir).to_owned();
+    let name = rootfs.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "debian".into());
+    let path = images.join(format!("{name}.squashfs"));
+    let stamp = path.with_extension("squashfs.json");
+    (path, stamp, format!("{DISK_FORMAT}:{}", rootfs.tree_hash))
 }
 
 fn cached(path: &Path, stamp: &Path, key: &str) -> Option<InstalledDisk> {

@@ -123,6 +123,36 @@ pub struct InstalledInitramfs {
 /// `home/images/initramfs-<hash16>.cpio`. `busybox` is a static busybox binary ([`BUSYBOX_STATIC`] from Debian's
 /// `busybox-static`).
 pub fn ensure_initramfs(home: &Path, agent: &[u8], busybox: &Path) -> Result<InstalledInitramfs, RootfsError> {
+    let (busybox_bytes, path) = archive_path(home, agent, busybox)?;
+    if let Some(installed) = cached(&path) {
+        return Ok(installed);
+    }
+    let dir = home.join("images");
+    fs::create_dir_all(&dir).map_err(io_err("cannot create", &dir))?;
+    let archive = cpio(&entries(agent, &busybox_bytes));
+    let sha256 = hex(&Sha256::digest(&archive));
+    for (target, bytes) in [(path.with_extension("sha256"), sha256.as_bytes()), (path.clone(), archive.as_slice())] {
+        let temp = target.with_extension(format!("tmp-{}", std::process::id()));
+        let mut file = fs::File::create(&temp).map_err(io_err("cannot create", &temp))?;
+        file.write_all(bytes).and_then(|()| file.sync_all()).map_err(io_err("cannot write", &temp))?;
+        fs::rename(&temp, &target).map_err(io_err("cannot rename", &target))?;
+    }
+    Ok(InstalledInitramfs { path, sha256 })
+}
+
+/// The initramfs built for `agent` and `busybox`, if it is in the cache and intact; builds nothing (`strata images
+/// list`).
+pub fn installed_initramfs(
+    home: &Path,
+    agent: &[u8],
+    busybox: &Path,
+) -> Result<Option<InstalledInitramfs>, RootfsError> {
+    let (_, path) = archive_path(home, agent, busybox)?;
+    Ok(cached(&path))
+}
+
+/// Busybox's bytes (checked static) and the cache path of the archive for `agent` and that busybox.
+fn archive_path(home: &Path, agent: &[u8], busybox: &Path) -> Result<(Vec<u8>, PathBuf), RootfsError> {
     let busybox_bytes = fs::read(busybox).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
             RootfsError::MissingTool("busybox-static (apt-get install busybox-static)")
@@ -141,24 +171,15 @@ pub fn ensure_initramfs(home: &Path, agent: &[u8], busybox: &Path) -> Result<Ins
     key.update(Sha256::digest(agent));
     key.update(Sha256::digest(&busybox_bytes));
     let key = hex(&key.finalize());
-    let dir = home.join("images");
-    let path = dir.join(format!("initramfs-{}.cpio", &key[..16]));
-    if let Ok(existing) = fs::read(&path) {
-        let sha256 = hex(&Sha256::digest(&existing));
-        if fs::read_to_string(path.with_extension("sha256")).is_ok_and(|s| s.trim() == sha256) {
-            return Ok(InstalledInitramfs { path, sha256 });
-        }
-    }
-    fs::create_dir_all(&dir).map_err(io_err("cannot create", &dir))?;
-    let archive = cpio(&entries(agent, &busybox_bytes));
-    let sha256 = hex(&Sha256::digest(&archive));
-    for (target, bytes) in [(path.with_extension("sha256"), sha256.as_bytes()), (path.clone(), archive.as_slice())] {
-        let temp = target.with_extension(format!("tmp-{}", std::process::id()));
-        let mut file = fs::File::create(&temp).map_err(io_err("cannot create", &temp))?;
-        file.write_all(bytes).and_then(|()| file.sync_all()).map_err(io_err("cannot write", &temp))?;
-        fs::rename(&temp, &target).map_err(io_err("cannot rename", &target))?;
-    }
-    Ok(InstalledInitramfs { path, sha256 })
+    Ok((busybox_bytes, home.join("images").join(format!("initramfs-{}.cpio", &key[..16]))))
+}
+
+/// The archive at `path` when its recorded sha256 matches its bytes.
+fn cached(path: &Path) -> Option<InstalledInitramfs> {
+    let existing = fs::read(path).ok()?;
+    let sha256 = hex(&Sha256::digest(&existing));
+    let recorded = fs::read_to_string(path.with_extension("sha256")).ok()?;
+    (recorded.trim() == sha256).then(|| InstalledInitramfs { path: path.to_owned(), sha256 })
 }
 
 /// Whether `bytes` is an ELF executable without a program interpreter (statically linked).
