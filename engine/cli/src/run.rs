@@ -2,7 +2,7 @@
 
 use std::io::{IsTerminal, Write};
 use std::os::fd::AsFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{Sender, channel};
 use std::thread::JoinHandle;
@@ -19,7 +19,8 @@ use crate::Failure;
 
 #[derive(Args)]
 pub(crate) struct RunArgs {
-    /// The program: a WebAssembly module (WASI preview1 command), a Python script (.py) or a Linux executable.
+    /// The program: a WebAssembly command (a WASI preview1 module or a WASI 0.2 component), a Python script (.py)
+    /// or a Linux executable.
     /// Without FILE, the arguments after `--` are a command of the guest image (`--tier process -- ls /`).
     #[arg(value_name = "FILE")]
     file: Option<PathBuf>,
@@ -48,35 +49,35 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "IMAGE", value_parser = parse_image)]
     image: Option<VmImage>,
 
-    /// Wall-clock limit, e.g. 2s, 500ms.
+    /// Wall-clock limit, e.g. 2s, 500ms [default: 30s].
     #[arg(long, value_name = "DURATION", value_parser = parse_duration_arg)]
     timeout: Option<Duration>,
 
-    /// CPU-time limit, e.g. 1s.
+    /// CPU-time limit, e.g. 1s [default: 30s].
     #[arg(long, value_name = "DURATION", value_parser = parse_duration_arg)]
     cpu: Option<Duration>,
 
-    /// WebAssembly fuel budget (runs fuel-metered code and reports fuel used), or "unlimited".
+    /// WebAssembly fuel budget (runs fuel-metered code and reports fuel used), or "unlimited" [default: unlimited].
     #[arg(long, value_name = "N", value_parser = parse_fuel)]
     fuel: Option<Fuel>,
 
-    /// Memory limit, e.g. 256MiB.
+    /// Memory limit, e.g. 256MiB [default: 512MiB].
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     memory: Option<ByteSize>,
 
-    /// Captured output per stream; beyond it output is counted and dropped, e.g. 1MiB.
+    /// Captured output per stream; beyond it output is counted and dropped, e.g. 64KiB [default: 1MiB].
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     output_limit: Option<ByteSize>,
 
-    /// Virtual CPUs of a microVM; on the process tier, the jail's CPU bandwidth in whole CPUs.
+    /// Virtual CPUs of a microVM; on the process tier, the jail's CPU bandwidth in whole CPUs [default: 1].
     #[arg(long, value_name = "N")]
     vcpus: Option<u32>,
 
-    /// Processes and threads the job may have at once (process and microVM tiers).
+    /// Processes and threads the job may have at once (process and microVM tiers) [default: 256].
     #[arg(long, value_name = "N")]
     pids: Option<u32>,
 
-    /// Scratch disk the job may write, e.g. 256MiB (the jail's writable layer).
+    /// Scratch disk the job may write, e.g. 256MiB (the jail's writable layer) [default: 1GiB].
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     disk: Option<ByteSize>,
 
@@ -124,6 +125,8 @@ pub(crate) struct Prepared {
     pub(crate) tier: TierChoice,
     pub(crate) snapshot: Option<Snapshot>,
     pub(crate) json: bool,
+    /// Arguments that name a host file no grant covers: the guest cannot see them (see [`ungranted_host_paths`]).
+    pub(crate) ungranted: Vec<String>,
 }
 
 fn parse_tier(s: &str) -> Result<TierChoice, String> {
@@ -242,6 +245,7 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
         let policy = args.policy.as_ref().map_or("the default policy".to_owned(), |path| path.display().to_string());
         Failure::new("usage", format!("--grants: {policy}: {err}"))
     })?;
+    let ungranted = if args.snapshot.is_none() { ungranted_host_paths(&args.args, &grants) } else { Vec::new() };
     let caps = Capabilities {
         grants,
         env: args.env,
@@ -282,20 +286,50 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
             return Err(Failure::new("usage", "nothing to run: give FILE, -c CODE, -m MODULE or `-- COMMAND ARGS...`"));
         }
     };
-    Ok(Prepared { engine, job, caps, limits, tier: args.tier, snapshot, json: args.json })
+    Ok(Prepared { engine, job, caps, limits, tier: args.tier, snapshot, json: args.json, ungranted })
 }
 
 pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
     let prepared = prepare(args)?;
-    let Prepared { engine, job, caps, limits, tier, snapshot, json } = &prepared;
+    let Prepared { engine, job, caps, limits, tier, snapshot, json, ungranted } = &prepared;
     let outcome = execute(*json, limits, |opts| match snapshot {
         Some(snapshot) => engine.run_from_snapshot(*tier, snapshot, job, limits, opts),
         None => engine.run_on(*tier, job, caps, limits, opts),
     })?;
     if *json {
         print_json(&outcome)?;
+    } else if outcome.exit_code() != 0
+        && let Some(hint) = ungranted_hint(ungranted)
+    {
+        crate::progress::plain(&hint);
     }
     Ok(outcome.exit_code())
+}
+
+/// The job's arguments that are relative paths of files or directories on the host which no grant covers.
+/// The guest sees only its grants (its working directory is `/`), so `strata run analysis.py -- input.csv` cannot
+/// open `input.csv`; when such a job fails, [`ungranted_hint`] says how to grant it. Absolute paths are left out:
+/// `/etc/hosts` names a file of the guest's own image as often as one of the host's.
+fn ungranted_host_paths(args: &[String], grants: &[strata_core::Grant]) -> Vec<String> {
+    let granted: Vec<PathBuf> = grants.iter().filter_map(|g| std::fs::canonicalize(&g.host).ok()).collect();
+    args.iter()
+        .filter(|arg| !arg.is_empty() && !arg.starts_with('-') && !Path::new(arg).is_absolute())
+        .filter(|arg| std::fs::canonicalize(arg).is_ok_and(|host| !granted.iter().any(|dir| host.starts_with(dir))))
+        .cloned()
+        .collect()
+}
+
+/// One line naming the ungranted host paths and the `--dir` that would show them to the guest.
+fn ungranted_hint(ungranted: &[String]) -> Option<String> {
+    let first = ungranted.first()?;
+    let names = ungranted.iter().map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ");
+    let guest = Path::new("/work").join(first.trim_start_matches("./"));
+    Some(format!(
+        "strata: hint: {names} {} on the host, but the sandbox sees only the directories granted to it (its working \
+         directory is /): grant the current directory, e.g. `--dir .:/work`, and pass `{}`",
+        if ungranted.len() == 1 { "is a path" } else { "are paths" },
+        guest.display()
+    ))
 }
 
 /// Runs `job` with this process's stdin streamed in and its output streamed to this process's stdout and stderr
@@ -372,6 +406,38 @@ fn report(outcome: &Outcome, limits: &Limits) {
     ] {
         if cut {
             let _ = writeln!(err, "strata: {name} truncated at {} ({written} bytes written)", limits.output);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Args;
+    use strata_core::Limits;
+    use strata_core::units::format_duration;
+
+    /// The defaults `strata run --help` prints are the default policy's, so the help cannot drift from it.
+    #[test]
+    fn help_defaults_are_the_default_policy() {
+        let command = super::RunArgs::augment_args(clap::Command::new("run"));
+        let help = |id: &str| {
+            let arg = command.get_arguments().find(|a| a.get_id() == id).unwrap_or_else(|| panic!("no --{id}"));
+            arg.get_help().map(ToString::to_string).unwrap_or_default()
+        };
+        let limits = Limits::default();
+        let expected = [
+            ("timeout", format_duration(limits.wall)),
+            ("cpu", format_duration(limits.cpu)),
+            ("fuel", limits.fuel.to_string()),
+            ("memory", limits.memory.to_string()),
+            ("output_limit", limits.output.to_string()),
+            ("vcpus", limits.vcpus.to_string()),
+            ("pids", limits.pids.to_string()),
+            ("disk", limits.disk.to_string()),
+        ];
+        for (id, default) in expected {
+            let text = help(id);
+            assert!(text.contains(&format!("[default: {default}]")), "--{id}: {text:?} should name {default}");
         }
     }
 }

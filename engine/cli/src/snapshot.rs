@@ -80,7 +80,7 @@ pub(crate) fn snapshot(args: SnapshotArgs) -> Result<i32, Failure> {
 fn create(args: CreateArgs) -> Result<i32, Failure> {
     let output = args.output;
     let prepared = prepare(args.run)?;
-    let Prepared { engine, job, caps, limits, tier, snapshot: from, json } = &prepared;
+    let Prepared { engine, job, caps, limits, tier, snapshot: from, json, .. } = &prepared;
     let origin = match from {
         Some(snapshot) => Origin::Fork { choice: *tier, snapshot },
         None => Origin::Fresh(*tier),

@@ -13,7 +13,16 @@ struct Run {
 }
 
 fn strata(home: &Path, args: &[&str], stdin: &[u8]) -> Run {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+    strata_in(home, None, args, stdin)
+}
+
+/// [`strata`] with its working directory at `cwd` (this process's when `None`).
+fn strata_in(home: &Path, cwd: Option<&Path>, args: &[&str], stdin: &[u8]) -> Run {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
+    if let Some(cwd) = cwd {
+        command.current_dir(cwd);
+    }
+    let mut child = command
         .args(args)
         .env("STRATA_HOME", home)
         .env_remove("RUST_BACKTRACE")
@@ -220,7 +229,9 @@ fn a_large_module_shows_compile_progress_once() {
     let home = home();
     let run = strata(home.path(), &["run", programs::LARGE_WAT], b"");
     assert_eq!((run.code, run.stdout.as_str()), (0, "sssss"));
-    assert!(run.stderr.starts_with("strata: compiling large.wasm (5.0 MB) once"), "{}", run.stderr);
+    let first = run.stderr.lines().next().unwrap_or_default();
+    assert!(first.starts_with("strata: compiling large.wasm (5.0 MB) for this machine, once: usually "), "{first}");
+    assert!(first.ends_with("; later runs load it from the cache"), "{first}");
     assert!(run.stderr.contains("strata: compiled large.wasm in "), "{}", run.stderr);
     let run = strata(home.path(), &["run", programs::LARGE_WAT], b"");
     assert_eq!((run.code, run.stderr.as_str()), (0, ""), "the second process loads the cached code");
@@ -231,6 +242,37 @@ fn shared_home() -> std::path::PathBuf {
     std::env::var_os("STRATA_HOME")
         .map(Into::into)
         .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/strata"))
+}
+
+/// The README's first mistake of every newcomer: a file of the current directory passed to a job that sees only
+/// its grants. The job fails as it would (the guest cannot open it) and one line says which `--dir` shows it.
+#[test]
+fn a_failed_job_naming_an_ungranted_host_file_gets_a_dir_hint() {
+    let home = home();
+    let cwd = tempfile::tempdir().expect("tempdir");
+    std::fs::write(cwd.path().join("input.csv"), "a,b\n1,2\n").expect("write input");
+    let run = strata_in(home.path(), Some(cwd.path()), &["run", programs::TOOL, "--", "input.csv", "out.csv"], b"");
+    assert_eq!(run.code, 1, "{}", run.stderr);
+    let hint = run.stderr.lines().find(|l| l.starts_with("strata: hint:")).unwrap_or_else(|| panic!("{}", run.stderr));
+    assert!(hint.contains("`input.csv` is a path on the host") && hint.contains("--dir .:/work"), "{hint}");
+    assert!(hint.contains("`/work/input.csv`") && !hint.contains("out.csv"), "only the existing file: {hint}");
+
+    let run = strata_in(
+        home.path(),
+        Some(cwd.path()),
+        &["run", "--dir", ".:/work:rw", programs::TOOL, "--", "/work/input.csv", "/work/out.csv"],
+        b"",
+    );
+    assert_eq!((run.code, run.stderr.as_str()), (0, ""), "the granted form works, with no hint");
+    let out = std::fs::read_to_string(cwd.path().join("out.csv")).expect("the tool's output, in the grant");
+    assert_eq!(out, "lines: 2\na,b\n1,2\n");
+
+    // A job that succeeds gets no hint, whatever its arguments name; --json prints only the outcome.
+    let run = strata_in(home.path(), Some(cwd.path()), &["run", programs::HELLO, "--", "input.csv"], b"");
+    assert_eq!((run.code, run.stderr.as_str()), (0, ""));
+    let run =
+        strata_in(home.path(), Some(cwd.path()), &["run", "--json", programs::TOOL, "--", "input.csv", "out.csv"], b"");
+    assert_eq!((run.code, run.stderr.as_str()), (1, ""));
 }
 
 #[test]
