@@ -8,6 +8,7 @@
 mod docs;
 mod doctor;
 mod images;
+mod progress;
 mod run;
 mod serve;
 mod snapshot;
@@ -84,10 +85,8 @@ impl log::Log for StderrLogger {
         if !self.enabled(record.metadata()) {
             return;
         }
-        let _ = match record.level() {
-            log::Level::Error | log::Level::Warn => writeln!(std::io::stderr(), "strata: warning: {}", record.args()),
-            _ => writeln!(std::io::stderr(), "strata: {}", record.args()),
-        };
+        let warning = matches!(record.level(), log::Level::Error | log::Level::Warn);
+        progress::line(&record.args().to_string(), warning);
     }
 
     fn flush(&self) {}
@@ -153,7 +152,7 @@ fn fail(json: bool, failure: &Failure) -> ExitCode {
         let object = serde_json::json!({"error": {"kind": failure.kind, "message": failure.message}});
         let _ = writeln!(std::io::stdout(), "{object}");
     } else {
-        let _ = writeln!(std::io::stderr(), "strata: {}", failure.message);
+        progress::plain(&format!("strata: {}", failure.message));
     }
     ExitCode::from(USAGE_ERROR)
 }

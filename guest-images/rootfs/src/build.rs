@@ -90,10 +90,11 @@ fn build_in(plan: &BuildPlan<'_>, temp: &Path, progress: &dyn Fn(&str)) -> Resul
         .map_err(io_err("cannot write", &stamp_path))?;
     install(plan, temp)?;
     progress(&format!(
-        "debian image: installed in {} ({} MB, tree hash {})",
+        "debian image: installed in {} ({} MB, tree hash {}; debootstrap's whole output is in {})",
         plan.install_dir.display(),
         stamp.size_bytes.div_ceil(1_000_000),
-        stamp.tree_hash.get(..16).unwrap_or_default()
+        stamp.tree_hash.get(..16).unwrap_or_default(),
+        plan.install_dir.join("build.log").display()
     ));
     Ok(stamp)
 }
