@@ -45,8 +45,13 @@ struct CompileProgress {
 }
 
 impl CompileProgress {
-    fn start(name: &str, size: usize) -> CompileProgress {
-        log::info!("compiling {name} ({:.1} MB) once; later runs load it from the cache", size as f64 / 1e6);
+    /// `size` is the module's size, `code` the bytes of its function bodies (what compiling costs).
+    fn start(name: &str, size: usize, code: usize) -> CompileProgress {
+        log::info!(
+            "compiling {name} ({:.1} MB) for this machine, once: {}; later runs load it from the cache",
+            size as f64 / 1e6,
+            compile_estimate(code)
+        );
         let started = std::time::Instant::now();
         let (done, wait) = std::sync::mpsc::channel::<()>();
         let label = name.to_owned();
@@ -59,6 +64,36 @@ impl CompileProgress {
             })
             .ok();
         CompileProgress { name: name.to_owned(), started, done: Some(done), ticker }
+    }
+}
+
+/// Cranelift's measured rate on the Python runtime's function bodies, in CPU-seconds per MB of code.
+const COMPILE_CPU_SECONDS_PER_CODE_MB: f64 = 2.4;
+
+/// The bytes of a core module's function bodies (its code section), which is what compiling it costs; a
+/// component's whole size. Reads section headers only.
+fn code_bytes(bytes: &[u8]) -> usize {
+    for payload in wasmparser::Parser::new(0).parse_all(bytes) {
+        match payload {
+            Ok(wasmparser::Payload::CodeSectionStart { size, .. }) => return size as usize,
+            Ok(wasmparser::Payload::Version { encoding: wasmparser::Encoding::Component, .. }) => return bytes.len(),
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    0
+}
+
+/// How long compiling `code` bytes of function bodies usually takes here, in words: wasmtime compiles functions
+/// in parallel, one thread per CPU.
+fn compile_estimate(code: usize) -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let seconds = code as f64 / 1e6 * COMPILE_CPU_SECONDS_PER_CODE_MB / cpus as f64;
+    let cores = if cpus == 1 { "one core".to_owned() } else { format!("{cpus} cores") };
+    match seconds {
+        s if s < 10.0 => format!("usually under 10 seconds on {cores}"),
+        s if s < 90.0 => format!("usually about {} seconds on {cores}", (s / 10.0).round() * 10.0),
+        s => format!("usually about {} minutes on {cores}", (s / 60.0).round()),
     }
 }
 
@@ -250,7 +285,8 @@ impl Runtime {
             if format_of(name, &bytes)? != Format::Component {
                 return Err(invalid("it is a core module, not a component".into()));
             }
-            let _progress = (bytes.len() >= PROGRESS_MODULE_SIZE).then(|| CompileProgress::start(name, bytes.len()));
+            let _progress = (bytes.len() >= PROGRESS_MODULE_SIZE)
+                .then(|| CompileProgress::start(name, bytes.len(), code_bytes(&bytes)));
             Component::new(&self.engine, &bytes).map_err(|e| invalid(describe(&e)))
         };
         let (component, outcome) = match cache {
@@ -296,7 +332,8 @@ impl Runtime {
             let bytes = bytes()?;
             check_format(name, &bytes)?;
             // Large modules take seconds to minutes to compile; say so, since only the first run pays it.
-            let _progress = (bytes.len() >= PROGRESS_MODULE_SIZE).then(|| CompileProgress::start(name, bytes.len()));
+            let _progress = (bytes.len() >= PROGRESS_MODULE_SIZE)
+                .then(|| CompileProgress::start(name, bytes.len(), code_bytes(&bytes)));
             Module::new(&self.engine, &bytes).map_err(invalid)
         };
         let (module, outcome) = match cache {
