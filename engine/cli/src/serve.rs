@@ -16,7 +16,8 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "ADDR", default_value = strata_serve::DEFAULT_LISTEN)]
     listen: SocketAddr,
 
-    /// API keys file (TOML, or JSON by its .json name): [[key]] name, sha256 (hex of the key), max_sandboxes.
+    /// API keys file (TOML, or JSON by its .json name): [[key]] name, sha256 (hex of the key), and optional
+    /// quotas max_sandboxes (sandboxes at once) and max_memory (the sum of their memory limits, e.g. "8GiB").
     /// Without it every request is served as `anonymous` and the server listens on loopback only.
     #[arg(long, value_name = "FILE")]
     keys: Option<PathBuf>,
