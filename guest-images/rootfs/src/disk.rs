@@ -69,11 +69,12 @@ pub fn installed_disk_image(rootfs: &InstalledRootfs) -> Option<InstalledDisk> {
     cached(&path, &stamp, &key)
 }
 
-/// Where the disk image of `rootfs` lives, its stamp, and the key the stamp must record.
+/// Where the disk image of `rootfs` lives (or will, once built).
 pub fn disk_image_path(rootfs: &InstalledRootfs) -> PathBuf {
     locate(rootfs).0
 }
 
+/// Where the disk image of `rootfs` lives, its stamp, and the key the stamp must record.
 fn locate(rootfs: &InstalledRootfs) -> (PathBuf, PathBuf, String) {
     let images = rootfs.dir.parent().unwrap_or(&rootfs.dir).to_owned();
     let name = rootfs.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "debian".into());
