@@ -1,14 +1,18 @@
-//! What a job may touch: file grants, environment, secrets, network, stdin, host tools.
+//! What a job may touch: file grants, environment, secrets, network, host tools. (What it reads on stdin is the
+//! job's input, not a capability: [`crate::ExecOptions`] carries it, and no snapshot records it.)
 //!
 //! Everything is denied unless granted here. Each tier translates a `Capabilities` into its own enforcement in
-//! one place (DESIGN §3).
+//! one place (docs/DESIGN.md §3).
 
 use std::collections::BTreeSet;
 use std::fmt;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+
+use crate::allow::{Allowlist, AllowlistError};
+use crate::guest_path::GuestPath;
 
 /// Whether a grant may be written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -91,25 +95,12 @@ impl Grant {
     }
 }
 
+/// A grant's guest path, by the rules of every guest path ([`GuestPath`]).
 fn normalise_guest_path(path: &str, host: &Path) -> Result<String, CapsError> {
-    let err = |reason| CapsError::GuestPath { path: path.to_owned(), host: host.to_owned(), reason };
-    if !path.starts_with('/') {
-        return Err(err("must be absolute"));
+    match GuestPath::new(path) {
+        Ok(path) => Ok(path.as_str().to_owned()),
+        Err(err) => Err(CapsError::GuestPath { path: err.path, host: host.to_owned(), reason: err.reason }),
     }
-    if path.contains('\0') {
-        return Err(err("contains a NUL byte"));
-    }
-    let mut parts = Vec::new();
-    for component in Path::new(path).components() {
-        match component {
-            Component::RootDir => {}
-            Component::Normal(part) => parts.push(part.to_string_lossy().into_owned()),
-            Component::CurDir => {}
-            Component::ParentDir => return Err(err("must not contain `..`")),
-            Component::Prefix(_) => return Err(err("must be a Unix path")),
-        }
-    }
-    Ok(format!("/{}", parts.join("/")))
 }
 
 /// Parses `HOST:GUEST[:ro|:rw]` (the CLI's `--dir`). The mode defaults to `ro` when omitted: nothing is writable
@@ -152,8 +143,29 @@ pub enum Net {
     /// No network at all (the default).
     #[default]
     Deny,
-    /// Egress to these `host[:port]` patterns only (`*.example.com` allowed).
-    Allow(Vec<String>),
+    /// Egress to these `host[:port]` patterns only (`*.example.com` allowed), parsed once where they entered.
+    Allow(Allowlist),
+}
+
+impl Net {
+    /// Egress to these `HOST[:PORT]` specs, parsed here (the first malformed one is the error); no specs at all is
+    /// [`Net::Deny`].
+    pub fn allow<I, S>(specs: I) -> Result<Net, AllowlistError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let list = Allowlist::parse(specs)?;
+        Ok(if list.is_empty() { Net::Deny } else { Net::Allow(list) })
+    }
+
+    /// The allowlist, if any egress is allowed.
+    pub fn allowlist(&self) -> Option<&Allowlist> {
+        match self {
+            Net::Deny => None,
+            Net::Allow(list) => Some(list),
+        }
+    }
 }
 
 /// An environment variable `NAME=value`.
@@ -193,26 +205,8 @@ pub struct Capabilities {
     pub secrets: Vec<EnvVar>,
     /// Network egress.
     pub net: Net,
-    /// Bytes the guest reads on stdin (empty: stdin is at end of file).
-    #[serde(with = "stdin_bytes")]
-    pub stdin: Vec<u8>,
     /// Host functions the guest may call, by name.
     pub tools: Vec<String>,
-}
-
-mod stdin_bytes {
-    use base64::Engine as _;
-    use base64::engine::general_purpose::STANDARD;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(&STANDARD.encode(bytes))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
-        let text = String::deserialize(deserializer)?;
-        STANDARD.decode(text).map_err(serde::de::Error::custom)
-    }
 }
 
 impl Capabilities {

@@ -93,6 +93,15 @@ pub enum TierError {
         /// Why it cannot be used.
         reason: String,
     },
+    /// The sandbox is doing something that cannot share it with this call (a tier that runs one job at a time
+    /// while a job runs, a snapshot while a job runs, a job while a snapshot is taken); retry when it is done.
+    #[error("the {tier} sandbox is busy: {doing}")]
+    Busy {
+        /// The tier.
+        tier: TierKind,
+        /// What it is busy with.
+        doing: &'static str,
+    },
     /// A sandbox session that ended (a trap, a limit, `exit()`, or `close`) was asked to run more.
     #[error("the session has ended: {reason}")]
     SessionEnded {
@@ -120,17 +129,43 @@ pub enum TierError {
     /// A snapshot could not be written, or was refused when read.
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
-    /// The tier's runtime failed in a way that is not the guest's doing.
-    #[error("{tier} tier internal error: {message}")]
+    /// The tier's runtime failed in a way that is not the guest's doing. Made with [`TierError::internal`] or,
+    /// when a lower error caused it, [`TierError::internal_from`], which keeps that error as the source.
+    #[error("{tier} tier internal error: {message}{}", caused_by(.source))]
+    #[non_exhaustive]
     Internal {
         /// The tier.
         tier: TierKind,
         /// What failed.
         message: String,
+        /// The error that made it fail, when there is one (shown after the message, as the other variants of
+        /// this enum show theirs).
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
     },
 }
 
+/// `": {source}"` after an internal error's message, or nothing.
+fn caused_by(source: &Option<Box<dyn std::error::Error + Send + Sync + 'static>>) -> String {
+    source.as_ref().map(|source| format!(": {source}")).unwrap_or_default()
+}
+
 impl TierError {
+    /// A failure of `tier` itself, in words, with no lower error behind it.
+    pub fn internal(tier: TierKind, message: impl Into<String>) -> TierError {
+        TierError::Internal { tier, message: message.into(), source: None }
+    }
+
+    /// A failure of `tier` itself while doing `what`, caused by `source` (kept: `std::error::Error::source` and
+    /// a downcast reach it).
+    pub fn internal_from(
+        tier: TierKind,
+        what: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> TierError {
+        TierError::Internal { tier, message: what.into(), source: Some(source.into()) }
+    }
+
     /// A stable, machine-readable code for this error (the `kind` of `{"error":{"kind":…}}`).
     pub fn code(&self) -> &'static str {
         match self {
@@ -146,6 +181,7 @@ impl TierError {
             TierError::Storage { .. } => "storage",
             TierError::GuestPath { .. } => "guest_path",
             TierError::SessionEnded { .. } => "session_ended",
+            TierError::Busy { .. } => "sandbox_busy",
             TierError::Artifact(_) => "artifact",
             TierError::Tool(_) => "invalid_tool",
             TierError::ProgramNotFound { .. } => "program_not_found",
@@ -153,5 +189,25 @@ impl TierError {
             TierError::Snapshot(err) => err.code(),
             TierError::Internal { .. } => "internal",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn an_internal_error_keeps_its_source_typed_and_names_it_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "no entry");
+        let err = TierError::internal_from(TierKind::Process, "opening the cgroup", io);
+        assert_eq!(err.to_string(), "process tier internal error: opening the cgroup: no entry");
+        let source = err.source().expect("a source").downcast_ref::<std::io::Error>().expect("the io::Error");
+        assert_eq!(source.kind(), std::io::ErrorKind::PermissionDenied);
+        let bare = TierError::internal(TierKind::Wasm, "the job thread panicked");
+        assert_eq!(bare.to_string(), "wasm tier internal error: the job thread panicked");
+        assert!(bare.source().is_none());
+        assert_eq!(bare.code(), "internal");
     }
 }

@@ -109,7 +109,7 @@ impl<'de> Deserialize<'de> for Fuel {
     }
 }
 
-/// Which limit stopped a job. Serialized as DESIGN §5 names them.
+/// Which limit stopped a job. Serialized as docs/DESIGN.md §5 names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LimitKind {

@@ -1,6 +1,6 @@
 //! The result of a job: how it ended, what it printed, what it used.
 //!
-//! The JSON form is the contract of DESIGN §5 (`strata run --json`, the server's responses); see [`Outcome`].
+//! The JSON form is the contract of docs/DESIGN.md §5 (`strata run --json`, the server's responses); see [`Outcome`].
 
 use std::fmt;
 use std::time::Duration;
@@ -31,6 +31,15 @@ impl TierKind {
             TierKind::Wasm => "wasm",
             TierKind::Process => "process",
             TierKind::Microvm => "microvm",
+        }
+    }
+
+    /// Whether this tier's sandboxes run several jobs at once (see [`crate::Sandbox`]); elsewhere a job while
+    /// another runs is [`crate::TierError::Busy`].
+    pub fn runs_jobs_at_once(self) -> bool {
+        match self {
+            TierKind::Process => true,
+            TierKind::Wasm | TierKind::Microvm => false,
         }
     }
 }
@@ -68,7 +77,7 @@ pub enum Status {
 }
 
 impl Status {
-    /// The exit status `strata run` uses for this outcome (DESIGN §5): the guest's code, 124 for a limit,
+    /// The exit status `strata run` uses for this outcome (docs/DESIGN.md §5): the guest's code, 124 for a limit,
     /// 125 for a trap or crash.
     pub fn exit_code(&self) -> i32 {
         match self {
@@ -220,7 +229,7 @@ pub struct RouteDecision {
 
 /// The result of a job that ran.
 ///
-/// Serialized, it is exactly DESIGN §5's object:
+/// Serialized, it is exactly the object of docs/DESIGN.md §5:
 /// `{"tier":"wasm","status":{"kind":"exited","code":0},"stdout":"...","stderr":"...",
 /// "truncated":{"stdout":false,"stderr":false},"usage":{...},"escalations":[],"tools":[]}`, with
 /// `"route":{"tier":…,"reason":…}` after `tier` when the engine routed the job ([`RouteDecision`]; a tier leaves it

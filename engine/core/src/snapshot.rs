@@ -55,7 +55,9 @@ use sha2::{Digest, Sha256};
 use crate::dirfd;
 use crate::outcome::TierKind;
 use crate::private_copy::PrivateCopy;
+use crate::random::random_hex;
 pub use crate::snapshot_key::SnapshotKey;
+use crate::snapshot_key::SnapshotKeyError;
 
 /// The manifest format this build writes and reads: 2, sealed (format 1 had no seal and is refused).
 pub const FORMAT_VERSION: u32 = 2;
@@ -298,6 +300,12 @@ impl SnapshotError {
             | SnapshotError::UnlistedFile(_)
             | SnapshotError::UnsafePath { .. } => "snapshot_invalid",
         }
+    }
+}
+
+impl From<SnapshotKeyError> for SnapshotError {
+    fn from(err: SnapshotKeyError) -> SnapshotError {
+        SnapshotError::Key { path: err.path, message: err.message }
     }
 }
 
@@ -570,7 +578,7 @@ impl SnapshotTrust {
     pub fn key(&self) -> Result<SnapshotKey, SnapshotError> {
         match &*self.key {
             KeySource::Given(key) => Ok(key.clone()),
-            KeySource::ProcessLocal => SnapshotKey::process_local(),
+            KeySource::ProcessLocal => SnapshotKey::process_local().map_err(SnapshotError::from),
             KeySource::Home { path, loaded } => {
                 let mut loaded = loaded.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some(key) = &*loaded {
@@ -1178,21 +1186,6 @@ pub fn sweep_partials(dir: &Path) -> usize {
         }
     }
     stale.iter().filter(|name| dirfd::remove_at(&root, name.as_str()).is_ok_and(|n| n > 0)).count()
-}
-
-/// `bytes` random bytes from the kernel, hex (identifiers, temp names).
-pub(crate) fn random_hex(bytes: usize) -> String {
-    let mut buf = vec![0u8; bytes];
-    let filled = File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut buf)).is_ok();
-    if !filled {
-        // Identifiers only need to be unique, not secret: time and pid will do.
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        let seed = nanos ^ (u128::from(std::process::id()) << 64);
-        for (i, b) in buf.iter_mut().enumerate() {
-            *b = (seed >> ((i % 16) * 8)) as u8;
-        }
-    }
-    strata_image_util::hex(&buf)
 }
 
 /// For tests and fuzz targets: what only the key's holder can do.

@@ -19,10 +19,10 @@ use std::fmt;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use crate::snapshot::SnapshotError;
+use crate::random::random_hex;
 
 /// Where an engine's home keeps its snapshot key.
 pub const KEY_FILE: &str = "keys/snapshot.key";
@@ -46,8 +46,19 @@ impl fmt::Debug for SnapshotKey {
     }
 }
 
-fn key_error(path: &Path, message: impl Into<String>) -> SnapshotError {
-    SnapshotError::Key { path: path.to_owned(), message: message.into() }
+/// Why the host's snapshot key could not be used; a [`crate::snapshot::SnapshotError::Key`] (`snapshot_key`) where
+/// a snapshot needed it.
+#[derive(Debug, thiserror::Error)]
+#[error("snapshot key {}: {message}", path.display())]
+pub struct SnapshotKeyError {
+    /// The key file (or its directory).
+    pub path: PathBuf,
+    /// What is wrong.
+    pub message: String,
+}
+
+fn key_error(path: &Path, message: impl Into<String>) -> SnapshotKeyError {
+    SnapshotKeyError { path: path.to_owned(), message: message.into() }
 }
 
 impl SnapshotKey {
@@ -57,13 +68,13 @@ impl SnapshotKey {
     }
 
     /// A new random key from the kernel.
-    pub fn generate() -> Result<SnapshotKey, SnapshotError> {
+    pub fn generate() -> Result<SnapshotKey, SnapshotKeyError> {
         let bytes = random_key().map_err(|e| key_error(Path::new("/dev/urandom"), format!("no randomness: {e}")))?;
         Ok(SnapshotKey::from_bytes(bytes))
     }
 
     /// A random key that lives as long as this process: snapshots sealed with it open in this process only.
-    pub fn process_local() -> Result<SnapshotKey, SnapshotError> {
+    pub fn process_local() -> Result<SnapshotKey, SnapshotKeyError> {
         static KEY: OnceLock<Option<SnapshotKey>> = OnceLock::new();
         KEY.get_or_init(|| SnapshotKey::generate().ok())
             .clone()
@@ -71,14 +82,14 @@ impl SnapshotKey {
     }
 
     /// The key of the home `home` (`$STRATA_HOME`): [`KEY_FILE`] under it, created on first use.
-    pub fn in_home(home: &Path) -> Result<SnapshotKey, SnapshotError> {
+    pub fn in_home(home: &Path) -> Result<SnapshotKey, SnapshotKeyError> {
         SnapshotKey::load_or_create(&home.join(KEY_FILE))
     }
 
     /// The key in `path`, created (with its directory, mode 0700) when there is none.
-    pub fn load_or_create(path: &Path) -> Result<SnapshotKey, SnapshotError> {
+    pub fn load_or_create(path: &Path) -> Result<SnapshotKey, SnapshotKeyError> {
         match SnapshotKey::load(path) {
-            Err(SnapshotError::Key { .. }) if !exists(path) => {}
+            Err(_) if !exists(path) => {}
             other => return other,
         }
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
@@ -94,7 +105,7 @@ impl SnapshotKey {
         }
         check_directory(dir)?;
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let temporary = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), crate::snapshot::random_hex(4)));
+        let temporary = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), random_hex(4)));
         let written = (|| {
             let mut file = std::fs::OpenOptions::new()
                 .write(true)
@@ -132,7 +143,7 @@ impl SnapshotKey {
 
     /// The key in `path`, which must be a regular file of exactly [`KEY_LEN`] bytes, owned by this user and
     /// private to it.
-    pub fn load(path: &Path) -> Result<SnapshotKey, SnapshotError> {
+    pub fn load(path: &Path) -> Result<SnapshotKey, SnapshotKeyError> {
         let mut file = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc_flags::NOFOLLOW | libc_flags::NONBLOCK)
@@ -178,7 +189,7 @@ fn exists(path: &Path) -> bool {
 
 /// The key's directory must be a real directory of this user's that nobody else may write to (else another
 /// user could put a key of their own in place).
-fn check_directory(dir: &Path) -> Result<(), SnapshotError> {
+fn check_directory(dir: &Path) -> Result<(), SnapshotKeyError> {
     let meta = std::fs::symlink_metadata(dir).map_err(|e| key_error(dir, format!("cannot stat it: {e}")))?;
     if !meta.file_type().is_dir() {
         return Err(key_error(dir, "not a directory"));
@@ -235,7 +246,7 @@ mod tests {
         SnapshotKey::in_home(home.path()).expect("create");
         let path = home.path().join(KEY_FILE);
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
-        let err = SnapshotKey::in_home(home.path()).expect_err("readable by others");
+        let err = crate::SnapshotError::from(SnapshotKey::in_home(home.path()).expect_err("readable by others"));
         assert_eq!(err.code(), "snapshot_key", "{err}");
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
         std::fs::write(&path, b"short").expect("write");

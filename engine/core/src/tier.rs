@@ -1,5 +1,5 @@
 //! The interfaces every tier implements: [`Tier`] for one-shot jobs and sandboxes, [`Sandbox`] for a live
-//! sandbox that runs several jobs in turn.
+//! sandbox that runs several jobs, in turn or at once as its tier allows.
 
 use std::fmt;
 use std::io::Read;
@@ -9,6 +9,8 @@ use std::sync::Arc;
 
 use crate::caps::Capabilities;
 use crate::error::TierError;
+use crate::fs::{EntryInfo, Watcher};
+use crate::guest_path::GuestPath;
 use crate::job::Job;
 use crate::limits::Limits;
 use crate::outcome::{Outcome, TierKind};
@@ -63,7 +65,8 @@ impl CancelToken {
 pub struct ExecOptions {
     /// Limits for this job; the sandbox's limits when `None`.
     pub limits: Option<Limits>,
-    /// stdin for this job; the capabilities' stdin when `None`.
+    /// The bytes this job reads on stdin; `None`: stdin is at its end (the one place a job's stdin is given,
+    /// besides the stream below).
     pub stdin: Option<Vec<u8>>,
     /// stdin for this job as a stream the caller writes while the job runs (instead of `stdin`), read by the job as
     /// it arrives, inside the job's limits, on every tier: the process tier gives the descriptor to the job as its
@@ -258,51 +261,62 @@ pub trait Tier: Send + Sync {
     }
 }
 
-/// A live sandbox. Dropping it releases everything it holds, as [`close`](Sandbox::close) does.
-pub trait Sandbox: Send {
+/// A live sandbox: several jobs and file calls against one set of capabilities and limits, whose state (files,
+/// an interpreter, processes left running) lasts from one job to the next. Dropping it releases everything it
+/// holds, as [`close`](Sandbox::close) does.
+///
+/// Every method takes `&self` and may be called from any thread. What may run at the same time is the tier's:
+/// a call the sandbox cannot take beside what it is doing answers [`TierError::Busy`] at once (it never waits for
+/// the other call to end). The process tier runs any number of jobs and file calls at once, each job metered
+/// and limited on its own inside the sandbox's limits; the wasm tier runs WASI commands and file calls beside
+/// each other and one Python turn at a time (its one interpreter); the microVM tier runs one job at a time, with
+/// file calls beside it. A snapshot is taken between jobs only.
+pub trait Sandbox: Send + Sync {
     /// The tier it runs on.
     fn tier(&self) -> TierKind;
 
-    /// Runs a job inside the sandbox.
-    fn exec(&mut self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError>;
-
-    /// Writes a file at a guest path (inside a read-write grant).
-    fn write_file(&mut self, guest_path: &str, contents: &[u8]) -> Result<(), TierError>;
-
-    /// Reads a file at a guest path (inside a grant).
-    fn read_file(&mut self, guest_path: &str) -> Result<Vec<u8>, TierError>;
-
-    /// Saves the sandbox's complete state, between jobs, into a new snapshot directory at `destination` (written
-    /// atomically by a [`crate::SnapshotWriter`]; it must not exist). The sandbox goes on running afterwards.
-    /// See [`Tier::fork`] for what a fork of it gets.
-    fn snapshot(&mut self, destination: &Path) -> Result<Snapshot, TierError> {
-        let _ = destination;
-        Err(TierError::Unsupported { tier: self.tier(), what: "snapshots".into() })
-    }
-
-    /// A handle that runs jobs and file operations in this sandbox at the same time as each other and as this
-    /// sandbox's own calls, from any thread; `None` where the tier runs one job at a time. Each job a handle runs
-    /// is metered and limited on its own (its CPU time, memory and limits are its own), while the sandbox's
-    /// limits bound all of them together. Stopping a job the sandbox's own [`exec`](Sandbox::exec) runs (a limit, a
-    /// cancel) leaves the handle's jobs running. The handle stops working when the sandbox is closed.
-    fn handle(&mut self) -> Option<Arc<dyn SandboxHandle>> {
-        None
-    }
-
-    /// Shuts the sandbox down and releases its resources.
-    fn close(self: Box<Self>) -> Result<(), TierError>;
-}
-
-/// Jobs and file operations on a live sandbox that run concurrently (from [`Sandbox::handle`]).
-pub trait SandboxHandle: Send + Sync {
-    /// Runs a job inside the sandbox, beside any others running there.
+    /// Runs a job inside the sandbox. Its limits are `opts.limits`, else the sandbox's.
     fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError>;
 
-    /// Writes a file at a guest path.
+    /// Writes a file at a guest path (a read-write grant's, or the sandbox's own filesystem where it has one).
     fn write_file(&self, guest_path: &str, contents: &[u8]) -> Result<(), TierError>;
 
     /// Reads a file at a guest path.
     fn read_file(&self, guest_path: &str) -> Result<Vec<u8>, TierError>;
+
+    /// Saves the sandbox's complete state, between jobs, into a new snapshot directory at `destination` (written
+    /// atomically by a [`crate::SnapshotWriter`]; it must not exist). The sandbox goes on running afterwards.
+    /// See [`Tier::fork`] for what a fork of it gets.
+    fn snapshot(&self, destination: &Path) -> Result<Snapshot, TierError> {
+        let _ = destination;
+        Err(TierError::Unsupported { tier: self.tier(), what: "snapshots".into() })
+    }
+
+    /// Lists the directory at `path`: its entries, and theirs down to `depth` levels (1: the directory's own
+    /// entries). Links are listed, not followed. At most [`crate::fs::MAX_LIST_ENTRIES`] entries.
+    fn list_dir(&self, path: &GuestPath, depth: u32) -> Result<Vec<EntryInfo>, TierError>;
+
+    /// Describes the file or directory at `path` (a link itself, not its target).
+    fn stat(&self, path: &GuestPath) -> Result<EntryInfo, TierError>;
+
+    /// Makes the directory `path` and any missing parents; `false` when it already existed.
+    fn make_dir(&self, path: &GuestPath) -> Result<bool, TierError>;
+
+    /// Moves `from` to `to` (replacing a file there) and describes it at its new path.
+    fn rename(&self, from: &GuestPath, to: &GuestPath) -> Result<EntryInfo, TierError>;
+
+    /// Removes the file or link at `path`, or the directory and everything in it.
+    fn remove(&self, path: &GuestPath) -> Result<(), TierError>;
+
+    /// Watches the directory `path` (and, when `recursive`, every directory below it, including those made
+    /// later): creates, writes, permission changes, renames and removals arrive on the [`Watcher`] as they
+    /// happen, however short-lived the file. Dropping the watcher ends the watch.
+    fn watch(&self, path: &GuestPath, recursive: bool) -> Result<Watcher, TierError>;
+
+    /// Shuts the sandbox down and releases its resources; idempotent. Jobs still running are stopped (cancel
+    /// them through their [`CancelToken`]s first to have them end as cancelled); every later call answers
+    /// [`TierError::SessionEnded`].
+    fn close(&self) -> Result<(), TierError>;
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Strata's host egress proxy: the one place every tier's network traffic leaves the host (DESIGN §3).
+//! Strata's host egress proxy: the one place every tier's network traffic leaves the host (docs/DESIGN.md §3).
 //!
 //! [`EgressProxy::start`] listens on a Unix socket (bound into a process jail, or fed by the microVM's vsock
 //! tunnel) and/or a TCP address, and speaks HTTP/1.1 forward proxy:
@@ -44,7 +44,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod allow;
+/// The allowlist's rules live in `strata-core` (every tier and the proxy share one parse); re-exported here.
+pub use strata_core::allow;
 mod env;
 pub mod http;
 mod proxy;

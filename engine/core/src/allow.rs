@@ -1,4 +1,6 @@
-//! The egress allowlist: `--allow-net HOST[:PORT]` specs parsed once, then matched per request.
+//! The egress allowlist: `--allow-net HOST[:PORT]` specs parsed once, at the edge (a policy, a flag, a request
+//! body), into the [`Allowlist`] that [`Net::Allow`](crate::Net::Allow) carries; every tier and the egress proxy
+//! match requests against that one parse.
 //!
 //! A spec is one of
 //! - an exact host name: `example.com` (matches `example.com` only, not its subdomains);
@@ -18,6 +20,8 @@ use std::fmt;
 use std::net::{IpAddr, Ipv6Addr};
 use std::str::FromStr;
 
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
 /// A spec that is not a valid `HOST[:PORT]`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AllowlistError {
@@ -32,10 +36,10 @@ pub enum AllowlistError {
 }
 
 /// A tier meets a malformed spec only when its caller skipped the parse-time check: a `wrong_format` error naming it.
-impl From<AllowlistError> for strata_core::TierError {
+impl From<AllowlistError> for crate::TierError {
     fn from(err: AllowlistError) -> Self {
         match err {
-            AllowlistError::Malformed { spec, why } => strata_core::TierError::WrongFormat {
+            AllowlistError::Malformed { spec, why } => crate::TierError::WrongFormat {
                 what: format!("--allow-net {spec:?} ({why})"),
                 expected: "a HOST[:PORT] allowlist entry",
             },
@@ -97,7 +101,7 @@ impl fmt::Display for Host {
 /// Lowercases and validates a DNS name: ASCII letters, digits, `-` and `_` in labels of 1–63 bytes, at most 253
 /// bytes, one optional trailing dot dropped. A name whose last label is numeric (`2130706433`, `1.2.3.04`,
 /// `0x7f.1`) is refused: resolvers would read it as an IP address in a form the allowlist cannot see.
-pub(crate) fn normalise_name(s: &str) -> Result<String, &'static str> {
+pub fn normalise_name(s: &str) -> Result<String, &'static str> {
     let s = s.strip_suffix('.').unwrap_or(s);
     if s.is_empty() {
         return Err("empty host");
@@ -218,7 +222,7 @@ impl FromStr for AllowRule {
 }
 
 /// Splits `host[:port]` / `[v6][:port]`; the host part keeps its brackets.
-pub(crate) fn split_host_port(s: &str) -> Result<(&str, Option<&str>), &'static str> {
+pub fn split_host_port(s: &str) -> Result<(&str, Option<&str>), &'static str> {
     if s.starts_with('[') {
         let end = s.find(']').ok_or("unbalanced '['")?;
         let (host, rest) = s.split_at(end + 1);
@@ -235,7 +239,7 @@ pub(crate) fn split_host_port(s: &str) -> Result<(&str, Option<&str>), &'static 
 }
 
 /// A decimal port 1–65535.
-pub(crate) fn parse_port(p: &str) -> Result<u16, &'static str> {
+pub fn parse_port(p: &str) -> Result<u16, &'static str> {
     if p.is_empty() || p.len() > 5 || !p.bytes().all(|b| b.is_ascii_digit()) {
         return Err("port is not a number 1-65535");
     }
@@ -246,8 +250,12 @@ pub(crate) fn parse_port(p: &str) -> Result<u16, &'static str> {
 }
 
 /// The parsed `--allow-net` specs. Empty means every request is denied (the default).
+///
+/// It keeps the specs as written beside their rules: they are what messages name and what serialises (a list of
+/// strings, parsed again on the way in, so a manifest or a request body with a malformed spec is refused).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Allowlist {
+    specs: Vec<String>,
     rules: Vec<AllowRule>,
 }
 
@@ -263,8 +271,37 @@ impl Allowlist {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let rules = specs.into_iter().map(|s| s.as_ref().parse()).collect::<Result<_, _>>()?;
-        Ok(Allowlist { rules })
+        let mut list = Allowlist::default();
+        for spec in specs {
+            list.push(spec.as_ref())?;
+        }
+        Ok(list)
+    }
+
+    /// Adds one spec, unless the list already has it as written.
+    fn push(&mut self, spec: &str) -> Result<(), AllowlistError> {
+        if !self.specs.iter().any(|s| s == spec) {
+            self.rules.push(spec.parse()?);
+            self.specs.push(spec.to_owned());
+        }
+        Ok(())
+    }
+
+    /// These specs, then those of `extra` that are not among them (a policy's list and a job's `--allow-net`).
+    pub fn union(&self, extra: &Allowlist) -> Allowlist {
+        let mut list = self.clone();
+        for (spec, rule) in extra.specs.iter().zip(&extra.rules) {
+            if !list.specs.contains(spec) {
+                list.specs.push(spec.clone());
+                list.rules.push(rule.clone());
+            }
+        }
+        list
+    }
+
+    /// The specs as written, in order.
+    pub fn specs(&self) -> &[String] {
+        &self.specs
     }
 
     /// The rules, in the order given.
@@ -295,6 +332,19 @@ impl Allowlist {
             return true;
         }
         ip.is_loopback() && host.name() == Some("localhost") && self.allows(host, port)
+    }
+}
+
+impl Serialize for Allowlist {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.specs.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Allowlist {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Allowlist, D::Error> {
+        let specs = Vec::<String>::deserialize(deserializer)?;
+        Allowlist::parse(&specs).map_err(serde::de::Error::custom)
     }
 }
 
@@ -483,5 +533,23 @@ mod tests {
         assert!(a.permits_resolved(&lh, "::1".parse().unwrap(), 8080));
         assert!(!a.permits_resolved(&lh, "10.0.0.1".parse().unwrap(), 8080));
         assert!(!list(&["*.example.com"]).permits_resolved(&lh, "127.0.0.1".parse().unwrap(), 80));
+    }
+
+    #[test]
+    fn union_keeps_order_and_drops_repeats() {
+        let both = list(&["a.example", "b.example"]).union(&list(&["b.example", "c.example:443"]));
+        assert_eq!(both.specs(), ["a.example", "b.example", "c.example:443"]);
+        assert_eq!(both.rules().len(), 3);
+        assert!(both.allows(&name("c.example"), 443));
+    }
+
+    #[test]
+    fn serialises_as_written_and_refuses_a_malformed_spec_on_the_way_in() {
+        let a = list(&["Example.COM", "*.x.org:443"]);
+        let json = serde_json::to_string(&a).unwrap();
+        assert_eq!(json, r#"["Example.COM","*.x.org:443"]"#);
+        assert_eq!(serde_json::from_str::<Allowlist>(&json).unwrap(), a);
+        let err = serde_json::from_str::<Allowlist>(r#"["ok.example","http://bad"]"#).unwrap_err();
+        assert!(err.to_string().contains("http://bad"), "{err}");
     }
 }
