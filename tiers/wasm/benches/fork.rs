@@ -72,7 +72,7 @@ fn main() -> anyhow::Result<()> {
     let iters: usize = std::env::var("FORK_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(200);
 
     // The parent: a session that imported numpy (the first run compiles the snapshot-ready runtime).
-    let mut parent = tier.start(&caps, &limits)?;
+    let parent = tier.start(&caps, &limits)?;
     let t = Instant::now();
     expect_output(&parent.exec(&code("import numpy as np; x = 41"), ExecOptions::default())?, "")?;
     println!("session import numpy            {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
@@ -97,7 +97,7 @@ fn main() -> anyhow::Result<()> {
     let mut second_job = Figures::new("fork_second_job");
     for i in 0..iters + iters / 10 + 1 {
         let t = Instant::now();
-        let mut fork = tier.fork(&snapshot)?;
+        let fork = tier.fork(&snapshot)?;
         let forked = t.elapsed();
         let outcome = fork.exec(&first, ExecOptions::default())?;
         let elapsed = t.elapsed();
@@ -134,7 +134,7 @@ fn main() -> anyhow::Result<()> {
     let before = pss()?;
     let mut idle: Vec<Box<dyn Sandbox>> = Vec::new();
     for _ in 0..100 {
-        let mut fork = tier.fork(&snapshot)?;
+        let fork = tier.fork(&snapshot)?;
         expect_output(&fork.exec(&first, ExecOptions::default())?, "42\n")?;
         idle.push(fork);
     }

@@ -23,14 +23,14 @@
 
 use strata_core::{Outcome, Status, TierError};
 
-use crate::exec::{ArmedStore, Captures, JobContext, WasiSpec, arm_store, guarded, status_of, wasi_ctx};
+use crate::exec::{ArmedStore, Captures, JobContext, JobState, WasiSpec, arm_store, guarded, status_of, wasi_ctx};
 use crate::net::NetPolicy;
 use crate::runtime::{PreparedComponent, Runtime};
 
 /// Runs a prepared command component to completion.
 pub(crate) fn execute(
-    runtime: &Runtime,
-    prepared: &PreparedComponent,
+    runtime: &Runtime<JobState>,
+    prepared: &PreparedComponent<JobState>,
     program: &str,
     args: &[String],
     job: JobContext<'_>,

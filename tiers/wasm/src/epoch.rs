@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use wasmtime::Engine;
 
+use crate::error::lock;
+
 /// How often running guests are interrupted to check their limits.
 pub const TICK: Duration = Duration::from_millis(2);
 
@@ -30,7 +32,7 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state is two plain fields updated atomically under the lock; a poisoned lock still holds a
         // consistent value.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 }
 
@@ -58,7 +60,7 @@ impl EpochTicker {
     /// Marks a job as running, starting the thread on first use.
     pub(crate) fn enter(&self) -> std::io::Result<Running<'_>> {
         {
-            let mut thread = self.thread.lock().unwrap_or_else(|p| p.into_inner());
+            let mut thread = lock(&self.thread);
             if thread.is_none() {
                 let engine = self.engine.clone();
                 let shared = self.shared.clone();

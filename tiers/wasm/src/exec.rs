@@ -1,6 +1,9 @@
 //! Running guests: the WASI context built from `Capabilities`, the store with its limits, the guarded call,
 //! and the mapping of how the guest ended to an `Outcome`. Shared by WASI commands (preview1 modules and 0.2
 //! components), one-shot Python and Python sessions.
+//!
+//! A job's store holds a [`JobState`], which gives the runtime's linkers the views they are generic over
+//! ([`StoreData`], [`ToolsView`], [`NetView`]): the modules below this one never name it.
 
 use std::cell::RefCell;
 use std::future::Future;
@@ -12,19 +15,18 @@ use strata_core::{
     CancelToken, Capabilities, ExecOptions, GrantMode, LimitKind, Limits, Net, Outcome, OutputSink, Status,
     StdinStream, Stream, TierError, TierKind, ToolCall, ToolRegistry, Truncated, Usage,
 };
-use strata_wasi_shims::{Captured, OutputCapture, StreamedStdin};
+use strata_core::{Captured, OutputCapture};
+use strata_wasi_shims::{StreamedStdin, WasiOutput};
 use wasmtime::{ResourceLimiter, Store, Trap, UpdateDeadline, WasmBacktrace};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryInputPipe;
+use wasmtime_wasi::sockets::WasiSocketsView;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder, WasiCtxView, WasiView};
 
-use crate::net::NetPolicy;
-use crate::runtime::{MAX_LINEAR_MEMORY, MAX_TABLE_ELEMENTS, Prepared, Runtime, describe};
-use crate::tools::ToolHost;
-
-fn internal(message: impl std::fmt::Display) -> TierError {
-    TierError::Internal { tier: TierKind::Wasm, message: message.to_string() }
-}
+use crate::error::{internal, internal_from};
+use crate::net::{NetCtxView, NetPolicy, NetView};
+use crate::runtime::{MAX_LINEAR_MEMORY, MAX_TABLE_ELEMENTS, Prepared, Runtime, StoreData, describe};
+use crate::tools::{ToolHost, ToolsView};
 
 /// Per-store state: the guest's WASI context, the meter that enforces its limits, its tools, and its network
 /// policy (components only).
@@ -38,9 +40,12 @@ pub(crate) struct JobState {
     pub(crate) net: Option<Arc<NetPolicy>>,
 }
 
-impl JobState {
-    /// State with nothing granted and no limits armed; used to inspect the linker.
-    pub(crate) fn empty() -> JobState {
+impl StoreData for JobState {
+    fn preview1(&mut self) -> &mut WasiP1Ctx {
+        &mut self.wasi
+    }
+
+    fn empty() -> JobState {
         JobState {
             wasi: WasiCtxBuilder::new().build_p1(),
             meter: Meter::new(&Limits::default(), None),
@@ -53,6 +58,18 @@ impl JobState {
 impl WasiView for JobState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         self.wasi.ctx()
+    }
+}
+
+impl ToolsView for JobState {
+    fn tools(&mut self) -> &mut ToolHost {
+        &mut self.tools
+    }
+}
+
+impl NetView for JobState {
+    fn net(&mut self) -> NetCtxView<'_> {
+        NetCtxView { sockets: self.wasi.sockets(), policy: self.net.as_ref() }
     }
 }
 
@@ -198,7 +215,7 @@ pub(crate) fn block_on<F: Future>(future: F) -> Result<F::Output, TierError> {
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .map_err(|e| internal(format!("cannot start the executor: {e}")))?,
+                .map_err(|e| internal_from("cannot start the executor", e))?,
         )),
     };
     let Some(runtime) = &executor.0 else { return Err(internal("the executor is gone")) };
@@ -207,11 +224,10 @@ pub(crate) fn block_on<F: Future>(future: F) -> Result<F::Output, TierError> {
     Ok(output)
 }
 
-/// Checks that the capabilities can be honoured on this tier, before anything is built. Network egress is
-/// checked here only for well-formed specs: whether a job can use it depends on the job ([`refuse_net`]).
+/// Checks that the capabilities can be honoured on this tier, before anything is built. Whether a job can use
+/// network egress depends on the job ([`refuse_net`]).
 pub(crate) fn check_caps(caps: &Capabilities, registry: &ToolRegistry) -> Result<(), TierError> {
     caps.validate()?;
-    crate::net::check_specs(&caps.net)?;
     registry.select(&caps.tools)?;
     Ok(())
 }
@@ -229,7 +245,7 @@ pub(crate) fn refuse_net(caps: &Capabilities, what: &str) -> Result<(), TierErro
             what: format!(
                 "network egress (--allow-net {}) for {what}; on this tier only WASI 0.2 components (wasm32-wasip2) \
                  have sockets",
-                hosts.join(",")
+                hosts.specs().join(",")
             ),
         }),
     }
@@ -285,11 +301,11 @@ pub(crate) enum GuestStdin<'a> {
 }
 
 impl<'a> GuestStdin<'a> {
-    /// The stdin of a job with these options: their stream, else their bytes, else the capabilities' bytes.
-    pub(crate) fn of(opts: &'a ExecOptions, caps: &'a Capabilities) -> GuestStdin<'a> {
+    /// The stdin of a job with these options: their stream, else their bytes, else none (at its end).
+    pub(crate) fn of(opts: &'a ExecOptions) -> GuestStdin<'a> {
         match &opts.stdin_stream {
             Some(stream) => GuestStdin::Stream(stream.clone()),
-            None => GuestStdin::Bytes(opts.stdin.as_deref().unwrap_or(&caps.stdin)),
+            None => GuestStdin::Bytes(opts.stdin.as_deref().unwrap_or_default()),
         }
     }
 }
@@ -345,7 +361,7 @@ pub(crate) fn wasi_ctx(spec: WasiSpec<'_>, captures: &Captures) -> Result<WasiP1
         GuestStdin::Stream(stream) => builder.stdin(StreamedStdin::new(stream)),
         GuestStdin::Switched(stdin) => builder.stdin(stdin),
     };
-    builder.stdout(captures.stdout.clone()).stderr(captures.stderr.clone());
+    builder.stdout(WasiOutput(captures.stdout.clone())).stderr(WasiOutput(captures.stderr.clone()));
     crate::net::configure(&mut builder, spec.net.as_ref());
     for preopen in &spec.preopens {
         let perms = if preopen.writable { FsPerms::ReadWrite } else { FsPerms::ReadOnly };
@@ -391,7 +407,7 @@ impl Captures {
 }
 
 /// A store with the meter as its limiter, fuel set when the engine is metered, and the epoch callback armed.
-pub(crate) fn new_store(runtime: &Runtime, state: JobState) -> Store<JobState> {
+pub(crate) fn new_store(runtime: &Runtime<JobState>, state: JobState) -> Store<JobState> {
     let mut store = Store::new(&runtime.engine, state);
     store.limiter(|state| &mut state.meter);
     store.epoch_deadline_callback(|mut ctx| {
@@ -407,7 +423,7 @@ pub(crate) fn new_store(runtime: &Runtime, state: JobState) -> Store<JobState> {
 /// Sets the fuel budget of the next call: the job's limit, or all there is when the engine is metered and the
 /// job set none (so fuel is still reported). Returns the budget.
 pub(crate) fn set_fuel(
-    runtime: &Runtime,
+    runtime: &Runtime<JobState>,
     store: &mut Store<JobState>,
     limits: &Limits,
 ) -> Result<Option<u64>, TierError> {
@@ -529,13 +545,13 @@ pub(crate) struct ArmedStore<'r> {
 
 /// Builds the store of a one-shot job around its WASI context.
 pub(crate) fn arm_store<'r>(
-    runtime: &'r Runtime,
+    runtime: &'r Runtime<JobState>,
     wasi: WasiP1Ctx,
     limits: &Limits,
     cancel: Option<CancelToken>,
     tools: ToolHost,
 ) -> Result<ArmedStore<'r>, TierError> {
-    let running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
+    let running = runtime.ticker.enter().map_err(|e| internal_from("cannot start the epoch thread", e))?;
     let meter = Meter::new(limits, cancel);
     let mut store = new_store(runtime, JobState { wasi, meter, tools, net: None });
     let fuel_budget = set_fuel(runtime, &mut store, limits)?;
@@ -547,8 +563,8 @@ pub(crate) fn arm_store<'r>(
 
 /// Runs a prepared WASI command to completion.
 pub(crate) fn execute(
-    runtime: &Runtime,
-    prepared: &Prepared,
+    runtime: &Runtime<JobState>,
+    prepared: &Prepared<JobState>,
     program: &str,
     args: &[String],
     job: JobContext<'_>,

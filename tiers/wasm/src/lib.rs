@@ -37,24 +37,41 @@
 //! tier's only jobs with **network egress**: `wasi:sockets` TCP connects checked against the allowlist and
 //! logged in the outcome's `egress` ([`net`]). In a sandbox each `exec` of a component is a fresh instance, as
 //! for preview1 commands.
+//!
+//! # Modules
+//!
+//! From the top down:
+//!
+//! - `sandbox`, [`python`], `component`: live sandboxes, Python jobs and sessions, WASI 0.2 commands.
+//! - `grants`, `watch`: a sandbox's filesystem methods on its grants' host directories (never following a
+//!   link out of a grant), and its inotify watches.
+//! - `exec`: running a guest: the WASI context built from the capabilities, the store and its data (`JobState`)
+//!   with the limits armed, the guarded call, the outcome.
+//! - `snapshot`: a snapshot's files, saved from a session and read back by a fork; in it, the rewrite that makes
+//!   a module snapshot-ready (`ready_module`), the snapshot-ready Python runtime made once and cached
+//!   (`ready_runtime`), and the copy-on-write memories snapshot-ready instances run in (`memory_image`).
+//! - `runtime`: an engine, its linkers and the programs prepared for it, generic over the stores' data.
+//! - [`net`], `tools`: the network layers over `wasi:sockets` and the `host.call` import, each linked for any
+//!   store whose data gives it its view (`NetView`, `ToolsView`), as wasmtime-wasi's `WasiView` does.
+//! - [`cache`], `epoch`, `error`: the compiled-code cache, the epoch ticker, the tier's internal errors.
 
 #![warn(missing_docs)]
 
 pub mod cache;
 mod component;
 mod epoch;
+mod error;
 mod exec;
-mod image;
-mod instrument;
+mod grants;
 pub mod net;
 pub mod python;
-mod ready;
 mod runtime;
 mod sandbox;
 mod snapshot;
 #[doc(hidden)]
 pub use snapshot::fuzzing as snapshot_fuzzing;
 mod tools;
+mod watch;
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
@@ -71,9 +88,11 @@ pub use python::{PythonArtifacts, PythonProvider};
 pub use sandbox::WasmSandbox;
 
 use crate::cache::Digest;
+use crate::error::{internal, internal_from, lock};
+use crate::exec::JobState;
 use crate::python::SessionModule;
 use crate::runtime::{Allocation, Expect, Format, Prepared, PreparedComponent, Runtime};
-use crate::snapshot::ReadyRuntime;
+use crate::snapshot::ready_runtime::{self, ReadyRuntime};
 use crate::tools::ToolHost;
 
 /// Settings of the wasm tier.
@@ -157,22 +176,25 @@ const MAX_REMEMBERED_FILES: usize = 1024;
 pub(crate) struct TierInner {
     config: WasmTierConfig,
     cache: Option<ModuleCache>,
-    unmetered: OnceLock<Result<Runtime, String>>,
-    metered: OnceLock<Result<Runtime, String>>,
+    unmetered: OnceLock<Result<Runtime<JobState>, String>>,
+    metered: OnceLock<Result<Runtime<JobState>, String>>,
     /// The engines of snapshot-ready sessions and their forks, unmetered and metered.
-    mapped_unmetered: OnceLock<Result<Runtime, String>>,
-    mapped_metered: OnceLock<Result<Runtime, String>>,
+    mapped_unmetered: OnceLock<Result<Runtime<JobState>, String>>,
+    mapped_metered: OnceLock<Result<Runtime<JobState>, String>>,
     /// The snapshot-ready form of each Python runtime met so far (by its sha256), or why it has none.
     ready: Mutex<HashMap<Digest, Result<ReadyRuntime, String>>>,
     files: Mutex<HashMap<PathBuf, (FileStamp, Digest, Format)>>,
 }
 
+/// The Python runtime's files, its module prepared for one engine, and where the compiled code came from.
+type PreparedPython = (PythonArtifacts, Arc<Prepared<JobState>>, Option<CacheOutcome>);
+
 /// A job's program, prepared.
 enum Program {
     /// A WASI preview1 command module.
-    Module(Arc<Prepared>),
+    Module(Arc<Prepared<JobState>>),
     /// A WASI 0.2 command component.
-    Component(Arc<PreparedComponent>),
+    Component(Arc<PreparedComponent<JobState>>),
 }
 
 impl WasmTier {
@@ -217,23 +239,27 @@ impl WasmTier {
 }
 
 impl TierInner {
-    fn runtime(&self, metered: bool) -> Result<&Runtime, TierError> {
+    fn runtime(&self, metered: bool) -> Result<&Runtime<JobState>, TierError> {
         self.runtime_of(metered, Allocation::Pooled)
     }
 
-    fn runtime_of(&self, metered: bool, allocation: Allocation) -> Result<&Runtime, TierError> {
+    fn runtime_of(&self, metered: bool, allocation: Allocation) -> Result<&Runtime<JobState>, TierError> {
         let cell = match (allocation, metered) {
             (Allocation::Pooled, false) => &self.unmetered,
             (Allocation::Pooled, true) => &self.metered,
             (Allocation::Mapped, false) => &self.mapped_unmetered,
             (Allocation::Mapped, true) => &self.mapped_metered,
         };
-        cell.get_or_init(|| Runtime::new(&self.config, metered, allocation).map_err(|e| e.to_string()))
+        cell.get_or_init(|| Runtime::new(self.config.max_instances, metered, allocation).map_err(|e| e.to_string()))
             .as_ref()
-            .map_err(|message| TierError::Internal { tier: TierKind::Wasm, message: message.clone() })
+            .map_err(internal)
     }
 
-    fn prepare(&self, runtime: &Runtime, module: &ModuleSource) -> Result<(Program, Option<CacheOutcome>), TierError> {
+    fn prepare(
+        &self,
+        runtime: &Runtime<JobState>,
+        module: &ModuleSource,
+    ) -> Result<(Program, Option<CacheOutcome>), TierError> {
         let name = module.program_name();
         match module {
             ModuleSource::Bytes { bytes, .. } => {
@@ -274,7 +300,7 @@ impl TierInner {
     /// Prepares a WASI command of a known format: a preview1 module or a WASI 0.2 component.
     fn prepare_as(
         &self,
-        runtime: &Runtime,
+        runtime: &Runtime<JobState>,
         name: &str,
         format: Format,
         hash: &Digest,
@@ -292,7 +318,7 @@ impl TierInner {
     }
 
     fn lock_files(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, (FileStamp, Digest, Format)>> {
-        self.files.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.files)
     }
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
@@ -301,19 +327,18 @@ impl TierInner {
         }
         // Called from inside an async runtime, where this thread must not block on a runtime of its own: run
         // the job on a scoped thread of its own instead (its CPU time is measured there too).
-        let failed = |message: String| TierError::Internal { tier: TierKind::Wasm, message };
         std::thread::scope(|scope| {
             std::thread::Builder::new()
                 .name("strata-job".into())
                 .spawn_scoped(scope, || self.run_here(job, caps, limits, opts))
-                .map_err(|e| failed(format!("cannot start a job thread: {e}")))?
+                .map_err(|e| internal_from("cannot start a job thread", e))?
                 .join()
-                .unwrap_or_else(|_| Err(failed("the job thread panicked".into())))
+                .unwrap_or_else(|_| Err(internal("the job thread panicked")))
         })
     }
 
     /// The Python runtime's files and its prepared snapshot for `runtime`'s fuel mode.
-    fn python(&self, runtime: &Runtime) -> Result<(PythonArtifacts, Arc<Prepared>, Option<CacheOutcome>), TierError> {
+    fn python(&self, runtime: &Runtime<JobState>) -> Result<PreparedPython, TierError> {
         let provider = self.config.python.as_ref().ok_or_else(|| TierError::Unsupported {
             tier: TierKind::Wasm,
             what: "Python jobs (this engine has no Python runtime configured)".into(),
@@ -336,7 +361,7 @@ impl TierInner {
 
     /// The module Python sessions run for this fuel mode: the snapshot-ready runtime, or the plain one (with the
     /// reason) when the runtime cannot be made snapshot-ready. Returns the engine it belongs to.
-    fn python_session(&self, metered: bool) -> Result<(PythonArtifacts, SessionModule, &Runtime), TierError> {
+    fn python_session(&self, metered: bool) -> Result<(PythonArtifacts, SessionModule, &Runtime<JobState>), TierError> {
         let provider = self.config.python.as_ref().ok_or_else(|| TierError::Unsupported {
             tier: TierKind::Wasm,
             what: "Python jobs (this engine has no Python runtime configured)".into(),
@@ -347,7 +372,8 @@ impl TierInner {
         let ready = match known {
             Some(ready) => ready,
             None => {
-                let (ready, module) = ready::load_or_make(self.cache.as_ref(), &artifacts)?;
+                let (ready, module) =
+                    ready_runtime::load_or_make(self.cache.as_ref(), &artifacts.snapshot, &artifacts.snapshot_digest)?;
                 instrumented = module;
                 self.lock_ready().insert(artifacts.snapshot_digest, ready.clone());
                 ready
@@ -364,7 +390,7 @@ impl TierInner {
                     Expect::PythonReactor,
                     || match instrumented {
                         Some(module) => Ok(module),
-                        None => ready::instrumented_module(&snapshot),
+                        None => ready_runtime::instrumented_module(&snapshot),
                     },
                 )?;
                 let module = SessionModule { prepared, allocation: Allocation::Mapped, snapshots: Ok(ready) };
@@ -380,7 +406,7 @@ impl TierInner {
     }
 
     fn lock_ready(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, Result<ReadyRuntime, String>>> {
-        self.ready.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.ready)
     }
 
     /// Starts a sandbox from a snapshot of this tier: re-opened with this tier's trust first (the same sealed
@@ -456,7 +482,7 @@ impl TierInner {
         let context = |tools| exec::JobContext {
             caps,
             limits,
-            stdin: exec::GuestStdin::of(&opts, caps),
+            stdin: exec::GuestStdin::of(&opts),
             sink: opts.sink.clone(),
             cancel: opts.cancel.clone(),
             tools,
@@ -504,14 +530,13 @@ impl Tier for WasmTier {
             return Ok(Box::new(self.inner.fork(snapshot)?));
         }
         // As for `run`: the restore runs guest code, which must not block an async runtime's thread.
-        let failed = |message: String| TierError::Internal { tier: TierKind::Wasm, message };
         let sandbox = std::thread::scope(|scope| {
             std::thread::Builder::new()
                 .name("strata-fork".into())
                 .spawn_scoped(scope, || self.inner.fork(snapshot))
-                .map_err(|e| failed(format!("cannot start a fork thread: {e}")))?
+                .map_err(|e| internal_from("cannot start a fork thread", e))?
                 .join()
-                .unwrap_or_else(|_| Err(failed("the fork thread panicked".into())))
+                .unwrap_or_else(|_| Err(internal("the fork thread panicked")))
         })?;
         Ok(Box::new(sandbox))
     }

@@ -4,7 +4,7 @@
 //! Without network (`Net::Deny`, the default) a component's WASI context allows no TCP, no UDP and no name
 //! lookup, and its address check says no to everything: it has no network at all.
 //!
-//! With `Net::Allow(specs)` the specs are parsed by [`strata_egress::Allowlist`], whose matching rules, default
+//! With `Net::Allow(allowlist)` (parsed where the job was made, [`strata_core::Allowlist`]) its matching rules, default
 //! ports ("no port means any port") and DNS-rebinding defence ([`Allowlist::permits_resolved`]) are the ones the
 //! egress proxy of the native tiers applies. The component may then
 //!
@@ -65,6 +65,9 @@
 //! So several connections of one job to one address, in any order of connects and finishes, each count into
 //! their own entry. An allowed connect the peer refuses keeps 0/0, as does every denied attempt, and an attempt
 //! past the [`MAX_EGRESS_ENTRIES`] kept is not counted.
+//!
+//! The layers are linked for any store whose data is a `NetView`: one that gives its sockets and its job's
+//! policy, as wasmtime-wasi's `WasiView` gives its WASI context.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -88,9 +91,9 @@ use wasmtime_wasi::p2::{
     DynInputStream, DynOutputStream, DynPollable, InputStream, OutputStream, Pollable, SocketError, StreamError,
     StreamResult, TcpSocket,
 };
-use wasmtime_wasi::sockets::{SocketAddrUse, WasiSocketsCtxView, WasiSocketsView};
+use wasmtime_wasi::sockets::{SocketAddrUse, WasiSocketsCtxView};
 
-use crate::exec::JobState;
+use crate::error::lock;
 
 /// The `kind` of a wasm component's egress entries: one TCP connect attempt, judged by the address check. An
 /// allowed one's `bytes_up` and `bytes_down` are what the guest wrote to and read from the connection's streams.
@@ -170,8 +173,8 @@ impl NetPolicy {
     pub(crate) fn for_caps(caps: &Capabilities) -> Result<Option<Arc<NetPolicy>>, TierError> {
         match &caps.net {
             Net::Deny => Ok(None),
-            Net::Allow(specs) => {
-                let allow = parse_allowlist(specs)?;
+            Net::Allow(allow) => {
+                let allow = allow.clone();
                 Ok(Some(Arc::new(NetPolicy {
                     allow,
                     state: Mutex::new(NetState::default()),
@@ -182,7 +185,7 @@ impl NetPolicy {
     }
 
     fn lock(&self) -> MutexGuard<'_, NetState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 
     /// The egress entries so far, each with its connection's bytes up to now, and how many attempts were not kept.
@@ -194,7 +197,7 @@ impl NetPolicy {
                 if let Some(counters) = counters {
                     entry.bytes_up = counters.up.load(Ordering::Relaxed);
                     entry.bytes_down = counters.down.load(Ordering::Relaxed);
-                    if let Some(reason) = counters.refused.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    if let Some(reason) = lock(&counters.refused).take() {
                         entry.verdict = "denied".to_owned();
                         entry.reason = Some(reason);
                     }
@@ -369,19 +372,6 @@ impl NetPolicy {
     }
 }
 
-/// Parses a job's `--allow-net` specs; a malformed one is a `wrong_format` error naming it, as on every tier.
-fn parse_allowlist(specs: &[String]) -> Result<Allowlist, TierError> {
-    Ok(Allowlist::parse(specs)?)
-}
-
-/// Checks a job's network capability before anything is built: every spec parses.
-pub(crate) fn check_specs(net: &Net) -> Result<(), TierError> {
-    match net {
-        Net::Deny => Ok(()),
-        Net::Allow(specs) => parse_allowlist(specs).map(|_| ()),
-    }
-}
-
 /// Grants a component's WASI context its network: none without a policy; with one, TCP and name lookups, each
 /// address checked by the policy, and no UDP.
 pub(crate) fn configure(builder: &mut WasiCtxBuilder, net: Option<&Arc<NetPolicy>>) {
@@ -400,12 +390,26 @@ pub(crate) fn configure(builder: &mut WasiCtxBuilder, net: Option<&Arc<NetPolicy
     }
 }
 
+/// What the network layers work on: a store's sockets context and its job's network policy, borrowed together.
+pub(crate) struct NetCtxView<'a> {
+    /// wasmtime-wasi's sockets, which the layers delegate to.
+    pub(crate) sockets: WasiSocketsCtxView<'a>,
+    /// The job's network; `None` is no network at all.
+    pub(crate) policy: Option<&'a Arc<NetPolicy>>,
+}
+
+/// A store's data with a network, as [`add_to_linker`]'s layers reach it.
+pub(crate) trait NetView: Send + 'static {
+    /// The store's sockets and network policy.
+    fn net(&mut self) -> NetCtxView<'_>;
+}
+
 /// Links Strata's layers over wasmtime-wasi's `wasi:sockets` into a component linker that already holds
 /// wasmtime-wasi's WASI 0.2: the name-lookup filter ([`FilteredLookup`]) and the TCP connect functions that log
 /// each attempt and count each connection's bytes ([`start_connect`], [`finish_connect`]).
-pub(crate) fn add_to_linker(linker: &mut Linker<JobState>) -> wasmtime::Result<()> {
+pub(crate) fn add_to_linker<T: NetView>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
     linker.allow_shadowing(true);
-    ip_name_lookup::add_to_linker::<JobState, FilteredLookup>(linker, lookup_view)?;
+    ip_name_lookup::add_to_linker::<T, FilteredLookup>(linker, T::net)?;
     let mut tcp = linker.instance(TCP_INSTANCE)?;
     tcp.func_wrap_async(
         "[method]tcp-socket.start-connect",
@@ -421,13 +425,13 @@ pub(crate) fn add_to_linker(linker: &mut Linker<JobState>) -> wasmtime::Result<(
 }
 
 /// `tcp-socket.start-connect`: the address judged and the attempt logged, then (if allowed) wasmtime-wasi's.
-async fn start_connect(
-    mut store: StoreContextMut<'_, JobState>,
+async fn start_connect<T: NetView>(
+    mut store: StoreContextMut<'_, T>,
     socket: Resource<TcpSocket>,
     network: Resource<Network>,
     remote: IpSocketAddress,
 ) -> wasmtime::Result<(Result<(), ErrorCode>,)> {
-    let net = store.data().net.clone();
+    let net = store.data_mut().net().policy.cloned();
     let rep = socket.rep();
     let addr = SocketAddr::from(remote);
     let verdict = match &net {
@@ -441,7 +445,7 @@ async fn start_connect(
         // No network: wasmtime-wasi refuses to make sockets at all, and its check says no to everything.
         None => None,
     };
-    let mut sockets = store.data_mut().wasi.sockets();
+    let mut sockets = store.data_mut().net().sockets;
     if let Err(err) = HostTcpSocket::start_connect(&mut sockets, socket, network, remote) {
         return Ok((Err(network::Host::convert_error_code(&mut sockets, err)?),));
     }
@@ -460,14 +464,13 @@ async fn start_connect(
 type Streams = (Resource<DynInputStream>, Resource<DynOutputStream>);
 
 /// `tcp-socket.finish-connect`: wasmtime-wasi's, with the connection's streams counted when it is made.
-fn finish_connect(
-    mut store: StoreContextMut<'_, JobState>,
+fn finish_connect<T: NetView>(
+    mut store: StoreContextMut<'_, T>,
     socket: Resource<TcpSocket>,
 ) -> wasmtime::Result<(Result<Streams, ErrorCode>,)> {
     let rep = socket.rep();
-    let state = store.data_mut();
-    let net = state.net.clone();
-    let mut sockets = state.wasi.sockets();
+    let NetCtxView { mut sockets, policy } = store.data_mut().net();
+    let net = policy.cloned();
     let finished = HostTcpSocket::finish_connect(&mut sockets, socket);
     // The connect is over unless it is still under way; either way its slot goes once it is.
     let connection = match &finished {
@@ -549,7 +552,7 @@ impl Pollable for CountedInput {
 #[wasmtime_wasi::async_trait]
 impl InputStream for CountedInput {
     fn read(&mut self, size: usize) -> StreamResult<bytes::Bytes> {
-        if self.counters.refused.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+        if lock(&self.counters.refused).is_some() {
             return Err(StreamError::Closed);
         }
         let bytes = self.inner.read(size)?;
@@ -585,7 +588,7 @@ impl OutputStream for CountedOutput {
             && let Err(reason) = gate.judge(&bytes)
         {
             // Nothing of it leaves: the stream is closed, and the connection's entry says why.
-            *self.counters.refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+            *lock(&self.counters.refused) = Some(reason);
             self.inner = Box::new(ClosedOutputStream);
             return Err(StreamError::Closed);
         }
@@ -612,18 +615,7 @@ impl OutputStream for CountedOutput {
 pub(crate) struct FilteredLookup;
 
 impl HasData for FilteredLookup {
-    type Data<'a> = LookupView<'a>;
-}
-
-/// What the lookup filter works on: the store's sockets context and the job's network policy.
-pub(crate) struct LookupView<'a> {
-    sockets: WasiSocketsCtxView<'a>,
-    net: Option<&'a NetPolicy>,
-}
-
-/// The filter's view of a job's store.
-pub(crate) fn lookup_view(state: &mut JobState) -> LookupView<'_> {
-    LookupView { sockets: state.wasi.sockets(), net: state.net.as_deref() }
+    type Data<'a> = NetCtxView<'a>;
 }
 
 fn ip_of(address: &IpAddress) -> IpAddr {
@@ -634,7 +626,7 @@ fn ip_of(address: &IpAddress) -> IpAddr {
 }
 
 // The lookup interface uses `wasi:sockets/network`'s types, so its host trait needs the network's: delegated.
-impl network::Host for LookupView<'_> {
+impl network::Host for NetCtxView<'_> {
     fn convert_error_code(&mut self, error: SocketError) -> wasmtime::Result<ErrorCode> {
         network::Host::convert_error_code(&mut self.sockets, error)
     }
@@ -644,19 +636,19 @@ impl network::Host for LookupView<'_> {
     }
 }
 
-impl HostNetwork for LookupView<'_> {
+impl HostNetwork for NetCtxView<'_> {
     fn drop(&mut self, this: Resource<Network>) -> wasmtime::Result<()> {
         HostNetwork::drop(&mut self.sockets, this)
     }
 }
 
-impl ip_name_lookup::Host for LookupView<'_> {
+impl ip_name_lookup::Host for NetCtxView<'_> {
     fn resolve_addresses(
         &mut self,
         network: Resource<Network>,
         name: String,
     ) -> Result<Resource<ResolveAddressStream>, SocketError> {
-        let Some(net) = self.net else {
+        let Some(net) = self.policy else {
             return Err(ErrorCode::PermanentResolverFailure.into());
         };
         let allowed = net.lookup_allowed(&name)?;
@@ -668,14 +660,14 @@ impl ip_name_lookup::Host for LookupView<'_> {
     }
 }
 
-impl HostResolveAddressStream for LookupView<'_> {
+impl HostResolveAddressStream for NetCtxView<'_> {
     fn resolve_next_address(
         &mut self,
         stream: Resource<ResolveAddressStream>,
     ) -> Result<Option<IpAddress>, SocketError> {
         let rep = stream.rep();
         let next = HostResolveAddressStream::resolve_next_address(&mut self.sockets, stream)?;
-        if let (Some(net), Some(address)) = (self.net, &next) {
+        if let (Some(net), Some(address)) = (self.policy, &next) {
             let name = net.lock().lookups.get(&rep).cloned();
             if let Some(name) = name {
                 net.note(ip_of(address), &name);
@@ -689,7 +681,7 @@ impl HostResolveAddressStream for LookupView<'_> {
     }
 
     fn drop(&mut self, stream: Resource<ResolveAddressStream>) -> wasmtime::Result<()> {
-        if let Some(net) = self.net {
+        if let Some(net) = self.policy {
             net.lock().lookups.remove(&stream.rep());
         }
         HostResolveAddressStream::drop(&mut self.sockets, stream)
@@ -699,12 +691,12 @@ impl HostResolveAddressStream for LookupView<'_> {
 #[cfg(test)]
 mod tests {
     use wasmtime::AsContextMut;
+    use wasmtime_wasi::sockets::WasiSocketsView;
 
     use super::*;
 
     fn policy(specs: &[&str]) -> Arc<NetPolicy> {
-        let caps =
-            Capabilities { net: Net::Allow(specs.iter().map(|s| s.to_string()).collect()), ..Default::default() };
+        let caps = Capabilities { net: Net::allow(specs).expect("valid allowlist"), ..Default::default() };
         NetPolicy::for_caps(&caps).expect("valid specs").expect("a policy")
     }
 
@@ -728,8 +720,7 @@ mod tests {
     #[test]
     fn no_network_is_no_policy_and_a_malformed_spec_is_refused() {
         assert!(NetPolicy::for_caps(&Capabilities::default()).expect("deny").is_none());
-        let caps = Capabilities { net: Net::Allow(vec!["http://x".into()]), ..Default::default() };
-        let err = NetPolicy::for_caps(&caps).expect_err("malformed");
+        let err = Net::allow(["http://x"]).expect_err("malformed");
         assert!(err.to_string().contains("http://x"), "{err}");
     }
 
@@ -860,7 +851,7 @@ mod tests {
     #[test]
     fn the_tcp_functions_strata_shadows_are_wasmtime_wasis() {
         let engine = wasmtime::Engine::default();
-        let mut linker = Linker::<JobState>::new(&engine);
+        let mut linker = Linker::<Job>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).expect("wasi");
         // Without shadowing, defining a function wasmtime-wasi defined fails: the instance's name is its.
         let err = linker
@@ -872,14 +863,30 @@ mod tests {
         add_to_linker(&mut linker).expect("shadowed");
     }
 
+    /// A store's data with a WASI context and a network: what a job's has for these layers.
+    struct Job {
+        wasi: wasmtime_wasi::p1::WasiP1Ctx,
+        net: Option<Arc<NetPolicy>>,
+    }
+
+    impl wasmtime_wasi::WasiView for Job {
+        fn ctx(&mut self) -> wasmtime_wasi::WasiCtxView<'_> {
+            self.wasi.ctx()
+        }
+    }
+
+    impl NetView for Job {
+        fn net(&mut self) -> NetCtxView<'_> {
+            NetCtxView { sockets: self.wasi.sockets(), policy: self.net.as_ref() }
+        }
+    }
+
     /// A job's store with the network of `policy`, outside any component.
-    fn store(policy: &Arc<NetPolicy>) -> wasmtime::Store<JobState> {
+    fn store(policy: &Arc<NetPolicy>) -> wasmtime::Store<Job> {
         let mut builder = WasiCtxBuilder::new();
         configure(&mut builder, Some(policy));
-        let mut state = JobState::empty();
-        state.wasi = builder.build_p1();
-        state.net = Some(policy.clone());
-        wasmtime::Store::new(&wasmtime::Engine::default(), state)
+        let job = Job { wasi: builder.build_p1(), net: Some(policy.clone()) };
+        wasmtime::Store::new(&wasmtime::Engine::default(), job)
     }
 
     /// A host server on 127.0.0.1 that echoes what each connection sends.

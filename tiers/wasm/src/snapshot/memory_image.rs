@@ -1,16 +1,16 @@
 //! Linear memories mapped copy-on-write from a memory image file: how snapshot-ready instances
-//! ([`crate::instrument`]) get their memory.
+//! ([`super::ready_module`]) get their memory.
 //!
 //! The engine that runs snapshot-ready modules allocates instances on demand with [`MappedMemoryCreator`] as
 //! its memory creator. Before instantiating, the caller names the image the instance's memory starts from
 //! ([`with_image`]); the creator reserves the memory's whole address range (reservation plus guard, as the
 //! compiled code expects), maps the image over its start `MAP_PRIVATE` and makes the rest of the initial size
 //! zero pages. An image is never a file others can reach: a mapped file that someone truncates kills the host
-//! with `SIGBUS` at the next touch of a page past its end. A snapshot's memory is its [`PrivateCopy`] (an unnamed
-//! file or a sealed memfd, which no other process can shrink or write); the runtime's base image is the module
-//! cache's entry, which only the host writes, by rename. Pages the guest only reads stay the copy's, shared by every
-//! instance mapped from the same image; a write copies that one page into the instance. A memory created with no image named (the GC
-//! heap that exception handling needs) is plain zeroed memory.
+//! with `SIGBUS` at the next touch of a page past its end. A snapshot's memory is its [`PrivateCopy`] (an
+//! unnamed file or a sealed memfd, which no other process can shrink or write); the runtime's base image is the
+//! module cache's entry, which only the host writes, by rename. Pages the guest only reads stay the copy's,
+//! shared by every instance mapped from the same image; a write copies that one page into the instance. A memory
+//! created with no image named (the GC heap that exception handling needs) is plain zeroed memory.
 //!
 //! All of this tier's `mmap` lives in this module.
 
@@ -54,7 +54,7 @@ impl MemoryImage {
     }
 
     fn of(file: ImageFile, len: u64) -> std::io::Result<MemoryImage> {
-        if !len.is_multiple_of(crate::instrument::WASM_PAGE) {
+        if !len.is_multiple_of(super::ready_module::WASM_PAGE) {
             return Err(std::io::Error::other(format!("a memory image of {len} bytes is not whole wasm pages")));
         }
         let len = usize::try_from(len).map_err(std::io::Error::other)?;

@@ -1,7 +1,13 @@
-//! Snapshots and forks of wasm sandboxes.
+//! Snapshots and forks of wasm sandboxes: a snapshot's files, saved from a live interpreter and read back by a
+//! fork. The submodules make an interpreter snapshottable in the first place:
+//!
+//! - [`ready_module`]: the rewrite that makes a module snapshot-ready (its globals exported, its data segments
+//!   laid out into a memory image);
+//! - [`ready_runtime`]: the snapshot-ready Python runtime, made once per runtime and kept in the module cache;
+//! - [`memory_image`]: linear memories mapped copy-on-write from a memory image, a fresh session's or a fork's.
 //!
 //! A wasm sandbox's state between jobs is its capabilities and limits and, once a Python job has run, its
-//! interpreter: one instance of the snapshot-ready Python runtime ([`crate::instrument`]). A snapshot holds
+//! interpreter: one instance of the snapshot-ready Python runtime. A snapshot holds
 //!
 //! ```text
 //! state.json    SandboxState: format, capabilities, limits, and for the interpreter: the runtime's identity,
@@ -15,14 +21,13 @@
 //! the capabilities a fork gets) is parsed from the sealed bytes as they are read ([`Snapshot::read_file`]),
 //! `memory.img` is mapped from the descriptor that was verified ([`Snapshot::open_file`]), and `tmp/` is copied
 //! file by file from what the manifest lists, its directories walked without following a link. Grants are host
-//! directories: a fork sees
-//! the same ones, live, not a copy. A fork maps `memory.img` copy-on-write as the new instance's memory (no
-//! compile, no copy: the compiled snapshot-ready runtime is the one every session uses), sets the globals,
-//! copies `tmp/` into a scratch directory of its own and gets a new WASI context from the capabilities: the
-//! same stdio and preopens in the same order (wasi-libc's preopen table is in the memory), fresh randomness
-//! (WASI's random source is seeded per context; Python's `random` and `numpy.random` are reseeded from it
-//! before the fork's first job), a wall clock that is the host's and a monotonic clock that goes on from the
-//! snapshot's reading.
+//! directories: a fork sees the same ones, live, not a copy. A fork maps `memory.img` copy-on-write as the new
+//! instance's memory (no compile, no copy: the compiled snapshot-ready runtime is the one every session uses),
+//! sets the globals, copies `tmp/` into a scratch directory of its own and gets a new WASI context from the
+//! capabilities: the same stdio and preopens in the same order (wasi-libc's preopen table is in the memory),
+//! fresh randomness (WASI's random source is seeded per context; Python's `random` and `numpy.random` are
+//! reseeded from it before the fork's first job), a wall clock that is the host's and a monotonic clock that
+//! goes on from the snapshot's reading.
 //!
 //! Refused with a typed error rather than snapshotted wrongly: a session with guest files open beyond stdio
 //! and the preopens (their host descriptors cannot be carried over), a session that ended, a Python runtime
@@ -38,14 +43,17 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use strata_core::{Capabilities, Limits, Persisted, Snapshot, SnapshotError, TierError, TierKind};
 use wasmtime::{Extern, Instance, Store, Val, ValType};
+use wasmtime_wasi::p1::WasiP1Ctx;
 
-use crate::cache::Digest;
-use crate::exec::JobState;
-use crate::image::MemoryImage;
-use crate::instrument::GLOBAL_EXPORT_PREFIX;
+use self::memory_image::MemoryImage;
+use self::ready_module::{GLOBAL_EXPORT_PREFIX, WASM_PAGE};
+use crate::error::{internal, internal_from};
 
 #[doc(hidden)]
 pub mod fuzzing;
+pub(crate) mod memory_image;
+mod ready_module;
+pub(crate) mod ready_runtime;
 
 /// The state file's name.
 pub(crate) const STATE_FILE: &str = "state.json";
@@ -57,26 +65,10 @@ pub(crate) const SCRATCH_DIR: &str = "tmp";
 pub(crate) const STATE_FORMAT: u32 = 1;
 /// A state file larger than this is not one of ours.
 const MAX_STATE_BYTES: u64 = 16 << 20;
+/// The largest linear memory a wasm32 module can have: 65536 pages.
+const MAX_WASM32_MEMORY: u64 = WASM_PAGE << 16;
 /// How many descriptor numbers past the preopens are checked for open files.
 const DESCRIPTOR_PROBE: u32 = 4096;
-
-/// The snapshot-ready Python runtime a session runs: what a snapshot of it records and a fork needs.
-#[derive(Debug, Clone)]
-pub(crate) struct ReadyRuntime {
-    /// The snapshot-ready module's identity (derived from the runtime's sha256).
-    pub(crate) digest: Digest,
-    /// The initial memory of a fresh interpreter.
-    pub(crate) base_image: Arc<MemoryImage>,
-    /// The module's minimum memory size, in wasm pages.
-    pub(crate) minimum_pages: u64,
-}
-
-impl ReadyRuntime {
-    /// The identity recorded in a snapshot, hex.
-    pub(crate) fn identity(&self) -> String {
-        self.digest.iter().map(|b| format!("{b:02x}")).collect()
-    }
-}
 
 /// The value of one exported mutable global.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,7 +87,7 @@ pub(crate) struct GlobalValue {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PythonState {
-    /// [`ReadyRuntime::identity`] of the runtime it ran.
+    /// [`ReadyRuntime::identity`](ready_runtime::ReadyRuntime::identity) of the runtime it ran.
     pub(crate) runtime: String,
     /// Whether it ran fuel-metered code.
     pub(crate) metered: bool,
@@ -149,7 +141,7 @@ impl SandboxState {
     /// Writes `state.json` into a snapshot being written.
     pub(crate) fn write(&self, dir: &Path) -> Result<(), TierError> {
         let path = dir.join(STATE_FILE);
-        let text = serde_json::to_vec_pretty(self).map_err(|e| internal(format!("cannot encode the state: {e}")))?;
+        let text = serde_json::to_vec_pretty(self).map_err(|e| internal_from("cannot encode the state", e))?;
         fs::write(&path, text).map_err(|source| TierError::Snapshot(SnapshotError::Io { path, source }))
     }
 
@@ -191,9 +183,7 @@ impl SandboxState {
                 }
                 None => return Err(SnapshotError::MissingFile(snapshot.file(MEMORY_FILE)).into()),
             }
-            if !python.memory_bytes.is_multiple_of(crate::instrument::WASM_PAGE)
-                || python.memory_bytes > crate::runtime::MAX_LINEAR_MEMORY
-            {
+            if !python.memory_bytes.is_multiple_of(WASM_PAGE) || python.memory_bytes > MAX_WASM32_MEMORY {
                 return Err(invalid(format!("memory_bytes {} is not a wasm memory size", python.memory_bytes)));
             }
         }
@@ -201,16 +191,15 @@ impl SandboxState {
     }
 }
 
-fn internal(message: impl std::fmt::Display) -> TierError {
-    TierError::Internal { tier: TierKind::Wasm, message: message.to_string() }
-}
-
 fn storage<'p>(what: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> TierError + 'p {
     move |source| TierError::Storage { what, path: path.to_owned(), source }
 }
 
 /// Reads every exported mutable global of a snapshot-ready instance.
-pub(crate) fn read_globals(store: &mut Store<JobState>, instance: &Instance) -> Result<Vec<GlobalValue>, TierError> {
+pub(crate) fn read_globals<T: 'static>(
+    store: &mut Store<T>,
+    instance: &Instance,
+) -> Result<Vec<GlobalValue>, TierError> {
     let globals: Vec<(String, wasmtime::Global)> = instance
         .exports(&mut *store)
         .filter(|e| e.name().starts_with(GLOBAL_EXPORT_PREFIX))
@@ -235,8 +224,8 @@ pub(crate) fn read_globals(store: &mut Store<JobState>, instance: &Instance) -> 
 
 /// Sets the exported mutable globals of a fresh instance to a snapshot's values: exactly the globals the
 /// instance exports, each of its own type.
-pub(crate) fn set_globals(
-    store: &mut Store<JobState>,
+pub(crate) fn set_globals<T: 'static>(
+    store: &mut Store<T>,
     instance: &Instance,
     values: &[GlobalValue],
 ) -> Result<(), TierError> {
@@ -267,24 +256,20 @@ pub(crate) fn set_globals(
 }
 
 /// Refuses a snapshot while the guest has files open beyond stdio and the preopens (`0..first_free`): their
-/// host descriptors cannot be carried into a fork.
-pub(crate) fn check_descriptors(store: &mut Store<JobState>, first_free: u32) -> Result<(), TierError> {
+/// host descriptors cannot be carried into a fork. Runs on the job's executor.
+pub(crate) async fn check_descriptors(wasi: &mut WasiP1Ctx, first_free: u32) -> Result<(), TierError> {
     use wasmtime_wasi::p1::wasi_snapshot_preview1::WasiSnapshotPreview1;
-    let wasi = &mut store.data_mut().wasi;
     let mut open = Vec::new();
-    let probe = crate::exec::block_on(async {
-        let mut none: [u8; 0] = [];
-        let mut memory = wiggle::GuestMemory::Unshared(&mut none);
-        for fd in first_free..first_free.saturating_add(DESCRIPTOR_PROBE) {
-            if wasi.fd_fdstat_get(&mut memory, fd.into()).await.is_ok() {
-                open.push(fd);
-                if open.len() >= 8 {
-                    break;
-                }
+    let mut none: [u8; 0] = [];
+    let mut memory = wiggle::GuestMemory::Unshared(&mut none);
+    for fd in first_free..first_free.saturating_add(DESCRIPTOR_PROBE) {
+        if wasi.fd_fdstat_get(&mut memory, fd.into()).await.is_ok() {
+            open.push(fd);
+            if open.len() >= 8 {
+                break;
             }
         }
-    });
-    probe?;
+    }
     if open.is_empty() {
         return Ok(());
     }

@@ -9,7 +9,7 @@
 //!   snapshot and set it in a fork (as wizer's instrumentation does);
 //! - the data segments are taken out of the module and laid out into a memory image of the module's initial
 //!   memory. Every instance of the rewritten module, fresh or forked, gets its linear memory from an image
-//!   file mapped copy-on-write ([`crate::image`]): the base image for a fresh session, the snapshot's memory
+//!   file mapped copy-on-write ([`super::memory_image`]): the base image for a fresh session, the snapshot's memory
 //!   file for a fork.
 //!
 //! Only state that this covers may exist in a module that is made snapshot-ready, and anything else is

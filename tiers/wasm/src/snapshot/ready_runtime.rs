@@ -1,4 +1,4 @@
-//! The snapshot-ready form of the Python runtime ([`crate::instrument`]), made once per runtime and kept in the
+//! The snapshot-ready form of the Python runtime ([`super::ready_module`]), made once per runtime and kept in the
 //! module cache directory beside the compiled code:
 //!
 //! ```text
@@ -16,11 +16,27 @@ use std::sync::Arc;
 
 use strata_core::{PrivateCopy, TierError};
 
+use super::memory_image::MemoryImage;
+use super::ready_module::{WASM_PAGE, instrument};
 use crate::cache::{Digest, ModuleCache, write_atomically};
-use crate::image::MemoryImage;
-use crate::instrument::{WASM_PAGE, instrument};
-use crate::python::PythonArtifacts;
-use crate::snapshot::ReadyRuntime;
+
+/// The snapshot-ready Python runtime a session runs: what a snapshot of it records and a fork needs.
+#[derive(Debug, Clone)]
+pub(crate) struct ReadyRuntime {
+    /// The snapshot-ready module's identity (derived from the runtime's sha256).
+    pub(crate) digest: Digest,
+    /// The initial memory of a fresh interpreter.
+    pub(crate) base_image: Arc<MemoryImage>,
+    /// The module's minimum memory size, in wasm pages.
+    pub(crate) minimum_pages: u64,
+}
+
+impl ReadyRuntime {
+    /// The identity recorded in a snapshot, hex.
+    pub(crate) fn identity(&self) -> String {
+        hex(&self.digest)
+    }
+}
 
 /// The identity of the snapshot-ready form of the runtime whose sha256 is `runtime`.
 pub(crate) fn ready_digest(runtime: &Digest) -> Digest {
@@ -42,9 +58,14 @@ fn paths(dir: &Path, digest: &Digest) -> (PathBuf, PathBuf, PathBuf) {
 /// The snapshot-ready runtime (or why there is none), and the rewritten module when it was made just now.
 pub(crate) type Made = (Result<ReadyRuntime, String>, Option<Arc<[u8]>>);
 
-/// Loads the snapshot-ready runtime's base image from the cache, or rewrites the runtime to make it.
-pub(crate) fn load_or_make(cache: Option<&ModuleCache>, artifacts: &PythonArtifacts) -> Result<Made, TierError> {
-    let digest = ready_digest(&artifacts.snapshot_digest);
+/// Loads the snapshot-ready runtime's base image from the cache, or rewrites the runtime (the module at `runtime`,
+/// whose sha256 is `runtime_digest`) to make it.
+pub(crate) fn load_or_make(
+    cache: Option<&ModuleCache>,
+    runtime: &Path,
+    runtime_digest: &Digest,
+) -> Result<Made, TierError> {
+    let digest = ready_digest(runtime_digest);
     if let Some(cache) = cache {
         let (image_path, sum_path, refused_path) = paths(cache.dir(), &digest);
         if let Ok(reason) = fs::read_to_string(&refused_path) {
@@ -54,7 +75,7 @@ pub(crate) fn load_or_make(cache: Option<&ModuleCache>, artifacts: &PythonArtifa
             return Ok((Ok(ready(digest, image)), None));
         }
     }
-    let bytes = read_runtime(&artifacts.snapshot)?;
+    let bytes = read_runtime(runtime)?;
     let done = match instrument(&bytes) {
         Ok(done) => done,
         Err(err) => {
