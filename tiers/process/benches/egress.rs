@@ -1,4 +1,4 @@
-//! Throughput of the process tier's network egress (DESIGN §3; issue 7's target ≥ 500 MB/s from the process tier):
+//! Throughput of the process tier's network egress (docs/DESIGN.md §3; the target is ≥ 500 MB/s from the process tier):
 //! a Python client in a real jail downloads from (then uploads to) a loopback HTTP origin on the host through
 //!
 //! ```text
@@ -75,7 +75,10 @@ fn mb_s(stdout: &[u8], total: u64, way: Way) -> anyhow::Result<f64> {
 /// Through a jail: the job's forwarder, the bound socket, the proxy.
 fn jailed(tier: &ProcessTier, total: u64, way: Way) -> anyhow::Result<f64> {
     let port = bulk_origin(total)?;
-    let caps = Capabilities { net: Net::Allow(vec![format!("127.0.0.1:{port}")]), ..Capabilities::default() };
+    let caps = Capabilities {
+        net: Net::allow([format!("127.0.0.1:{port}")]).expect("valid allowlist"),
+        ..Capabilities::default()
+    };
     let job = Job::Python { source: PythonSource::Code(script(port, total, way)), args: Vec::new() };
     let outcome = tier.run(&job, &caps, &Limits::default(), ExecOptions::default())?;
     anyhow::ensure!(

@@ -44,14 +44,14 @@ fn expect_41(outcome: &Outcome) -> anyhow::Result<()> {
 fn case(tier: &ProcessTier, name: &'static str, setup: &str, iters: usize) -> anyhow::Result<(Figures, Figures, u64)> {
     let (caps, limits) = (Capabilities::default(), Limits::default());
     let dir = tempfile::tempdir()?;
-    let mut sandbox = tier.start(&caps, &limits)?;
+    let sandbox = tier.start(&caps, &limits)?;
     let outcome = sandbox.exec(&sh(setup), ExecOptions::default())?;
     anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "setup: {outcome:?}");
     let snapshot = sandbox.snapshot(&dir.path().join("snap"))?;
     sandbox.close()?;
     let cat = sh("cat /tmp/x");
     let fork = latency(name, iters, || {
-        let mut fork = tier.fork(&snapshot)?;
+        let fork = tier.fork(&snapshot)?;
         expect_41(&fork.exec(&cat, ExecOptions::default())?)?;
         fork.close()?;
         Ok(())
@@ -107,7 +107,7 @@ fn main() -> anyhow::Result<()> {
 /// Keeps `count` forks alive after their first job and prints the PSS of their processes.
 fn idle_forks(tier: &ProcessTier, count: usize) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let mut sandbox = tier.start(&Capabilities::default(), &Limits::default())?;
+    let sandbox = tier.start(&Capabilities::default(), &Limits::default())?;
     let outcome = sandbox.exec(&sh("echo 41 > /tmp/x"), ExecOptions::default())?;
     anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "setup: {outcome:?}");
     let snapshot = sandbox.snapshot(&dir.path().join("snap"))?;
@@ -115,7 +115,7 @@ fn idle_forks(tier: &ProcessTier, count: usize) -> anyhow::Result<()> {
     let before = descendants_pss_kib()?;
     let mut forks = Vec::with_capacity(count);
     for _ in 0..count {
-        let mut fork = tier.fork(&snapshot)?;
+        let fork = tier.fork(&snapshot)?;
         expect_41(&fork.exec(&sh("cat /tmp/x"), ExecOptions::default())?)?;
         forks.push(fork);
     }

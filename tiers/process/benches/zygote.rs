@@ -8,7 +8,7 @@
 //! |                   | fork from `/proc/<pid>/smaps_rollup`                         |                                      |
 //!
 //! Fork-to-first-output is the time from the call to the first stdout chunk reaching the host (an output sink);
-//! the whole fork adds waiting for the fork's end and removing its cgroup. The target of issue 6 is ≤ 5 ms p50
+//! the whole fork adds waiting for the fork's end and removing its cgroup. The target is ≤ 5 ms p50
 //! fork-to-first-output. Uses the Debian image under `$STRATA_HOME` (with `python3-numpy`; without it the setup
 //! imports `json` and says so); skips with a line when the image or root is missing. `ZYGOTE_ITERS` sets the
 //! number of timed runs (default 200, 30 with `--quick`).

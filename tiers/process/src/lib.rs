@@ -9,9 +9,8 @@
 //! through it) — with every capability dropped for good (bounding set, securebits locked), `no_new_privs`, a
 //! seccomp allowlist, and rlimits; the jail's cgroup limits memory (no swap), processes and CPU bandwidth.
 //!
-//! Network, per DESIGN §3: none by default ([`Net::Deny`]: loopback only, no proxy, no socket, no proxy
-//! variables). With [`Net::Allow`] the specs are parsed into a `strata_egress::Allowlist` (a malformed one is a
-//! `wrong_format` error) and each jail (one-shot run or sandbox) gets its own host egress proxy listening on a Unix
+//! Network: none by default ([`Net::Deny`]: loopback only, no proxy, no socket, no proxy variables). With
+//! [`Net::Allow`] (its allowlist parsed where the job was made) each jail (one-shot run or sandbox) gets its own host egress proxy listening on a Unix
 //! socket under [`ProcessTierConfig::egress_dir`]. The jail bind-mounts that socket at
 //! `/run/strata/egress.sock`, and its PID 1 relays TCP connections to the jail's `127.0.0.1:3128` to it
 //! (`strata_jail::forward`: part of PID 1's event loop, under the jail's seccomp filter, out of the jobs' reach).
@@ -21,7 +20,7 @@
 //! (drained when it ends, after its last connections close) are its Outcome's `egress`. The proxy stops with the
 //! jail: its thread joined, its socket file removed.
 //!
-//! Limits and usage, per DESIGN §3: wall by killing the job (a one-shot jail's PID 1, and with it its whole PID
+//! Limits and usage, per docs/DESIGN.md §3: wall by killing the job (a one-shot jail's PID 1, and with it its whole PID
 //! namespace); CPU time from the cgroup, checked every 10 ms; memory from the cgroup's OOM kills
 //! (`limit_exceeded`/`memory`, whatever ended: each job ranks itself first for the OOM killer, so that it, not the
 //! jail's PID 1, is killed, and a session that its own files keep full after such a kill is ended); a fork refused
@@ -30,11 +29,18 @@
 //! cgroup. Nothing a job writes into a grant can be set-user-ID, set-group-ID or a device on the host (see
 //! `strata_jail::seccomp`).
 //!
+//! Files: a sandbox's file methods (`read_file`, `write_file`, `list_dir`, `stat`, `make_dir`, `rename`,
+//! `remove`, `watch`) take paths by `strata_core::GuestPath`'s rules and are frames the jail's PID 1 answers on
+//! the jail's tree as the guest sees it, never following a guest's link out of the jail's root
+//! (`strata_jail::files`); a watch is PID 1's inotify, bounded per jail (`strata_jail::watch`), its events read
+//! by a thread of the watch's own.
+//!
 //! Jobs run on the caller's thread, which blocks until the job ends. The tier needs root (mounts, namespaces,
 //! cgroups); [`ProcessTier::new`] says so in a typed error otherwise.
 
 #![warn(missing_docs)]
 
+mod fs;
 pub mod jail;
 mod sandbox;
 pub mod snapshot;
@@ -45,21 +51,21 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use strata_core::OutputCapture;
 use strata_core::outcome::EgressEntry;
 use strata_core::{
-    Capabilities, ExecOptions, GrantMode, Job, Limits, Net, Outcome, PythonSource, Sandbox, Snapshot, SnapshotTrust,
+    Capabilities, ExecOptions, GrantMode, GuestCommand, Job, Limits, Net, Outcome, Sandbox, Snapshot, SnapshotTrust,
     Status, StdinStream, Stream, Tier, TierError, TierKind, Truncated, Usage,
 };
-use strata_egress::{Allowlist, EgressConfig, EgressHandle, EgressProxy};
+use strata_egress::{EgressConfig, EgressHandle, EgressProxy};
 use strata_jail::proto::{Bind, Exec, IdMap};
-use strata_wasi_shims::OutputCapture;
 
 pub use sandbox::ProcessSandbox;
 
 use crate::jail::{CgroupLimits, CgroupRoot, Jail, JailConfig, JailError, JobEnd, JobIo, JobReport, JobWatch, Lanes};
 
 /// Where programs and scripts from the host are copied in the jail.
-pub const PROGRAM_DIR: &str = "/run/strata";
+pub use strata_core::guest_command::PROGRAM_DIR;
 
 /// The environment every job starts from, before the capabilities' env and secrets.
 const BASE_ENV: &[(&str, &str)] =
@@ -197,18 +203,17 @@ impl ProcessTier {
     /// Starts the egress proxy a jail with these network capabilities needs: none for [`Net::Deny`]; for
     /// [`Net::Allow`], one proxy with that allowlist on a fresh Unix socket under [`ProcessTierConfig::egress_dir`].
     fn start_egress(&self, net: &Net) -> Result<Option<EgressHandle>, TierError> {
-        let Net::Allow(specs) = net else {
+        let Net::Allow(allowlist) = net else {
             return Ok(None);
         };
-        let allowlist = Allowlist::parse(specs)?;
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let name = format!("{}-{}.sock", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let socket = self.config.egress_dir().join(name);
         // A socket file left by a killed engine whose PID this process reused.
         let _ = std::fs::remove_file(&socket);
-        EgressProxy::start(EgressConfig::new(allowlist).with_unix_socket(socket))
+        EgressProxy::start(EgressConfig::new(allowlist.clone()).with_unix_socket(socket))
             .map(Some)
-            .map_err(|e| internal(format!("egress proxy: {e}")))
+            .map_err(|e| internal_from("egress proxy", e))
     }
 
     /// Whether jobs run in a user namespace (as an unprivileged host ID) rather than as host root.
@@ -292,7 +297,12 @@ fn unsupported(what: &str) -> TierError {
 }
 
 fn internal(message: impl std::fmt::Display) -> TierError {
-    TierError::Internal { tier: TierKind::Process, message: message.to_string() }
+    TierError::internal(TierKind::Process, message.to_string())
+}
+
+/// A failure of the tier itself while doing `what`, caused by `source` (kept as the error's source).
+fn internal_from(what: &str, source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> TierError {
+    TierError::internal_from(TierKind::Process, what, source)
 }
 
 /// Maps a jail failure to the tier's error.
@@ -327,7 +337,7 @@ impl Tier for ProcessTier {
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let prepared = PreparedJob::new(job, caps, limits)?;
         let mut jail = self.start_jail(caps, limits, true, None)?;
-        let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
+        let stdin = opts.stdin.as_deref().unwrap_or_default();
         let outcome = run_in(Runner::Jail(&mut jail), prepared, caps, limits, stdin, &opts);
         jail.close();
         outcome
@@ -335,7 +345,7 @@ impl Tier for ProcessTier {
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         let jail = self.start_jail(caps, limits, false, None)?;
-        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.snapshot_origin(None))))
+        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.snapshot_origin(None))?))
     }
 
     /// A fork of a snapshot with the capabilities and limits it was taken with (see [`snapshot`] for what a fork
@@ -354,41 +364,11 @@ struct PreparedJob {
 
 impl PreparedJob {
     fn new(job: &Job, caps: &Capabilities, limits: &Limits) -> Result<PreparedJob, TierError> {
-        let (argv, program_copy, program) = match job {
-            Job::Command { argv } => {
-                if argv.is_empty() || argv[0].is_empty() {
-                    return Err(TierError::WrongFormat { what: "the command".into(), expected: "a non-empty argv" });
-                }
-                (argv.clone(), None, None)
-            }
-            Job::Native { program, args } => {
-                let (file, guest) = open_host_file(program, "bin")?;
-                let mut argv = vec![guest.clone()];
-                argv.extend(args.iter().cloned());
-                (argv, Some(guest), Some(file))
-            }
-            Job::Python { source, args } => {
-                let mut argv = vec!["python3".to_owned()];
-                let mut copy = None;
-                let mut file = None;
-                match source {
-                    PythonSource::Code(code) => argv.extend(["-c".to_owned(), code.clone()]),
-                    PythonSource::Module(module) => argv.extend(["-m".to_owned(), module.clone()]),
-                    PythonSource::File(path) => {
-                        let (opened, guest) = open_host_file(path, "scripts")?;
-                        argv.push(guest.clone());
-                        copy = Some(guest);
-                        file = Some(opened);
-                    }
-                }
-                argv.extend(args.iter().cloned());
-                (argv, copy, file)
-            }
-            Job::Wasm { .. } => return Err(TierError::WrongJob { tier: TierKind::Process, job: job.kind() }),
-        };
+        let GuestCommand { argv, copy_in } = GuestCommand::new(job, TierKind::Process)?;
+        let (program_copy, program) = copy_in.map(|copy| (copy.guest, copy.file)).unzip();
         let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        if let Net::Allow(specs) = &caps.net {
-            env.extend(strata_egress::proxy_env(EGRESS_PROXY_URL, &Allowlist::parse(specs)?));
+        if let Net::Allow(allowlist) = &caps.net {
+            env.extend(strata_egress::proxy_env(EGRESS_PROXY_URL, allowlist));
         }
         for var in caps.guest_env() {
             env.retain(|(k, _)| *k != var.name);
@@ -407,21 +387,6 @@ impl PreparedJob {
         };
         Ok(PreparedJob { exec, program })
     }
-}
-
-/// Opens a host file for copying into the jail at `/run/strata/<dir>/<name>`.
-fn open_host_file(path: &Path, dir: &str) -> Result<(File, String), TierError> {
-    let file = File::open(path).map_err(|source| TierError::ReadInput { path: path.to_owned(), source })?;
-    let meta = file.metadata().map_err(|source| TierError::ReadInput { path: path.to_owned(), source })?;
-    if !meta.is_file() {
-        return Err(TierError::WrongFormat { what: path.display().to_string(), expected: "a regular file" });
-    }
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().replace(['/', '\0'], "_"))
-        .filter(|n| !n.is_empty() && n != "." && n != "..")
-        .unwrap_or_else(|| "program".into());
-    Ok((file, format!("{PROGRAM_DIR}/{dir}/{name}")))
 }
 
 /// Where a prepared job runs: the jail's own connection, one job at a time, or a lane of its own beside others.
@@ -448,7 +413,7 @@ fn run_in(
     let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
     let (report, egress) = match runner {
         Runner::Jail(jail) => {
-            let report = jail.exec(&job.exec, job.program, &io, &watch).map_err(jail_error)?;
+            let report = jail.exec(&job.exec, job.program, &io, &watch, &cgroup_limits(limits)).map_err(jail_error)?;
             (report, jail.drain_egress(EGRESS_SETTLE))
         }
         Runner::Lane(lanes) => {

@@ -1,13 +1,29 @@
-//! A live jail that runs several jobs in turn: its filesystem (the overlay's upper layer) persists between them.
+//! A live jail that runs jobs, in turn or at once: its filesystem (the overlay's upper layer) persists between
+//! them.
+//!
+//! A job runs on the jail's first connection when that is free, else on a lane of its own ([`Lanes`]), beside the
+//! others. Either way it runs in a cgroup of its own under the jail's (a child made per lane job, the first
+//! connection's kept from job to job), so its CPU time, peak memory and limits (its own, else the sandbox's) are its
+//! own whatever runs beside it, while the sandbox's limits bound all of them together. File calls take lanes. A
+//! snapshot is taken between jobs: a snapshot while a job or file call runs, or a job or file call while a snapshot
+//! is taken, is [`TierError::Busy`]. Close kills PID 1 first, which ends whatever runs.
 
+use std::os::fd::OwnedFd;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, TryLockError};
 
+use nix::sys::signal::Signal;
+use strata_jail::sys::signal_pidfd;
+
+use strata_core::sync::lock;
 use strata_core::{
-    Capabilities, ExecOptions, Job, Limits, Outcome, Sandbox, SandboxHandle, Snapshot, TierError, TierKind,
+    Capabilities, EntryInfo, ExecOptions, GuestPath, Job, Limits, Outcome, Sandbox, Snapshot, TierError, TierKind,
+    Watcher,
 };
 
-use crate::jail::{Jail, JailError, Lanes};
+use crate::fs::{self, file_error, file_target};
+use crate::jail::{Jail, Lanes};
 use crate::{PreparedJob, Runner, jail_error, run_in};
 
 /// The most `read_file` returns.
@@ -16,7 +32,15 @@ const MAX_READ: u64 = 256 * 1024 * 1024;
 /// A process-tier sandbox (from [`ProcessTier::start`](crate::ProcessTier)).
 #[derive(Debug)]
 pub struct ProcessSandbox {
-    jail: Option<Jail>,
+    /// The jail's first connection: a job at a time, snapshots, close.
+    jail: Mutex<Option<Jail>>,
+    /// A pidfd of the jail's PID 1, so that close ends a job that holds the first connection.
+    pid1: Option<OwnedFd>,
+    /// Jobs and file calls, beside each other.
+    lanes: Arc<Lanes>,
+    /// Read by every job and file call while it runs, written by a snapshot: one excludes the other.
+    gate: RwLock<()>,
+    closed: AtomicBool,
     caps: Capabilities,
     limits: Limits,
     /// What its snapshots record and are sealed with.
@@ -24,13 +48,24 @@ pub struct ProcessSandbox {
 }
 
 impl ProcessSandbox {
+    /// A sandbox over a started jail, whose lanes it opens.
     pub(crate) fn new(
-        jail: Jail,
+        mut jail: Jail,
         caps: Capabilities,
         limits: Limits,
         origin: crate::snapshot::Origin,
-    ) -> ProcessSandbox {
-        ProcessSandbox { jail: Some(jail), caps, limits, origin }
+    ) -> Result<ProcessSandbox, TierError> {
+        let lanes = jail.lanes().map_err(jail_error)?;
+        Ok(ProcessSandbox {
+            pid1: jail.pidfd(),
+            jail: Mutex::new(Some(jail)),
+            lanes,
+            gate: RwLock::new(()),
+            closed: AtomicBool::new(false),
+            caps,
+            limits,
+            origin,
+        })
     }
 
     /// The id of the snapshot this sandbox was forked from, if it was.
@@ -38,26 +73,29 @@ impl ProcessSandbox {
         self.origin.parent.as_deref()
     }
 
-    pub(crate) fn jail(&mut self) -> Result<&mut Jail, TierError> {
-        match &mut self.jail {
-            Some(jail) if !jail.has_ended() => Ok(jail),
-            _ => Err(TierError::SessionEnded { reason: "the sandbox's jail has ended".into() }),
+    /// The PID of the jail's PID 1 on the host, while it runs.
+    pub fn pid1(&self) -> Option<nix::unistd::Pid> {
+        lock(&self.jail).as_ref().filter(|jail| !jail.has_ended()).map(Jail::pid1)
+    }
+
+    /// The lanes, for a job or file call: refused once the sandbox is closed, and while a snapshot is taken.
+    fn lanes(&self) -> Result<(RwLockReadGuard<'_, ()>, &Lanes), TierError> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(ended());
         }
+        let gate = match self.gate.try_read() {
+            Ok(gate) => gate,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                return Err(TierError::Busy { tier: TierKind::Process, doing: "a snapshot" });
+            }
+        };
+        Ok((gate, &self.lanes))
     }
 }
 
-fn guest_path(path: &str) -> Result<&str, TierError> {
-    if !path.starts_with('/') || path.split('/').any(|c| c == "..") || path.contains('\0') {
-        return Err(TierError::GuestPath { path: path.to_owned(), reason: "must be absolute, without `..`".into() });
-    }
-    Ok(path)
-}
-
-fn file_error(path: &str, err: JailError) -> TierError {
-    match err {
-        JailError::File { message, .. } => TierError::GuestPath { path: path.to_owned(), reason: message },
-        other => jail_error(other),
-    }
+fn ended() -> TierError {
+    TierError::SessionEnded { reason: "the sandbox's jail has ended".into() }
 }
 
 impl Sandbox for ProcessSandbox {
@@ -65,68 +103,105 @@ impl Sandbox for ProcessSandbox {
         TierKind::Process
     }
 
-    fn exec(&mut self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
+    fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
         let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
         let prepared = PreparedJob::new(job, &self.caps, &limits)?;
-        let stdin = opts.stdin.clone().unwrap_or_else(|| self.caps.stdin.clone());
-        let caps = self.caps.clone();
-        let jail = self.jail()?;
-        run_in(Runner::Jail(jail), prepared, &caps, &limits, &stdin, &opts)
+        let stdin = opts.stdin.clone().unwrap_or_default();
+        let (_gate, lanes) = self.lanes()?;
+        let mut first = match self.jail.try_lock() {
+            Ok(first) => Some(first),
+            Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        match first.as_deref_mut() {
+            Some(Some(jail)) if !jail.has_ended() => {
+                run_in(Runner::Jail(jail), prepared, &self.caps, &limits, &stdin, &opts)
+            }
+            Some(_) => Err(ended()),
+            None => run_in(Runner::Lane(lanes), prepared, &self.caps, &limits, &stdin, &opts),
+        }
     }
 
-    /// Jobs and file operations on lanes of the jail: each job in a child cgroup of the sandbox's, with its own
-    /// limits (the job's, else the sandbox's) inside the sandbox's. See [`Lanes`].
-    fn handle(&mut self) -> Option<Arc<dyn SandboxHandle>> {
-        let (caps, limits) = (self.caps.clone(), self.limits.clone());
-        let lanes = self.jail().ok()?.lanes().ok()?;
-        Some(Arc::new(ProcessHandle { lanes, caps, limits }))
+    fn write_file(&self, path: &str, contents: &[u8]) -> Result<(), TierError> {
+        let path = file_target(path)?;
+        let (_gate, lanes) = self.lanes()?;
+        lanes.write_file(path.as_str(), contents, 0o644).map_err(|e| file_error(path.as_str(), e))
     }
 
-    fn write_file(&mut self, path: &str, contents: &[u8]) -> Result<(), TierError> {
-        let path = guest_path(path)?;
-        self.jail()?.write_file(path, contents, 0o644).map_err(|e| file_error(path, e))
+    fn read_file(&self, path: &str) -> Result<Vec<u8>, TierError> {
+        let path = file_target(path)?;
+        let (_gate, lanes) = self.lanes()?;
+        lanes.read_file(path.as_str(), MAX_READ).map_err(|e| file_error(path.as_str(), e))
     }
 
-    fn read_file(&mut self, path: &str) -> Result<Vec<u8>, TierError> {
-        let path = guest_path(path)?;
-        self.jail()?.read_file(path, MAX_READ).map_err(|e| file_error(path, e))
+    fn list_dir(&self, path: &GuestPath, depth: u32) -> Result<Vec<EntryInfo>, TierError> {
+        let (_gate, lanes) = self.lanes()?;
+        fs::list_dir(lanes, path, depth)
     }
 
-    fn snapshot(&mut self, destination: &Path) -> Result<Snapshot, TierError> {
-        let (caps, limits, origin) = (self.caps.clone(), self.limits.clone(), self.origin.clone());
-        crate::snapshot::take(self.jail()?, destination, &caps, &limits, &origin)
+    fn stat(&self, path: &GuestPath) -> Result<EntryInfo, TierError> {
+        let (_gate, lanes) = self.lanes()?;
+        fs::stat(lanes, path)
     }
 
-    fn close(mut self: Box<Self>) -> Result<(), TierError> {
-        if let Some(jail) = self.jail.take() {
+    fn make_dir(&self, path: &GuestPath) -> Result<bool, TierError> {
+        let (_gate, lanes) = self.lanes()?;
+        fs::make_dir(lanes, path)
+    }
+
+    fn rename(&self, from: &GuestPath, to: &GuestPath) -> Result<EntryInfo, TierError> {
+        let (_gate, lanes) = self.lanes()?;
+        fs::rename(lanes, from, to)
+    }
+
+    fn remove(&self, path: &GuestPath) -> Result<(), TierError> {
+        let (_gate, lanes) = self.lanes()?;
+        fs::remove(lanes, path)
+    }
+
+    /// A watch lasts beyond this call: it does not hold a snapshot off (a snapshot reads the files, it does not
+    /// change them).
+    fn watch(&self, path: &GuestPath, recursive: bool) -> Result<Watcher, TierError> {
+        let (_gate, lanes) = self.lanes()?;
+        fs::watch(lanes, path, recursive)
+    }
+
+    fn snapshot(&self, destination: &Path) -> Result<Snapshot, TierError> {
+        let _gate = match self.gate.try_write() {
+            Ok(gate) => gate,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                return Err(TierError::Busy { tier: TierKind::Process, doing: "a job or file call" });
+            }
+        };
+        let mut jail = lock(&self.jail);
+        let jail = match jail.as_mut() {
+            Some(jail) if !jail.has_ended() => jail,
+            _ => return Err(ended()),
+        };
+        crate::snapshot::take(jail, destination, &self.caps, &self.limits, &self.origin)
+    }
+
+    /// Kills every process of the jail (its jobs end as cancelled when their tokens were cancelled, else as
+    /// crashed) and releases it.
+    fn close(&self) -> Result<(), TierError> {
+        self.closed.store(true, Ordering::SeqCst);
+        // A job on the first connection holds the jail: it ends with PID 1 and lets go.
+        if let Some(pid1) = &self.pid1 {
+            signal_pidfd(pid1, Signal::SIGKILL);
+        }
+        let jail = self.jail.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(jail) = jail {
             jail.close();
         }
         Ok(())
     }
 }
 
-/// A process sandbox's [`SandboxHandle`]: its jobs run on lanes of the jail.
-struct ProcessHandle {
-    lanes: Arc<Lanes>,
-    caps: Capabilities,
-    limits: Limits,
-}
-
-impl SandboxHandle for ProcessHandle {
-    fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
-        let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
-        let prepared = PreparedJob::new(job, &self.caps, &limits)?;
-        let stdin = opts.stdin.clone().unwrap_or_else(|| self.caps.stdin.clone());
-        run_in(Runner::Lane(&self.lanes), prepared, &self.caps, &limits, &stdin, &opts)
-    }
-
-    fn write_file(&self, path: &str, contents: &[u8]) -> Result<(), TierError> {
-        let path = guest_path(path)?;
-        self.lanes.write_file(path, contents, 0o644).map_err(|e| file_error(path, e))
-    }
-
-    fn read_file(&self, path: &str) -> Result<Vec<u8>, TierError> {
-        let path = guest_path(path)?;
-        self.lanes.read_file(path, MAX_READ).map_err(|e| file_error(path, e))
+#[cfg(test)]
+impl ProcessSandbox {
+    /// Its lanes, for tests that call the file functions with other bounds than the methods'.
+    pub(crate) fn lanes_for_tests(&self) -> &Lanes {
+        &self.lanes
     }
 }

@@ -253,7 +253,7 @@ impl ProcessTier {
             jail.write_file("/etc/machine-id", id.as_bytes(), 0o444).map_err(jail_error)?;
         }
         let origin = self.snapshot_origin(Some(plan.snapshot.manifest.id.clone()));
-        Ok(ProcessSandbox::new(jail, caps.clone(), limits.clone(), origin))
+        ProcessSandbox::new(jail, caps.clone(), limits.clone(), origin)
     }
 }
 

@@ -27,12 +27,12 @@ use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Mutex;
 
+use strata_core::OutputCapture;
 use strata_core::{Capabilities, ExecOptions, Job, Limits, Net, Outcome, PythonSource, Status, TierError, TierKind};
 use strata_jail::proto::Fork;
-use strata_wasi_shims::OutputCapture;
 
 use crate::jail::{CgroupRoot, ForkHandle, Jail, JobIo, JobWatch, run_fork};
-use crate::{PreparedJob, ProcessTier, cgroup_limits, internal, jail_error, outcome};
+use crate::{PreparedJob, ProcessTier, cgroup_limits, internal, internal_from, jail_error, outcome};
 
 /// The Python side of a zygote: runs the setup source (`argv[1]`) in a fresh `__main__` namespace, says it is
 /// ready on descriptor 3, then reads an 8-byte little-endian length and that many bytes of source from stdin —
@@ -213,10 +213,10 @@ impl ProcessZygote {
             Ok(files) => files,
             Err(err) => {
                 cgroup.remove();
-                return Err(internal(format!("opening the fork's cgroup: {err}")));
+                return Err(internal_from("opening the fork's cgroup", err));
             }
         };
-        let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| internal(format!("pipe: {e}")));
+        let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| internal_from("pipe", e));
         let made = (|| Ok::<_, TierError>((pipe()?, pipe()?, pipe()?, pipe()?)))();
         let ((stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w), (status_r, status_w)) = match made {
             Ok(pipes) => pipes,
@@ -261,7 +261,7 @@ impl ProcessZygote {
                 (stdin_w, Some(pump))
             }
             None => {
-                stdin.extend_from_slice(opts.stdin.as_deref().unwrap_or(&self.caps.stdin));
+                stdin.extend_from_slice(opts.stdin.as_deref().unwrap_or_default());
                 (stdin_w, None)
             }
         };

@@ -10,7 +10,9 @@
 //! root, drops every capability and `execve`s. PID 1 reaps every process in the namespace. When the host closes
 //! the socket (or dies), PID 1 exits, and the kernel kills everything left in the namespace. When the jail has
 //! network, `Setup::egress_socket` is bind-mounted at [`forward::GUEST_SOCKET`] and PID 1's event loop also
-//! runs the [`forward`]er on the jail's `127.0.0.1:3128`.
+//! runs the [`forward`]er on the jail's `127.0.0.1:3128`. The host's file methods are frames PID 1 answers on
+//! the jail's tree ([`crate::files`]); its watches are inotify descriptors in the same event loop
+//! ([`crate::watch`]).
 //!
 //! Everything here runs single-threaded, so allocating after `fork` is sound.
 
@@ -31,41 +33,22 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, chdir, execve, fork, pivot_root, sethostname, setsid};
 
+use crate::files::{FileResult, Files};
 use crate::forward::{self, Forwarder};
 use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
 use crate::seccomp;
+use crate::steps::{OLD_ROOT, StepError, bind_onto, confine_proc, loopback_up, mount_dev_at, scratch_options, step};
 use crate::tree;
 use crate::userns::UserNamespace;
+use crate::watch::{self, Watches};
 use crate::zygote;
 use seccompiler::BpfProgram;
-
-/// Where the old root is kept between `pivot_root` and its detachment.
-pub(crate) const OLD_ROOT: &str = "/.strata-oldroot";
-
-/// Device nodes bound from the host into the jail's `/dev`.
-const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
-
-/// `/proc` entries hidden behind `/dev/null` (kernel addresses, keys, timers, the sysrq trigger).
-const PROC_MASKED: &[&str] = &["kcore", "keys", "timer_list", "sysrq-trigger", "kallsyms", "latency_stats"];
-
-/// `/proc` trees made read-only (kernel tunables and hardware knobs).
-const PROC_READ_ONLY: &[&str] = &["sys", "irq", "bus", "fs", "acpi", "scsi"];
 
 /// Where a process sets how the OOM killer ranks it; the value that exempts it (the jail's own processes);
 /// the value that makes it the first choice (every job).
 const OOM_SCORE_ADJ: &str = "/proc/self/oom_score_adj";
 const OOM_SCORE_ADJ_MIN: &str = "-1000";
 const OOM_SCORE_ADJ_MAX: &str = "1000";
-
-/// Bytes of the writable layer per inode it may hold (a page: what the smallest file with data takes): the disk
-/// limit bounds the files a job can make, and with them the kernel memory they pin, not only their bytes.
-pub(crate) const SCRATCH_BYTES_PER_INODE: u64 = 4096;
-
-/// The options of a writable layer's tmpfs of `bytes` bytes (at least 1 MiB).
-pub(crate) fn scratch_options(bytes: u64) -> String {
-    let bytes = bytes.max(1 << 20);
-    format!("size={bytes},nr_inodes={},mode=0755", bytes / SCRATCH_BYTES_PER_INODE)
-}
 
 /// The `PATH` used to find a job's program when its environment has none.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -156,16 +139,6 @@ fn fail(ctl: &OwnedFd, stage: &str, message: String) -> i32 {
     1
 }
 
-/// A setup step that failed.
-pub(crate) struct StepError {
-    pub(crate) stage: String,
-    pub(crate) message: String,
-}
-
-pub(crate) fn step<T>(stage: impl Into<String>, result: Result<T, impl std::fmt::Display>) -> Result<T, StepError> {
-    result.map_err(|e| StepError { stage: stage.into(), message: e.to_string() })
-}
-
 fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
     // SAFETY: prctl with PR_SET_PDEATHSIG and a valid signal number only changes this process's attributes.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
@@ -200,9 +173,25 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
         Ok(filter) => filter.map(|filter| zygote::Zygote::new(filter, setup.binds.clone(), setup.scratch_bytes)),
         Err(err) => return fail(&ctl, "seccomp", err.to_string()),
     };
-    let lanes = Vec::new();
-    Init { ctl, userns, upper, one_shot: setup.one_shot, job: None, forwarder, zygote, lanes, lanes_opened: false }
-        .serve()
+    let files = match Files::open(userns.as_ref().map(UserNamespace::map)) {
+        Ok(files) => files,
+        Err(errno) => return fail(&ctl, "root", errno.desc().to_owned()),
+    };
+    Init {
+        ctl,
+        userns,
+        upper,
+        one_shot: setup.one_shot,
+        job: None,
+        forwarder,
+        zygote,
+        lanes: Vec::new(),
+        lanes_opened: false,
+        next_lane: 0,
+        files,
+        watches: Watches::default(),
+    }
+    .serve()
 }
 
 /// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
@@ -321,55 +310,8 @@ fn mount_proc() -> Result<(), StepError> {
     confine_proc("/proc", &format!("{OLD_ROOT}/dev/null"))
 }
 
-/// Hides [`PROC_MASKED`] behind `null` (a path to `/dev/null`) and makes [`PROC_READ_ONLY`] read-only in the
-/// procfs mounted at `proc`.
-pub(crate) fn confine_proc(proc: &str, null: &str) -> Result<(), StepError> {
-    for entry in PROC_MASKED {
-        let path = format!("{proc}/{entry}");
-        if Path::new(&path).exists() {
-            step(format!("mask {path}"), bind_onto(Path::new(null), &path, true))?;
-        }
-    }
-    for entry in PROC_READ_ONLY {
-        let path = format!("{proc}/{entry}");
-        if Path::new(&path).is_dir() {
-            step(format!("read-only {path}"), bind_onto(Path::new(&path), &path, true))?;
-        }
-    }
-    Ok(())
-}
-
 fn mount_dev() -> Result<(), StepError> {
     mount_dev_at("/dev", &format!("{OLD_ROOT}/dev"))
-}
-
-/// Mounts a minimal `/dev` at `dev`: a tmpfs with [`DEVICES`] bound from the directory `devices`, the usual
-/// links and a private `/dev/shm`.
-pub(crate) fn mount_dev_at(dev: &str, devices: &str) -> Result<(), StepError> {
-    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
-    step("/dev", fs::DirBuilder::new().recursive(true).mode(0o755).create(dev))?;
-    step("/dev", mount(Some("strata-dev"), dev, Some("tmpfs"), flags, Some("size=64k,mode=0755")))?;
-    for name in DEVICES {
-        let path = format!("{dev}/{name}");
-        step(
-            format!("/dev/{name}"),
-            fs::OpenOptions::new().create(true).truncate(true).write(true).mode(0o666).open(&path),
-        )?;
-        // A device node works only on a mount without `nodev`.
-        step(format!("/dev/{name}"), bind_with(Path::new(&format!("{devices}/{name}")), &path, MsFlags::MS_NOEXEC))?;
-    }
-    for (link, target) in [
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ] {
-        step(format!("/dev/{link}"), std::os::unix::fs::symlink(target, format!("{dev}/{link}")))?;
-    }
-    let shm = format!("{dev}/shm");
-    step("/dev/shm", fs::DirBuilder::new().mode(0o1777).create(&shm))?;
-    step("/dev/shm", mount(Some("shm"), shm.as_str(), Some("tmpfs"), flags | MsFlags::MS_NODEV, Some("mode=1777")))?;
-    Ok(())
 }
 
 fn mount_grant(bind: &Bind, userns: Option<&UserNamespace>, notes: &mut Vec<String>) -> Result<(), StepError> {
@@ -402,41 +344,6 @@ fn mount_grant(bind: &Bind, userns: Option<&UserNamespace>, notes: &mut Vec<Stri
     step(&stage, bind_onto(&source, &bind.guest, bind.read_only))
 }
 
-/// Bind-mounts `source` at `target`, then remounts it `nosuid,nodev` (and read-only when asked): a bind mount
-/// takes its flags only from a remount.
-pub(crate) fn bind_onto(source: &Path, target: &str, read_only: bool) -> Result<(), Errno> {
-    bind_with(source, target, if read_only { MsFlags::MS_RDONLY | MsFlags::MS_NODEV } else { MsFlags::MS_NODEV })
-}
-
-/// Bind-mounts `source` at `target` and remounts it `nosuid` plus `extra`.
-fn bind_with(source: &Path, target: &str, extra: MsFlags) -> Result<(), Errno> {
-    mount(Some(source), target, None::<&str>, MsFlags::MS_BIND, None::<&str>)?;
-    let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | extra;
-    mount(None::<&str>, target, None::<&str>, flags, None::<&str>)
-}
-
-/// Brings the loopback interface of the new network namespace up: the only interface it has.
-pub(crate) fn loopback_up() -> Result<(), Errno> {
-    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
-    let sock = socket(AddressFamily::Inet, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
-    // SAFETY: ifreq is plain old data; all-zero is a valid value.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
-        *dst = *src as libc::c_char;
-    }
-    // SAFETY: SIOCGIFFLAGS reads the flags of the named interface into `req`, which outlives the call.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
-        return Err(Errno::last());
-    }
-    // SAFETY: the union member ifru_flags is the one SIOCGIFFLAGS filled in.
-    unsafe { req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
-    // SAFETY: SIOCSIFFLAGS reads `req`, which outlives the call.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
-        return Err(Errno::last());
-    }
-    Ok(())
-}
-
 /// PID 1's state while serving.
 struct Init {
     ctl: OwnedFd,
@@ -453,12 +360,19 @@ struct Init {
     lanes: Vec<Lane>,
     /// Whether a lane was ever opened (their jobs, and what those left behind, may be running).
     lanes_opened: bool,
+    /// The serial number of the next lane (watches name their lane by it: indices change as lanes close).
+    next_lane: u64,
+    /// The jail's tree, for the filesystem methods.
+    files: Files,
+    /// The inotify watches the connections started.
+    watches: Watches,
 }
 
 /// A control connection beside the first one.
 struct Lane {
     ctl: OwnedFd,
     job: Option<Pid>,
+    serial: u64,
 }
 
 /// The most lanes open at once; a `Lane` frame past it is dropped (its socket closes, which the host reads as
@@ -487,13 +401,22 @@ impl Init {
             }
             let lanes_from = fds.len();
             fds.extend(self.lanes.iter().map(|lane| PollFd::new(lane.ctl.as_fd(), PollFlags::POLLIN)));
+            let watches_from = fds.len();
+            let watched = self.watches.poll_fds(&mut fds);
             let net_from = fds.len();
             if let Some(forwarder) = &self.forwarder {
                 forwarder.poll_fds(&mut fds);
             }
             // With forks to make ahead, only look: one is made after whatever is ready now was handled.
             let refill = self.zygote.as_ref().is_some_and(zygote::Zygote::wants_refill);
-            match poll(&mut fds, if refill { PollTimeout::ZERO } else { PollTimeout::NONE }) {
+            let timeout = match self.watches.next_wake() {
+                _ if refill => PollTimeout::ZERO,
+                // Rounded up: a wake a little late, never a spin of early ones.
+                Some(wake) => PollTimeout::try_from(wake.as_millis().saturating_add(1).min(1000) as i32)
+                    .unwrap_or(PollTimeout::MAX),
+                None => PollTimeout::NONE,
+            };
+            match poll(&mut fds, timeout) {
                 Ok(_) | Err(Errno::EINTR) => {}
                 Err(_) => return 1,
             }
@@ -503,8 +426,17 @@ impl Init {
             let net: Vec<PollFlags> =
                 fds[net_from..].iter().map(|fd| fd.revents().unwrap_or(PollFlags::empty())).collect();
             let lanes_ready: Vec<bool> =
-                fds[lanes_from..net_from].iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect();
+                fds[lanes_from..watches_from].iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect();
+            let watches_ready: Vec<usize> = fds[watches_from..net_from]
+                .iter()
+                .zip(watched)
+                .filter(|(fd, _)| fd.revents().is_some_and(|r| !r.is_empty()))
+                .map(|(_, index)| index)
+                .collect();
             drop(fds);
+            if !watches_ready.is_empty() {
+                self.watches.read(&self.files, &watches_ready);
+            }
             if zygote_ready
                 && let Some(zygote) = &mut self.zygote
                 && let Some(reply) = zygote.on_ready()
@@ -542,12 +474,18 @@ impl Init {
                     // The host closed the lane (or sent garbage): its job goes with it.
                     Ok(None) | Err(_) => {
                         let lane = self.lanes.swap_remove(index);
+                        self.watches.stop_owner(Some(lane.serial));
                         if let Some(pid) = lane.job {
                             let _ = kill(Pid::from_raw(-pid.as_raw()), Signal::SIGKILL);
                         }
                     }
                 }
             }
+            let (ctl, lanes) = (&self.ctl, &self.lanes);
+            self.watches.flush(|owner| match owner {
+                None => Some(ctl.as_fd()),
+                Some(serial) => lanes.iter().find(|lane| lane.serial == serial).map(|lane| lane.ctl.as_fd()),
+            });
             if !ctl_ready
                 && !child_ready
                 && let Some(zygote) = &mut self.zygote
@@ -594,6 +532,11 @@ impl Init {
         }
     }
 
+    /// The owner a watch started on connection `conn` reports to.
+    fn conn_owner(&self, conn: Conn) -> watch::Owner {
+        conn.map(|index| self.lanes[index].serial)
+    }
+
     /// The job slot of connection `conn`.
     fn conn_job(&mut self, conn: Conn) -> &mut Option<Pid> {
         match conn {
@@ -627,18 +570,45 @@ impl Init {
             HostFrame::Lane => {
                 let mut fds = fds;
                 if let (Some(ctl), true, true) = (fds.pop(), fds.is_empty(), self.lanes.len() < MAX_LANES) {
-                    self.lanes.push(Lane { ctl, job: None });
+                    self.lanes.push(Lane { ctl, job: None, serial: self.next_lane });
+                    self.next_lane += 1;
                     self.lanes_opened = true;
                 }
                 return;
             }
-            HostFrame::WriteFile { path, mode } => write_file(&path, mode, fds, self.userns.as_ref()),
-            HostFrame::ReadFile { path } => match open_for_read(&path) {
+            HostFrame::ListDir { path, depth, max_entries } => {
+                let socket = self.conn_fd(conn);
+                self.files.list_dir(&path, depth, max_entries, |frame| {
+                    let _ = proto::send(socket, frame, &[]);
+                });
+                return;
+            }
+            HostFrame::Stat { path } => entry_frame(self.files.stat(&path)),
+            HostFrame::MakeDir { path } => match self.files.make_dir(&path) {
+                Ok(created) => JailFrame::DirMade { created },
+                Err(failure) => failure.frame(),
+            },
+            HostFrame::Rename { from, to } => entry_frame(self.files.rename(&from, &to)),
+            HostFrame::Remove { path } => match self.files.remove(&path) {
+                Ok(()) => JailFrame::Removed,
+                Err(failure) => failure.frame(),
+            },
+            HostFrame::Watch { id, path, recursive } => {
+                let owner = self.conn_owner(conn);
+                self.watches.start(&self.files, owner, id, &path, recursive)
+            }
+            HostFrame::Unwatch { id } => {
+                let owner = self.conn_owner(conn);
+                self.watches.stop(owner, id);
+                return;
+            }
+            HostFrame::WriteFile { path, mode } => write_file(&self.files, &path, mode, fds),
+            HostFrame::ReadFile { path } => match self.files.open_read(&path) {
                 Ok((file, size)) => {
                     let _ = proto::send(self.conn_fd(conn), &JailFrame::FileOpened { size }, &[file.as_fd()]);
                     return;
                 }
-                Err(reply) => reply,
+                Err(failure) => failure.frame(),
             },
             other if conn.is_some() => {
                 let name = format!("{other:?}");
@@ -658,7 +628,14 @@ impl Init {
             | HostFrame::Exec(_)
             | HostFrame::Lane
             | HostFrame::WriteFile { .. }
-            | HostFrame::ReadFile { .. } => return,
+            | HostFrame::ReadFile { .. }
+            | HostFrame::ListDir { .. }
+            | HostFrame::Stat { .. }
+            | HostFrame::MakeDir { .. }
+            | HostFrame::Rename { .. }
+            | HostFrame::Remove { .. }
+            | HostFrame::Watch { .. }
+            | HostFrame::Unwatch { .. } => return,
             HostFrame::Kill if self.lanes_opened => {
                 kill_outside_lanes();
                 return;
@@ -833,7 +810,7 @@ impl Init {
             }
         }
         // Everything else but the CLOEXEC report pipe goes; the pipe closes itself on exec.
-        check!("close fds", close_from_except_cloexec(fds.len() as u32));
+        check!("close fds", crate::sys::cloexec_from(fds.len() as u32));
         check!("signals", sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None));
         check!("chdir", chdir(exec.cwd.as_str()));
         check!("capabilities", drop_capabilities());
@@ -916,13 +893,6 @@ fn resolve(program: &str, env: &[(String, String)]) -> Option<PathBuf> {
         .find(|candidate| fs::metadata(candidate).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
-/// Marks every descriptor from `first` up close-on-exec (so they close themselves at `execve`).
-fn close_from_except_cloexec(first: u32) -> Result<(), Errno> {
-    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only marks descriptors close-on-exec; nothing is closed here.
-    let rc = unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
-    if rc < 0 { Err(Errno::last()) } else { Ok(()) }
-}
-
 fn set_limits(exec: &Exec) -> Result<(), Errno> {
     setrlimit(Resource::RLIMIT_NOFILE, exec.nofile, exec.nofile)?;
     setrlimit(Resource::RLIMIT_CORE, 0, 0)?;
@@ -1001,9 +971,10 @@ fn copy_in(source: OwnedFd, target: &str, mode: u32, userns: Option<&UserNamespa
     Ok(())
 }
 
-/// Writes a file the host sent. Its set-user-ID and set-group-ID bits are dropped: PID 1 runs under the jail's
-/// filter too, and what the host writes into a grant obeys the rule jobs do (see [`seccomp`]).
-fn write_file(path: &str, mode: u32, mut fds: Vec<OwnedFd>, userns: Option<&UserNamespace>) -> JailFrame {
+/// Writes a file the host sent (see [`Files::write`]). Its set-user-ID and set-group-ID bits are dropped: PID 1
+/// runs under the jail's filter too, and what the host writes into a grant obeys the rule jobs do (see
+/// [`seccomp`]).
+fn write_file(files: &Files, path: &str, mode: u32, mut fds: Vec<OwnedFd>) -> JailFrame {
     let Some(source) = fds.pop().filter(|_| fds.is_empty()) else {
         return JailFrame::FileError { errno: libc::EINVAL, message: "expected one descriptor".into() };
     };
@@ -1011,24 +982,17 @@ fn write_file(path: &str, mode: u32, mut fds: Vec<OwnedFd>, userns: Option<&User
     if let Err(err) = std::io::Seek::rewind(&mut src) {
         return file_error(&err);
     }
-    match copy_in(src.into(), path, mode & 0o1777, userns) {
+    match files.write(path, mode, &mut src) {
         Ok(()) => JailFrame::FileWritten,
-        Err(err) => file_error(&err),
+        Err(failure) => failure.frame(),
     }
 }
 
-fn open_for_read(path: &str) -> Result<(fs::File, u64), JailFrame> {
-    // O_NONBLOCK: a FIFO planted by the job must not block PID 1.
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .map_err(|e| file_error(&e))?;
-    let meta = file.metadata().map_err(|e| file_error(&e))?;
-    if !meta.is_file() {
-        return Err(JailFrame::FileError { errno: libc::EISDIR, message: format!("{path} is not a regular file") });
+fn entry_frame(entry: FileResult<proto::Entry>) -> JailFrame {
+    match entry {
+        Ok(entry) => JailFrame::Entry { entry },
+        Err(failure) => failure.frame(),
     }
-    Ok((file, meta.len()))
 }
 
 fn file_error(err: &std::io::Error) -> JailFrame {

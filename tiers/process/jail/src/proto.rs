@@ -51,9 +51,10 @@ pub enum HostFrame {
     /// kill that lane's job's process group (the host kills its cgroup).
     Kill,
     /// Open a lane: the descriptor is a `SOCK_SEQPACKET` socket that PID 1 serves as another connection, beside
-    /// this one and every other, until the host closes it. A lane takes `Exec`, `Kill`, `WriteFile`, `ReadFile`
-    /// and `Lane`; a job started on a lane is reported on that lane, so jobs on different lanes run at once. When
-    /// a lane closes with its job still running, the job's process group is killed. No reply.
+    /// this one and every other, until the host closes it. A lane takes `Exec`, `Kill`, `Lane` and the file
+    /// frames (`WriteFile`, `ReadFile`, `ListDir`, `Stat`, `MakeDir`, `Rename`, `Remove`, `Watch`, `Unwatch`); a
+    /// job started on a lane is reported on that lane, so jobs on different lanes run at once. When a lane closes
+    /// with its job still running, the job's process group is killed, and its watches end. No reply.
     Lane,
     /// Write a file from the descriptor (a memfd) passed along. Answered by `FileWritten` or `FileError`.
     WriteFile {
@@ -82,6 +83,55 @@ pub enum HostFrame {
     OpenUpper,
     /// End the jail: PID 1 exits and the kernel kills everything in its PID namespace.
     Shutdown,
+    /// Describe a directory's entries, down to `depth` levels (1: its own entries), links listed and not
+    /// followed. Answered by `Entries` frames, the last one `done`, or by `ListTooLarge` or `FileError`.
+    ListDir {
+        /// Absolute path in the jail.
+        path: String,
+        /// How many levels to descend (1 or more).
+        depth: u32,
+        /// The most entries to answer; a directory with more is refused (`ListTooLarge`).
+        max_entries: u32,
+    },
+    /// Describe one path without following a symlink it names. Answered by `Entry` or `FileError`.
+    Stat {
+        /// Absolute path in the jail.
+        path: String,
+    },
+    /// Create a directory and its missing parents. Answered by `DirMade` or `FileError`.
+    MakeDir {
+        /// Absolute path in the jail.
+        path: String,
+    },
+    /// Move a file or directory. Answered by `Entry` (the moved entry, at `to`) or `FileError`.
+    Rename {
+        /// Absolute path in the jail.
+        from: String,
+        /// Absolute path in the jail.
+        to: String,
+    },
+    /// Remove a file or link, or a directory with everything in it, never following a link. Answered by
+    /// `Removed` or `FileError`.
+    Remove {
+        /// Absolute path in the jail.
+        path: String,
+    },
+    /// Watch a directory (and, `recursive`, every directory below it, including those made later) with
+    /// inotify. Answered by `Watching` or `FileError`; then `WatchEvents` frames arrive on this connection as
+    /// things happen, until `Unwatch` or the connection closes.
+    Watch {
+        /// The watch's number on this connection.
+        id: u64,
+        /// Absolute path in the jail.
+        path: String,
+        /// Whether directories below are watched too.
+        recursive: bool,
+    },
+    /// Stop a watch of this connection. No reply.
+    Unwatch {
+        /// The watch's number.
+        id: u64,
+    },
 }
 
 /// How to build the jail.
@@ -252,6 +302,107 @@ pub enum JailFrame {
         /// The error.
         message: String,
     },
+    /// Entries of a `ListDir`, in chunks; the last chunk is `done`.
+    Entries {
+        /// The entries of this chunk.
+        entries: Vec<Entry>,
+        /// Whether this is the last chunk.
+        done: bool,
+    },
+    /// A `ListDir` found more than its `max_entries` (or more bytes than [`MAX_LIST_BYTES`]) and answers none.
+    ListTooLarge {
+        /// The limit it passed.
+        limit: u32,
+    },
+    /// The entry a `Stat` or `Rename` describes.
+    Entry {
+        /// The entry.
+        entry: Entry,
+    },
+    /// A `MakeDir` completed.
+    DirMade {
+        /// Whether a directory was created (false: it existed already).
+        created: bool,
+    },
+    /// A `Remove` completed.
+    Removed,
+    /// A `Watch` started.
+    Watching {
+        /// The watch's number.
+        id: u64,
+    },
+    /// Events of a watch, in the order they happened.
+    WatchEvents {
+        /// The watch's number.
+        id: u64,
+        /// What happened.
+        events: Vec<WatchEvent>,
+        /// Events were lost before these (the kernel's queue or the jail's overflowed).
+        overflowed: bool,
+    },
+}
+
+/// The most bytes of paths and link targets one listing carries (beyond it: `ListTooLarge`).
+pub const MAX_LIST_BYTES: usize = 64 << 20;
+
+/// One file or directory as PID 1 describes it (IDs as the jail's jobs see them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Entry {
+    /// Its absolute path in the jail.
+    pub path: String,
+    /// What it is.
+    pub kind: EntryKind,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its permission bits.
+    pub mode: u32,
+    /// Its owner.
+    pub uid: u32,
+    /// Its group.
+    pub gid: u32,
+    /// Its modification time: seconds and nanoseconds since the epoch.
+    pub modified: Option<(i64, u32)>,
+    /// Where a symlink points.
+    pub link: Option<String>,
+}
+
+/// What kind of file an [`Entry`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EntryKind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link.
+    Symlink,
+    /// Anything else.
+    Other,
+}
+
+/// One event of a watch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WatchEvent {
+    /// What happened.
+    pub kind: WatchKind,
+    /// The absolute path in the jail it happened to.
+    pub path: String,
+}
+
+/// What happened to a watched path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WatchKind {
+    /// Created, or moved in.
+    Create,
+    /// Written.
+    Write,
+    /// Its mode or owner changed.
+    Chmod,
+    /// Moved away (the old path).
+    Rename,
+    /// Removed.
+    Remove,
 }
 
 /// A control message that could not be sent or received.
@@ -288,6 +439,20 @@ impl From<std::io::Error> for ProtoError {
 
 /// Sends one frame with `fds` attached.
 pub fn send<T: Serialize>(socket: BorrowedFd<'_>, frame: &T, fds: &[BorrowedFd<'_>]) -> Result<(), ProtoError> {
+    send_with(socket, frame, fds, true)
+}
+
+/// Sends one frame without waiting for room in the socket's buffer (`EAGAIN` when there is none).
+pub fn send_nowait<T: Serialize>(socket: BorrowedFd<'_>, frame: &T) -> Result<(), ProtoError> {
+    send_with(socket, frame, &[], false)
+}
+
+fn send_with<T: Serialize>(
+    socket: BorrowedFd<'_>,
+    frame: &T,
+    fds: &[BorrowedFd<'_>],
+    wait: bool,
+) -> Result<(), ProtoError> {
     let doc = serde_json::to_vec(frame).map_err(|e| ProtoError::Malformed(e.to_string()))?;
     let mut raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
     let spill;
@@ -304,8 +469,9 @@ pub fn send<T: Serialize>(socket: BorrowedFd<'_>, frame: &T, fds: &[BorrowedFd<'
     let iov = [IoSlice::new(payload)];
     let cmsgs = [ControlMessage::ScmRights(&raw)];
     let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
+    let flags = if wait { MsgFlags::MSG_NOSIGNAL } else { MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT };
     loop {
-        match sendmsg::<()>(socket.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+        match sendmsg::<()>(socket.as_raw_fd(), &iov, cmsgs, flags, None) {
             Ok(_) => return Ok(()),
             Err(Errno::EINTR) => continue,
             Err(errno) => return Err(errno.into()),

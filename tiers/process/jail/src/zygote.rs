@@ -49,9 +49,9 @@ use nix::sys::wait::waitpid;
 use nix::unistd::{ForkResult, Pid, chdir, fork, pipe2, pivot_root, sethostname};
 use seccompiler::BpfProgram;
 
-use crate::init::{OLD_ROOT, StepError, bind_onto, confine_proc, loopback_up, mount_dev_at, step};
 use crate::inject::{InjectError, ResumePoint, Tracee};
 use crate::proto::{Bind, Fork, JailFrame};
+use crate::steps::{OLD_ROOT, StepError, bind_onto, confine_proc, loopback_up, mount_dev_at, scratch_options, step};
 use crate::userns::UserNamespace;
 
 /// How many descriptors the zygote starts with: stdin, stdout, stderr, the ready pipe, the fork channel.
@@ -314,13 +314,7 @@ impl Zygote {
             return Err(err);
         }
         verify(pid, held.tracee.pid(), &stdio)?;
-        // SAFETY: pidfd_open takes a PID and flags; the returned descriptor is new and owned here.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
-        if raw < 0 {
-            return Err(failed("pidfd", Errno::last().desc()));
-        }
-        // SAFETY: pidfd_open just returned this descriptor.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(raw as RawFd) };
+        let pidfd = crate::sys::pidfd_open(pid.as_raw()).map_err(|errno| failed("pidfd", errno.desc()))?;
         prepared.tracee.release(&held.resume).map_err(inject_failed("release"))?;
         child.disarm();
         self.forks.insert(pid.as_raw(), status);
@@ -553,7 +547,7 @@ fn build_root(
     binds: &[Bind],
     userns: Option<&UserNamespace>,
 ) -> Result<(), StepError> {
-    let options = crate::init::scratch_options(scratch_bytes);
+    let options = scratch_options(scratch_bytes);
     step(
         "fork tmpfs",
         mount(

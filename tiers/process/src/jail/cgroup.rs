@@ -275,10 +275,18 @@ impl Cgroup {
         let quota = period * u64::from(limits.cpus.max(1));
         match self.version {
             CgroupVersion::V1 => {
-                self.write("memory", "memory.limit_in_bytes", &limits.memory.to_string())?;
                 // memsw (memory + swap) equal to the memory limit: no swap. Absent when swap accounting is off.
-                if self.dir("memory").join("memory.memsw.limit_in_bytes").exists() {
-                    self.write("memory", "memory.memsw.limit_in_bytes", &limits.memory.to_string())?;
+                // The kernel keeps memsw at least the memory limit: raised first, lowered after.
+                let memory = limits.memory.to_string();
+                let memsw = self.dir("memory").join("memory.memsw.limit_in_bytes").exists();
+                let current = self.read("memory", "memory.limit_in_bytes").and_then(|v| v.trim().parse::<u64>().ok());
+                let raising = current.is_some_and(|current| limits.memory > current);
+                if memsw && raising {
+                    self.write("memory", "memory.memsw.limit_in_bytes", &memory)?;
+                }
+                self.write("memory", "memory.limit_in_bytes", &memory)?;
+                if memsw && !raising {
+                    self.write("memory", "memory.memsw.limit_in_bytes", &memory)?;
                 }
                 let _ = self.write("memory", "memory.swappiness", "0");
                 self.write("pids", "pids.max", &limits.pids.to_string())?;
@@ -295,6 +303,12 @@ impl Cgroup {
             }
         }
         Ok(())
+    }
+
+    /// Sets the limits of a child cgroup made by [`Cgroup::child`] (on v1; a v2 child has no controllers of its own
+    /// and its jail's limits bound it).
+    pub fn apply_limits(&self, limits: &CgroupLimits) -> Result<(), CgroupError> {
+        if self.version == CgroupVersion::V1 { self.apply(limits) } else { Ok(()) }
     }
 
     /// Creates a child cgroup for one job: on v1 with `limits` of its own (the jail's still bound it), on v2

@@ -18,11 +18,13 @@ use nix::fcntl::OFlag;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use strata_core::LimitKind;
 use strata_egress::{Drained, EgressHandle};
-use strata_jail::proto::{self, Exec, HostFrame, JailFrame};
+use strata_jail::proto::{self, Exec, HostFrame, JailFrame, WatchEvent};
 
+use super::files::request_on;
 use super::{
-    Baseline, Cgroup, CgroupLimits, Counters, DRAIN_TIMEOUT, DiskWatch, JAMMED, JailError, JobEnd, JobIo, JobReport,
-    JobWatch, MEMORY_HEADROOM, Pump, Scratch, WATCH_INTERVAL, read_file_on, set_nonblocking, write_file_on,
+    Baseline, Cgroup, CgroupLimits, Counters, DRAIN_TIMEOUT, DiskWatch, FileAnswer, JAMMED, JailError, JailWatch,
+    JobEnd, JobIo, JobReport, JobWatch, MEMORY_HEADROOM, Pump, Scratch, WATCH_INTERVAL, read_file_on, set_nonblocking,
+    write_file_on,
 };
 
 /// Opens a lane through the connection `ctl`: returns the host's end.
@@ -233,6 +235,23 @@ impl Lanes {
     /// Reads a regular file of the jail on a lane of its own, at most `max` bytes (more is `EFBIG`).
     pub fn read_file(&self, path: &str, max: u64) -> Result<Vec<u8>, JailError> {
         read_file_on(open(self.root.as_fd())?.as_fd(), path, max)
+    }
+
+    /// Sends a filesystem request to PID 1 on a lane of its own and reads its answer.
+    pub fn file_request(&self, frame: &HostFrame) -> Result<FileAnswer, JailError> {
+        request_on(open(self.root.as_fd())?.as_fd(), frame)
+    }
+
+    /// Watches the directory `path` (and every directory below it, `recursive`) on a lane of its own: PID 1's
+    /// event frames are handed to `on_events`, with whether events were lost before them, from a thread of the
+    /// watch's own, until it answers false or the returned watch is stopped or dropped.
+    pub fn watch_dir(
+        &self,
+        path: &str,
+        recursive: bool,
+        on_events: impl FnMut(Vec<WatchEvent>, bool) -> bool + Send + 'static,
+    ) -> Result<JailWatch, JailError> {
+        JailWatch::start(open(self.root.as_fd())?, path, recursive, on_events)
     }
 
     /// The egress records of connections that ended since the last drain (of any job in the jail), first

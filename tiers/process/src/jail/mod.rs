@@ -3,8 +3,12 @@
 //! ```text
 //! Jail::start(&cgroups, &JailConfig)  → spawns the embedded `strata-jail` (keeper), puts it in a fresh cgroup,
 //!                                        sends Setup, waits for Ready (namespaces, overlay, pivot_root done)
-//! jail.exec(&Exec, program, &JobIo, &JobWatch) → one job: pipes for stdio, limits watched from here
+//! jail.exec(&Exec, program, &JobIo, &JobWatch, &CgroupLimits)
+//!                                       → one job: pipes for stdio, limits watched from here (a session's jobs
+//!                                         in a cgroup of their own, JobsCgroup)
+//! jail.lanes()                          → more connections, for jobs and file calls at the same time
 //! jail.write_file / read_file           → files inside the jail, through PID 1
+//! jail.file_request / watch             → listings, stat, mkdir, rename, remove, inotify watches, by PID 1
 //! drop(jail)                            → PID 1 killed (the kernel kills its whole PID namespace), keeper
 //!                                         reaped, cgroup removed; mounts die with the mount namespace
 //! ```
@@ -13,11 +17,12 @@
 //! run inside one as Firecracker's jailer does.
 
 pub mod cgroup;
+mod files;
 mod lane;
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -31,12 +36,14 @@ use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::signal::Signal;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use nix::unistd::Pid;
+use strata_core::OutputCapture;
 use strata_core::{CancelToken, LimitKind};
 use strata_egress::{Drained, EgressHandle};
 use strata_jail::proto::{self, Bind, Exec, HostFrame, IdMap, JailFrame, PROTOCOL_VERSION, Setup};
-use strata_wasi_shims::OutputCapture;
+use strata_jail::sys::{pidfd_open, signal_pidfd};
 
 pub use cgroup::{Cgroup, CgroupError, CgroupLimits, CgroupRoot, CgroupVersion};
+pub use files::{FileAnswer, JailWatch};
 pub use lane::Lanes;
 
 /// The `strata-jail` binary, built by this crate's build script.
@@ -141,6 +148,12 @@ pub enum JailError {
         /// The error.
         message: String,
     },
+    /// A listing had more entries than asked for (or more bytes than the jail sends in one).
+    #[error("the listing has more than {limit} entries")]
+    ListTooLarge {
+        /// The most entries it was to have.
+        limit: u32,
+    },
 }
 
 impl From<proto::ProtoError> for JailError {
@@ -233,6 +246,21 @@ pub struct Jail {
     lanes: Option<Arc<Lanes>>,
     /// Its writable layer, watched for a job that fills it.
     scratch: Option<Arc<Scratch>>,
+    /// A session's cgroup for the jobs of this connection, made by the first and kept for the next.
+    jobs: Option<JobsCgroup>,
+    /// Jobs cgroups a job left processes running in, removed once those are gone.
+    lingering: Vec<Cgroup>,
+}
+
+/// The cgroup a session's jobs on the jail's first connection run in: a child of the jail's, made once and kept
+/// (its limits rewritten when a job brings others), so that each job's CPU time, peak memory and limits are its
+/// own whatever runs beside it on lanes, at the cost of a few writes per job rather than a cgroup made and removed.
+/// A job that leaves processes running (a server started in the background) leaves them in this cgroup, which is
+/// then set aside until they are gone, and the next job gets a new one: what they use is never a later job's.
+#[derive(Debug)]
+struct JobsCgroup {
+    cgroup: Cgroup,
+    limits: CgroupLimits,
 }
 
 /// A jail's writable layer as the host watches it: a descriptor of a directory on it (the overlay's upper
@@ -318,6 +346,8 @@ impl Jail {
             cgroup,
             pid1: Pid::from_raw(0),
             pidfd: None,
+            jobs: None,
+            lingering: Vec::new(),
             one_shot: config.one_shot,
             ended: false,
             id_map: config.id_map,
@@ -399,6 +429,11 @@ impl Jail {
         self.pid1
     }
 
+    /// Another pidfd of PID 1 (to end the jail from where the jail itself is not at hand).
+    pub fn pidfd(&self) -> Option<OwnedFd> {
+        self.pidfd.as_ref().and_then(|pidfd| pidfd.try_clone().ok())
+    }
+
     /// Whether the jail has ended.
     pub fn has_ended(&self) -> bool {
         self.ended
@@ -468,22 +503,39 @@ impl Jail {
         }
     }
 
-    /// Runs one job and waits for it, feeding stdin, capturing output and enforcing `watch`.
+    /// Runs one job and waits for it, feeding stdin, capturing output and enforcing `watch`. In a session the job
+    /// runs in a cgroup of its own under `limits`, a child of the jail's kept for this connection's next jobs (so
+    /// each is metered and limited alone, whatever runs on lanes beside it); a one-shot jail's cgroup is the job's.
     pub fn exec(
         &mut self,
         exec: &Exec,
         program: Option<File>,
         io: &JobIo<'_>,
         watch: &JobWatch,
+        limits: &CgroupLimits,
     ) -> Result<JobReport, JailError> {
-        self.run(exec, program, io, watch, false)
+        self.run(exec, program, io, watch, Some(limits))
     }
 
     /// Starts the zygote (in a jail made with [`JailConfig::zygote`]) and waits until it is held ready to fork
     /// ([`JobEnd::ZygoteReady`]) or ends, capturing the setup's output and enforcing `watch` meanwhile. Its stdin
     /// is PID 1's (see [`strata_jail::zygote`]); `io.stdin` is not used.
     pub fn start_zygote(&mut self, exec: &Exec, io: &JobIo<'_>, watch: &JobWatch) -> Result<JobReport, JailError> {
-        self.run(exec, None, io, watch, true)
+        self.run(exec, None, io, watch, None)
+    }
+
+    /// The session's jobs cgroup under `limits`, made on first use.
+    fn jobs_cgroup(&mut self, limits: &CgroupLimits) -> Result<Cgroup, JailError> {
+        self.lingering.retain(|cgroup| !cgroup.try_remove());
+        match &mut self.jobs {
+            Some(jobs) if jobs.limits == *limits => {}
+            Some(jobs) => {
+                jobs.cgroup.apply_limits(limits)?;
+                jobs.limits = *limits;
+            }
+            None => self.jobs = Some(JobsCgroup { cgroup: self.cgroup.child(limits)?, limits: *limits }),
+        }
+        Ok(self.jobs.as_ref().map(|jobs| jobs.cgroup.clone()).expect("made above"))
     }
 
     fn run(
@@ -492,11 +544,27 @@ impl Jail {
         program: Option<File>,
         io: &JobIo<'_>,
         watch: &JobWatch,
-        zygote: bool,
+        limits: Option<&CgroupLimits>,
     ) -> Result<JobReport, JailError> {
         if self.ended {
             return Err(JailError::Ended);
         }
+        // No limits: the zygote's start, which runs as the jail's own.
+        let zygote = limits.is_none();
+        // A session's job runs in the jobs cgroup, a one-shot jail's (or the zygote) in the jail's.
+        let own = match limits {
+            Some(limits) if !self.one_shot => Some(self.jobs_cgroup(limits)?),
+            _ => None,
+        };
+        let join: Vec<File> = match &own {
+            Some(own) => own
+                .self_join_files()
+                .iter()
+                .map(|path| File::options().write(true).open(path))
+                .collect::<Result<_, _>>()
+                .map_err(JailError::Spawn)?,
+            None => Vec::new(),
+        };
         let cloexec = OFlag::O_CLOEXEC;
         let (stdin_r, stdin_w) = nix::unistd::pipe2(cloexec).map_err(|e| JailError::Spawn(e.into()))?;
         let (stdout_r, stdout_w) = nix::unistd::pipe2(cloexec).map_err(|e| JailError::Spawn(e.into()))?;
@@ -504,11 +572,15 @@ impl Jail {
         for fd in [&stdin_w, &stdout_r, &stderr_r] {
             set_nonblocking(fd.as_fd()).map_err(|e| JailError::Spawn(e.into()))?;
         }
-        self.cgroup.reset_peak();
         let cgroup = self.cgroup.clone();
+        let job_cgroup = own.as_ref().unwrap_or(&cgroup);
+        job_cgroup.reset_peak();
         let scratch = self.scratch.clone();
-        let counters =
-            Counters { job: Baseline::take(&cgroup), outer: None, disk: DiskWatch::take(scratch.as_deref()) };
+        let counters = Counters {
+            job: Baseline::take(job_cgroup),
+            outer: own.as_ref().map(|_| Baseline::take(&cgroup)),
+            disk: DiskWatch::take(scratch.as_deref()),
+        };
         let start = Instant::now();
         {
             if zygote {
@@ -516,13 +588,16 @@ impl Jail {
             } else {
                 let stdin = io.stdin_stream.unwrap_or(stdin_r.as_fd());
                 let mut fds = vec![stdin, stdout_w.as_fd(), stderr_w.as_fd()];
+                fds.extend(join.iter().map(AsFd::as_fd));
                 if let Some(program) = &program {
                     fds.push(program.as_fd());
                 }
-                proto::send(self.ctl.as_fd(), &HostFrame::Exec(exec.clone()), &fds)?;
+                let mut exec = exec.clone();
+                exec.cgroup_files = join.len() as u32;
+                proto::send(self.ctl.as_fd(), &HostFrame::Exec(exec), &fds)?;
             }
         }
-        drop((stdin_r, stdout_w, stderr_w, program));
+        drop((stdin_r, stdout_w, stderr_w, program, join));
 
         let mut pump = Pump::new(stdin_w, stdout_r, stderr_r, io, !zygote);
         let mut exit: Option<JobEnd> = None;
@@ -591,7 +666,11 @@ impl Jail {
             {
                 stopped = Some(reason);
                 killed_at = Some(Instant::now());
-                self.kill_job();
+                match &own {
+                    // Every process the job started, wherever it went: they are all in its cgroup.
+                    Some(own) => own.kill_all(),
+                    None => self.kill_job(),
+                }
             }
         }
         let end_time = exited_at.unwrap_or_else(Instant::now);
@@ -600,12 +679,13 @@ impl Jail {
             log::warn!("{JAMMED}");
             self.kill_pid1();
         }
-        Ok(JobReport {
-            end,
-            wall: end_time.duration_since(start),
-            cpu: counters.job.cpu(),
-            peak_memory: cgroup.peak_memory(),
-        })
+        let peak_memory = if job_cgroup.has_memory() { job_cgroup.peak_memory() } else { cgroup.peak_memory() };
+        if own.as_ref().is_some_and(|own| !own.pids().is_empty())
+            && let Some(jobs) = self.jobs.take()
+        {
+            self.lingering.push(jobs.cgroup);
+        }
+        Ok(JobReport { end, wall: end_time.duration_since(start), cpu: counters.job.cpu(), peak_memory })
     }
 
     /// Stops the running job: a one-shot jail is ended whole (PID 1 killed, so the kernel kills its namespace);
@@ -666,6 +746,31 @@ impl Jail {
         let read = read_file_on(self.ctl.as_fd(), path, max);
         self.ended |= matches!(read, Err(JailError::Ended));
         read
+    }
+
+    /// Sends a filesystem request to PID 1 (`ListDir`, `Stat`, `MakeDir`, `Rename`, `Remove`) and reads its
+    /// answer.
+    pub fn file_request(&mut self, frame: &HostFrame) -> Result<FileAnswer, JailError> {
+        if self.ended {
+            return Err(JailError::Ended);
+        }
+        let answer = files::request_on(self.ctl.as_fd(), frame);
+        self.ended |= matches!(answer, Err(JailError::Ended));
+        answer
+    }
+
+    /// Watches the directory `path` (and every directory below it, `recursive`) on a lane of its own; see
+    /// [`Lanes::watch_dir`].
+    pub fn watch_dir(
+        &mut self,
+        path: &str,
+        recursive: bool,
+        on_events: impl FnMut(Vec<proto::WatchEvent>, bool) -> bool + Send + 'static,
+    ) -> Result<JailWatch, JailError> {
+        if self.ended {
+            return Err(JailError::Ended);
+        }
+        JailWatch::start(lane::open(self.ctl.as_fd())?, path, recursive, on_events)
     }
 
     fn reply(&mut self) -> Result<(JailFrame, Vec<OwnedFd>), JailError> {
@@ -930,21 +1035,6 @@ fn reply_on(ctl: BorrowedFd<'_>) -> Result<(JailFrame, Vec<OwnedFd>), JailError>
 fn process_state(pid: i32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
-fn pidfd_open(pid: i32) -> Result<OwnedFd, Errno> {
-    // SAFETY: pidfd_open takes a PID and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(Errno::last());
-    }
-    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as RawFd) })
-}
-
-fn signal_pidfd(pidfd: &OwnedFd, signal: Signal) {
-    // SAFETY: pidfd_send_signal on a pidfd we own, with no siginfo.
-    unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), signal as i32, std::ptr::null::<u8>(), 0) };
 }
 
 fn set_nonblocking(fd: BorrowedFd<'_>) -> Result<(), Errno> {
