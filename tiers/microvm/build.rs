@@ -6,8 +6,9 @@
 //! `agent_binary()` says how to get one, instead of failing the whole build.
 
 use std::env;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
+
+use strata_image_util::nested::{NestedCargo, source_key, target_installed};
 
 const GUEST_TARGET: &str = "x86_64-unknown-linux-musl";
 
@@ -19,63 +20,21 @@ fn main() {
         println!("cargo:rerun-if-changed={}", images.join(dir).display());
     }
     println!("cargo::rustc-check-cfg=cfg(strata_no_agent)");
-    if !target_installed() {
+    if !target_installed(GUEST_TARGET) {
         println!("cargo:warning=the {GUEST_TARGET} target is missing: building without the guest agent");
         println!("cargo:rustc-cfg=strata_no_agent");
         return;
     }
-    let target_dir = out_dir.join("agent-target");
-    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.args([
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "strata-agent",
-        "--bin",
-        "strata-agent",
-        "--target",
-        GUEST_TARGET,
-    ])
-    .arg("--manifest-path")
-    .arg(images.join("agent/Cargo.toml"))
-    .arg("--target-dir")
-    .arg(&target_dir)
-    // Small: it is copied into every initramfs and unpacked at every boot.
-    .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "s")
-    .env("CARGO_PROFILE_RELEASE_LTO", "true")
-    .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "1")
-    .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
-    .env("CARGO_PROFILE_RELEASE_STRIP", "symbols");
-    // The outer build's settings are for the outer build.
-    for var in [
-        "CARGO_ENCODED_RUSTFLAGS",
-        "RUSTFLAGS",
-        "CARGO_BUILD_RUSTFLAGS",
-        "CARGO_TARGET_DIR",
-        "CARGO_BUILD_TARGET",
-        "RUSTC_WORKSPACE_WRAPPER",
-        "RUSTC_WRAPPER",
-        "CARGO_MAKEFLAGS",
-    ] {
-        cmd.env_remove(var);
-    }
-    let status = cmd.status().expect("run cargo for strata-agent");
+    // One target directory per source tree (see strata_image_util::nested).
+    let target_dir = out_dir.join(format!("agent-target-{:016x}", source_key(&images)));
+    let status = NestedCargo::release(&images.join("agent/Cargo.toml"), GUEST_TARGET, &target_dir)
+        .args(["-p", "strata-agent", "--bin", "strata-agent"])
+        // Small: it is copied into every initramfs and unpacked at every boot.
+        .small()
+        .run()
+        .expect("run cargo for strata-agent");
     assert!(status.success(), "building strata-agent for {GUEST_TARGET} failed ({status})");
     let binary = target_dir.join(GUEST_TARGET).join("release/strata-agent");
     assert!(binary.exists(), "strata-agent was not built at {}", binary.display());
     println!("cargo:rustc-env=STRATA_AGENT_BINARY={}", binary.display());
-}
-
-/// Whether the musl target's standard library is installed in the toolchain that builds this crate.
-fn target_installed() -> bool {
-    let rustc = env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
-    let Ok(output) = Command::new(rustc).args(["--print", "sysroot"]).output() else { return false };
-    let sysroot = String::from_utf8_lossy(&output.stdout).trim().to_owned();
-    let lib = Path::new(&sysroot).join("lib/rustlib").join(GUEST_TARGET).join("lib");
-    // Installing the target later rebuilds with the agent (a path that does not exist yet reruns this script
-    // on every build, a cheap check until the target is there).
-    println!("cargo:rerun-if-changed={}", lib.display());
-    lib.is_dir()
 }

@@ -19,7 +19,7 @@ pub struct FileError {
 }
 
 impl FileError {
-    fn io(path: &str, err: &io::Error) -> FileError {
+    pub(crate) fn io(path: &str, err: &io::Error) -> FileError {
         FileError { errno: err.raw_os_error().unwrap_or(libc::EIO), message: format!("{path}: {err}") }
     }
 

@@ -1,9 +1,10 @@
 //! The guest agent: PID 1 of a microVM (static musl), also runnable as a host process over a Unix socket.
 //!
-//! In a guest it boots the userland ([`init`]), reaps every process, and serves DESIGN §4's protocol
+//! In a guest it boots the userland ([`init`]), reaps every process, and serves docs/DESIGN.md §4's protocol
 //! ([`strata_guest_proto`]) on AF_VSOCK, one connection at a time ([`serve`]): execs with streamed output and
-//! stdin ([`exec`]), file transfers ([`files`]) and tree listings ([`tree`]), snapshot steps and power-off
-//! ([`system`]), and, when the host asks, the network egress forwarder ([`egress`]). Run as an ordinary
+//! stdin ([`exec`]), file transfers ([`files`]) and tree listings ([`tree`]), the sandbox's file methods
+//! ([`entries`]) and directory watches ([`watch`]), snapshot steps and power-off ([`system`]), and, when the host
+//! asks, the network egress forwarder ([`egress`]). Run as an ordinary
 //! process (`--unix PATH`) the same code serves one connection over a Unix socket, which is how its tests drive
 //! the whole protocol at full speed.
 //!
@@ -17,6 +18,7 @@
 //! ```
 
 pub mod egress;
+pub mod entries;
 pub mod exec;
 pub mod files;
 pub mod init;
@@ -24,6 +26,7 @@ pub mod reap;
 pub mod serve;
 pub mod system;
 pub mod tree;
+pub mod watch;
 
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};

@@ -1,10 +1,10 @@
 //! Serving one connection: the handshake, then each host message in turn.
 //!
-//! The connection's thread reads frames and answers everything but execs itself (file transfers, snapshot
-//! steps). Each exec runs on a thread of its own ([`crate::exec`]) that writes its output and exit through the
-//! shared writer, so several execs run at once. When the connection ends, every exec still running is killed
-//! (with its process group) and waited for, and unfinished file writes are removed: the next connection starts
-//! clean.
+//! The connection's thread reads frames and answers everything but execs and watches itself (file transfers
+//! and methods, snapshot steps). Each exec runs on a thread of its own ([`crate::exec`]) that writes its output
+//! and exit through the shared writer, so several execs run at once; so does each watch ([`crate::watch`]) with
+//! its events. When the connection ends, every exec still running is killed (with its process group) and waited
+//! for, every watch is stopped, and unfinished file writes are removed: the next connection starts clean.
 //!
 //! The host is trusted to mean well but not to be well-formed: a frame that does not decode is answered with
 //! [`GuestMessage::Error`] (the stream is still in step), an oversize or truncated one ends the connection.
@@ -20,11 +20,13 @@ use strata_guest_proto::{
 };
 
 use crate::egress::{EgressDial, Forwarder};
+use crate::entries;
 use crate::exec::{self, ExecSink, Running, StdinQueue};
-use crate::files::{self, Writes};
+use crate::files::{self, FileError, Writes};
 use crate::reap::Reaper;
 use crate::system::{self, Halt};
 use crate::tree;
+use crate::watch::{self, Watch};
 
 /// Where the agent runs, which decides what it may do to the system.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,6 +145,7 @@ impl Agent {
             threads: Vec::new(),
             writes: Writes::default(),
             egress: None,
+            watches: HashMap::new(),
         };
         let end = session.run(&mut reader);
         // Exec threads blocked writing to a host that stopped reading get an error and finish.
@@ -223,6 +226,32 @@ struct Session<'a, T: Transport> {
     writes: Writes,
     /// The egress forwarder, once the host asked for it; stopped when the connection ends.
     egress: Option<Forwarder>,
+    /// The running watches, stopped when the connection ends.
+    watches: HashMap<RequestId, Watch>,
+}
+
+/// The messages of one answer sent as they are made; the first failure to send is kept, and nothing more is sent.
+struct Streamed<'a, T> {
+    out: &'a Out<T>,
+    failed: Option<FrameError>,
+}
+
+impl<'a, T: Transport> Streamed<'a, T> {
+    fn new(out: &'a Out<T>) -> Self {
+        Streamed { out, failed: None }
+    }
+
+    fn send(&mut self, message: GuestMessage) {
+        if self.failed.is_none()
+            && let Err(err) = self.out.send(&message)
+        {
+            self.failed = Some(err);
+        }
+    }
+
+    fn finish(self) -> Result<(), ServeError> {
+        self.failed.map_or(Ok(()), |err| Err(ServeError::Frame(err)))
+    }
 }
 
 impl<T: Transport> Session<'_, T> {
@@ -284,17 +313,10 @@ impl<T: Transport> Session<'_, T> {
                 }
             }
             HostMessage::ReadFile { id, path, max } => {
-                let mut failed = None;
-                let result = files::read(&path, max, |chunk| {
-                    if failed.is_none()
-                        && let Err(err) = self.out.send(&GuestMessage::FileData { id, data: chunk.into() })
-                    {
-                        failed = Some(err);
-                    }
-                });
-                if let Some(err) = failed {
-                    return Err(ServeError::Frame(err));
-                }
+                let mut stream = Streamed::new(&self.out);
+                let result =
+                    files::read(&path, max, |chunk| stream.send(GuestMessage::FileData { id, data: chunk.into() }));
+                stream.finish()?;
                 self.send(match result {
                     Ok(size) => GuestMessage::FileDone { id, size },
                     Err(err) => err.answer(id),
@@ -332,17 +354,10 @@ impl<T: Transport> Session<'_, T> {
                 })?;
             }
             HostMessage::ListTree { id, path, max_entries } => {
-                let mut failed = None;
-                let result = tree::list(&path, max_entries, |entries| {
-                    if failed.is_none()
-                        && let Err(err) = self.out.send(&GuestMessage::TreeEntries { id, entries })
-                    {
-                        failed = Some(err);
-                    }
-                });
-                if let Some(err) = failed {
-                    return Err(ServeError::Frame(err));
-                }
+                let mut stream = Streamed::new(&self.out);
+                let result =
+                    tree::list(&path, max_entries, |entries| stream.send(GuestMessage::TreeEntries { id, entries }));
+                stream.finish()?;
                 self.send(match result {
                     Ok(listed) => GuestMessage::TreeDone { id, count: listed.count, skipped: listed.skipped },
                     Err(err) => err.answer(id),
@@ -362,9 +377,63 @@ impl<T: Transport> Session<'_, T> {
                 };
                 self.send(answer)?;
             }
+            HostMessage::Stat { id, path } => self.send(match entries::stat(&path) {
+                Ok(entry) => GuestMessage::Entry { id, entry },
+                Err(err) => err.answer(id),
+            })?,
+            HostMessage::ListDir { id, path, depth, max_entries } => {
+                let mut stream = Streamed::new(&self.out);
+                let result = entries::list_dir(&path, depth, max_entries, |entries| {
+                    stream.send(GuestMessage::DirEntries { id, entries })
+                });
+                stream.finish()?;
+                self.send(match result {
+                    Ok(listed) => GuestMessage::DirDone { id, count: listed.count, skipped: listed.skipped },
+                    Err(err) => err.answer(id),
+                })?;
+            }
+            HostMessage::CreateDir { id, path } => self.send(match entries::create_dir(&path) {
+                Ok(created) => GuestMessage::DirCreated { id, created },
+                Err(err) => err.answer(id),
+            })?,
+            HostMessage::Rename { id, from, to } => self.send(match entries::rename(&from, &to) {
+                Ok(entry) => GuestMessage::Entry { id, entry },
+                Err(err) => err.answer(id),
+            })?,
+            HostMessage::Remove { id, path } => self.send(match entries::remove(&path) {
+                Ok(()) => GuestMessage::Ack { id },
+                Err(err) => err.answer(id),
+            })?,
+            HostMessage::Watch { id, path, recursive } => self.watch(id, &path, recursive)?,
+            HostMessage::Unwatch { id } => {
+                if let Some(watch) = self.watches.remove(&id) {
+                    watch.stop();
+                }
+            }
             HostMessage::PowerOff => return Ok(Some(ServeEnd::PowerOff)),
         }
         Ok(None)
+    }
+
+    /// Sets up a watch, answers, then starts it (so that the answer comes before its first events).
+    fn watch(&mut self, id: RequestId, path: &str, recursive: bool) -> Result<(), ServeError> {
+        self.watches.retain(|_, watch| !watch.is_finished());
+        let refused = if self.watches.contains_key(&id) {
+            Some(FileError::new(libc::EBUSY, format!("watch {id} is already running")))
+        } else if self.watches.len() >= watch::MAX_WATCHES {
+            Some(FileError::new(libc::ENOSPC, format!("{} watches are running already", watch::MAX_WATCHES)))
+        } else {
+            None
+        };
+        let prepared = match refused.map_or_else(|| watch::prepare(path, recursive), Err) {
+            Ok(prepared) => prepared,
+            Err(err) => return self.send(err.answer(id)),
+        };
+        self.send(GuestMessage::Ack { id })?;
+        let out = Arc::clone(&self.out);
+        let watch = prepared.start(id, move |message| out.send(&message).is_ok()).map_err(ServeError::Thread)?;
+        self.watches.insert(id, watch);
+        Ok(())
     }
 
     fn stdin_of(&self, id: RequestId) -> Option<Arc<StdinQueue>> {
@@ -418,8 +487,12 @@ impl<T: Transport> Session<'_, T> {
         Ok(())
     }
 
-    /// Kills what is still running and waits for it; drops unfinished writes; stops the egress forwarder.
+    /// Kills what is still running and waits for it; drops unfinished writes; stops the egress forwarder and the
+    /// watches.
     fn end(&mut self) {
+        for (_, watch) in self.watches.drain() {
+            watch.stop();
+        }
         if let Some(forwarder) = self.egress.take() {
             forwarder.stop();
         }

@@ -35,13 +35,38 @@ const DIR_FLAGS: OFlag = OFlag::O_RDONLY.union(OFlag::O_DIRECTORY).union(OFlag::
 /// Lists the tree under the directory `path` in batches of at most [`MAX_TREE_BATCH`] entries handed to `batch`.
 /// More than `max_entries` entries is `E2BIG`; a relative path or link target over [`MAX_PATH`] bytes is
 /// `ENAMETOOLONG`. An entry that vanishes during the walk is left out.
-pub fn list(path: &str, max_entries: u64, mut batch: impl FnMut(Vec<TreeEntry>)) -> Result<Listed, FileError> {
+pub fn list(path: &str, max_entries: u64, batch: impl FnMut(Vec<TreeEntry>)) -> Result<Listed, FileError> {
+    let describe = |parent: &OwnedFd, name: &str, rel: &str, stat: &FileStat| {
+        if rel.len() > MAX_PATH {
+            return Err(too_long(path, rel));
+        }
+        let entry = describe(parent, name, rel, stat).map_err(|e| errno(&join(path, rel), e))?;
+        if entry.as_ref().and_then(|e| e.target.as_ref()).is_some_and(|t| t.len() > MAX_PATH) {
+            return Err(too_long(path, rel));
+        }
+        Ok(entry)
+    };
+    walk(path, u32::MAX, max_entries, describe, batch)
+}
+
+/// Walks the tree under the directory `path` breadth first, `max_depth` levels deep (1: its own entries), and
+/// hands what `describe` makes of each entry (`None`: left out and counted as skipped) to `batch`, at most
+/// [`MAX_TREE_BATCH`] at a time. `describe` gets the entry's directory, its name and its path relative to
+/// `path`, and its `lstat`; only directories it describes are entered. More than `max_entries` entries is
+/// `E2BIG`; names that are not UTF-8 are skipped; an entry that vanishes during the walk is left out.
+pub(crate) fn walk<E>(
+    path: &str,
+    max_depth: u32,
+    max_entries: u64,
+    mut describe: impl FnMut(&OwnedFd, &str, &str, &FileStat) -> Result<Option<E>, FileError>,
+    mut batch: impl FnMut(Vec<E>),
+) -> Result<Listed, FileError> {
     let root_path = checked_dir_path(path)?;
     let root = nix::fcntl::open(root_path, DIR_FLAGS, Mode::empty()).map_err(|e| errno(path, e))?;
     let mut listed = Listed { count: 0, skipped: 0 };
     let mut pending = Vec::with_capacity(MAX_TREE_BATCH);
-    let mut dirs = VecDeque::from([String::new()]);
-    while let Some(rel) = dirs.pop_front() {
+    let mut dirs = VecDeque::from([(String::new(), 1u32)]);
+    while let Some((rel, depth)) = dirs.pop_front() {
         let fd = match open_beneath(&root, &rel) {
             Ok(fd) => fd,
             // Removed since it was listed.
@@ -55,27 +80,21 @@ pub fn list(path: &str, max_entries: u64, mut batch: impl FnMut(Vec<TreeEntry>))
                 continue;
             };
             let child = if rel.is_empty() { name.to_owned() } else { format!("{rel}/{name}") };
-            if child.len() > MAX_PATH {
-                return Err(too_long(path, &child));
-            }
             let stat = match fstatat(&parent, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
                 Ok(stat) => stat,
                 Err(Errno::ENOENT) => continue,
                 Err(e) => return Err(errno(&join(path, &child), e)),
             };
-            let Some(entry) = describe(&parent, name, &child, &stat).map_err(|e| errno(&join(path, &child), e))? else {
+            let Some(entry) = describe(&parent, name, &child, &stat)? else {
                 listed.skipped += 1;
                 continue;
             };
-            if entry.target.as_ref().is_some_and(|t| t.len() > MAX_PATH) {
-                return Err(too_long(path, &child));
-            }
             listed.count += 1;
             if listed.count > max_entries {
                 return Err(FileError::new(libc::E2BIG, format!("{path} holds more than {max_entries} entries")));
             }
-            if entry.kind == EntryKind::Dir {
-                dirs.push_back(child);
+            if depth < max_depth && SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits()) == SFlag::S_IFDIR {
+                dirs.push_back((child, depth + 1));
             }
             pending.push(entry);
             if pending.len() == MAX_TREE_BATCH {
@@ -136,11 +155,11 @@ fn open_beneath(root: &OwnedFd, rel: &str) -> Result<OwnedFd, Errno> {
     Ok(fd)
 }
 
-fn join(root: &str, rel: &str) -> String {
+pub(crate) fn join(root: &str, rel: &str) -> String {
     if rel.is_empty() { root.to_owned() } else { format!("{root}/{rel}") }
 }
 
-fn errno(path: &str, err: Errno) -> FileError {
+pub(crate) fn errno(path: &str, err: Errno) -> FileError {
     FileError::new(err as i32, format!("{path}: {}", err.desc()))
 }
 

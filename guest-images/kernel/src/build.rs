@@ -89,30 +89,10 @@ pub(crate) fn install_packages(progress: &dyn Fn(&str)) -> Result<(), KernelErro
     Ok(())
 }
 
-/// `.kernel-<hash16>.tmp-<pid>` or `.kernel-<hash16>.old-<pid>` → (hash16, pid).
-fn temp_dir_owner(name: &str) -> Option<(&str, u32)> {
-    let rest = name.strip_prefix(".kernel-")?;
-    let (hash, pid) = rest.split_once(".tmp-").or_else(|| rest.split_once(".old-"))?;
-    Some((hash, pid.parse().ok()?))
-}
-
-/// Removes temporary trees left by builds that did not finish: every one for `hash16` (the caller holds its
-/// lock, so no other build of it runs) and those of other keys whose process is gone.
+/// Removes temporary trees left by builds that did not finish ([`strata_image_util::stale_build_dirs`]).
 pub(crate) fn remove_stale_temp_dirs(images: &Path, hash16: &str) -> Result<(), KernelError> {
-    let entries = match fs::read_dir(images) {
-        Ok(entries) => entries,
-        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(err) => return Err(io_err("cannot read", images)(err)),
-    };
-    let me = std::process::id();
-    for entry in entries {
-        let entry = entry.map_err(io_err("cannot read", images))?;
-        let name = entry.file_name();
-        let Some((hash, pid)) = name.to_str().and_then(temp_dir_owner) else { continue };
-        let alive = Path::new("/proc").join(pid.to_string()).exists();
-        if (hash == hash16 && pid != me) || !alive {
-            remove_tree(&entry.path())?;
-        }
+    for dir in strata_image_util::stale_build_dirs(images, "kernel", hash16).map_err(io_err("cannot read", images))? {
+        remove_tree(&dir)?;
     }
     Ok(())
 }
@@ -442,14 +422,6 @@ mod tests {
         assert_eq!(out[4].as_deref(), Some("fs/ext4/inode.c:12:1: error: expected ';'"));
         assert_eq!(out[5], None);
         assert!(out[6].as_deref().is_some_and(|l| l.starts_with("linking vmlinux (100 files compiled)")), "{out:?}");
-    }
-
-    #[test]
-    fn temp_dir_names_give_their_key_and_process() {
-        assert_eq!(temp_dir_owner(".kernel-0123456789abcdef.tmp-42"), Some(("0123456789abcdef", 42)));
-        assert_eq!(temp_dir_owner(".kernel-0123456789abcdef.old-7"), Some(("0123456789abcdef", 7)));
-        assert_eq!(temp_dir_owner("kernel-0123456789abcdef"), None);
-        assert_eq!(temp_dir_owner(".kernel-0123.tmp-x"), None);
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //! receives. A message of the wrong kind for its request, a chunk over [`MAX_CHUNK`], output beyond the cap the
 //! host asked for, more file bytes than `max`, or an impossible exit status fails that request.
 //!
+//! A watch ([`AgentClient::watch`]) is the one request whose messages are not queued: the reader thread hands
+//! each batch of events to the watch's sink at once, which must not block (the tier's sink drops what its reader
+//! has no room for), so a guest flooding events costs the host a fixed amount. A batch over [`MAX_WATCH_BATCH`]
+//! ends that watch; the sink is dropped when the watch ends, whatever ended it.
+//!
 //! Do not call a client method that waits for an answer from inside an exec's output callback: the answer may
 //! be queued behind that exec's own output.
 
@@ -23,10 +28,11 @@ use std::time::Duration;
 
 use crate::frame::{FrameError, FrameReader, FrameWriter, decode, peek_hello_version};
 use crate::message::{
-    Bytes, Entropy, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId, Rusage, TreeEntry,
+    Bytes, Entropy, EntryInfo, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId, Rusage,
+    TreeEntry, WatchEvent,
 };
 use crate::transport::Transport;
-use crate::{MAX_CHUNK, MAX_FRAME, MAX_TREE_BATCH, PROTOCOL_VERSION};
+use crate::{MAX_CHUNK, MAX_FRAME, MAX_TREE_BATCH, MAX_WATCH_BATCH, PROTOCOL_VERSION};
 
 /// Frames that may wait, per request, for the thread consuming them.
 pub const ROUTE_QUEUE: usize = 16;
@@ -156,6 +162,10 @@ pub enum ExecEvent {
 
 type Shutdown = Box<dyn Fn() + Send + Sync>;
 
+/// Where a watch's events go ([`AgentClient::watch`]): each batch, and whether events were lost before it;
+/// `false` ends the watch on the host's side.
+type WatchSink = Arc<Mutex<Box<dyn FnMut(Vec<WatchEvent>, bool) -> bool + Send>>>;
+
 struct Shared {
     writer: Mutex<FrameWriter<Box<dyn Write + Send>>>,
     shutdown: Shutdown,
@@ -166,6 +176,8 @@ struct Shared {
 
 struct Routes {
     open: HashMap<RequestId, SyncSender<GuestMessage>>,
+    /// The running watches' sinks.
+    watches: HashMap<RequestId, WatchSink>,
     /// Why the connection ended, once it has.
     failure: Option<ClientError>,
 }
@@ -204,6 +216,7 @@ impl Shared {
         let mut routes = lock(&self.routes);
         routes.failure.get_or_insert(err);
         routes.open.clear();
+        routes.watches.clear();
     }
 
     /// Hands one message to the request it answers.
@@ -217,6 +230,10 @@ impl Shared {
         if id.0 >= self.next_id.load(Ordering::Relaxed) {
             return Err(ClientError::UnknownRequest { kind: message.kind(), id });
         }
+        if matches!(message, GuestMessage::WatchEvents { .. } | GuestMessage::WatchEnded { .. }) {
+            self.watch_message(id, message);
+            return Ok(());
+        }
         // Clone the sender and let go of the table: sending may wait for the consumer, which may itself be
         // removing its route.
         let route = lock(&self.routes).open.get(&id).cloned();
@@ -226,6 +243,24 @@ impl Shared {
         }
         // No route: an answer to a request the host gave up on (a dropped handle); drop it.
         Ok(())
+    }
+}
+
+impl Shared {
+    /// Hands a watch's message to its sink (outside the routes' lock); a watch that ended is forgotten. Messages
+    /// for a watch that is not running (stopped by the host, or never one) are dropped like late answers.
+    fn watch_message(&self, id: RequestId, message: GuestMessage) {
+        let Some(sink) = lock(&self.routes).watches.get(&id).cloned() else { return };
+        let go_on = match message {
+            GuestMessage::WatchEvents { events, overflowed, .. } if events.len() <= MAX_WATCH_BATCH => {
+                (lock(&sink))(events, overflowed)
+            }
+            // Too many events in one batch, or the agent ended the watch.
+            _ => false,
+        };
+        if !go_on {
+            lock(&self.routes).watches.remove(&id);
+        }
     }
 }
 
@@ -311,7 +346,7 @@ impl AgentClient {
         let shared = Arc::new(Shared {
             writer: Mutex::new(writer),
             shutdown,
-            routes: Mutex::new(Routes { open: HashMap::new(), failure: None }),
+            routes: Mutex::new(Routes { open: HashMap::new(), watches: HashMap::new(), failure: None }),
             next_id: AtomicU64::new(1),
             timeout: config.timeout,
         });
@@ -436,12 +471,47 @@ impl AgentClient {
     /// anyway). Only the counts are checked here (batch sizes, the total, `TreeDone`'s count): the entries
     /// themselves are the guest's word, for the caller to validate.
     pub fn list_tree(&self, path: &str, max_entries: u64) -> Result<TreeListing, ClientError> {
+        let request = HostMessage::ListTree { id: RequestId(0), path: path.to_owned(), max_entries };
+        let (entries, skipped) = self.gather(request, path, max_entries, |message| match message {
+            GuestMessage::TreeEntries { entries, .. } => Part::Batch(entries),
+            GuestMessage::TreeDone { count, skipped, .. } => Part::Done { count, skipped },
+            other => Part::Other(other),
+        })?;
+        Ok(TreeListing { entries, skipped })
+    }
+
+    /// Lists the guest directory `path` down to `depth` levels without following symbolic links; more than
+    /// `max_entries` entries is an error (`E2BIG` from the agent, or a violation when the agent sends them
+    /// anyway). As for [`AgentClient::list_tree`], only the counts are checked here.
+    pub fn list_dir(&self, path: &str, depth: u32, max_entries: u64) -> Result<DirListing, ClientError> {
+        let request = HostMessage::ListDir { id: RequestId(0), path: path.to_owned(), depth, max_entries };
+        let (entries, skipped) = self.gather(request, path, max_entries, |message| match message {
+            GuestMessage::DirEntries { entries, .. } => Part::Batch(entries),
+            GuestMessage::DirDone { count, skipped, .. } => Part::Done { count, skipped },
+            other => Part::Other(other),
+        })?;
+        Ok(DirListing { entries, skipped })
+    }
+
+    /// Sends `request` (its id replaced by a new route's) and gathers the batches of its answer: at most
+    /// [`MAX_TREE_BATCH`] entries a batch, `max_entries` in all, then a count that matches what came.
+    fn gather<E>(
+        &self,
+        mut request: HostMessage,
+        path: &str,
+        max_entries: u64,
+        part: fn(GuestMessage) -> Part<E>,
+    ) -> Result<(Vec<E>, u64), ClientError> {
         let route = self.shared.open_route()?;
-        self.shared.send(&HostMessage::ListTree { id: route.id, path: path.to_owned(), max_entries })?;
+        let kind = request.kind();
+        if let HostMessage::ListTree { id, .. } | HostMessage::ListDir { id, .. } = &mut request {
+            *id = route.id;
+        }
+        self.shared.send(&request)?;
         let mut entries = Vec::new();
         loop {
-            match route.recv(self.shared.timeout)? {
-                GuestMessage::TreeEntries { entries: batch, .. } => {
+            match part(route.recv(self.shared.timeout)?) {
+                Part::Batch(batch) => {
                     if batch.len() > MAX_TREE_BATCH {
                         return Err(violation(format!("a listing batch of {} entries", batch.len())));
                     }
@@ -450,16 +520,70 @@ impl AgentClient {
                     }
                     entries.extend(batch);
                 }
-                GuestMessage::TreeDone { count, skipped, .. } if count == entries.len() as u64 => {
-                    return Ok(TreeListing { entries, skipped });
+                Part::Done { count, skipped } if count == entries.len() as u64 => return Ok((entries, skipped)),
+                Part::Done { count, .. } => {
+                    return Err(violation(format!("{kind} done after {} entries, says {count}", entries.len())));
                 }
-                GuestMessage::TreeDone { count, .. } => {
-                    return Err(violation(format!("TreeDone says {count} entries after {}", entries.len())));
-                }
-                GuestMessage::FileError { errno, message, .. } => return Err(ClientError::File { errno, message }),
-                GuestMessage::Error { message, .. } => return Err(ClientError::Refused { message }),
-                other => return Err(violation(format!("{} in answer to ListTree", other.kind()))),
+                Part::Other(other) => return Err(refusal(other, kind)),
             }
+        }
+    }
+
+    /// Describes the guest file at `path` without following a link there. The entry is the guest's word.
+    pub fn stat(&self, path: &str) -> Result<EntryInfo, ClientError> {
+        self.entry_request(|id| HostMessage::Stat { id, path: path.to_owned() })
+    }
+
+    /// Moves the guest file `from` to `to`; describes it at `to`. The entry is the guest's word.
+    pub fn rename(&self, from: &str, to: &str) -> Result<EntryInfo, ClientError> {
+        self.entry_request(|id| HostMessage::Rename { id, from: from.to_owned(), to: to.to_owned() })
+    }
+
+    /// Makes the guest directory `path` and its missing parents; `false` when a directory was already there.
+    pub fn create_dir(&self, path: &str) -> Result<bool, ClientError> {
+        let route = self.shared.open_route()?;
+        self.shared.send(&HostMessage::CreateDir { id: route.id, path: path.to_owned() })?;
+        match route.recv(self.shared.timeout)? {
+            GuestMessage::DirCreated { created, .. } => Ok(created),
+            other => Err(refusal(other, "CreateDir")),
+        }
+    }
+
+    /// Removes the guest file or link at `path`, or the directory and everything in it.
+    pub fn remove(&self, path: &str) -> Result<(), ClientError> {
+        self.file_request(|id| HostMessage::Remove { id, path: path.to_owned() })
+    }
+
+    /// Watches the guest directory `path` (and those below it, when `recursive`). Once the agent has set the
+    /// watch up, each batch of events goes to `sink` on the connection's reader thread, with whether events were
+    /// lost before it: `sink` must not block, and returns `false` to stop receiving. The watch ends on the
+    /// guest when the returned [`AgentWatch`] is dropped; `sink` is dropped when the watch ends on either side
+    /// or the connection does.
+    pub fn watch(
+        &self,
+        path: &str,
+        recursive: bool,
+        sink: impl FnMut(Vec<WatchEvent>, bool) -> bool + Send + 'static,
+    ) -> Result<AgentWatch, ClientError> {
+        let route = self.shared.open_route()?;
+        let sink: WatchSink = Arc::new(Mutex::new(Box::new(sink)));
+        // Registered before the request goes out: the first events may follow the answer at once.
+        lock(&self.shared.routes).watches.insert(route.id, sink);
+        let watch = AgentWatch { id: route.id, shared: Arc::clone(&self.shared) };
+        self.shared.send(&HostMessage::Watch { id: route.id, path: path.to_owned(), recursive })?;
+        file_answer(route.recv(self.shared.timeout)?, "Watch")?;
+        Ok(watch)
+    }
+
+    /// A request answered by `Entry` or `FileError`.
+    fn entry_request(&self, message: impl FnOnce(RequestId) -> HostMessage) -> Result<EntryInfo, ClientError> {
+        let route = self.shared.open_route()?;
+        let message = message(route.id);
+        let kind = message.kind();
+        self.shared.send(&message)?;
+        match route.recv(self.shared.timeout)? {
+            GuestMessage::Entry { entry, .. } => Ok(entry),
+            other => Err(refusal(other, kind)),
         }
     }
 
@@ -670,9 +794,67 @@ const _: () = assert!(MAX_CHUNK + 4096 <= MAX_FRAME);
 fn file_answer(answer: GuestMessage, request: &str) -> Result<(), ClientError> {
     match answer {
         GuestMessage::Ack { .. } => Ok(()),
-        GuestMessage::FileError { errno, message, .. } => Err(ClientError::File { errno, message }),
-        GuestMessage::Error { message, .. } => Err(ClientError::Refused { message }),
-        other => Err(violation(format!("{} in answer to {request}", other.kind()))),
+        other => Err(refusal(other, request)),
+    }
+}
+
+/// An answer to `request` that is not the one hoped for: the agent's refusal, or a violation.
+fn refusal(answer: GuestMessage, request: &str) -> ClientError {
+    match answer {
+        GuestMessage::FileError { errno, message, .. } => ClientError::File { errno, message },
+        GuestMessage::Error { message, .. } => ClientError::Refused { message },
+        other => violation(format!("{} in answer to {request}", other.kind())),
+    }
+}
+
+/// One message of a listing's answer, sorted.
+enum Part<E> {
+    Batch(Vec<E>),
+    Done { count: u64, skipped: u64 },
+    Other(GuestMessage),
+}
+
+/// A guest directory listing ([`AgentClient::list_dir`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirListing {
+    /// The entries, as the agent sent them.
+    pub entries: Vec<EntryInfo>,
+    /// Entries the agent left out (paths that are not UTF-8 or too long).
+    pub skipped: u64,
+}
+
+/// A running watch of a guest directory ([`AgentClient::watch`]). Dropping it ends the watch: its sink is
+/// forgotten and the agent is told to stop.
+pub struct AgentWatch {
+    id: RequestId,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for AgentWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentWatch").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+impl AgentWatch {
+    /// The watch's id.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Whether the watch still runs (neither side ended it, nor the connection).
+    pub fn is_running(&self) -> bool {
+        lock(&self.shared.routes).watches.contains_key(&self.id)
+    }
+}
+
+impl Drop for AgentWatch {
+    fn drop(&mut self) {
+        let sink = lock(&self.shared.routes).watches.remove(&self.id);
+        // Dropped outside the lock: the sink is the caller's and may do anything when dropped.
+        drop(sink);
+        // A connection that has ended has no watch to stop.
+        let _ = self.shared.send(&HostMessage::Unwatch { id: self.id });
     }
 }
 
@@ -794,7 +976,13 @@ mod tests {
             | HostMessage::MakeDir { id, .. }
             | HostMessage::MakeSymlink { id, .. }
             | HostMessage::ListTree { id, .. }
-            | HostMessage::StartEgress { id, .. } => id,
+            | HostMessage::StartEgress { id, .. }
+            | HostMessage::Stat { id, .. }
+            | HostMessage::ListDir { id, .. }
+            | HostMessage::CreateDir { id, .. }
+            | HostMessage::Rename { id, .. }
+            | HostMessage::Remove { id, .. }
+            | HostMessage::Watch { id, .. } => id,
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -1058,6 +1246,146 @@ mod tests {
             drop(client);
             agent.join().expect("agent");
         }
+    }
+
+    fn info(path: &str) -> EntryInfo {
+        EntryInfo {
+            path: path.into(),
+            file_type: crate::FileType::File,
+            size: 1,
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            modified: None,
+            target: None,
+        }
+    }
+
+    #[test]
+    fn file_methods_get_their_answers_and_refuse_the_wrong_ones() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let id = next_id(r);
+            w.write(&GuestMessage::Entry { id, entry: info("/a") }).expect("write");
+            let id = next_id(r);
+            w.write(&GuestMessage::DirCreated { id, created: true }).expect("write");
+            let id = next_id(r);
+            w.write(&GuestMessage::DirEntries { id, entries: vec![info("/d/x"), info("/d/y")] }).expect("write");
+            w.write(&GuestMessage::DirDone { id, count: 2, skipped: 1 }).expect("write");
+            let id = next_id(r);
+            w.write(&GuestMessage::FileError { id, errno: libc::ENOENT, message: "gone".into() }).expect("write");
+            // An Ack where an entry belongs, and an entry where a DirCreated does.
+            let id = next_id(r);
+            w.write(&GuestMessage::Ack { id }).expect("write");
+            let id = next_id(r);
+            w.write(&GuestMessage::Entry { id, entry: info("/a") }).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        assert_eq!(client.stat("/a").expect("stat").path, "/a");
+        assert!(client.create_dir("/d").expect("create"));
+        let listing = client.list_dir("/d", 1, 10).expect("list");
+        assert_eq!((listing.entries.len(), listing.skipped), (2, 1));
+        assert!(matches!(client.remove("/gone"), Err(ClientError::File { errno: libc::ENOENT, .. })));
+        assert!(matches!(client.rename("/a", "/b"), Err(ClientError::Violation { .. })));
+        assert!(matches!(client.create_dir("/e"), Err(ClientError::Violation { .. })));
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn a_dir_listing_beyond_its_bounds_is_a_violation() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let id = next_id(r);
+            w.write(&GuestMessage::DirEntries { id, entries: vec![info("/d/x"); 3] }).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        assert!(matches!(client.list_dir("/d", 1, 2), Err(ClientError::Violation { .. })));
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    fn event(path: &str) -> WatchEvent {
+        WatchEvent { kind: crate::WatchKind::Create, path: path.into() }
+    }
+
+    #[test]
+    fn a_watch_hands_its_events_over_until_dropped_then_unwatches() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let id = next_id(r);
+            w.write(&GuestMessage::Ack { id }).expect("write");
+            w.write(&GuestMessage::WatchEvents { id, events: vec![event("/d/a")], overflowed: false }).expect("write");
+            w.write(&GuestMessage::WatchEvents { id, events: vec![event("/d/b")], overflowed: true }).expect("write");
+            match r.read::<HostMessage>().expect("read") {
+                Some(HostMessage::Unwatch { id: unwatched }) => assert_eq!(unwatched, id),
+                other => panic!("expected Unwatch, got {other:?}"),
+            }
+            // Late events for the stopped watch are dropped; the connection goes on.
+            w.write(&GuestMessage::WatchEvents { id, events: vec![event("/d/c")], overflowed: false }).expect("write");
+            let id = next_id(r);
+            w.write(&GuestMessage::Ack { id }).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let (tx, rx) = mpsc::channel();
+        let watch =
+            client.watch("/d", true, move |events, overflowed| tx.send((events, overflowed)).is_ok()).expect("watch");
+        assert!(watch.is_running());
+        let first = rx.recv_timeout(Duration::from_secs(5)).expect("first batch");
+        let second = rx.recv_timeout(Duration::from_secs(5)).expect("second batch");
+        assert_eq!((first, second), ((vec![event("/d/a")], false), (vec![event("/d/b")], true)));
+        drop(watch);
+        client.prepare_snapshot().expect("the connection survives");
+        assert!(rx.recv_timeout(Duration::from_millis(100)).is_err(), "an event after the watch was dropped");
+        drop(client);
+        agent.join().expect("agent");
+    }
+
+    #[test]
+    fn an_oversize_batch_or_the_agents_end_ends_the_watch_and_drops_its_sink() {
+        for end in [
+            |id| GuestMessage::WatchEvents { id, events: vec![event("/x"); MAX_WATCH_BATCH + 1], overflowed: false },
+            |id| GuestMessage::WatchEnded { id, reason: "gone".into() },
+        ] as [fn(RequestId) -> GuestMessage; 2]
+        {
+            let (client, agent) = fake_agent(ClientConfig::default(), move |r, w| {
+                hello(r, w);
+                let id = next_id(r);
+                w.write(&GuestMessage::Ack { id }).expect("write");
+                w.write(&end(id)).expect("write");
+                until_closed(r);
+            });
+            let client = client.expect("connect");
+            let (tx, rx) = mpsc::channel::<Vec<WatchEvent>>();
+            let watch = client.watch("/d", false, move |events, _| tx.send(events).is_ok()).expect("watch");
+            // The sink (and its sender) is dropped: the channel disconnects without a batch.
+            assert!(matches!(rx.recv_timeout(Duration::from_secs(5)), Err(RecvTimeoutError::Disconnected)));
+            assert!(!watch.is_running());
+            assert!(client.failure().is_none(), "one watch's fault is not the connection's");
+            drop(watch);
+            drop(client);
+            agent.join().expect("agent");
+        }
+    }
+
+    #[test]
+    fn a_refused_watch_drops_its_sink() {
+        let (client, agent) = fake_agent(ClientConfig::default(), |r, w| {
+            hello(r, w);
+            let id = next_id(r);
+            w.write(&GuestMessage::FileError { id, errno: libc::ENOTDIR, message: "a file".into() }).expect("write");
+            until_closed(r);
+        });
+        let client = client.expect("connect");
+        let (tx, rx) = mpsc::channel::<Vec<WatchEvent>>();
+        let err = client.watch("/f", false, move |events, _| tx.send(events).is_ok()).expect_err("refused");
+        assert!(matches!(err, ClientError::File { errno: libc::ENOTDIR, .. }), "{err}");
+        assert!(matches!(rx.recv_timeout(Duration::from_secs(5)), Err(RecvTimeoutError::Disconnected)));
+        drop(client);
+        agent.join().expect("agent");
     }
 
     #[test]

@@ -256,6 +256,13 @@ mod tests {
             HostMessage::MakeSymlink { id: RequestId(7), path: "/data/link".into(), target: "../x".into() },
             HostMessage::ListTree { id: RequestId(8), path: "/data".into(), max_entries: 100_000 },
             HostMessage::StartEgress { id: RequestId(9), listen_port: 3128, host_port: 1028, max_connections: 64 },
+            HostMessage::Stat { id: RequestId(10), path: "/data/x".into() },
+            HostMessage::ListDir { id: RequestId(11), path: "/data".into(), depth: 2, max_entries: 100_000 },
+            HostMessage::CreateDir { id: RequestId(12), path: "/data/a/b".into() },
+            HostMessage::Rename { id: RequestId(13), from: "/data/x".into(), to: "/data/y".into() },
+            HostMessage::Remove { id: RequestId(14), path: "/data/y".into() },
+            HostMessage::Watch { id: RequestId(15), path: "/data".into(), recursive: true },
+            HostMessage::Unwatch { id: RequestId(15) },
         ]
     }
 
@@ -293,7 +300,44 @@ mod tests {
                 ],
             },
             GuestMessage::TreeDone { id: RequestId(8), count: 3, skipped: 1 },
+            GuestMessage::Entry { id: RequestId(10), entry: entry_info("/data/x") },
+            GuestMessage::DirEntries {
+                id: RequestId(11),
+                entries: vec![
+                    entry_info("/data/x"),
+                    EntryInfo {
+                        file_type: FileType::Symlink,
+                        modified: None,
+                        target: Some("../elsewhere".into()),
+                        ..entry_info("/data/link")
+                    },
+                ],
+            },
+            GuestMessage::DirDone { id: RequestId(11), count: 2, skipped: 0 },
+            GuestMessage::DirCreated { id: RequestId(12), created: true },
+            GuestMessage::WatchEvents {
+                id: RequestId(15),
+                events: vec![
+                    WatchEvent { kind: WatchKind::Create, path: "/data/new".into() },
+                    WatchEvent { kind: WatchKind::Remove, path: "/data/new".into() },
+                ],
+                overflowed: true,
+            },
+            GuestMessage::WatchEnded { id: RequestId(15), reason: "the watched directory is gone".into() },
         ]
+    }
+
+    fn entry_info(path: &str) -> EntryInfo {
+        EntryInfo {
+            path: path.into(),
+            file_type: FileType::File,
+            size: 5,
+            mode: 0o644,
+            uid: 1000,
+            gid: 1000,
+            modified: Some((-1, 999_999_999)),
+            target: None,
+        }
     }
 
     fn frames<T: Serialize>(messages: &[T]) -> Vec<u8> {
@@ -410,6 +454,42 @@ mod tests {
             GuestMessage::TreeEntries { id: RequestId(u64::MAX), entries: vec![entry; crate::MAX_TREE_BATCH] };
         let body = encode(&message).expect("a full batch encodes");
         assert!(body.len() <= MAX_FRAME, "{} bytes", body.len());
+    }
+
+    #[test]
+    fn full_batches_of_the_longest_entries_and_events_fit_in_a_frame() {
+        let entry = EntryInfo {
+            path: "p".repeat(crate::MAX_PATH),
+            file_type: FileType::Symlink,
+            size: u64::MAX,
+            mode: u32::MAX,
+            uid: u32::MAX,
+            gid: u32::MAX,
+            modified: Some((i64::MIN, u32::MAX)),
+            target: Some("t".repeat(crate::MAX_PATH)),
+        };
+        let message = GuestMessage::DirEntries { id: RequestId(u64::MAX), entries: vec![entry; crate::MAX_TREE_BATCH] };
+        assert!(encode(&message).expect("a full batch encodes").len() <= MAX_FRAME);
+        let event = WatchEvent { kind: WatchKind::Rename, path: "p".repeat(crate::MAX_PATH) };
+        let message = GuestMessage::WatchEvents {
+            id: RequestId(u64::MAX),
+            events: vec![event; crate::MAX_WATCH_BATCH],
+            overflowed: true,
+        };
+        assert!(encode(&message).expect("a full batch encodes").len() <= MAX_FRAME);
+    }
+
+    #[test]
+    fn the_new_messages_keep_the_old_ones_tags() {
+        // Appended, never inserted: what an older peer sends still decodes to the same message.
+        assert_eq!(
+            encode(&HostMessage::StartEgress { id: RequestId(1), listen_port: 1, host_port: 1, max_connections: 1 })
+                .expect("enc")[0],
+            13
+        );
+        assert_eq!(encode(&HostMessage::Stat { id: RequestId(1), path: String::new() }).expect("enc")[0], 14);
+        assert_eq!(encode(&GuestMessage::Error { id: None, message: String::new() }).expect("enc")[0], 11);
+        assert_eq!(encode(&GuestMessage::Entry { id: RequestId(1), entry: entry_info("/x") }).expect("enc")[0], 12);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The host <-> guest agent protocol (DESIGN §4): versioned, length-prefixed bincode frames.
+//! The host <-> guest agent protocol (docs/DESIGN.md §4): versioned, length-prefixed bincode frames.
 //!
 //! A connection carries frames in both directions: a `u32` little-endian body length (at most [`MAX_FRAME`])
 //! and a bincode-encoded body (serde, bincode's standard configuration). The host sends [`HostMessage`]s, the
@@ -17,13 +17,13 @@ pub mod message;
 pub mod transport;
 
 pub use client::{
-    AgentClient, AgentInfo, ClientConfig, ClientError, ExecControl, ExecEvent, ExecHandle, ExitReport, FileUpload,
-    TreeListing,
+    AgentClient, AgentInfo, AgentWatch, ClientConfig, ClientError, DirListing, ExecControl, ExecEvent, ExecHandle,
+    ExitReport, FileUpload, TreeListing,
 };
 pub use frame::{FrameError, FrameReader, FrameWriter, MAX_FRAME};
 pub use message::{
-    Bytes, Entropy, EntryKind, ExecLimits, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId,
-    Rusage, TreeEntry,
+    Bytes, Entropy, EntryInfo, EntryKind, ExecLimits, ExecRequest, ExitStatus, FileType, GuestMessage, HostMessage,
+    OutputStream, RequestId, Rusage, TreeEntry, WatchEvent, WatchKind,
 };
 pub use transport::{Transport, VsockListener, VsockStream};
 
@@ -31,7 +31,9 @@ pub use transport::{Transport, VsockListener, VsockStream};
 ///
 /// 2: `MakeDir`, `MakeSymlink` and `ListTree` (answered by `TreeEntries` and `TreeDone`), for file grants.
 /// 3: `StartEgress`, the network egress tunnel.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// 4: `Stat`, `ListDir`, `CreateDir`, `Rename`, `Remove`, `Watch` and `Unwatch` (answered by `Entry`,
+///    `DirEntries` and `DirDone`, `DirCreated`, `WatchEvents` and `WatchEnded`), the sandbox's file methods.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The largest piece of output, stdin or file data in one message.
 pub const MAX_CHUNK: usize = 64 * 1024;
@@ -40,11 +42,18 @@ pub const MAX_CHUNK: usize = 64 * 1024;
 /// (Linux's `PATH_MAX`).
 pub const MAX_PATH: usize = 4096;
 
-/// The most entries in one [`GuestMessage::TreeEntries`] batch.
+/// The most entries in one [`GuestMessage::TreeEntries`] or [`GuestMessage::DirEntries`] batch.
 pub const MAX_TREE_BATCH: usize = 100;
 
-// A full batch of the longest entries fits in a frame.
-const _: () = assert!(MAX_TREE_BATCH * (2 * MAX_PATH + 64) + 64 <= MAX_FRAME);
+/// The most events in one [`GuestMessage::WatchEvents`] batch.
+pub const MAX_WATCH_BATCH: usize = 64;
+
+/// The deepest [`HostMessage::ListDir`] goes.
+pub const MAX_LIST_DEPTH: u32 = 64;
+
+// A full batch of the longest entries (or events) fits in a frame.
+const _: () = assert!(MAX_TREE_BATCH * (2 * MAX_PATH + 96) + 64 <= MAX_FRAME);
+const _: () = assert!(MAX_WATCH_BATCH * (MAX_PATH + 16) + 64 <= MAX_FRAME);
 
 /// The vsock port the agent listens on unless told otherwise.
 pub const DEFAULT_AGENT_PORT: u32 = 1024;

@@ -155,6 +155,74 @@ pub enum HostMessage {
         /// Tunnels open at once, at most (1..=[`crate::MAX_EGRESS_CONNECTIONS`]).
         max_connections: u32,
     },
+    /// Describe the file at `path` without following a symbolic link there (`lstat`). Answered by
+    /// [`GuestMessage::Entry`] or [`GuestMessage::FileError`] (`ENOENT` when nothing is there).
+    Stat {
+        /// The request.
+        id: RequestId,
+        /// Absolute path in the guest.
+        path: String,
+    },
+    /// List the directory `path` (never a symbolic link) down to `depth` levels (1: its own entries), never
+    /// entering a link. Answered by [`GuestMessage::DirEntries`] batches, every directory before its entries,
+    /// then [`GuestMessage::DirDone`]; or by [`GuestMessage::FileError`], possibly after some batches: `E2BIG`
+    /// beyond `max_entries`, `ENOTDIR` when `path` is not a directory. Entries whose path is not UTF-8 or longer
+    /// than [`crate::MAX_PATH`] bytes are left out and counted in [`GuestMessage::DirDone`]'s `skipped`.
+    ListDir {
+        /// The request.
+        id: RequestId,
+        /// Absolute path of a directory in the guest.
+        path: String,
+        /// Levels to list (1..=[`crate::MAX_LIST_DEPTH`]).
+        depth: u32,
+        /// The most entries the host accepts.
+        max_entries: u64,
+    },
+    /// Make the directory `path` and its missing parents (mode `0o755`), as `mkdir -p` does. Answered by
+    /// [`GuestMessage::DirCreated`] (`created` is false when a directory was already there) or
+    /// [`GuestMessage::FileError`] (`ENOTDIR` when something else, a symbolic link too, is in the way).
+    CreateDir {
+        /// The request.
+        id: RequestId,
+        /// Absolute path in the guest.
+        path: String,
+    },
+    /// Move `from` to `to` (`rename(2)`: a file at `to` is replaced; a link is moved, not its target). Answered
+    /// by [`GuestMessage::Entry`] describing `to`, or [`GuestMessage::FileError`].
+    Rename {
+        /// The request.
+        id: RequestId,
+        /// Absolute path in the guest.
+        from: String,
+        /// Absolute path in the guest.
+        to: String,
+    },
+    /// Remove the file or symbolic link at `path`, or the directory and everything in it, never following a
+    /// link. Answered by [`GuestMessage::Ack`] or [`GuestMessage::FileError`] (`ENOENT` when nothing is there).
+    Remove {
+        /// The request.
+        id: RequestId,
+        /// Absolute path in the guest.
+        path: String,
+    },
+    /// Watch the directory `path` (never a symbolic link) with inotify and, when `recursive`, every directory
+    /// below it, those made later too. Answered by [`GuestMessage::Ack`] once the watch is set up (or
+    /// [`GuestMessage::FileError`]: `ENOTDIR`, `ENOSPC` beyond the agent's or the kernel's bound on watches),
+    /// then by [`GuestMessage::WatchEvents`] as things happen, until [`HostMessage::Unwatch`] (after which
+    /// nothing more is sent for the id) or [`GuestMessage::WatchEnded`].
+    Watch {
+        /// The watch.
+        id: RequestId,
+        /// Absolute path of a directory in the guest.
+        path: String,
+        /// Watch the directories below it too.
+        recursive: bool,
+    },
+    /// End a watch. No answer; an id that is not a running watch is ignored.
+    Unwatch {
+        /// The watch.
+        id: RequestId,
+    },
 }
 
 /// A program to run.
@@ -298,6 +366,53 @@ pub enum GuestMessage {
         /// What was wrong.
         message: String,
     },
+    /// A file described ([`HostMessage::Stat`], [`HostMessage::Rename`]).
+    Entry {
+        /// The request.
+        id: RequestId,
+        /// The file.
+        entry: EntryInfo,
+    },
+    /// A batch of a directory listing ([`HostMessage::ListDir`]): at most [`crate::MAX_TREE_BATCH`] entries, in
+    /// order.
+    DirEntries {
+        /// The request.
+        id: RequestId,
+        /// The entries.
+        entries: Vec<EntryInfo>,
+    },
+    /// A directory listing is complete.
+    DirDone {
+        /// The request.
+        id: RequestId,
+        /// Entries sent, over all batches.
+        count: u64,
+        /// Entries left out (see [`HostMessage::ListDir`]).
+        skipped: u64,
+    },
+    /// The answer to [`HostMessage::CreateDir`].
+    DirCreated {
+        /// The request.
+        id: RequestId,
+        /// The directory was made (false: it was already there).
+        created: bool,
+    },
+    /// What a watch saw ([`HostMessage::Watch`]): at most [`crate::MAX_WATCH_BATCH`] events, in order.
+    WatchEvents {
+        /// The watch.
+        id: RequestId,
+        /// The events.
+        events: Vec<WatchEvent>,
+        /// Events were lost before these (the kernel's queue overflowed, or a directory could not be watched).
+        overflowed: bool,
+    },
+    /// A watch ended on the agent's side (the watched directory was removed or moved); the last message about it.
+    WatchEnded {
+        /// The watch.
+        id: RequestId,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// One entry of a tree listing ([`HostMessage::ListTree`]). The host validates every field: the guest controls
@@ -326,6 +441,65 @@ pub enum EntryKind {
     Dir,
     /// A symbolic link.
     Symlink,
+}
+
+/// What a file is, as [`EntryInfo`] says (never followed: a symbolic link is one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FileType {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link.
+    Symlink,
+    /// A FIFO, socket or device node.
+    Other,
+}
+
+/// A file or directory as [`HostMessage::Stat`], [`HostMessage::ListDir`] and [`HostMessage::Rename`] describe
+/// it. The host validates every field: the guest controls all of them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryInfo {
+    /// Its absolute guest path; at most [`crate::MAX_PATH`] bytes.
+    pub path: String,
+    /// What it is.
+    pub file_type: FileType,
+    /// Bytes of a regular file; the target's length for a symbolic link.
+    pub size: u64,
+    /// Permission bits (`0o7777` at most).
+    pub mode: u32,
+    /// The owner's user ID in the guest.
+    pub uid: u32,
+    /// The group ID in the guest.
+    pub gid: u32,
+    /// When its contents last changed: seconds and nanoseconds (below 10^9) since the Unix epoch.
+    pub modified: Option<(i64, u32)>,
+    /// A symbolic link's target (at most [`crate::MAX_PATH`] bytes); `None` for anything else.
+    pub target: Option<String>,
+}
+
+/// What a watch saw happen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WatchKind {
+    /// Created, or moved in.
+    Create,
+    /// Written.
+    Write,
+    /// Its permissions or owner changed.
+    Chmod,
+    /// Moved away (the event names the old path).
+    Rename,
+    /// Removed.
+    Remove,
+}
+
+/// One event of a watch ([`GuestMessage::WatchEvents`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchEvent {
+    /// What happened.
+    pub kind: WatchKind,
+    /// The absolute guest path it happened to; at most [`crate::MAX_PATH`] bytes.
+    pub path: String,
 }
 
 /// How a process ended.
@@ -465,6 +639,12 @@ impl GuestMessage {
             | GuestMessage::FileError { id, .. }
             | GuestMessage::TreeEntries { id, .. }
             | GuestMessage::TreeDone { id, .. }
+            | GuestMessage::Entry { id, .. }
+            | GuestMessage::DirEntries { id, .. }
+            | GuestMessage::DirDone { id, .. }
+            | GuestMessage::DirCreated { id, .. }
+            | GuestMessage::WatchEvents { id, .. }
+            | GuestMessage::WatchEnded { id, .. }
             | GuestMessage::Ack { id } => Some(*id),
         }
     }
@@ -484,6 +664,12 @@ impl GuestMessage {
             GuestMessage::TreeDone { .. } => "TreeDone",
             GuestMessage::Ack { .. } => "Ack",
             GuestMessage::Error { .. } => "Error",
+            GuestMessage::Entry { .. } => "Entry",
+            GuestMessage::DirEntries { .. } => "DirEntries",
+            GuestMessage::DirDone { .. } => "DirDone",
+            GuestMessage::DirCreated { .. } => "DirCreated",
+            GuestMessage::WatchEvents { .. } => "WatchEvents",
+            GuestMessage::WatchEnded { .. } => "WatchEnded",
         }
     }
 }
@@ -506,6 +692,13 @@ impl HostMessage {
             HostMessage::MakeSymlink { .. } => "MakeSymlink",
             HostMessage::ListTree { .. } => "ListTree",
             HostMessage::StartEgress { .. } => "StartEgress",
+            HostMessage::Stat { .. } => "Stat",
+            HostMessage::ListDir { .. } => "ListDir",
+            HostMessage::CreateDir { .. } => "CreateDir",
+            HostMessage::Rename { .. } => "Rename",
+            HostMessage::Remove { .. } => "Remove",
+            HostMessage::Watch { .. } => "Watch",
+            HostMessage::Unwatch { .. } => "Unwatch",
         }
     }
 }

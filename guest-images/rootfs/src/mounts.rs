@@ -106,36 +106,11 @@ fn remove_tree(path: &Path, dev: u64, top: &Path) -> Result<(), RootfsError> {
     }
 }
 
-/// The temporary trees of builds: `.debian-<hash16>.tmp-<pid>` (a build in progress) and
-/// `.debian-<hash16>.old-<pid>` (an install being replaced), as (hash16, pid).
-pub(crate) fn temp_dir_owner(name: &str) -> Option<(&str, u32)> {
-    let rest = name.strip_prefix(".debian-")?;
-    let (hash, pid) = rest.split_once(".tmp-").or_else(|| rest.split_once(".old-"))?;
-    Some((hash, pid.parse().ok()?))
-}
-
-/// Whether a process with this id exists (in our PID namespace).
-fn process_exists(pid: u32) -> bool {
-    Path::new("/proc").join(pid.to_string()).exists()
-}
-
-/// Removes temporary trees left by builds that did not finish: every one for `hash16` (the caller holds its
-/// lock, so no other build of it runs) and those of other recipes whose process is gone.
+/// Removes temporary trees left by builds that did not finish ([`strata_image_util::stale_build_dirs`]), unmounting
+/// what a killed build left mounted in them.
 pub(crate) fn remove_stale_temp_dirs(images: &Path, hash16: &str) -> Result<(), RootfsError> {
-    let entries = match fs::read_dir(images) {
-        Ok(entries) => entries,
-        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(err) => return Err(io_err("cannot read", images)(err)),
-    };
-    let me = std::process::id();
-    for entry in entries {
-        let entry = entry.map_err(io_err("cannot read", images))?;
-        let name = entry.file_name();
-        let Some((hash, pid)) = name.to_str().and_then(temp_dir_owner) else { continue };
-        let stale = if hash == hash16 { pid != me } else { !process_exists(pid) };
-        if stale {
-            remove_build_tree(&entry.path())?;
-        }
+    for dir in strata_image_util::stale_build_dirs(images, "debian", hash16).map_err(io_err("cannot read", images))? {
+        remove_build_tree(&dir)?;
     }
     Ok(())
 }
@@ -191,14 +166,6 @@ mod tests {
         remove_build_tree(&tree).expect("removed");
         assert!(!tree.exists());
         assert!(mounts_under(images.path()).expect("mountinfo").is_empty());
-    }
-
-    #[test]
-    fn temp_dir_names_give_their_recipe_and_process() {
-        assert_eq!(temp_dir_owner(".debian-0123456789abcdef.tmp-42"), Some(("0123456789abcdef", 42)));
-        assert_eq!(temp_dir_owner(".debian-0123456789abcdef.old-7"), Some(("0123456789abcdef", 7)));
-        assert_eq!(temp_dir_owner("debian-0123456789abcdef"), None);
-        assert_eq!(temp_dir_owner(".debian-0123456789abcdef.tmp-x"), None);
     }
 
     #[test]

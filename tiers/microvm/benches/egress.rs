@@ -1,4 +1,4 @@
-//! Throughput of the microVM's network egress path (DESIGN §3; issue 7's target ≥ 100 MB/s through the vsock
+//! Throughput of the microVM's network egress path (docs/DESIGN.md §3; the target is ≥ 100 MB/s through the vsock
 //! tunnel): a client downloads from (then uploads to) a loopback HTTP origin through
 //!
 //! ```text

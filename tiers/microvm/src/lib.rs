@@ -8,14 +8,15 @@
 //!   never the host.
 //! - [`snapshot`]: pausing a VM at a safe point, saving it into a snapshot directory, restoring it into a new
 //!   monitor and forking it over its memory file mapped copy-on-write.
-//! - [`session`]: a guest running jobs in turn through its agent, whatever hosts the agent; [`tier`]: the tier
-//!   (one-shot jobs, sandboxes, snapshots and forks of booted VMs).
+//! - [`session`]: a guest running jobs in turn through its agent, whatever hosts the agent, and [`files`], its
+//!   file methods; [`tier`]: the tier (one-shot jobs, sandboxes, snapshots and forks of booted VMs).
 
 #![warn(missing_docs)]
 
 pub mod boot;
 pub mod builder;
 pub mod devices;
+pub mod files;
 pub mod grants;
 pub mod guest;
 pub mod session;

@@ -9,12 +9,13 @@
 //! [`Status`]. After a job that exits with 0 the read-write grants are copied back ([`crate::grants::copy_out`]),
 //! after any other ending they are not (the host keeps what the last successful job left).
 //!
-//! Files ([`Session::write_file`], [`Session::read_file`]) follow the process tier's guest-path rules: an absolute
-//! path without `.`/`..` components or NUL, anywhere in the guest but its kernel filesystems (`/proc`, `/sys`,
-//! `/dev`); writing inside a read-only grant is refused. A file written inside a read-write grant reaches the host
-//! with the next copy-back, like anything a job writes there.
+//! Files ([`Session::write_file`], [`Session::read_file`]) and the file methods (`list_dir`, `stat`, `make_dir`,
+//! `rename`, `remove`, `watch`; see [`crate::files`]) take guest paths by [`GuestPath`]'s rules, anywhere in the
+//! guest but its kernel filesystems (`/proc`, `/sys`, `/dev`); a change inside a read-only grant is refused. The
+//! agent does the work in the guest, never following a link where the operation is on the link. A file written
+//! inside a read-write grant reaches the host with the next copy-back, like anything a job writes there.
 //!
-//! **Network egress** (DESIGN §3: no NIC; the agent's forwarder tunnels over vsock). With [`Net::Allow`] the
+//! **Network egress** (no NIC; the agent's forwarder tunnels over vsock). With [`Net::Allow`](strata_core::Net::Allow) the
 //! session starts a host egress proxy ([`strata_egress`]) with the allowlist, listening on the Unix socket where
 //! the guest's streams to vsock port [`EGRESS_PORT`] arrive ([`AgentHost::egress_path`]: the vsock device
 //! connects each guest stream to `<uds>_1028`, so the device's muxer is the host relay and the proxy serves the
@@ -24,7 +25,7 @@
 //! sets them (the capabilities' own variables may override them); each job's proxy records (drained when it ends, after its last connections
 //! close) are its Outcome's `egress`. Both ends cap the tunnels at [`DEFAULT_EGRESS_CONNECTIONS`] (the agent and
 //! the proxy each answer `503` beyond it), so a guest that opens vsock streams itself gains nothing; the proxy
-//! judges every request whoever sent it. With [`Net::Deny`] nothing listens on either side. The proxy stops when
+//! judges every request whoever sent it. With [`Net::Deny`](strata_core::Net::Deny) nothing listens on either side. The proxy stops when
 //! the session ends (its thread joined, its socket removed).
 //!
 //! A snapshot ([`Session::snapshot`]) asks the agent to quiesce (refused while an exec runs; it syncs the guest's
@@ -34,26 +35,32 @@
 //! in the guest's memory, which the snapshot holds whole: a microVM snapshot is as sensitive as the sandbox.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use std::io::Read;
+
+use strata_core::fs::MAX_LIST_ENTRIES;
+use strata_core::sync::lock;
 use strata_core::{
-    Capabilities, ExecOptions, GrantMode, Job, LimitKind, Limits, Net, Outcome, OutputSink, Persisted, Pumped,
-    PythonSource, Sandbox, Snapshot, Status, Stream, TierError, TierKind, Truncated, Usage,
+    Capabilities, EntryInfo, ExecOptions, GrantMode, GuestPath, Job, LimitKind, Limits, Outcome, OutputSink, Persisted,
+    Pumped, Sandbox, Snapshot, Status, Stream, TierError, TierKind, Truncated, Usage, Watcher,
 };
-use strata_egress::{Allowlist, EgressConfig, EgressHandle, EgressProxy};
+use strata_core::{GuestCommand, OutputCapture};
+use strata_egress::{EgressConfig, EgressHandle, EgressProxy};
 use strata_guest_proto::{
     AgentClient, ClientError, DEFAULT_EGRESS_CONNECTIONS, EGRESS_PORT, ExecEvent, ExecLimits, ExecRequest, ExitStatus,
     MAX_CHUNK, OutputStream,
 };
-use strata_wasi_shims::OutputCapture;
 
+use crate::files::{self, file_error};
 use crate::grants::{self, GrantError, HostTree};
 use crate::snapshot::SnapshotExtra;
 
 /// Where host programs and scripts are written in the guest.
-pub const PROGRAM_DIR: &str = "/run/strata";
+pub use strata_core::guest_command::PROGRAM_DIR;
 
 /// Where jobs start in a microVM.
 pub const DEFAULT_WORKDIR: &str = "/root";
@@ -64,9 +71,6 @@ const BASE_ENV: &[(&str, &str)] =
 
 /// Guest paths a grant may not take: the guest's kernel filesystems and where Strata puts programs.
 const RESERVED_GUEST_PATHS: &[&str] = &["/proc", "/sys", "/dev", PROGRAM_DIR];
-
-/// Guest paths `write_file` and `read_file` may not touch: the guest's kernel filesystems.
-const KERNEL_PATHS: &[&str] = &["/proc", "/sys", "/dev"];
 
 /// The most `read_file` returns.
 pub const MAX_READ: u64 = 256 * 1024 * 1024;
@@ -88,15 +92,9 @@ pub struct EgressPath {
     pub listen_port: u16,
 }
 
-/// The allowlist of `net`: `None` for [`Net::Deny`]; a malformed entry is a `wrong_format` error.
-pub fn egress_allowlist(net: &Net) -> Result<Option<Allowlist>, TierError> {
-    let Net::Allow(specs) = net else { return Ok(None) };
-    Ok(Some(Allowlist::parse(specs)?))
-}
-
 /// Where a session's agent lives: a booted microVM, or a host process serving the agent over a Unix socket (tests).
 /// The session drives the agent; the host only owns the guest's life.
-pub trait AgentHost: Send {
+pub trait AgentHost: Send + Sync {
     /// Whether the guest has stopped on its own (crashed, rebooted).
     fn has_stopped(&self) -> bool;
 
@@ -136,19 +134,39 @@ pub(crate) fn unsupported(what: &str) -> TierError {
 }
 
 pub(crate) fn internal(message: impl std::fmt::Display) -> TierError {
-    TierError::Internal { tier: TierKind::Microvm, message: message.to_string() }
+    TierError::internal(TierKind::Microvm, message.to_string())
 }
 
-/// A guest running jobs in turn through its agent. Dropping it powers the guest off, as [`Sandbox::close`] does.
+/// A failure of the tier itself while doing `what`, caused by `source` (kept as the error's source).
+pub(crate) fn internal_from(
+    what: &str,
+    source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+) -> TierError {
+    TierError::internal_from(TierKind::Microvm, what, source)
+}
+
+/// A guest running jobs in turn through its agent, with file calls beside them. Dropping it powers the guest
+/// off, as [`Sandbox::close`] does.
 #[derive(Debug)]
 pub struct Session<H: AgentHost> {
-    host: Option<H>,
-    client: Option<AgentClient>,
     caps: Capabilities,
     limits: Limits,
     parent: Option<String>,
+    /// The guest: shared by a job and file calls; held alone by a snapshot (which saves the host) and by close.
+    guest: RwLock<Guest<H>>,
+    /// Held by the one job that runs, and by a snapshot.
+    turn: Mutex<()>,
     /// Why the session can run nothing more.
-    ended: Option<String>,
+    ended: Mutex<Option<String>>,
+    /// Set by close: a running job is stopped at its next look (within 50 ms).
+    closing: AtomicBool,
+}
+
+/// A session's guest while it lives.
+#[derive(Debug)]
+struct Guest<H> {
+    host: Option<H>,
+    client: Option<AgentClient>,
     /// The egress proxy and the guest port of the agent's forwarder, with network.
     egress: Option<(EgressHandle, u16)>,
 }
@@ -170,9 +188,14 @@ impl<H: AgentHost> Session<H> {
         limits: &Limits,
         trees: &[HostTree],
     ) -> Result<Session<H>, TierError> {
+        // The session first: a failure below drops it, which powers the guest off.
         let session = Session::resumed(host, client, caps, limits, None)?;
-        for (grant, tree) in caps.grants.iter().zip(trees) {
-            grants::copy_in(session.agent()?, tree, &grant.guest).map_err(grant_error)?;
+        {
+            let guest = read(&session.guest);
+            let client = session.agent(&guest)?;
+            for (grant, tree) in caps.grants.iter().zip(trees) {
+                grants::copy_in(client, tree, &grant.guest).map_err(grant_error)?;
+            }
         }
         Ok(session)
     }
@@ -186,42 +209,27 @@ impl<H: AgentHost> Session<H> {
         limits: &Limits,
         parent: Option<String>,
     ) -> Result<Session<H>, TierError> {
-        let mut session = Session {
-            host: Some(host),
-            client: Some(client),
+        let session = Session {
             caps: caps.clone(),
             limits: limits.clone(),
             parent,
-            ended: None,
-            egress: None,
+            guest: RwLock::new(Guest { host: Some(host), client: Some(client), egress: None }),
+            turn: Mutex::new(()),
+            ended: Mutex::new(None),
+            closing: AtomicBool::new(false),
         };
-        session.start_egress()?;
+        // The session first: a failure below drops it, which powers the guest off.
+        let mut guest = write(&session.guest);
+        if let (Some(host), Some(client)) = (&guest.host, &guest.client) {
+            guest.egress = start_egress(host, client, caps)?;
+        }
+        drop(guest);
         Ok(session)
     }
 
-    /// With [`Net::Allow`]: the host egress proxy on the guest's egress socket, then the agent's forwarder.
-    fn start_egress(&mut self) -> Result<(), TierError> {
-        let Some(allowlist) = egress_allowlist(&self.caps.net)? else { return Ok(()) };
-        let path = self
-            .host
-            .as_ref()
-            .and_then(AgentHost::egress_path)
-            .ok_or_else(|| unsupported("network egress on a guest without an egress tunnel"))?;
-        let config = EgressConfig::new(allowlist)
-            .with_unix_socket(&path.socket)
-            .with_max_connections(DEFAULT_EGRESS_CONNECTIONS as usize);
-        let proxy = EgressProxy::start(config)
-            .map_err(|err| internal(format!("egress proxy: {}", strata_guest_proto::error_chain(&err))))?;
-        self.agent()?
-            .start_egress(path.listen_port, EGRESS_PORT, DEFAULT_EGRESS_CONNECTIONS)
-            .map_err(|err| internal(format!("starting the guest's egress forwarder: {err}")))?;
-        self.egress = Some((proxy, path.listen_port));
-        Ok(())
-    }
-
-    /// The session's egress proxy, with network.
-    pub fn egress_proxy(&self) -> Option<&EgressHandle> {
-        self.egress.as_ref().map(|(proxy, _)| proxy)
+    /// Runs `f` on the session's egress proxy, with network.
+    pub fn with_egress_proxy<T>(&self, f: impl FnOnce(&EgressHandle) -> T) -> Option<T> {
+        read(&self.guest).egress.as_ref().map(|(proxy, _)| f(proxy))
     }
 
     /// The id of the snapshot this session was forked from, if it was.
@@ -234,38 +242,56 @@ impl<H: AgentHost> Session<H> {
         &self.caps
     }
 
-    /// The host side of the guest.
-    pub fn host(&self) -> Option<&H> {
-        self.host.as_ref()
+    /// Runs `f` on the host side of the guest, while it lives.
+    pub fn with_host<T>(&self, f: impl FnOnce(&H) -> T) -> Option<T> {
+        read(&self.guest).host.as_ref().map(f)
     }
 
-    fn agent(&self) -> Result<&AgentClient, TierError> {
-        if let Some(reason) = &self.ended {
+    /// [`Sandbox::list_dir`] refusing more than `max` entries (it refuses more than [`MAX_LIST_ENTRIES`]).
+    pub fn list_dir_at_most(&self, path: &GuestPath, depth: u32, max: usize) -> Result<Vec<EntryInfo>, TierError> {
+        files::list_dir(self.agent(&read(&self.guest))?, path, depth, max)
+    }
+
+    /// The agent of a guest that still runs.
+    fn agent<'g>(&self, guest: &'g Guest<H>) -> Result<&'g AgentClient, TierError> {
+        if let Some(reason) = lock(&self.ended).as_ref() {
             return Err(TierError::SessionEnded { reason: reason.clone() });
         }
-        match (&self.client, &self.host) {
+        match (&guest.client, &guest.host) {
             (Some(client), Some(host)) if !host.has_stopped() => Ok(client),
             (Some(_), Some(_)) => Err(TierError::SessionEnded { reason: "the guest stopped".into() }),
             _ => Err(TierError::SessionEnded { reason: "the sandbox was closed".into() }),
         }
     }
 
+    /// The turn, for a job or a snapshot: [`TierError::Busy`] while another holds it.
+    fn turn(&self, doing: &'static str) -> Result<MutexGuard<'_, ()>, TierError> {
+        match self.turn.try_lock() {
+            Ok(guard) => Ok(guard),
+            Err(TryLockError::Poisoned(poisoned)) => Ok(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => Err(TierError::Busy { tier: TierKind::Microvm, doing }),
+        }
+    }
+
     /// Runs one job in the guest; `started` is when its wall time began (a one-shot job's boot counts).
-    pub fn exec_job(&mut self, job: &Job, opts: &ExecOptions, started: Instant) -> Result<Outcome, TierError> {
+    /// [`TierError::Busy`] while another job runs or a snapshot is taken.
+    pub fn exec_job(&self, job: &Job, opts: &ExecOptions, started: Instant) -> Result<Outcome, TierError> {
         let prepared = PreparedJob::new(job)?;
         self.exec_prepared(prepared, opts, started)
     }
 
     /// [`Session::exec_job`] of a job already translated (before the guest was even started).
     pub(crate) fn exec_prepared(
-        &mut self,
+        &self,
         prepared: PreparedJob,
         opts: &ExecOptions,
         started: Instant,
     ) -> Result<Outcome, TierError> {
+        let _turn = self.turn("a job; the microVM tier runs one at a time")?;
+        let guest = read(&self.guest);
         let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
         let PreparedJob { argv, upload } = prepared;
-        let client = self.agent()?;
+        let client = self.agent(&guest)?;
         if let Some((path, bytes)) = &upload {
             client.write_file(path, 0o755, bytes).map_err(internal)?;
         }
@@ -275,16 +301,16 @@ impl<H: AgentHost> Session<H> {
         let stdout = OutputCapture::new(Stream::Stdout, limits.output.0, secrets.clone(), sink.clone());
         let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, sink);
         let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        if let (Some((_, port)), Some(allow)) = (&self.egress, egress_allowlist(&caps.net)?) {
-            env.extend(strata_egress::proxy_env(&format!("http://127.0.0.1:{port}"), &allow));
+        if let (Some((_, port)), Some(allow)) = (&guest.egress, caps.net.allowlist()) {
+            env.extend(strata_egress::proxy_env(&format!("http://127.0.0.1:{port}"), allow));
         }
         for var in caps.guest_env() {
             env.retain(|(k, _)| *k != var.name);
             env.push((var.name.clone(), var.value.clone()));
         }
-        let stdin = opts.stdin.as_deref().unwrap_or(&caps.stdin);
+        let stdin = opts.stdin.as_deref().unwrap_or_default();
         let stream = opts.stdin_stream.as_ref();
-        let workdir = self.host.as_ref().map_or(DEFAULT_WORKDIR, AgentHost::workdir).to_owned();
+        let workdir = guest.host.as_ref().map_or(DEFAULT_WORKDIR, AgentHost::workdir).to_owned();
         let request = ExecRequest {
             argv,
             env,
@@ -334,6 +360,10 @@ impl<H: AgentHost> Session<H> {
                 let _ = control.signal(libc::SIGKILL);
                 return Err(TierError::Cancelled);
             }
+            if self.closing.load(Ordering::SeqCst) {
+                let _ = control.signal(libc::SIGKILL);
+                return Err(TierError::SessionEnded { reason: "the sandbox was closed during the job".into() });
+            }
             let left = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(50));
             match handle.next_event(Some(left.max(Duration::from_millis(1)))) {
                 Ok(ExecEvent::Output { stream: OutputStream::Stdout, data }) => stdout.write(&data),
@@ -346,7 +376,7 @@ impl<H: AgentHost> Session<H> {
                     } else if stopped.is_some() && Instant::now() >= deadline + KILL_GRACE {
                         break None;
                     }
-                    if self.host.as_ref().is_some_and(AgentHost::has_stopped) {
+                    if guest.host.as_ref().is_some_and(AgentHost::has_stopped) {
                         lost = Some(ClientError::Disconnected);
                         break None;
                     }
@@ -362,9 +392,9 @@ impl<H: AgentHost> Session<H> {
         let totals = report.map_or((0, 0), |r| (r.stdout_bytes, r.stderr_bytes));
         let (status, cpu, peak) = match (report, lost) {
             (_, Some(err)) => {
-                let console = self.host.as_ref().map(AgentHost::console_tail).unwrap_or_default();
+                let console = guest.host.as_ref().map(AgentHost::console_tail).unwrap_or_default();
                 let reason = format!("the guest agent was lost during a job ({err})");
-                self.ended = Some(reason.clone());
+                *lock(&self.ended) = Some(reason.clone());
                 if !console.is_empty() {
                     stderr.write(format!("\n{console}\n").as_bytes());
                 }
@@ -388,13 +418,13 @@ impl<H: AgentHost> Session<H> {
             }
         };
         let status = if status == (Status::Exited { code: 0 }) {
-            copy_back(self.agent()?, &self.caps, &limits, status)?
+            copy_back(self.agent(&guest)?, &self.caps, &limits, status)?
         } else {
             status
         };
         let (out, err) = (stdout.finish(), stderr.finish());
         let cap = limits.output.0;
-        let (egress, egress_dropped) = match &self.egress {
+        let (egress, egress_dropped) = match &guest.egress {
             Some((proxy, _)) => proxy.drain_records_settled(EGRESS_SETTLE).into_entries(),
             None => (Vec::new(), 0),
         };
@@ -425,21 +455,52 @@ impl<H: AgentHost> Session<H> {
 
     /// What a snapshot's manifest says about the session: capabilities (secrets by name only), limits, workdir.
     pub fn snapshot_extra(&self) -> SnapshotExtra {
-        session_meta(&self.caps, &self.limits, self.host.as_ref().map_or(DEFAULT_WORKDIR, AgentHost::workdir))
+        let workdir = self.with_host(|host| host.workdir().to_owned()).unwrap_or_else(|| DEFAULT_WORKDIR.to_owned());
+        session_meta(&self.caps, &self.limits, &workdir)
     }
 
-    /// Powers the guest off and releases it; idempotent.
-    fn end(&mut self) {
-        if let Some(client) = self.client.take() {
+    /// Powers the guest off and releases it; idempotent. A job that runs is stopped first.
+    fn end(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        let mut guest = write(&self.guest);
+        if let Some(client) = guest.client.take() {
             let _ = client.power_off();
         }
-        if let Some(host) = self.host.take() {
+        if let Some(host) = guest.host.take() {
             host.shut_down();
         }
         // After the guest: nothing can reach the proxy any more.
-        self.egress = None;
-        self.ended.get_or_insert_with(|| "the sandbox was closed".into());
+        guest.egress = None;
+        lock(&self.ended).get_or_insert_with(|| "the sandbox was closed".into());
     }
+}
+
+/// With [`Net::Allow`](strata_core::Net::Allow): the host egress proxy on the guest's egress socket, then the
+/// agent's forwarder.
+fn start_egress<H: AgentHost>(
+    host: &H,
+    client: &AgentClient,
+    caps: &Capabilities,
+) -> Result<Option<(EgressHandle, u16)>, TierError> {
+    let Some(allowlist) = caps.net.allowlist().cloned() else { return Ok(None) };
+    let path = host.egress_path().ok_or_else(|| unsupported("network egress on a guest without an egress tunnel"))?;
+    let config = EgressConfig::new(allowlist)
+        .with_unix_socket(&path.socket)
+        .with_max_connections(DEFAULT_EGRESS_CONNECTIONS as usize);
+    let proxy = EgressProxy::start(config)
+        .map_err(|err| internal(format!("egress proxy: {}", strata_guest_proto::error_chain(&err))))?;
+    client
+        .start_egress(path.listen_port, EGRESS_PORT, DEFAULT_EGRESS_CONNECTIONS)
+        .map_err(|err| internal_from("starting the guest's egress forwarder", err))?;
+    Ok(Some((proxy, path.listen_port)))
+}
+
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The session's part of a snapshot's meta, and the state a booted guest's memory holds.
@@ -469,75 +530,67 @@ impl<H: AgentHost> Sandbox for Session<H> {
         TierKind::Microvm
     }
 
-    fn exec(&mut self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
+    fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
         self.exec_job(job, &opts, Instant::now())
     }
 
-    fn write_file(&mut self, guest_path: &str, contents: &[u8]) -> Result<(), TierError> {
-        let path = guest_path_checked(guest_path)?;
-        if let Some(grant) = self.caps.grants.iter().find(|g| g.mode == GrantMode::Ro && is_within(path, &g.guest)) {
-            return Err(TierError::GuestPath {
-                path: path.to_owned(),
-                reason: format!("is inside the read-only grant {}", grant.guest),
-            });
-        }
-        self.agent()?.write_file(path, 0o644, contents).map_err(|err| file_error(path, err))
+    fn write_file(&self, guest_path: &str, contents: &[u8]) -> Result<(), TierError> {
+        let path = files::file_target(guest_path)?;
+        files::writable(&self.caps, &path, false)?;
+        let guest = read(&self.guest);
+        self.agent(&guest)?.write_file(path.as_str(), 0o644, contents).map_err(|err| file_error(&path, err))
     }
 
-    fn read_file(&mut self, guest_path: &str) -> Result<Vec<u8>, TierError> {
-        let path = guest_path_checked(guest_path)?;
-        self.agent()?.read_file(path, MAX_READ).map_err(|err| file_error(path, err))
+    fn read_file(&self, guest_path: &str) -> Result<Vec<u8>, TierError> {
+        let path = files::file_target(guest_path)?;
+        let guest = read(&self.guest);
+        self.agent(&guest)?.read_file(path.as_str(), MAX_READ).map_err(|err| file_error(&path, err))
     }
 
-    fn snapshot(&mut self, destination: &Path) -> Result<Snapshot, TierError> {
-        self.agent()?.prepare_snapshot().map_err(|err| match err {
+    fn list_dir(&self, path: &GuestPath, depth: u32) -> Result<Vec<EntryInfo>, TierError> {
+        self.list_dir_at_most(path, depth, MAX_LIST_ENTRIES)
+    }
+
+    fn stat(&self, path: &GuestPath) -> Result<EntryInfo, TierError> {
+        files::stat(self.agent(&read(&self.guest))?, path)
+    }
+
+    fn make_dir(&self, path: &GuestPath) -> Result<bool, TierError> {
+        files::make_dir(self.agent(&read(&self.guest))?, &self.caps, path)
+    }
+
+    fn rename(&self, from: &GuestPath, to: &GuestPath) -> Result<EntryInfo, TierError> {
+        files::rename(self.agent(&read(&self.guest))?, &self.caps, from, to)
+    }
+
+    fn remove(&self, path: &GuestPath) -> Result<(), TierError> {
+        files::remove(self.agent(&read(&self.guest))?, &self.caps, path)
+    }
+
+    fn watch(&self, path: &GuestPath, recursive: bool) -> Result<Watcher, TierError> {
+        files::watch(self.agent(&read(&self.guest))?, path, recursive)
+    }
+
+    fn snapshot(&self, destination: &Path) -> Result<Snapshot, TierError> {
+        let _turn = self.turn("a job; a snapshot is taken between jobs")?;
+        let extra = self.snapshot_extra();
+        let mut guest = write(&self.guest);
+        self.agent(&guest)?.prepare_snapshot().map_err(|err| match err {
             ClientError::Refused { message } => TierError::Unsupported {
                 tier: TierKind::Microvm,
                 what: format!("a snapshot while the guest is busy ({message})"),
             },
             other => internal(format!("quiescing the guest agent: {other}")),
         })?;
-        let extra = self.snapshot_extra();
         let parent = self.parent.clone();
         let host =
-            self.host.as_mut().ok_or_else(|| TierError::SessionEnded { reason: "the sandbox was closed".into() })?;
+            guest.host.as_mut().ok_or_else(|| TierError::SessionEnded { reason: "the sandbox was closed".into() })?;
         host.snapshot(destination, parent, extra)
     }
 
-    fn close(mut self: Box<Self>) -> Result<(), TierError> {
+    fn close(&self) -> Result<(), TierError> {
         self.end();
         Ok(())
-    }
-}
-
-/// `path` lies at or below the directory `dir`.
-fn is_within(path: &str, dir: &str) -> bool {
-    let dir = dir.trim_end_matches('/');
-    dir.is_empty() || path == dir || path.strip_prefix(dir).is_some_and(|rest| rest.starts_with('/'))
-}
-
-/// The process tier's rules for a guest path handed to `write_file`/`read_file`, and not in a kernel filesystem.
-fn guest_path_checked(path: &str) -> Result<&str, TierError> {
-    let bad = |reason: &str| TierError::GuestPath { path: path.to_owned(), reason: reason.to_owned() };
-    if !path.starts_with('/') || path.contains('\0') || path.split('/').any(|c| c == ".." || c == ".") {
-        return Err(bad("must be absolute, without `.` or `..`"));
-    }
-    if path.trim_end_matches('/').is_empty() {
-        return Err(bad("is the root directory"));
-    }
-    if KERNEL_PATHS.iter().any(|k| is_within(path, k)) {
-        return Err(bad("is in the guest's kernel filesystems (/proc, /sys, /dev)"));
-    }
-    Ok(path)
-}
-
-fn file_error(path: &str, err: ClientError) -> TierError {
-    match err {
-        ClientError::File { message, .. } => TierError::GuestPath { path: path.to_owned(), reason: message },
-        ClientError::Disconnected | ClientError::Frame(_) => {
-            TierError::SessionEnded { reason: format!("the guest agent was lost ({err})") }
-        }
-        other => internal(other),
     }
 }
 
@@ -550,8 +603,9 @@ pub(crate) fn scan_grants(caps: &Capabilities, limits: &Limits) -> Result<Option
     let mut left = limits.disk.0;
     let mut trees = Vec::with_capacity(caps.grants.len());
     for grant in &caps.grants {
-        let reserved = |r: &&str| is_within(&grant.guest, r);
-        if grant.guest.trim_end_matches('/').is_empty() || RESERVED_GUEST_PATHS.iter().any(reserved) {
+        let guest = GuestPath::new(&grant.guest)?;
+        let reserved = |r: &&str| GuestPath::new(r).is_ok_and(|r| guest.is_within(&r));
+        if guest.is_root() || RESERVED_GUEST_PATHS.iter().any(reserved) {
             return Err(TierError::GuestPath {
                 path: grant.guest.clone(),
                 reason: "is reserved in the microVM (/, /proc, /sys, /dev, /run/strata)".into(),
@@ -627,45 +681,21 @@ pub(crate) struct PreparedJob {
 }
 
 impl PreparedJob {
-    /// Translates `job`, reading its program or script from the host; refuses what this tier cannot run.
+    /// Translates `job` ([`GuestCommand`]), reading its program or script from the host; refuses what this tier
+    /// cannot run.
     pub(crate) fn new(job: &Job) -> Result<PreparedJob, TierError> {
-        let (argv, upload) = translate(job)?;
-        Ok(PreparedJob { argv, upload })
-    }
-}
-
-/// The job's argv, and a host file to write into the guest first.
-fn translate(job: &Job) -> Result<(Vec<String>, Option<Upload>), TierError> {
-    let upload = |path: &std::path::Path, dir: &str| -> Result<Upload, TierError> {
-        let bytes = std::fs::read(path).map_err(|source| TierError::ReadInput { path: path.to_owned(), source })?;
-        let name = path.file_name().map(|n| n.to_string_lossy().replace('/', "_")).unwrap_or_else(|| "program".into());
-        Ok((format!("{PROGRAM_DIR}/{dir}/{name}"), bytes))
-    };
-    match job {
-        Job::Command { argv } if argv.first().is_some_and(|a| !a.is_empty()) => Ok((argv.clone(), None)),
-        Job::Command { .. } => Err(TierError::WrongFormat { what: "the command".into(), expected: "a non-empty argv" }),
-        Job::Native { program, args } => {
-            let (path, bytes) = upload(program, "bin")?;
-            let mut argv = vec![path.clone()];
-            argv.extend(args.iter().cloned());
-            Ok((argv, Some((path, bytes))))
-        }
-        Job::Python { source, args } => {
-            let mut argv = vec!["python3".to_owned()];
-            let mut file = None;
-            match source {
-                PythonSource::Code(code) => argv.extend(["-c".to_owned(), code.clone()]),
-                PythonSource::Module(module) => argv.extend(["-m".to_owned(), module.clone()]),
-                PythonSource::File(path) => {
-                    let (guest, bytes) = upload(path, "scripts")?;
-                    argv.push(guest.clone());
-                    file = Some((guest, bytes));
-                }
+        let GuestCommand { argv, copy_in } = GuestCommand::new(job, TierKind::Microvm)?;
+        let upload = match copy_in {
+            Some(mut copy) => {
+                let mut bytes = Vec::with_capacity(usize::try_from(copy.size).unwrap_or(0));
+                copy.file
+                    .read_to_end(&mut bytes)
+                    .map_err(|source| TierError::ReadInput { path: copy.guest.clone().into(), source })?;
+                Some((copy.guest, bytes))
             }
-            argv.extend(args.iter().cloned());
-            Ok((argv, file))
-        }
-        Job::Wasm { .. } => Err(TierError::WrongJob { tier: TierKind::Microvm, job: job.kind() }),
+            None => None,
+        };
+        Ok(PreparedJob { argv, upload })
     }
 }
 
@@ -674,20 +704,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn guest_paths_follow_the_process_tiers_rules() {
-        for bad in ["relative", "/a/../b", "/a/./b", "/", "/proc/self/mem", "/dev/sda", "/sys", "/a\0b"] {
-            assert_eq!(guest_path_checked(bad).expect_err(bad).code(), "guest_path", "{bad}");
+    fn grants_may_not_take_reserved_guest_paths() {
+        let caps = |guest: &str| Capabilities {
+            grants: vec![strata_core::Grant { host: "/".into(), guest: guest.into(), mode: GrantMode::Ro }],
+            ..Capabilities::default()
+        };
+        for reserved in ["/", "/proc/x", "/dev", "/run/strata/bin"] {
+            let err = scan_grants(&caps(reserved), &Limits::default()).expect_err(reserved);
+            assert_eq!(err.code(), "guest_path", "{reserved}");
         }
-        for good in ["/tmp/x", "/root/notes/a.txt", "/procfs/x", "/devices"] {
-            assert_eq!(guest_path_checked(good).expect(good), good);
-        }
-    }
-
-    #[test]
-    fn within_is_by_component() {
-        assert!(is_within("/data/x", "/data"));
-        assert!(is_within("/data", "/data/"));
-        assert!(!is_within("/database", "/data"));
     }
 
     #[test]

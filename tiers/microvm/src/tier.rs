@@ -49,7 +49,7 @@ use strata_guest_proto::{AgentClient, Entropy};
 
 use crate::builder::{BuildError, GUEST_CID, Microvm, MicrovmConfig};
 use crate::session::{
-    AgentHost, EgressPath, PreparedJob, Session, egress_allowlist, ended, internal, over_disk_limit, scan_grants,
+    AgentHost, EgressPath, PreparedJob, Session, ended, internal, internal_from, over_disk_limit, scan_grants,
     unsupported,
 };
 use crate::snapshot::{SnapshotExtra, VmSnapshot, VmSnapshotError};
@@ -189,7 +189,6 @@ impl MicrovmTier {
     }
 
     fn check_caps(caps: &Capabilities) -> Result<(), TierError> {
-        egress_allowlist(&caps.net)?;
         if !caps.tools.is_empty() {
             return Err(unsupported("host tools"));
         }
@@ -292,13 +291,13 @@ pub fn after_restore(client: &AgentClient) -> Result<(), TierError> {
     host_random(&mut entropy)?;
     let now = SystemTime::now().duration_since(UNIX_EPOCH).map_err(internal)?;
     let now = u64::try_from(now.as_nanos()).map_err(internal)?;
-    client.after_restore(entropy, now).map_err(|err| internal(format!("reseeding the restored guest: {err}")))
+    client.after_restore(entropy, now).map_err(|err| internal_from("reseeding the restored guest", err))
 }
 
 fn host_random(buf: &mut [u8]) -> Result<(), TierError> {
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(buf))
-        .map_err(|err| internal(format!("reading host randomness: {err}")))
+        .map_err(|err| internal_from("reading host randomness", err))
 }
 
 /// A guest CID for a fork: random, above the reserved ones (0-2) and the booted VMs' [`GUEST_CID`], below
@@ -363,12 +362,12 @@ impl Tier for MicrovmTier {
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let started = Instant::now();
         let prepared = PreparedJob::new(job)?;
-        let mut session = match self.boot_session(caps, limits, limits.wall, started)? {
+        let session = match self.boot_session(caps, limits, limits.wall, started)? {
             Ok(session) => session,
             Err(outcome) => return Ok(outcome),
         };
         let outcome = session.exec_prepared(prepared, &opts, started);
-        Box::new(session).close()?;
+        session.close()?;
         outcome
     }
 

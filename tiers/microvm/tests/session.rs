@@ -6,6 +6,7 @@
 
 mod agent_process;
 mod egress;
+mod files;
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -164,7 +165,7 @@ fn several_jobs_run_in_turn_and_keep_their_files() {
     assert_eq!(exec(&mut session, "exit 3").status, Status::Exited { code: 3 });
     assert!(matches!(exec(&mut session, "kill -9 $$").status, Status::Trapped { .. }));
     assert_eq!(session.tier(), TierKind::Microvm);
-    Box::new(session).close().expect("close");
+    session.close().expect("close");
 }
 
 #[test]
@@ -248,7 +249,7 @@ fn close_and_drop_end_the_agent() {
     let fixture = Fixture::new();
     let Some((session, pid)) = fixture.session(&limits()) else { return };
     assert!(alive(pid));
-    Box::new(session).close().expect("close");
+    session.close().expect("close");
     assert!(!alive(pid), "the agent process outlived close");
 
     let fixture = Fixture::new();
@@ -376,7 +377,7 @@ fn a_booted_sandbox_snapshots_and_forks_on_hardware_kvm() {
         snapshots: strata_core::SnapshotTrust::process_local(),
     });
     let limits = Limits { memory: ByteSize(256 << 20), wall: Duration::from_secs(20), ..Limits::default() };
-    let mut sandbox = tier.start(&Capabilities::default(), &limits).expect("start");
+    let sandbox = tier.start(&Capabilities::default(), &limits).expect("start");
     let setup = sandbox
         .exec(&sh("echo 41 > /tmp/x; sleep 1000 > /dev/null 2>&1 & echo $! > /tmp/pid"), ExecOptions::default())
         .expect("setup");
@@ -434,7 +435,7 @@ fn a_stdin_stream_reaches_the_job_as_written_and_one_held_open_is_stopped() {
         }
     };
     let fixture = Fixture::new();
-    let Some((mut session, _)) = fixture.session(&limits()) else { return };
+    let Some((session, _)) = fixture.session(&limits()) else { return };
 
     let (stream, mut writer) = strata_core::StdinStream::pipe().expect("pipe");
     let sink = std::sync::Arc::new(Collect::default());
@@ -478,5 +479,5 @@ fn a_stdin_stream_reaches_the_job_as_written_and_one_held_open_is_stopped() {
         }
         drop(writer);
     }
-    Box::new(session).close().expect("close");
+    session.close().expect("close");
 }

@@ -11,9 +11,10 @@ use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::{KernelLoader, load_cmdline};
 use vm_memory::{Address, Bytes, GuestAddress, ReadVolatile};
 
+use super::e820::memory_map;
 use super::layout::*;
 use super::{BootError, BootProtocol, EntryPoint, pvh, write_boot_tables};
-use crate::vstate::memory::{GuestMemory, MMIO_GAP_END, MMIO_GAP_SIZE, MMIO_GAP_START, PAGE_SIZE};
+use crate::vstate::memory::{GuestMemory, MMIO_GAP_START, PAGE_SIZE};
 
 /// `boot_params.hdr.boot_flag`.
 const KERNEL_BOOT_FLAG_MAGIC: u16 = 0xaa55;
@@ -35,21 +36,6 @@ pub struct LoadedKernel {
     pub initrd: Option<(GuestAddress, u64)>,
     /// The kernel's PVH entry, when it has one (whether or not PVH was chosen).
     pub pvh_entry: Option<GuestAddress>,
-}
-
-/// The e820 map both protocols hand over: RAM below the EBDA, RAM from 1 MiB to the end of low memory, the MMIO gap
-/// reserved, and RAM above 4 GiB when there is any.
-pub fn memory_map(mem: &GuestMemory) -> Vec<(u64, u64, u32)> {
-    let low_end = mem.low_end().raw_value();
-    let mut map = vec![(0, EBDA_START.min(low_end), E820_RAM)];
-    if low_end > HIMEM_START {
-        map.push((HIMEM_START, low_end - HIMEM_START, E820_RAM));
-    }
-    map.push((MMIO_GAP_START, MMIO_GAP_SIZE, E820_RESERVED));
-    if mem.size() > MMIO_GAP_START {
-        map.push((MMIO_GAP_END, mem.size() - MMIO_GAP_START, E820_RAM));
-    }
-    map
 }
 
 /// Loads an ELF `vmlinux` and everything its boot protocol needs into `mem`:
@@ -227,20 +213,6 @@ mod tests {
         let mut entries = [0u8; 1];
         mem.read(GuestAddress(ZERO_PAGE_ADDR + 0x1e8), &mut entries).expect("read");
         assert_eq!(entries[0], 3, "low RAM, high RAM, MMIO gap");
-    }
-
-    #[test]
-    fn the_memory_map_reserves_the_gap_and_continues_above_it() {
-        let mem = GuestMemory::new(MMIO_GAP_START + (1 << 20)).expect("memory");
-        assert_eq!(
-            memory_map(&mem),
-            vec![
-                (0, EBDA_START, E820_RAM),
-                (HIMEM_START, MMIO_GAP_START - HIMEM_START, E820_RAM),
-                (MMIO_GAP_START, MMIO_GAP_SIZE, E820_RESERVED),
-                (MMIO_GAP_END, 1 << 20, E820_RAM),
-            ]
-        );
     }
 
     #[test]

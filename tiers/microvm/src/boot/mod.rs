@@ -23,6 +23,7 @@
 //! | top of low RAM | the initrd, page aligned, below the MMIO gap |
 
 pub mod cpu;
+mod e820;
 pub mod layout;
 mod linux;
 mod pvh;

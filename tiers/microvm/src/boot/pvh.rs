@@ -6,8 +6,8 @@ use linux_loader::loader::elf::start_info::{hvm_memmap_table_entry, hvm_modlist_
 use vm_memory::{Address, GuestAddress};
 
 use super::BootError;
+use super::e820::memory_map;
 use super::layout::*;
-use super::linux::memory_map;
 use crate::vstate::memory::GuestMemory;
 
 /// `hvm_start_info.magic`.

@@ -56,7 +56,7 @@ impl Origin {
 }
 
 fn with_net(fixture: &Fixture, allow: Vec<String>) -> Capabilities {
-    Capabilities { net: Net::Allow(allow), ..fixture.caps() }
+    Capabilities { net: Net::allow(&allow).expect("valid allowlist"), ..fixture.caps() }
 }
 
 fn wget(port: u16) -> String {
@@ -72,7 +72,7 @@ fn an_allowed_origin_is_reached_through_the_tunnel_and_logged() {
     let outcome = exec(&mut session, &format!("echo \"$HTTP_PROXY $https_proxy\" >&2; {}", wget(origin.port)));
     assert_eq!(outcome.status, Status::Exited { code: 0 }, "{outcome:?}");
     assert_eq!(String::from_utf8_lossy(&outcome.stdout), "hello from the origin");
-    let proxy = session.host().expect("host").egress.listen_port;
+    let proxy = session.with_host(|host| host.egress.listen_port).expect("host");
     let url = format!("http://127.0.0.1:{proxy}");
     assert_eq!(String::from_utf8_lossy(&outcome.stderr).trim(), format!("{url} {url}"));
     assert_eq!(outcome.egress.len(), 1, "{:?}", outcome.egress);
@@ -87,9 +87,9 @@ fn an_allowed_origin_is_reached_through_the_tunnel_and_logged() {
     assert_eq!(again.egress.len(), 1, "{:?}", again.egress);
 
     // Closing stops both ends: the proxy's socket is removed, nothing listens on the forwarder's port.
-    let socket = session.host().expect("host").egress.socket.clone();
+    let socket = session.with_host(|host| host.egress.socket.clone()).expect("host");
     assert!(socket.exists());
-    Box::new(session).close().expect("close");
+    session.close().expect("close");
     assert!(!socket.exists(), "the egress proxy's socket outlived the session");
     assert!(TcpStream::connect(("127.0.0.1", proxy)).is_err(), "the forwarder outlived the session");
 }
@@ -99,7 +99,10 @@ fn a_resumed_session_starts_its_egress_too() {
     let origin = Origin::http("after a fork");
     let fixture = Fixture::new();
     // A fork's guest already holds its grants: none here.
-    let caps = Capabilities { net: Net::Allow(vec![format!("127.0.0.1:{}", origin.port)]), ..Capabilities::default() };
+    let caps = Capabilities {
+        net: Net::allow([format!("127.0.0.1:{}", origin.port)]).expect("valid allowlist"),
+        ..Capabilities::default()
+    };
     let work = fixture.guest_root.path().join("work");
     fs::create_dir_all(&work).expect("workdir");
     let Some((agent, client)) = ProcessAgent::spawn(&work) else { return };
@@ -129,9 +132,8 @@ fn an_origin_not_in_the_allowlist_is_refused_and_logged() {
 fn without_network_nothing_listens_and_no_proxy_is_set() {
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
-    let host = session.host().expect("host");
-    let (port, socket) = (host.egress.listen_port, host.egress.socket.clone());
-    assert!(session.egress_proxy().is_none());
+    let (port, socket) = session.with_host(|host| (host.egress.listen_port, host.egress.socket.clone())).expect("host");
+    assert!(session.with_egress_proxy(|_| ()).is_none());
     assert!(!socket.exists(), "an egress socket without network");
     assert!(TcpStream::connect(("127.0.0.1", port)).is_err(), "the forwarder listens without network");
     let outcome = exec(&mut session, "env | grep -i _proxy || echo none");
@@ -144,8 +146,8 @@ fn a_tls_client_hello_with_another_sni_is_refused_through_the_tunnel() {
     let origin = Origin::silent();
     let fixture = Fixture::new();
     let caps = with_net(&fixture, vec![format!("127.0.0.1:{}", origin.port)]);
-    let Some((mut session, _)) = fixture.session_with(&caps, &limits()) else { return };
-    let proxy = session.host().expect("host").egress.listen_port;
+    let Some((session, _)) = fixture.session_with(&caps, &limits()) else { return };
+    let proxy = session.with_host(|host| host.egress.listen_port).expect("host");
     let script = format!(
         r#"
 import socket, ssl
@@ -184,8 +186,7 @@ fn tunnels_are_capped_on_both_sides() {
     let fixture = Fixture::new();
     let caps = with_net(&fixture, vec!["example.com".into()]);
     let Some((mut session, _)) = fixture.session_with(&caps, &limits()) else { return };
-    let host = session.host().expect("host");
-    let (port, socket) = (host.egress.listen_port, host.egress.socket.clone());
+    let (port, socket) = session.with_host(|host| (host.egress.listen_port, host.egress.socket.clone())).expect("host");
     let cap = strata_guest_proto::DEFAULT_EGRESS_CONNECTIONS as usize;
     let read_answer = |s: &mut dyn Read| {
         let mut answer = String::new();
@@ -196,7 +197,7 @@ fn tunnels_are_capped_on_both_sides() {
     // The agent's forwarder: `cap` tunnels held open, the next client gets a 503.
     let held: Vec<TcpStream> = (0..cap).map(|_| TcpStream::connect(("127.0.0.1", port)).expect("connect")).collect();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while session.egress_proxy().expect("proxy").active_connections() < cap {
+    while session.with_egress_proxy(|proxy| proxy.active_connections()).expect("proxy") < cap {
         assert!(Instant::now() < deadline, "the tunnels did not reach the proxy");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -206,13 +207,13 @@ fn tunnels_are_capped_on_both_sides() {
 
     // A guest going around the forwarder (its own streams to the egress port) meets the proxy's own cap.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while session.egress_proxy().expect("proxy").active_connections() > 0 {
+    while session.with_egress_proxy(|proxy| proxy.active_connections()).expect("proxy") > 0 {
         assert!(Instant::now() < deadline, "the tunnels did not close");
         std::thread::sleep(Duration::from_millis(10));
     }
     let direct: Vec<UnixStream> = (0..cap).map(|_| UnixStream::connect(&socket).expect("connect")).collect();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while session.egress_proxy().expect("proxy").active_connections() < cap {
+    while session.with_egress_proxy(|proxy| proxy.active_connections()).expect("proxy") < cap {
         assert!(Instant::now() < deadline, "the streams did not reach the proxy");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -223,13 +224,4 @@ fn tunnels_are_capped_on_both_sides() {
     // The session goes on.
     let outcome = exec(&mut session, "echo still here");
     assert_eq!(String::from_utf8_lossy(&outcome.stdout).trim(), "still here");
-}
-
-#[test]
-fn a_malformed_allowlist_is_a_wrong_format_error() {
-    let fixture = Fixture::new();
-    let caps = with_net(&fixture, vec!["exa mple.com:99999".into()]);
-    let Some((agent, client)) = ProcessAgent::spawn(fixture.guest_root.path()) else { return };
-    let err = Session::start(agent, client, &caps, &limits()).expect_err("malformed allowlist");
-    assert_eq!(err.code(), "wrong_format", "{err}");
 }
