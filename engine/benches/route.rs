@@ -8,7 +8,7 @@
 //! | `route_native_200`  | the script with `import subprocess` (→ the process tier, where it runs here)        |
 //! | `route_wasm_module` | a WebAssembly job, for comparison (no scan)                                         |
 //!
-//! Target (issue 7): routing and the scan add at most 1 ms to a job; the last line compares p99 with it. Uses the
+//! Target: routing and the scan add at most 1 ms to a job; the last line compares p99 with it. Uses the
 //! Python runtime under `$STRATA_HOME` for the wasm build's module list (generated and cached on first use).
 //! `ROUTE_ITERS` sets the number of timed runs per case.
 

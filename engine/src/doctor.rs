@@ -104,7 +104,7 @@ pub(crate) fn report(engine: &Engine) -> HostReport {
     let overlayfs = read("/proc/filesystems").lines().any(|l| l.split_whitespace().last() == Some("overlay"));
     let kvm = kvm();
 
-    let debian = engine.debian_image().ok();
+    let debian = engine.images().debian().ok();
     let image = match &debian {
         Some(image) if image.is_installed() => format!("Debian image installed in {}", image.install_dir().display()),
         Some(_) => "the Debian image is built on first use (`strata images build debian`)".to_owned(),

@@ -1,17 +1,17 @@
 //! The Strata engine: the facade embedders call.
 //!
 //! ```no_run
-//! use strata_engine::{Engine, EngineConfig};
-//! use strata_core::{Capabilities, ExecOptions, Job};
+//! use strata_engine::{Engine, EngineConfig, RunRequest};
+//! use strata_core::Job;
 //!
 //! let engine = Engine::new(EngineConfig::from_env()?)?;
 //! let job = Job::wasm_file("hello.wasm", vec!["world".into()]);
-//! let outcome = engine.run(&job, &Capabilities::default(), engine.default_limits(), ExecOptions::default())?;
+//! let outcome = engine.execute(RunRequest::new(&job))?;
 //! println!("{} -> {}", outcome.status, String::from_utf8_lossy(&outcome.stdout));
 //! # Ok::<(), strata_engine::EngineError>(())
 //! ```
 //!
-//! [`Engine::run`] routes each job to a tier ([`TierChoice::Auto`] picks the cheapest that can run it) and
+//! [`Engine::execute`] routes each job ([`RunRequest`]) to a tier ([`TierChoice::Auto`] picks the cheapest that can run it) and
 //! returns its [`Outcome`]; [`Engine::start`] opens a [`Sandbox`] that runs several jobs in turn (for Python,
 //! turns of one live interpreter). Three tiers: wasm (WebAssembly and Python), process (Linux programs and the
 //! Debian image's CPython in a jail) and microVM (the same jobs in a KVM guest of their own, where the host has
@@ -27,7 +27,10 @@
 
 pub mod doctor;
 pub mod escalate;
+pub mod images;
 pub mod policy;
+pub mod request;
+pub mod router;
 pub mod scan;
 
 use std::fmt;
@@ -46,7 +49,10 @@ use strata_rootfs_image::DebianImage;
 use strata_tier_process::{ProcessTier, ProcessTierConfig};
 use strata_tier_wasm::{PythonArtifacts, PythonProvider, WasmTier, WasmTierConfig};
 
+pub use images::Images;
 pub use policy::{Policy, PolicyError};
+pub use request::RunRequest;
+pub use router::{RoutePlan, Router, TierSet};
 pub use strata_core;
 
 /// Which tier a job should run on.
@@ -83,22 +89,31 @@ impl fmt::Display for TierChoice {
 }
 
 /// Where [`Engine::route`] sends a job.
-pub struct Route<'e> {
+pub struct Route {
     /// The tier that runs it.
-    pub tier: &'e dyn Tier,
+    pub tier: Arc<dyn Tier>,
     /// Set when the preferred tier could not run here and the policy let the job fall back to this one.
     pub escalation: Option<Escalation>,
     /// The tier and why, as the outcome's `route` reports it.
     pub decision: RouteDecision,
 }
 
-impl fmt::Debug for Route<'_> {
+impl fmt::Debug for Route {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Route")
             .field("tier", &self.tier.kind())
             .field("escalation", &self.escalation)
             .field("decision", &self.decision)
             .finish()
+    }
+}
+
+/// The engine's tiers as the router sees them: available when they start.
+struct EngineTiers<'e>(&'e Engine);
+
+impl TierSet for EngineTiers<'_> {
+    fn available(&self, tier: TierKind) -> Result<(), EngineError> {
+        self.0.tier(tier).map(drop)
     }
 }
 
@@ -131,13 +146,17 @@ pub enum EngineError {
     /// The tier refused or could not start the job.
     #[error(transparent)]
     Tier(#[from] TierError),
-    /// The tier exists in Strata's design but not in this build or on this host.
-    #[error("the {tier} tier is not available: {reason}")]
+    /// The tier cannot run on this host, or could not start here.
+    #[error("the {tier} tier is not available: {reason}{}", caused_by(.cause))]
     TierUnavailable {
         /// The tier.
         tier: TierKind,
-        /// Why.
+        /// Why, or which step of its start failed.
         reason: String,
+        /// The error that failed that step, when there is one (the same one for every caller: a tier that
+        /// failed to start is not retried by this engine).
+        #[source]
+        cause: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
     },
     /// The policy does not allow this tier (`[tiers] allowed`).
     #[error("the policy does not allow the {tier} tier")]
@@ -174,6 +193,9 @@ pub enum EngineError {
         /// The tier asked for.
         asked: TierKind,
     },
+    /// A run in a fork of a snapshot was given capabilities: a fork keeps its snapshot's.
+    #[error("a fork keeps its snapshot's capabilities: give them when the snapshot is made")]
+    ForkCapabilities,
     /// The engine has no home directory (`$STRATA_HOME`) for what was asked.
     #[error("no STRATA_HOME (nor HOME) to keep {0} in")]
     NoHome(&'static str),
@@ -207,9 +229,38 @@ impl EngineError {
             EngineError::Image(_) => "artifact",
             EngineError::Scratch(_) => "scratch",
             EngineError::SnapshotTier { .. } => "snapshot_tier",
+            EngineError::ForkCapabilities => "invalid_capability",
             EngineError::NoHome(_) => "no_home",
             EngineError::GrantExposesKey { .. } => "invalid_capability",
         }
+    }
+}
+
+/// `": {cause}"` after a reason, or nothing.
+fn caused_by(cause: &Option<Arc<dyn std::error::Error + Send + Sync + 'static>>) -> String {
+    cause.as_ref().map(|cause| format!(": {cause}")).unwrap_or_default()
+}
+
+/// Why a tier could not start: kept by the engine once, handed to every caller that asks for the tier.
+#[derive(Debug, Clone)]
+struct StartFailure {
+    reason: String,
+    cause: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl StartFailure {
+    /// A start that cannot happen here, for `reason`.
+    fn new(reason: impl Into<String>) -> StartFailure {
+        StartFailure { reason: reason.into(), cause: None }
+    }
+
+    /// A step (`reason`) that failed with `cause`.
+    fn step<E: std::error::Error + Send + Sync + 'static>(reason: &str) -> impl FnOnce(E) -> StartFailure {
+        move |cause| StartFailure { reason: reason.to_owned(), cause: Some(Arc::new(cause)) }
+    }
+
+    fn for_tier(&self, tier: TierKind) -> EngineError {
+        EngineError::TierUnavailable { tier, reason: self.reason.clone(), cause: self.cause.clone() }
     }
 }
 
@@ -224,20 +275,6 @@ fn forked(snapshot: &Snapshot) -> RouteDecision {
         tier: snapshot.tier,
         reason: format!("a fork of snapshot {} runs on the tier it was taken on", snapshot.manifest.id),
     }
-}
-
-/// Where the sandbox of [`Engine::snapshot_create`] comes from.
-#[derive(Debug, Clone, Copy)]
-pub enum Origin<'a> {
-    /// A fresh sandbox on the tier the router picks for the setup job.
-    Fresh(TierChoice),
-    /// A fork of a snapshot (`choice` must be `Auto` or the snapshot's tier); the new snapshot names it as parent.
-    Fork {
-        /// The tier asked for.
-        choice: TierChoice,
-        /// The snapshot.
-        snapshot: &'a Snapshot,
-    },
 }
 
 /// How to build an [`Engine`].
@@ -282,7 +319,7 @@ impl EngineConfig {
     }
 }
 
-/// `$STRATA_HOME`, else `$XDG_CACHE_HOME/strata`, else `$HOME/.cache/strata` (DESIGN §1); `None` without any.
+/// `$STRATA_HOME`, else `$XDG_CACHE_HOME/strata`, else `$HOME/.cache/strata` (docs/DESIGN.md §1); `None` without any.
 pub fn strata_home() -> Option<PathBuf> {
     let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
     var("STRATA_HOME")
@@ -341,21 +378,34 @@ pub fn job_for_file(path: &Path, args: Vec<String>) -> Result<Job, EngineError> 
     Err(EngineError::UnknownFileKind(path.display().to_string()))
 }
 
-/// The engine: owns the tiers and routes jobs to them. Share one per process; it is `Send + Sync` and its
+/// The engine: holds the tiers and routes jobs to them. Share one per process; it is `Send + Sync` and its
 /// methods take `&self`.
-#[derive(Debug)]
+///
+/// Each tier is an `Arc<dyn Tier>` ([`Engine::tier`]). The built-in ones start on first use, and a tier that
+/// cannot start here is a typed [`EngineError::TierUnavailable`] naming the step that failed, kept for every later
+/// caller; [`Engine::with_tier`] puts another implementation in place of one (a test's fake, an embedder's own),
+/// which routing, escalation, forks and sandboxes then use as they would the built-in one.
 pub struct Engine {
     config: EngineConfig,
-    wasm: WasmTier,
+    wasm: Arc<WasmTier>,
     /// Started on first use: it checks the host and needs the Debian image.
-    process: OnceLock<Result<ProcessTier, String>>,
+    process: OnceLock<Result<Arc<ProcessTier>, StartFailure>>,
     /// Started on first use where the host has hardware KVM: it needs the kernel, initramfs and disk images.
-    microvm: OnceLock<Result<strata_tier_microvm::tier::MicrovmTier, String>>,
+    microvm: OnceLock<Result<Arc<strata_tier_microvm::tier::MicrovmTier>, StartFailure>>,
+    /// Tiers put in place of built-in ones ([`Engine::with_tier`]).
+    replaced: Vec<Arc<dyn Tier>>,
     /// What the wasm build of Python can import, for the router (generated on the first Python job).
     wasm_modules: OnceLock<Result<scan::WasmModules, String>>,
     tools: ToolRegistry,
     /// What every tier seals its snapshots with and opens them by.
     snapshots: SnapshotTrust,
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let replaced: Vec<TierKind> = self.replaced.iter().map(|tier| tier.kind()).collect();
+        f.debug_struct("Engine").field("config", &self.config).field("replaced", &replaced).finish_non_exhaustive()
+    }
 }
 
 impl Engine {
@@ -388,9 +438,10 @@ impl Engine {
         });
         Ok(Engine {
             config,
-            wasm,
+            wasm: Arc::new(wasm),
             process: OnceLock::new(),
             microvm: OnceLock::new(),
+            replaced: Vec::new(),
             wasm_modules: OnceLock::new(),
             tools,
             snapshots,
@@ -402,33 +453,43 @@ impl Engine {
         &self.tools
     }
 
-    /// The pinned Python image under this engine's home.
-    pub fn python_image(&self) -> Result<PythonImage, EngineError> {
-        let home = self.config.home.as_ref().ok_or(EngineError::NoHome("the Python runtime"))?;
-        PythonImage::new(home).map_err(|e| EngineError::Image(e.to_string()))
+    /// The guest images under this engine's home: the Python runtime, the Debian tree, the microVM kernel and
+    /// initramfs.
+    pub fn images(&self) -> Images<'_> {
+        Images::new(self.config.home.as_deref())
     }
 
-    /// The Debian image (the process tier's root filesystem) under this engine's home.
-    pub fn debian_image(&self) -> Result<DebianImage, EngineError> {
-        let home = self.config.home.as_ref().ok_or(EngineError::NoHome("the Debian image"))?;
-        DebianImage::new(home).map_err(|e| EngineError::Image(e.to_string()))
+    /// This engine with `tier` in place of the built-in tier of its kind: every job, sandbox and fork routed to
+    /// that kind goes to it. The built-in tier of that kind is then never started.
+    pub fn with_tier(mut self, tier: Arc<dyn Tier>) -> Engine {
+        self.replaced.retain(|replaced| replaced.kind() != tier.kind());
+        self.replaced.push(tier);
+        self
     }
 
     /// The process tier, started on first use: it checks the host (root, cgroups) and builds the Debian image
     /// when it is missing (minutes, once; progress lines through `log`).
+    /// The built-in one, whatever [`Engine::with_tier`] put in its place.
     pub fn process(&self) -> Result<&ProcessTier, EngineError> {
+        Ok(self.process_arc()?)
+    }
+
+    fn process_arc(&self) -> Result<&Arc<ProcessTier>, EngineError> {
         let tier = self.process.get_or_init(|| {
-            let home = self.config.home.as_ref().ok_or("no STRATA_HOME (nor HOME) to keep the Debian image in")?;
-            let image = DebianImage::new(home).map_err(|e| e.to_string())?;
-            let (installed, _) = image.ensure(&|line| log::info!("{line}")).map_err(|e| e.to_string())?;
+            let home = (self.config.home.as_ref())
+                .ok_or_else(|| StartFailure::new("no STRATA_HOME (nor HOME) to keep the Debian image in"))?;
+            let image = DebianImage::new(home).map_err(StartFailure::step("the Debian image"))?;
+            let (installed, _) =
+                image.ensure(&|line| log::info!("{line}")).map_err(StartFailure::step("the Debian image"))?;
             ProcessTier::new(ProcessTierConfig {
                 rootfs: installed.rootfs,
                 run_dir: jail_run_dir(home),
                 snapshots: self.snapshots.clone(),
             })
-            .map_err(|e| e.to_string())
+            .map(Arc::new)
+            .map_err(StartFailure::step("starting the tier"))
         });
-        tier.as_ref().map_err(|reason| EngineError::TierUnavailable { tier: TierKind::Process, reason: reason.clone() })
+        tier.as_ref().map_err(|failure| failure.for_tier(TierKind::Process))
     }
 
     /// Removes what engines that are no longer running left in this home — the process tier's cgroups (and any
@@ -447,27 +508,6 @@ impl Engine {
         escalate::sweep_stale(&self.scratch_dir());
     }
 
-    /// The microVM initramfs (the embedded guest agent as `/init` and Debian's static busybox), built into
-    /// `$STRATA_HOME/images` when missing or changed.
-    pub fn initramfs(&self) -> Result<strata_rootfs_image::initramfs::InstalledInitramfs, EngineError> {
-        let home = self.config.home.as_ref().ok_or(EngineError::NoHome("the initramfs"))?;
-        let agent = strata_tier_microvm::guest::agent_binary().map_err(|e| EngineError::Image(e.to_string()))?;
-        let busybox = Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
-        strata_rootfs_image::initramfs::ensure_initramfs(home, agent, busybox)
-            .map_err(|e| EngineError::Image(e.to_string()))
-    }
-
-    /// The microVM initramfs when it is built for this agent and busybox; builds nothing (`strata images list`).
-    pub fn installed_initramfs(
-        &self,
-    ) -> Result<Option<strata_rootfs_image::initramfs::InstalledInitramfs>, EngineError> {
-        let home = self.config.home.as_ref().ok_or(EngineError::NoHome("the initramfs"))?;
-        let agent = strata_tier_microvm::guest::agent_binary().map_err(|e| EngineError::Image(e.to_string()))?;
-        let busybox = Path::new(strata_rootfs_image::initramfs::BUSYBOX_STATIC);
-        strata_rootfs_image::initramfs::installed_initramfs(home, agent, busybox)
-            .map_err(|e| EngineError::Image(e.to_string()))
-    }
-
     /// What this host can run and why not (`strata doctor`). Reads kernel files only; starts nothing.
     pub fn doctor(&self) -> doctor::HostReport {
         doctor::report(self)
@@ -475,41 +515,47 @@ impl Engine {
 
     /// The microVM tier, where this host has hardware KVM (else a typed `TierUnavailable` at once, saying why);
     /// started on first use, building the kernel, initramfs and Debian disk when missing (minutes, once).
+    /// The built-in one, whatever [`Engine::with_tier`] put in its place.
     pub fn microvm(&self) -> Result<&strata_tier_microvm::tier::MicrovmTier, EngineError> {
-        let unavailable = |reason: String| EngineError::TierUnavailable { tier: TierKind::Microvm, reason };
+        Ok(self.microvm_arc()?)
+    }
+
+    fn microvm_arc(&self) -> Result<&Arc<strata_tier_microvm::tier::MicrovmTier>, EngineError> {
         let tier = self.microvm.get_or_init(|| {
             // Decided once, from what /dev/kvm is (never by trying to boot and waiting).
             let kvm = doctor::kvm();
             if kvm.kind != "hardware" {
-                return Err(format!("{} (run `strata doctor`)", kvm.detail));
+                return Err(StartFailure::new(format!("{} (run `strata doctor`)", kvm.detail)));
             }
-            let home = self.config.home.as_ref().ok_or("no STRATA_HOME (nor HOME) to keep the guest images in")?;
+            let home = (self.config.home.as_ref())
+                .ok_or_else(|| StartFailure::new("no STRATA_HOME (nor HOME) to keep the guest images in"))?;
             let progress = |line: &str| log::info!("{line}");
-            let kernel = strata_kernel_image::KernelImage::new(home).map_err(|e| e.to_string())?;
-            let (kernel, _) = kernel.ensure(&progress).map_err(|e| e.to_string())?;
-            let initramfs = self.initramfs().map_err(|e| e.to_string())?;
+            let kernel = strata_kernel_image::KernelImage::new(home).map_err(StartFailure::step("the kernel"))?;
+            let (kernel, _) = kernel.ensure(&progress).map_err(StartFailure::step("the kernel"))?;
+            let initramfs = self.images().initramfs().map_err(StartFailure::step("the initramfs"))?;
             let root_disk = match self.config.vm_image {
                 VmImage::Initramfs => None,
                 VmImage::Debian => {
-                    let (rootfs, _) =
-                        DebianImage::new(home).and_then(|image| image.ensure(&progress)).map_err(|e| e.to_string())?;
-                    let disk =
-                        strata_rootfs_image::disk::ensure_disk_image(&rootfs, &progress).map_err(|e| e.to_string())?;
+                    let (rootfs, _) = DebianImage::new(home)
+                        .and_then(|image| image.ensure(&progress))
+                        .map_err(StartFailure::step("the Debian image"))?;
+                    let disk = strata_rootfs_image::disk::ensure_disk_image(&rootfs, &progress)
+                        .map_err(StartFailure::step("the Debian disk image"))?;
                     Some(disk.path)
                 }
             };
             let run_dir = home.join("run/microvm");
-            std::fs::create_dir_all(&run_dir).map_err(|e| format!("{}: {e}", run_dir.display()))?;
-            Ok(strata_tier_microvm::tier::MicrovmTier::new(strata_tier_microvm::tier::MicrovmTierConfig {
+            std::fs::create_dir_all(&run_dir).map_err(StartFailure::step(&format!("{}", run_dir.display())))?;
+            Ok(Arc::new(strata_tier_microvm::tier::MicrovmTier::new(strata_tier_microvm::tier::MicrovmTierConfig {
                 kernel: kernel.vmlinux,
                 initramfs: initramfs.path,
                 root_disk,
                 run_dir,
                 cpuid: strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile::Standard,
                 snapshots: self.snapshots.clone(),
-            }))
+            })))
         });
-        tier.as_ref().map_err(|reason| unavailable(reason.clone()))
+        tier.as_ref().map_err(|failure| failure.for_tier(TierKind::Microvm))
     }
 
     /// The policy's limits, for jobs that do not bring their own.
@@ -558,119 +604,45 @@ impl Engine {
         Ok(self.snapshots.open(dir).map_err(TierError::Snapshot)?)
     }
 
-    /// The wasm tier itself, for embedders that want its specific API (e.g. [`WasmTier::prepare`]).
+    /// The built-in wasm tier itself, for embedders that want its specific API (e.g. [`WasmTier::prepare`]).
     pub fn wasm(&self) -> &WasmTier {
         &self.wasm
     }
 
     /// Where a job with no capabilities goes, judged with the policy's default limits
     /// ([`Engine::route_with_limits`]).
-    pub fn route(&self, choice: TierChoice, job: &Job) -> Result<Route<'_>, EngineError> {
+    pub fn route(&self, choice: TierChoice, job: &Job) -> Result<Route, EngineError> {
         self.route_with_limits(choice, job, &Capabilities::default(), self.default_limits())
     }
 
     /// Where a job that runs with `caps` under `limits` goes: the tier, the fallback taken on the way if any, and the
-    /// decision with its reason. A job the chosen tier cannot run is refused before the tier starts (which for the
-    /// process tier may mean building its image); so is a tier the policy does not allow.
-    ///
-    /// `Auto` sends WebAssembly to wasm; Linux programs and commands to the policy's native tier; Python to wasm
-    /// unless `caps` allow network egress (CPython in wasm has no sockets), the import scan ([`scan`]) finds what the
-    /// wasm build lacks or `limits` exceed the policy's `python_native_above`, and then to the native tier (Python stays on wasm when the policy allows no native
-    /// tier, or the native tier is unavailable here with no fallback; it goes native when wasm is not allowed).
-    /// When the native tier is the microVM and this host cannot run it (no hardware KVM), a policy with `fallback`
-    /// sends the job to the process tier and says so in the returned [`Escalation`], which [`Engine::run_on`]
-    /// records in the outcome.
+    /// decision with its reason, by the policy's routing rule ([`Router::plan`] says it in full). A job the chosen
+    /// tier cannot run is refused before the tier starts (which for the process tier may mean building its image);
+    /// so is a tier the policy does not allow. Python is judged by its network (CPython in wasm has no sockets), the
+    /// policy's `python_native_above` and the import scan ([`scan`]). A fallback taken is recorded in the outcome by
+    /// [`Engine::execute`].
     pub fn route_with_limits(
         &self,
         choice: TierChoice,
         job: &Job,
         caps: &Capabilities,
         limits: &Limits,
-    ) -> Result<Route<'_>, EngineError> {
+    ) -> Result<Route, EngineError> {
         self.check_key_not_granted(caps)?;
-        let policy = &self.config.policy.tiers;
-        let allowed = |tier: TierKind| {
-            if policy.allows(tier) { Ok(tier) } else { Err(EngineError::TierNotAllowed { tier }) }
+        let python = || match job {
+            Job::Python { source, .. } => self.python_verdict(source, caps, limits),
+            _ => scan::PythonVerdict::Wasm(String::new()),
         };
-        let native_reason = |what: &str| format!("{what} → the policy's native tier");
-        let (tier, why) = match choice {
-            TierChoice::Tier(tier) => {
-                let runs = match tier {
-                    TierKind::Wasm => matches!(job.kind(), JobKind::Wasm | JobKind::Python),
-                    TierKind::Process | TierKind::Microvm => job.kind() != JobKind::Wasm,
-                };
-                if !runs {
-                    return Err(TierError::WrongJob { tier, job: job.kind() }.into());
-                }
-                (allowed(tier)?, format!("explicit --tier {tier}"))
-            }
-            TierChoice::Auto => match job {
-                Job::Wasm { .. } => (allowed(TierKind::Wasm)?, "wasm module".to_owned()),
-                Job::Native { .. } => (allowed(policy.native)?, native_reason("ELF program")),
-                Job::Command { .. } => (allowed(policy.native)?, native_reason("command")),
-                Job::Python { source, .. } => {
-                    if !policy.allows(TierKind::Wasm) {
-                        (allowed(policy.native)?, native_reason("python: the policy does not allow wasm"))
-                    } else {
-                        match self.python_verdict(source, caps, limits) {
-                            scan::PythonVerdict::Wasm(reason) => (TierKind::Wasm, reason),
-                            scan::PythonVerdict::Native(reason) if !policy.allows(policy.native) => {
-                                (TierKind::Wasm, format!("{reason}, but the policy allows only wasm"))
-                            }
-                            scan::PythonVerdict::Native(reason) => return self.python_native(reason),
-                        }
-                    }
-                }
-            },
-        };
-        self.resolve(choice, tier, why)
-    }
-
-    /// The tier for `tier`, falling back from an unavailable microVM to the process tier when the policy says so.
-    fn resolve(&self, choice: TierChoice, tier: TierKind, why: String) -> Result<Route<'_>, EngineError> {
-        let policy = &self.config.policy.tiers;
-        let fallback = choice == TierChoice::Auto && policy.fallback && policy.allows(TierKind::Process);
-        let native = tier != TierKind::Wasm && choice == TierChoice::Auto;
-        match self.tier(tier) {
-            Ok(found) => {
-                let reason = if native { format!("{why} ({tier})") } else { why };
-                Ok(Route { tier: found, escalation: None, decision: RouteDecision { tier, reason } })
-            }
-            Err(EngineError::TierUnavailable { tier: TierKind::Microvm, reason }) if fallback => {
-                let reason = format!("the microVM tier cannot run here: {reason}");
-                Ok(Route {
-                    tier: self.tier(TierKind::Process)?,
-                    decision: RouteDecision { tier: TierKind::Process, reason: format!("{why} (process: {reason})") },
-                    escalation: Some(Escalation { from: TierKind::Microvm, to: TierKind::Process, reason }),
-                })
-            }
-            Err(err) => Err(err),
-        }
-    }
-
-    /// A Python job the scan sends native; when the native tier cannot run here (and no fallback applies), it
-    /// stays on wasm, saying why.
-    fn python_native(&self, reason: String) -> Result<Route<'_>, EngineError> {
-        let native = self.config.policy.tiers.native;
-        match self.resolve(TierChoice::Auto, native, format!("{reason} → the policy's native tier")) {
-            Err(EngineError::TierUnavailable { tier, reason: why }) => Ok(Route {
-                tier: &self.wasm,
-                escalation: None,
-                decision: RouteDecision {
-                    tier: TierKind::Wasm,
-                    reason: format!("{reason}, but the {tier} tier is not available ({why})"),
-                },
-            }),
-            other => other,
-        }
+        let plan = Router::new(&self.config.policy.tiers).plan(choice, job, python, &EngineTiers(self))?;
+        Ok(Route { tier: self.tier(plan.tier)?, escalation: plan.escalation, decision: plan.decision })
     }
 
     /// What the job's network, the policy's `python_native_above` and the import scan say about a Python job.
     fn python_verdict(&self, source: &PythonSource, caps: &Capabilities, limits: &Limits) -> scan::PythonVerdict {
-        if let Net::Allow(specs) = &caps.net {
+        if let Net::Allow(allowlist) = &caps.net {
             return scan::PythonVerdict::Native(format!(
                 "python: network egress (--allow-net {}) needs sockets, which CPython in wasm does not have",
-                specs.join(",")
+                allowlist.specs().join(",")
             ));
         }
         if let Some(threshold) = self.config.policy.tiers.python_native_above {
@@ -730,7 +702,7 @@ impl Engine {
     /// and `sys.builtin_module_names` from one run of the interpreter) and cached beside it.
     pub fn wasm_modules(&self) -> Result<&scan::WasmModules, EngineError> {
         let modules = self.wasm_modules.get_or_init(|| {
-            let image = self.python_image().map_err(|e| e.to_string())?;
+            let image = self.images().python().map_err(|e| e.to_string())?;
             let (installed, _) =
                 image.ensure(&|line| log::info!("python runtime: {line}")).map_err(|e| e.to_string())?;
             let digest: String = installed.snapshot_sha256.iter().take(8).map(|b| format!("{b:02x}")).collect();
@@ -755,36 +727,96 @@ impl Engine {
         modules.as_ref().map_err(|reason| EngineError::Image(reason.clone()))
     }
 
-    fn tier(&self, tier: TierKind) -> Result<&dyn Tier, EngineError> {
-        match tier {
-            TierKind::Wasm => Ok(&self.wasm),
-            TierKind::Process => Ok(self.process()?),
-            TierKind::Microvm => Ok(self.microvm()?),
+    /// The tier of kind `tier`: one [`Engine::with_tier`] put in place, else the built-in one, started on first
+    /// use.
+    pub fn tier(&self, tier: TierKind) -> Result<Arc<dyn Tier>, EngineError> {
+        if let Some(replaced) = self.replaced.iter().find(|replaced| replaced.kind() == tier) {
+            return Ok(replaced.clone());
         }
+        Ok(match tier {
+            TierKind::Wasm => self.wasm.clone(),
+            TierKind::Process => self.process_arc()?.clone(),
+            TierKind::Microvm => self.microvm_arc()?.clone(),
+        })
     }
 
-    /// Runs a job on the cheapest tier that can run it.
-    pub fn run(
-        &self,
-        job: &Job,
-        caps: &Capabilities,
-        limits: &Limits,
-        opts: ExecOptions,
-    ) -> Result<Outcome, EngineError> {
-        self.run_on(TierChoice::Auto, job, caps, limits, opts)
-    }
-
-    /// Runs a job on the chosen tier ([`Engine::route_with_limits`]); the decision is the outcome's `route`, and a
-    /// fallback taken on the way is the first entry of its `escalations`.
+    /// Runs the job `request` describes ([`RunRequest`] documents every default) and returns its [`Outcome`].
     ///
-    /// A Python job that `Auto` sent to wasm may escalate ([`escalate`]): when the wasm run fails for a reason the
-    /// policy's `[escalation]` allows (a module the wasm build lacks, an OS call WASI does not support), the job
-    /// re-runs on the policy's native tier (or its fallback) with the same capabilities, limits and stdin, and the
-    /// outcome is the native run's, with `{from: wasm, to, reason}` in `escalations` (`route` stays the router's
+    /// **Routing.** The job runs on the tier the request names or, with [`TierChoice::Auto`], the one the router
+    /// picks ([`Engine::route_with_limits`]); the decision is the outcome's `route`, and a fallback taken on the way
+    /// is the first entry of its `escalations`.
+    ///
+    /// **Escalation.** A Python job that `Auto` sent to wasm may escalate ([`escalate`]): when the wasm run fails for
+    /// a reason the policy's `[escalation]` allows (a module the wasm build lacks, an OS call WASI does not support),
+    /// the job re-runs on the policy's native tier (or its fallback) with the same capabilities, limits and stdin, and
+    /// the outcome is the native run's, with `{from: wasm, to, reason}` in `escalations` (`route` stays the router's
     /// decision). Until the wasm attempt is known to be the result, it writes to scratch copies of the read-write
-    /// grants, committed to the host only then, and its streamed output is held back from `opts.sink`; an explicit
-    /// tier never escalates.
-    pub fn run_on(
+    /// grants, committed to the host only then, and its streamed output is held back from the
+    /// [`on_output`](RunRequest::on_output) sink; an explicit tier never escalates.
+    ///
+    /// **Forks.** With [`RunRequest::in_fork_of`] the job runs in a fresh fork of that snapshot ([`Engine::fork`]),
+    /// closed afterwards, and never escalates; `route` says it ran on the snapshot's tier. Capabilities are then
+    /// refused ([`EngineError::ForkCapabilities`]: a fork keeps its snapshot's), and a named tier must be the
+    /// snapshot's.
+    pub fn execute(&self, request: RunRequest<'_>) -> Result<Outcome, EngineError> {
+        let limits = request.limits.as_ref().unwrap_or(self.default_limits());
+        if let Some(snapshot) = request.snapshot {
+            if request.caps.is_some() {
+                return Err(EngineError::ForkCapabilities);
+            }
+            return self.run_from_snapshot(request.tier, snapshot, request.job, limits, request.opts);
+        }
+        let none = Capabilities::default();
+        let caps = request.caps.unwrap_or(&none);
+        self.run_on(request.tier, request.job, caps, limits, request.opts)
+    }
+
+    /// Runs the setup job `request` describes in a new sandbox and, when it exits with status 0, snapshots the
+    /// sandbox into the new directory `destination` (a snapshot is the complete state of an idle sandbox,
+    /// docs/DESIGN.md §2). Returns the setup's outcome and the snapshot, `None` when the setup did not succeed (nothing is
+    /// written then).
+    ///
+    /// The sandbox is a fresh one on the tier the request names or the router picks for the setup job (a fallback
+    /// taken on the way is the first entry of the outcome's `escalations`; a failed setup is not re-run elsewhere),
+    /// or, with [`RunRequest::in_fork_of`], a fork of that snapshot ([`Engine::fork`]), which the new snapshot names
+    /// as its `parent`; capabilities are then refused ([`EngineError::ForkCapabilities`]: a fork keeps its
+    /// snapshot's).
+    pub fn snapshot(
+        &self,
+        request: RunRequest<'_>,
+        destination: &Path,
+    ) -> Result<(Outcome, Option<Snapshot>), EngineError> {
+        let limits = request.limits.as_ref().unwrap_or(self.default_limits());
+        if request.snapshot.is_some() && request.caps.is_some() {
+            return Err(EngineError::ForkCapabilities);
+        }
+        if destination.exists() {
+            return Err(TierError::Snapshot(SnapshotError::Exists(destination.to_owned())).into());
+        }
+        let none = Capabilities::default();
+        let caps = request.caps.unwrap_or(&none);
+        let (sandbox, escalation, decision) = match request.snapshot {
+            Some(snapshot) => (self.fork(request.tier, snapshot)?, None, forked(snapshot)),
+            None => {
+                let route = self.route_with_limits(request.tier, request.job, caps, limits)?;
+                (route.tier.start(caps, limits)?, route.escalation, route.decision)
+            }
+        };
+        let mut outcome = sandbox.exec(request.job, ExecOptions { limits: Some(limits.clone()), ..request.opts })?;
+        if let Some(escalation) = escalation {
+            outcome.escalations.insert(0, escalation);
+        }
+        outcome.route = Some(decision);
+        let snapshot = match outcome.status {
+            Status::Exited { code: 0 } => Some(sandbox.snapshot(destination)?),
+            _ => None,
+        };
+        sandbox.close()?;
+        Ok((outcome, snapshot))
+    }
+
+    /// Runs a job on the chosen tier: [`Engine::execute`] without a snapshot, for a caller holding the parts apart.
+    fn run_on(
         &self,
         choice: TierChoice,
         job: &Job,
@@ -806,7 +838,7 @@ impl Engine {
 
     /// Whether a failed run of `job` on `route` may re-run natively: `Auto` sent Python to wasm, and the policy
     /// allows escalation for some reason and allows its native tier.
-    fn may_escalate(&self, choice: TierChoice, job: &Job, route: &Route<'_>) -> bool {
+    fn may_escalate(&self, choice: TierChoice, job: &Job, route: &Route) -> bool {
         let policy = &self.config.policy;
         choice == TierChoice::Auto
             && job.kind() == JobKind::Python
@@ -826,10 +858,10 @@ impl Engine {
     }
 
     /// Runs a job `Auto` sent to wasm, re-running it on the native tier when it fails there for an escalatable
-    /// reason (see [`Engine::run_on`] and [`escalate`]).
+    /// reason (see [`Engine::execute`] and [`escalate`]).
     fn run_escalating(
         &self,
-        route: Route<'_>,
+        route: Route,
         job: &Job,
         caps: &Capabilities,
         limits: &Limits,
@@ -942,48 +974,9 @@ impl Engine {
     }
 
     /// The policy's native tier for an escalation, or the process tier when it falls back.
-    fn native_route(&self) -> Result<Route<'_>, EngineError> {
-        let native = self.config.policy.tiers.native;
-        if !self.config.policy.tiers.allows(native) {
-            return Err(EngineError::TierNotAllowed { tier: native });
-        }
-        self.resolve(TierChoice::Auto, native, "escalation".to_owned())
-    }
-
-    /// Runs `setup` in a fresh sandbox (or in a fork of a snapshot, see [`Origin`]) on the tier the router picks for it and, when it
-    /// exits with status 0, snapshots the sandbox into the new directory `destination` (DESIGN §2: a snapshot is
-    /// the complete state of an idle sandbox). Returns the setup's outcome and the snapshot, `None` when the setup
-    /// did not succeed (nothing is written then). A snapshot made from a fork names its source as `parent`.
-    pub fn snapshot_create(
-        &self,
-        origin: Origin<'_>,
-        setup: &Job,
-        caps: &Capabilities,
-        limits: &Limits,
-        destination: &Path,
-        opts: ExecOptions,
-    ) -> Result<(Outcome, Option<Snapshot>), EngineError> {
-        if destination.exists() {
-            return Err(TierError::Snapshot(SnapshotError::Exists(destination.to_owned())).into());
-        }
-        let (mut sandbox, escalation, decision) = match origin {
-            Origin::Fork { choice, snapshot } => (self.fork(choice, snapshot)?, None, forked(snapshot)),
-            Origin::Fresh(choice) => {
-                let route = self.route_with_limits(choice, setup, caps, limits)?;
-                (route.tier.start(caps, limits)?, route.escalation, route.decision)
-            }
-        };
-        let mut outcome = sandbox.exec(setup, ExecOptions { limits: Some(limits.clone()), ..opts })?;
-        if let Some(escalation) = escalation {
-            outcome.escalations.insert(0, escalation);
-        }
-        outcome.route = Some(decision);
-        let snapshot = match outcome.status {
-            Status::Exited { code: 0 } => Some(sandbox.snapshot(destination)?),
-            _ => None,
-        };
-        sandbox.close()?;
-        Ok((outcome, snapshot))
+    fn native_route(&self) -> Result<Route, EngineError> {
+        let plan = Router::new(&self.config.policy.tiers).escalation(&EngineTiers(self))?;
+        Ok(Route { tier: self.tier(plan.tier)?, escalation: plan.escalation, decision: plan.decision })
     }
 
     /// Starts a fork of `snapshot` on its own tier ([`Tier::fork`]): independent of the snapshot and of every other
@@ -1003,7 +996,7 @@ impl Engine {
     }
 
     /// Runs one job in a fresh fork of `snapshot` ([`Engine::fork`]) and closes the fork.
-    pub fn run_from_snapshot(
+    fn run_from_snapshot(
         &self,
         choice: TierChoice,
         snapshot: &Snapshot,
@@ -1011,7 +1004,7 @@ impl Engine {
         limits: &Limits,
         opts: ExecOptions,
     ) -> Result<Outcome, EngineError> {
-        let mut sandbox = self.fork(choice, snapshot)?;
+        let sandbox = self.fork(choice, snapshot)?;
         let outcome = sandbox.exec(job, ExecOptions { limits: Some(limits.clone()), ..opts });
         let closed = sandbox.close();
         let mut outcome = outcome?;
@@ -1038,6 +1031,9 @@ impl Engine {
         Ok(self.tier(tier)?.start(caps, limits)?)
     }
 }
+
+#[cfg(test)]
+mod tests;
 
 /// The README's Rust examples compile as part of the doc tests.
 #[cfg(doctest)]

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
+use strata_core::allow::Allowlist;
 use strata_core::{Grant, Limits, LimitsOverride, Net, TierKind};
-use strata_egress::{AllowRule, Allowlist};
 use toml::Spanned;
 
 /// A policy: what jobs may use.
@@ -77,30 +77,16 @@ impl fmt::Display for EscalationReason {
     }
 }
 
-/// The `[network]` table: the egress allowlist every job gets, as written and parsed.
+/// The `[network]` table: the egress allowlist every job gets, parsed once when the policy is read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NetworkPolicy {
-    specs: Vec<String>,
     allowlist: Allowlist,
 }
 
 impl NetworkPolicy {
-    /// An allowlist of `HOST[:PORT]` specs (`*.example.com`, IP literals, IPv6 in brackets); the first malformed
-    /// spec is the error.
-    pub fn new(specs: Vec<String>) -> Result<NetworkPolicy, strata_egress::AllowlistError> {
-        let allowlist = Allowlist::parse(&specs)?;
-        Ok(NetworkPolicy { specs, allowlist })
-    }
-
-    /// Checks one `HOST[:PORT]` spec as `--allow-net` and `[network] allow` take it, with the egress proxy's own
-    /// parser.
-    pub fn check_spec(spec: &str) -> Result<(), strata_egress::AllowlistError> {
-        spec.parse::<AllowRule>().map(|_| ())
-    }
-
     /// The specs as the policy wrote them.
     pub fn specs(&self) -> &[String] {
-        &self.specs
+        self.allowlist.specs()
     }
 
     /// The parsed allowlist (empty: no network).
@@ -108,15 +94,11 @@ impl NetworkPolicy {
         &self.allowlist
     }
 
-    /// The job's network: these specs, then `extra` (`--allow-net`); none at all is [`Net::Deny`].
-    pub fn net_with(&self, extra: &[String]) -> Net {
-        let mut hosts = self.specs.clone();
-        for spec in extra {
-            if !hosts.contains(spec) {
-                hosts.push(spec.clone());
-            }
-        }
-        if hosts.is_empty() { Net::Deny } else { Net::Allow(hosts) }
+    /// The job's network: these specs, then those of `extra` (`--allow-net`, a request's `allow_net`); none at
+    /// all is [`Net::Deny`].
+    pub fn net_with(&self, extra: &Allowlist) -> Net {
+        let all = self.allowlist.union(extra);
+        if all.is_empty() { Net::Deny } else { Net::Allow(all) }
     }
 }
 
@@ -249,14 +231,14 @@ impl<'de> Deserialize<'de> for ReasonName {
     }
 }
 
-/// A `[network] allow` spec, checked with the egress proxy's own parser.
-struct NetSpec(String);
+/// A `[network] allow` spec, parsed (once) by the allowlist's parser, the one the egress proxy matches with.
+struct NetSpec(Allowlist);
 
 impl<'de> Deserialize<'de> for NetSpec {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let spec = String::deserialize(deserializer)?;
-        match spec.parse::<AllowRule>() {
-            Ok(_) => Ok(NetSpec(spec)),
+        match Allowlist::parse([&spec]) {
+            Ok(one) => Ok(NetSpec(one)),
             Err(err) => Err(serde::de::Error::custom(format!("[network] allow: {err}"))),
         }
     }
@@ -396,8 +378,14 @@ impl Policy {
                 },
             },
         };
-        let network = NetworkPolicy::new(file.network.allow.unwrap_or_default().into_iter().map(|s| s.0).collect())
-            .map_err(|err| invalid(format!("[network] allow: {err}")))?;
+        let network = NetworkPolicy {
+            allowlist: file
+                .network
+                .allow
+                .unwrap_or_default()
+                .iter()
+                .fold(Allowlist::default(), |all, one| all.union(&one.0)),
+        };
         // Relative host paths of a grant set are relative to the policy file's directory.
         let base = path.parent().unwrap_or(Path::new(""));
         let mut grant_sets = BTreeMap::new();
@@ -551,20 +539,14 @@ mod tests {
     #[test]
     fn network_table_checks_every_spec() {
         let parse = |text: &str| Policy::from_toml(text, Path::new("p.toml"));
-        assert_eq!(Policy::default().network.net_with(&[]), Net::Deny);
+        assert_eq!(Policy::default().network.net_with(&Allowlist::default()), Net::Deny);
         let policy = parse("[network]\nallow = [\"example.com:443\", \"*.pypi.org\", \"10.0.0.1\", \"[::1]:8080\"]\n")
             .expect("valid");
         assert_eq!(policy.network.specs().len(), 4);
         assert_eq!(policy.network.allowlist().rules().len(), 4);
         assert_eq!(
-            policy.network.net_with(&["example.com:443".into(), "localhost".into()]),
-            Net::Allow(vec![
-                "example.com:443".into(),
-                "*.pypi.org".into(),
-                "10.0.0.1".into(),
-                "[::1]:8080".into(),
-                "localhost".into()
-            ])
+            policy.network.net_with(&Allowlist::parse(["example.com:443", "localhost"]).expect("valid")),
+            Net::allow(["example.com:443", "*.pypi.org", "10.0.0.1", "[::1]:8080", "localhost"]).expect("valid")
         );
         for bad in ["*", "http://example.com", "example.com:0", "example.com:99999", "::1:443", "a.*.com", "user@host"]
         {
@@ -609,7 +591,7 @@ mod tests {
         let policy = Policy::from_file(&path).expect("valid");
         assert_eq!(policy.tiers.allowed, [TierKind::Wasm]);
         assert!(!policy.escalation.allowed);
-        assert_eq!(policy.network.net_with(&[]), Net::Deny);
+        assert_eq!(policy.network.net_with(&Allowlist::default()), Net::Deny);
         assert!(policy.limits.wall <= Duration::from_secs(5) && policy.limits.cpu <= Duration::from_secs(5));
         assert!(policy.limits.fuel.limit().is_some(), "fuel is bounded");
         assert!(policy.limits.memory < Limits::default().memory);

@@ -1,4 +1,4 @@
-//! Routing Python by content (DESIGN §2, Router): a static scan of a job's imports, parsed with ruff's Python
+//! Routing Python by content (docs/DESIGN.md §2, routing and escalation): a static scan of a job's imports, parsed with ruff's Python
 //! parser, judged against what the wasm build of CPython has and can do.
 //!
 //! **What the scan finds.** `import a.b [as c]`, `from a import b [as c]`, `__import__("a")` and
@@ -134,7 +134,7 @@ pub const NEEDS_NATIVE: &[NativeOnly] = &[
         need: Need::Threads,
         probe: "concurrent.futures.ThreadPoolExecutor(2).submit(print).result()",
     },
-    // Sockets: none can be opened (network egress on wasm is issue 7's item 4; revisit these then).
+    // Sockets: none can be opened (WASI 0.2 components have egress-checked sockets; preview1 Python does not).
     NativeOnly { name: "socket", need: Need::Sockets, probe: "socket.socket()" },
     NativeOnly { name: "socketserver", need: Need::Sockets, probe: "socketserver.TCPServer(('127.0.0.1', 0), None)" },
     NativeOnly { name: "asyncio", need: Need::Sockets, probe: "asyncio.new_event_loop()" },

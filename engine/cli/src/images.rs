@@ -5,8 +5,8 @@ use std::io::Write;
 use clap::{Args, Subcommand, ValueEnum};
 use strata_core::{Fuel, Limits};
 use strata_engine::{Engine, EngineConfig, EngineError};
-use strata_kernel_image::{KernelError, KernelImage};
-use strata_rootfs_image::{DebianImage, EnsureOutcome, RootfsError};
+use strata_kernel_image::KernelError;
+use strata_rootfs_image::{EnsureOutcome, RootfsError};
 
 use crate::Failure;
 
@@ -55,15 +55,6 @@ fn image_error(err: impl std::fmt::Display) -> EngineError {
     EngineError::Image(err.to_string())
 }
 
-fn debian_image(engine: &Engine) -> Result<DebianImage, EngineError> {
-    engine.debian_image()
-}
-
-fn kernel_image(engine: &Engine) -> Result<KernelImage, EngineError> {
-    let home = engine.home().ok_or(EngineError::NoHome("the kernel"))?;
-    KernelImage::new(home).map_err(image_error)
-}
-
 fn megabytes(bytes: u64) -> String {
     format!("{} MB", bytes.div_ceil(1_000_000))
 }
@@ -76,7 +67,7 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
             Err(Failure::new("usage", "--metered applies to the python image only"))
         }
         Action::Build { image: Image::Debian, metered: false } => {
-            let (installed, outcome) = debian_image(&engine)?.ensure(&say).map_err(image_error)?;
+            let (installed, outcome) = engine.images().debian()?.ensure(&say).map_err(image_error)?;
             let verb = match outcome {
                 EnsureOutcome::AlreadyInstalled => "already installed",
                 EnsureOutcome::Built => "installed",
@@ -85,14 +76,14 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
             Ok(0)
         }
         Action::Build { image: Image::Kernel, metered: false } => {
-            let (installed, outcome) = kernel_image(&engine)?.ensure(&say).map_err(image_error)?;
+            let (installed, outcome) = engine.images().kernel()?.ensure(&say).map_err(image_error)?;
             let built = matches!(outcome, strata_kernel_image::EnsureOutcome::Built);
             let verb = if built { "installed" } else { "already installed" };
             say(&format!("kernel {} {verb} in {}", installed.release, installed.vmlinux.display()));
             Ok(0)
         }
         Action::Build { image: Image::Initramfs, metered: false } => {
-            let installed = engine.initramfs()?;
+            let installed = engine.images().initramfs()?;
             let size = std::fs::metadata(&installed.path).map(|m| m.len()).unwrap_or(0);
             say(&format!(
                 "initramfs in {} ({}, sha256 {})",
@@ -103,7 +94,7 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
             Ok(0)
         }
         Action::Build { image: Image::Disk, metered: false } => {
-            let (rootfs, _) = debian_image(&engine)?.ensure(&say).map_err(image_error)?;
+            let (rootfs, _) = engine.images().debian()?.ensure(&say).map_err(image_error)?;
             let disk = strata_rootfs_image::disk::ensure_disk_image(&rootfs, &say).map_err(image_error)?;
             say(&format!("disk image {} ({})", disk.path.display(), megabytes(disk.size_bytes)));
             Ok(0)
@@ -114,7 +105,7 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
 }
 
 fn build_python(engine: &Engine, metered: bool) -> Result<i32, Failure> {
-    let image = engine.python_image()?;
+    let image = engine.images().python()?;
     let (installed, _) = image.ensure(&say).map_err(image_error)?;
     say(&format!("python runtime installed in {}", installed.dir.display()));
     let mut variants = vec![Limits::default()];
@@ -138,13 +129,13 @@ fn list(engine: &Engine) -> Result<i32, Failure> {
     let row = |out: &mut std::io::StdoutLock<'_>, name: &str, id: &str, state: &str, size: &str, path: &str| {
         let _ = writeln!(out, "{name:<9} {id:<24} {state:<14} {size:>8}  {path}");
     };
-    let python = engine.python_image()?;
+    let python = engine.images().python()?;
     let package = &python.manifest().package;
     let size: u64 = python.manifest().artifacts.iter().map(|a| a.size).sum();
     let state = if python.is_installed() { "installed" } else { "not installed" };
     let id = format!("{} {}", package.name, package.version);
     row(&mut out, "python", &id, state, &megabytes(size), &python.install_dir().display().to_string());
-    let debian = debian_image(engine)?;
+    let debian = engine.images().debian()?;
     let id = format!("recipe {}", debian.recipe_hash().get(..16).unwrap_or_default());
     let dir = debian.install_dir().display().to_string();
     match debian.installed() {
@@ -168,7 +159,7 @@ fn list(engine: &Engine) -> Result<i32, Failure> {
     for old in debian.other_installs() {
         row(&mut out, "debian", "(an older recipe)", "kept", "-", &old.display().to_string());
     }
-    let kernel = kernel_image(engine)?;
+    let kernel = engine.images().kernel()?;
     let id = kernel.source_version().map_or("-".to_owned(), |v| format!("linux-source {v}"));
     let dir = kernel.install_dir().map_or("-".to_owned(), |d| d.display().to_string());
     match kernel.installed() {
@@ -181,7 +172,7 @@ fn list(engine: &Engine) -> Result<i32, Failure> {
     for old in kernel.other_installs() {
         row(&mut out, "kernel", "(other source/config)", "kept", "-", &old.display().to_string());
     }
-    match engine.installed_initramfs() {
+    match engine.images().installed_initramfs() {
         Ok(Some(initramfs)) => {
             let size = std::fs::metadata(&initramfs.path).map_or("-".to_owned(), |m| megabytes(m.len()));
             let id = format!("sha256 {}", initramfs.sha256.get(..16).unwrap_or_default());
@@ -197,7 +188,7 @@ fn list(engine: &Engine) -> Result<i32, Failure> {
 fn verify(engine: &Engine) -> Result<i32, Failure> {
     let mut out = std::io::stdout().lock();
     let mut failures = Vec::new();
-    let python = engine.python_image()?;
+    let python = engine.images().python()?;
     let dir = python.install_dir();
     if !dir.exists() {
         let _ = writeln!(out, "python  not installed  {}", dir.display());
@@ -209,7 +200,7 @@ fn verify(engine: &Engine) -> Result<i32, Failure> {
             Err(err) => failures.push(format!("python image: {err}")),
         }
     }
-    let debian = debian_image(engine)?;
+    let debian = engine.images().debian()?;
     match debian.verify() {
         Ok(installed) => {
             let tree = installed.tree_hash.get(..16).unwrap_or_default();
@@ -220,7 +211,7 @@ fn verify(engine: &Engine) -> Result<i32, Failure> {
         }
         Err(err) => failures.push(format!("debian image: {err}")),
     }
-    match kernel_image(engine)?.verify() {
+    match engine.images().kernel()?.verify() {
         Ok(installed) => {
             let _ = writeln!(
                 out,

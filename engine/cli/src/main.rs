@@ -1,6 +1,6 @@
 //! The `strata` command. It parses arguments and prints; `strata-engine` decides and the tiers execute.
 //!
-//! Exit status (DESIGN §5): the guest's exit code when it exited; 124 when a limit stopped it; 125 when it
+//! Exit status (docs/DESIGN.md §5): the guest's exit code when it exited; 124 when a limit stopped it; 125 when it
 //! trapped or crashed; 2 for a usage or input error (one line on stderr, or `{"error":{…}}` under `--json`).
 
 #![forbid(unsafe_code)]

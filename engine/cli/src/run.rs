@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use clap::Args;
 use strata_core::{
-    ByteSize, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, Limits, LimitsOverride, Outcome, OutputSink,
+    Allowlist, ByteSize, Capabilities, EnvVar, Fuel, Grant, Job, Limits, LimitsOverride, Outcome, OutputSink,
     PythonSource, Snapshot, Status, StdinStream, Stream, format_duration, parse_duration,
 };
-use strata_engine::{Engine, EngineConfig, Policy, TierChoice, VmImage};
+use strata_engine::{Engine, EngineConfig, Policy, RunRequest, TierChoice, VmImage};
 
 use crate::Failure;
 
@@ -96,7 +96,7 @@ pub(crate) struct RunArgs {
     /// Allow network egress to HOST[:PORT] (repeatable): through the host proxy on the native tiers, as checked
     /// wasi:sockets connects for wasm components; Python goes native for it (CPython in wasm has no sockets).
     #[arg(long = "allow-net", value_name = "HOST[:PORT]", value_parser = parse_net)]
-    allow_net: Vec<String>,
+    allow_net: Vec<Allowlist>,
 
     /// A policy file (policies/README.md): limits, tiers, network, grant sets; flags override or add to it.
     #[arg(long, value_name = "FILE")]
@@ -129,6 +129,18 @@ pub(crate) struct Prepared {
     pub(crate) ungranted: Vec<String>,
 }
 
+impl Prepared {
+    /// The request for its job: in a fork of `--snapshot` when there is one (the fork keeps the snapshot's
+    /// capabilities), otherwise with the capabilities the flags grant.
+    pub(crate) fn request(&self) -> RunRequest<'_> {
+        let request = RunRequest::new(&self.job).limits(self.limits.clone()).tier(self.tier);
+        match &self.snapshot {
+            Some(snapshot) => request.in_fork_of(snapshot),
+            None => request.caps(&self.caps),
+        }
+    }
+}
+
 fn parse_tier(s: &str) -> Result<TierChoice, String> {
     s.parse().map_err(|e: strata_engine::EngineError| e.to_string())
 }
@@ -153,9 +165,9 @@ fn parse_grant(s: &str) -> Result<Grant, String> {
     s.parse().map_err(|e: strata_core::CapsError| e.to_string())
 }
 
-/// An `--allow-net` spec, checked as the egress proxy will read it (a malformed one is a usage error at once).
-fn parse_net(s: &str) -> Result<String, String> {
-    strata_engine::policy::NetworkPolicy::check_spec(s).map(|()| s.to_owned()).map_err(|e| e.to_string())
+/// An `--allow-net` spec, parsed here, once, as the egress proxy reads it (a malformed one is a usage error at once).
+fn parse_net(s: &str) -> Result<Allowlist, String> {
+    Allowlist::parse([s]).map_err(|e| e.to_string())
 }
 
 fn parse_env(s: &str) -> Result<EnvVar, String> {
@@ -250,9 +262,7 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
         grants,
         env: args.env,
         secrets: args.secrets,
-        net: policy.network.net_with(&args.allow_net),
-        // stdin reaches the job as a stream (see `execute`), never read up front.
-        stdin: Vec::new(),
+        net: policy.network.net_with(&args.allow_net.iter().fold(Allowlist::default(), |all, one| all.union(one))),
         tools: Vec::new(),
     };
     if args.image.is_some() && matches!(args.tier, TierChoice::Tier(tier) if tier != strata_core::TierKind::Microvm) {
@@ -291,11 +301,8 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
 
 pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
     let prepared = prepare(args)?;
-    let Prepared { engine, job, caps, limits, tier, snapshot, json, ungranted } = &prepared;
-    let outcome = execute(*json, limits, |opts| match snapshot {
-        Some(snapshot) => engine.run_from_snapshot(*tier, snapshot, job, limits, opts),
-        None => engine.run_on(*tier, job, caps, limits, opts),
-    })?;
+    let Prepared { engine, limits, json, ungranted, .. } = &prepared;
+    let outcome = execute(*json, limits, prepared.request(), |request| engine.execute(request))?;
     if *json {
         print_json(&outcome)?;
     } else if outcome.exit_code() != 0
@@ -332,20 +339,23 @@ fn ungranted_hint(ungranted: &[String]) -> Option<String> {
     ))
 }
 
-/// Runs `job` with this process's stdin streamed in and its output streamed to this process's stdout and stderr
-/// (or, with `json`, only captured), then reports what the output cannot say on stderr.
-pub(crate) fn execute<T: AsOutcome>(
+/// Runs `request` through `job` with this process's stdin streamed in and its output streamed to this process's
+/// stdout and stderr (or, with `json`, only captured), then reports what the output cannot say on stderr.
+pub(crate) fn execute<'a, T: AsOutcome>(
     json: bool,
     limits: &Limits,
-    job: impl FnOnce(ExecOptions) -> Result<T, strata_engine::EngineError>,
+    request: RunRequest<'a>,
+    job: impl FnOnce(RunRequest<'a>) -> Result<T, strata_engine::EngineError>,
 ) -> Result<T, Failure> {
-    let stdin_stream = stdin_stream()?;
+    let request = match stdin_stream()? {
+        Some(stream) => request.stdin_stream(stream),
+        None => request,
+    };
     if json {
-        return Ok(job(ExecOptions { stdin_stream, ..ExecOptions::default() })?);
+        return Ok(job(request)?);
     }
     let (sink, writer) = spawn_writer()?;
-    let opts = ExecOptions { sink: Some(sink), stdin_stream, ..ExecOptions::default() };
-    let result = job(opts);
+    let result = job(request.on_output(sink));
     // The engine has dropped the sink with the job; the writer drains the queue and ends.
     let _ = writer.join();
     let result = result?;

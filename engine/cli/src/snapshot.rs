@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 use strata_core::{Outcome, Snapshot};
-use strata_engine::Origin;
 
 use crate::Failure;
 use crate::run::{AsOutcome, Prepared, RunArgs, execute, prepare, print_json};
@@ -80,14 +79,9 @@ pub(crate) fn snapshot(args: SnapshotArgs) -> Result<i32, Failure> {
 fn create(args: CreateArgs) -> Result<i32, Failure> {
     let output = args.output;
     let prepared = prepare(args.run)?;
-    let Prepared { engine, job, caps, limits, tier, snapshot: from, json, .. } = &prepared;
-    let origin = match from {
-        Some(snapshot) => Origin::Fork { choice: *tier, snapshot },
-        None => Origin::Fresh(*tier),
-    };
-    let created = execute(*json, limits, |opts| {
-        let opts = strata_core::ExecOptions { stdin: (!caps.stdin.is_empty()).then(|| caps.stdin.clone()), ..opts };
-        let (outcome, snapshot) = engine.snapshot_create(origin, job, caps, limits, &output, opts)?;
+    let Prepared { engine, limits, json, .. } = &prepared;
+    let created = execute(*json, limits, prepared.request(), |request| {
+        let (outcome, snapshot) = engine.snapshot(request, &output)?;
         Ok(Created { outcome, snapshot })
     })?;
     if *json {

@@ -1,4 +1,4 @@
-//! The `strata` command's contract (DESIGN §5): output, `--json`, exit statuses and one-line errors.
+//! The `strata` command's contract (docs/DESIGN.md §5): output, `--json`, exit statuses and one-line errors.
 
 use std::io::Write;
 use std::path::Path;
