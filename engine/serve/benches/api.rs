@@ -30,7 +30,7 @@ fn direct(engine: &Engine, tier: &str, iters: usize) -> anyhow::Result<Figures> 
     let mut figures = Figures::new("create+exec+delete");
     for i in 0..iters + iters / 10 {
         let started = Instant::now();
-        let mut sandbox = engine.start(choice, &Capabilities::default(), engine.default_limits())?;
+        let sandbox = engine.start(choice, &Capabilities::default(), engine.default_limits())?;
         let outcome = sandbox.exec(&job, ExecOptions::default())?;
         sandbox.close()?;
         anyhow::ensure!(outcome.stdout == b"hi\n", "{outcome:?}");

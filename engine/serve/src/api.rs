@@ -17,16 +17,18 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use strata_core::{
-    CancelToken, Capabilities, EnvVar, ExecOptions, Fuel, Grant, Job, Limits, LimitsOverride, Outcome, PythonSource,
+    CancelToken, Capabilities, EnvVar, ExecOptions, FileType, Grant, GuestPath, Limits, LimitsOverride, Outcome,
     TierKind,
 };
 use strata_engine::TierChoice;
-use strata_engine::policy::NetworkPolicy;
 use utoipa::{OpenApi, ToSchema};
 
 use crate::error::{ApiError, ErrorBody};
-use crate::metrics::outcome_label;
 use crate::registry::{SandboxEntry, SnapshotEntry, new_id, unix_seconds};
+pub use crate::service::JobRequest;
+use crate::service::{
+    CancelOnDrop, blocking, exec_in, kill_sandbox, limits, record_job, reserve, sandbox, start_sandbox, ttl,
+};
 use crate::{AppState, Principal};
 
 /// The largest request body (files, jobs) the API accepts by default ([`crate::ConnectionLimits::max_body`]).
@@ -83,50 +85,6 @@ pub struct CreateSandboxRequest {
     pub ttl: Option<u64>,
     /// Start it as a fork of this snapshot (from `POST /v1/sandboxes/{id}/snapshot`).
     pub snapshot: Option<String>,
-}
-
-/// A job: exactly one of `command` or `python`.
-#[derive(Debug, Default, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields, default)]
-pub struct JobRequest {
-    /// A program of the guest image and its arguments (`["ls","-l","/"]`; process and microVM tiers).
-    pub command: Option<Vec<String>>,
-    /// Python source, as `python -c CODE`.
-    pub python: Option<String>,
-    /// `sys.argv[1:]` of a Python job.
-    pub args: Vec<String>,
-    /// Text the job reads on stdin.
-    pub stdin: Option<String>,
-    /// Limits of this job, over the sandbox's.
-    #[schema(value_type = Object)]
-    pub limits: LimitsOverride,
-    /// WebSocket only: the client's messages after this one are the job's stdin as it runs, up to an empty message
-    /// (EOF). The job reads each as it arrives, on every tier.
-    pub stdin_stream: bool,
-}
-
-impl JobRequest {
-    /// The engine's job.
-    pub fn to_job(&self) -> Result<Job, ApiError> {
-        let invalid = |message: &str| ApiError::bad_request("invalid_job", message);
-        match (&self.command, &self.python) {
-            (Some(argv), None) => {
-                if argv.first().is_none_or(|program| program.is_empty()) {
-                    return Err(invalid("command must name a program"));
-                }
-                if argv.iter().any(|a| a.contains('\0')) {
-                    return Err(invalid("command arguments must not contain NUL"));
-                }
-                if !self.args.is_empty() {
-                    return Err(invalid("args belong to python jobs; put a command's arguments in command"));
-                }
-                Ok(Job::Command { argv: argv.clone() })
-            }
-            (None, Some(code)) => Ok(Job::Python { source: PythonSource::Code(code.clone()), args: self.args.clone() }),
-            (Some(_), Some(_)) => Err(invalid("a job is either command or python, not both")),
-            (None, None) => Err(invalid("a job needs command or python")),
-        }
-    }
 }
 
 /// `POST /v1/run`: a one-shot job in a fresh sandbox that is gone afterwards.
@@ -254,7 +212,7 @@ pub struct ForkResponse {
     pub sandboxes: Vec<SandboxInfo>,
 }
 
-/// The Outcome of a job, exactly as `strata run --json` prints it (DESIGN §5).
+/// The Outcome of a job, exactly as `strata run --json` prints it (docs/DESIGN.md §5).
 #[derive(Debug, ToSchema)]
 #[allow(dead_code)]
 pub struct OutcomeDoc {
@@ -350,32 +308,6 @@ pub async fn openapi() -> impl IntoResponse {
     Json(ApiDoc::openapi())
 }
 
-/// Runs `f` on a thread of its own and waits for it without blocking the runtime. Not tokio's blocking pool: its
-/// threads carry the runtime's context, and the wasm tier refuses to run a sandbox's job on such a thread.
-pub(crate) async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("strata-serve-job".into())
-        .spawn(move || {
-            let _ = tx.send(f());
-        })
-        .map_err(|e| ApiError::internal(format!("cannot start a worker thread: {e}")))?;
-    rx.await.map_err(|_| ApiError::internal("the worker thread panicked"))?
-}
-
-/// Cancels a job when the request's future is dropped (the client went away) before the job finished.
-pub(crate) struct CancelOnDrop(pub(crate) Option<CancelToken>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if let Some(token) = self.0.take() {
-            token.cancel();
-        }
-    }
-}
-
 fn json<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
     body.map(|Json(v)| v).map_err(ApiError::from)
 }
@@ -407,154 +339,16 @@ pub(crate) fn capabilities(state: &AppState, req: &CapabilitiesRequest) -> Resul
         .iter()
         .map(|spec| spec.parse::<Grant>().map_err(|e| invalid(e.to_string())))
         .collect::<Result<Vec<_>, _>>()?;
-    NetworkPolicy::new(req.allow_net.clone()).map_err(|e| invalid(e.to_string()))?;
+    let allow_net = strata_core::Allowlist::parse(&req.allow_net).map_err(|e| invalid(e.to_string()))?;
     let caps = Capabilities {
         grants,
         env,
         secrets,
-        net: state.policy.network.net_with(&req.allow_net),
+        net: state.policy.network.net_with(&allow_net),
         ..Capabilities::default()
     };
     caps.validate().map_err(|e| invalid(e.to_string()))?;
     Ok(caps)
-}
-
-/// `over` applied to `base`, refused when a limit exceeds the policy's.
-pub(crate) fn limits(state: &AppState, base: &Limits, over: &LimitsOverride) -> Result<Limits, ApiError> {
-    let limits = over.apply(base);
-    let ceiling = &state.policy.limits;
-    let fuel_over = match (limits.fuel, ceiling.fuel) {
-        (_, Fuel::Unlimited) => false,
-        (Fuel::Unlimited, Fuel::Limited(_)) => true,
-        (Fuel::Limited(asked), Fuel::Limited(max)) => asked > max,
-    };
-    let over = [
-        ("wall", limits.wall > ceiling.wall),
-        ("cpu", limits.cpu > ceiling.cpu),
-        ("fuel", fuel_over),
-        ("memory", limits.memory.0 > ceiling.memory.0),
-        ("output", limits.output.0 > ceiling.output.0),
-        ("vcpus", limits.vcpus > ceiling.vcpus),
-        ("disk", limits.disk.0 > ceiling.disk.0),
-        ("pids", limits.pids > ceiling.pids),
-        ("files", limits.files > ceiling.files),
-    ];
-    if let Some((name, _)) = over.iter().find(|(_, over)| *over) {
-        return Err(ApiError::bad_request("limit_too_high", format!("the {name} limit exceeds the server policy's")));
-    }
-    Ok(limits)
-}
-
-/// A TTL in seconds, checked against the server's maximum.
-pub(crate) fn ttl(state: &AppState, seconds: Option<u64>) -> Result<Duration, ApiError> {
-    let ttl = seconds.map(Duration::from_secs).unwrap_or(state.default_ttl);
-    if ttl.is_zero() || ttl > state.max_ttl {
-        return Err(ApiError::bad_request(
-            "invalid_ttl",
-            format!("ttl must be between 1 and {} seconds", state.max_ttl.as_secs()),
-        ));
-    }
-    Ok(ttl)
-}
-
-/// Counts a job's result.
-pub(crate) fn record_job(
-    state: &AppState,
-    tier: TierKind,
-    op: &'static str,
-    started: Instant,
-    result: &Result<Outcome, ApiError>,
-) {
-    match result {
-        Ok(outcome) => {
-            state.metrics.job(outcome.tier, outcome_label(outcome));
-            state.metrics.latency(outcome.tier.as_str(), op, started.elapsed());
-        }
-        Err(_) => state.metrics.job(tier, "error"),
-    }
-}
-
-/// Admits `places` new sandboxes with these limits for `principal`.
-pub(crate) fn reserve(
-    state: &AppState,
-    principal: &Principal,
-    places: usize,
-    limits: &Limits,
-) -> Result<crate::registry::Reservation, ApiError> {
-    state.admit()?;
-    state.registry.reserve(principal, places, limits).map_err(|err| {
-        state.metrics.rejected(err.reason());
-        ApiError::from(err)
-    })
-}
-
-/// Starts a sandbox for `principal` (what `POST /v1/sandboxes` and the E2B layer do).
-pub(crate) async fn start_sandbox(
-    state: &Arc<AppState>,
-    principal: &Principal,
-    choice: TierChoice,
-    caps: Capabilities,
-    limits: Limits,
-    ttl: Duration,
-    e2b: Option<crate::e2b::E2bMeta>,
-) -> Result<Arc<SandboxEntry>, ApiError> {
-    let mut reservation = reserve(state, principal, 1, &limits)?;
-    let started = Instant::now();
-    let engine = state.engine.clone();
-    let sandbox_limits = limits.clone();
-    let sandbox = blocking(move || engine.start(choice, &caps, &sandbox_limits).map_err(ApiError::from)).await?;
-    let tier = sandbox.tier();
-    let mut entry = SandboxEntry::new(new_id("sb_"), principal.name.clone(), sandbox, limits, ttl);
-    if let Some(meta) = e2b {
-        entry = entry.with_e2b(meta);
-    }
-    let entry = reservation.commit(entry);
-    state.metrics.sandbox_created(tier);
-    state.metrics.latency(tier.as_str(), "create", started.elapsed());
-    tracing::info!(sandbox = %entry.id, %tier, "sandbox created");
-    // A shutdown that began while it started has already drained the registry: close it now.
-    if state.draining() {
-        if let Ok(entry) = state.registry.remove(&entry.id, &principal.name) {
-            blocking(move || {
-                entry.kill();
-                Ok(())
-            })
-            .await?;
-        }
-        return Err(ApiError::shutting_down());
-    }
-    Ok(entry)
-}
-
-/// Kills a sandbox taken out of the registry and waits until it is closed.
-pub(crate) async fn kill(state: &Arc<AppState>, entry: Arc<SandboxEntry>) -> Result<(), ApiError> {
-    let started = Instant::now();
-    let tier = entry.tier;
-    blocking(move || {
-        entry.kill();
-        Ok(())
-    })
-    .await?;
-    state.metrics.latency(tier.as_str(), "delete", started.elapsed());
-    Ok(())
-}
-
-/// Runs a job in a sandbox, cancelling it if the request is dropped.
-pub(crate) async fn exec_in(
-    state: &Arc<AppState>,
-    entry: Arc<SandboxEntry>,
-    job: Job,
-    opts: ExecOptions,
-) -> Result<Outcome, ApiError> {
-    let token = opts.cancel.clone().unwrap_or_default();
-    let mut guard = CancelOnDrop(Some(token.clone()));
-    let opts = ExecOptions { cancel: Some(token), ..opts };
-    let started = Instant::now();
-    let tier = entry.tier;
-    let result = blocking(move || entry.exec(&job, opts)).await;
-    guard.0 = None;
-    record_job(state, tier, "exec", started, &result);
-    result
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
@@ -577,7 +371,7 @@ async fn create_sandbox(
         }
         None => {
             let caps = capabilities(&state, &req.capabilities)?;
-            start_sandbox(&state, &principal, choice, caps, limits, ttl, None).await?
+            start_sandbox(&state, &principal, choice, caps, limits, ttl).await?
         }
     };
     Ok((StatusCode::CREATED, Json(SandboxInfo::of(&entry))))
@@ -596,7 +390,7 @@ async fn get_sandbox(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
-    let entry = state.registry.get(&id, &principal.name)?;
+    let entry = sandbox(&state, &principal, &id)?;
     Ok(Json(SandboxInfo::of(&entry)))
 }
 
@@ -607,9 +401,7 @@ async fn delete_sandbox(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let entry = state.registry.remove(&id, &principal.name)?;
-    kill(&state, entry).await?;
-    tracing::info!(sandbox = %id, "sandbox deleted");
+    kill_sandbox(&state, &principal, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -624,7 +416,7 @@ async fn exec(
 ) -> Result<Json<Outcome>, ApiError> {
     state.admit()?;
     let req = json(body)?;
-    let entry = state.registry.get(&id, &principal.name)?;
+    let entry = sandbox(&state, &principal, &id)?;
     let job = req.to_job()?;
     let limits = limits(&state, &entry.limits, &req.limits)?;
     let opts = ExecOptions { limits: Some(limits), stdin: req.stdin.map(String::into_bytes), ..ExecOptions::default() };
@@ -651,7 +443,11 @@ async fn run(
         ExecOptions { stdin: req.job.stdin.map(String::into_bytes), cancel: Some(token), ..ExecOptions::default() };
     let engine = state.engine.clone();
     let started = Instant::now();
-    let result = blocking(move || engine.run_on(choice, &job, &caps, &limits, opts).map_err(ApiError::from)).await;
+    let result = blocking(move || {
+        let request = strata_engine::RunRequest::new(&job).caps(&caps).limits(limits).tier(choice).options(opts);
+        engine.execute(request).map_err(ApiError::from)
+    })
+    .await;
     guard.0 = None;
     let tier = match choice {
         TierChoice::Tier(tier) => tier,
@@ -671,11 +467,8 @@ async fn read_file(
     query: Result<Query<FileQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(query) = query?;
-    let entry = state.registry.get(&id, &principal.name)?;
-    let started = Instant::now();
-    let tier = entry.tier;
-    let bytes = blocking(move || entry.with_calls(|calls| calls.read_file(&query.path))).await?;
-    state.metrics.latency(tier.as_str(), "file_read", started.elapsed());
+    let entry = sandbox(&state, &principal, &id)?;
+    let bytes = crate::service::read_file(&state, entry, query.path).await?;
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
 }
 
@@ -692,11 +485,8 @@ async fn write_file(
     state.admit()?;
     let Query(query) = query?;
     let body = body?;
-    let entry = state.registry.get(&id, &principal.name)?;
-    let started = Instant::now();
-    let tier = entry.tier;
-    blocking(move || entry.with_calls(|calls| calls.write_file(&query.path, &body))).await?;
-    state.metrics.latency(tier.as_str(), "file_write", started.elapsed());
+    let entry = sandbox(&state, &principal, &id)?;
+    crate::service::write_file(&state, entry, query.path, body.to_vec()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -709,7 +499,7 @@ async fn set_timeout(
     body: Result<Json<TimeoutRequest>, JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
     let req = json(body)?;
-    let entry = state.registry.get(&id, &principal.name)?;
+    let entry = sandbox(&state, &principal, &id)?;
     entry.set_ttl(ttl(&state, Some(req.timeout))?);
     Ok(StatusCode::NO_CONTENT)
 }
@@ -732,7 +522,7 @@ async fn take_snapshot(
     id: String,
 ) -> Result<Arc<SnapshotEntry>, ApiError> {
     state.admit()?;
-    let entry = state.registry.get(&id, &principal.name)?;
+    let entry = sandbox(state, principal, &id)?;
     let snap_id = new_id("snap_");
     let dir = state.snapshot_dir.join(&snap_id);
     let started = Instant::now();
@@ -773,7 +563,7 @@ async fn fork_live(
         return Err(ApiError::bad_request("invalid_count", format!("count must be between 1 and {MAX_FORKS}")));
     }
     let ttl = ttl(&state, req.ttl)?;
-    let limits = state.registry.get(&id, &principal.name)?.limits.clone();
+    let limits = sandbox(&state, &principal, &id)?.limits.clone();
     let snapshot = take_snapshot(&state, &principal, id).await?;
     let info = SnapshotInfo::of(&snapshot);
     let forks = fork_sandboxes(&state, &principal, snapshot, TierChoice::Auto, req.count, limits, ttl).await?;
@@ -786,9 +576,10 @@ async fn fork_live(
 pub struct FileEntry {
     /// The entry's name in the directory.
     pub name: String,
-    /// `file`, `dir`, `symlink` or `other`.
+    /// `file`, `dir`, `symlink` or `other` (a link is not followed).
     #[serde(rename = "type")]
-    pub kind: String,
+    #[schema(value_type = String)]
+    pub kind: FileType,
     /// Size in bytes.
     pub size: u64,
 }
@@ -800,29 +591,9 @@ pub struct FileList {
     pub entries: Vec<FileEntry>,
 }
 
-/// Lists a directory from inside the sandbox: `find` on the native tiers, `os.scandir` in a wasm Python session
-/// (inside a function that deletes itself, leaving the session's names as they were).
-fn list_job(tier: TierKind, path: &str) -> Result<Job, ApiError> {
-    if path.contains(['\0', '\n']) || !path.starts_with('/') {
-        return Err(ApiError::bad_request("invalid_query", "path must be an absolute path"));
-    }
-    if tier != TierKind::Wasm {
-        let argv = ["find", path, "-mindepth", "1", "-maxdepth", "1", "-printf", "%y\\t%s\\t%f\\n"];
-        return Ok(Job::Command { argv: argv.map(str::to_owned).to_vec() });
-    }
-    let literal = serde_json::to_string(path).map_err(|e| ApiError::internal(e.to_string()))?;
-    let code = format!(
-        "def __strata_ls(p):\n    import os\n    try:\n        for e in os.scandir(p):\n            st = \
-         e.stat(follow_symlinks=False)\n            k = 'd' if e.is_dir(follow_symlinks=False) else 'l' if \
-         e.is_symlink() else 'f' if e.is_file(follow_symlinks=False) else 'o'\n            print(k + '\\t' + \
-         str(st.st_size) + '\\t' + e.name)\n    except OSError as err:\n        print('E\\t0\\t' + \
-         str(err))\ntry:\n    __strata_ls({literal})\nfinally:\n    del __strata_ls\n"
-    );
-    Ok(Job::Python { source: PythonSource::Code(code), args: Vec::new() })
-}
-
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", tag = "files", params(("path" = String, Query)),
-    responses((status = 200, body = FileList), (status = 404, body = ErrorBody)))]
+    responses((status = 200, body = FileList), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 501, body = ErrorBody)))]
 async fn list_files(
     State(state): Shared,
     Extension(principal): Extension<Principal>,
@@ -830,29 +601,11 @@ async fn list_files(
     query: Result<Query<FileQuery>, QueryRejection>,
 ) -> Result<Json<FileList>, ApiError> {
     let Query(query) = query?;
-    let entry = state.registry.get(&id, &principal.name)?;
-    let job = list_job(entry.tier, &query.path)?;
-    let outcome = exec_in(&state, entry, job, ExecOptions::default()).await?;
-    let stdout = String::from_utf8_lossy(&outcome.stdout);
-    let missing = || ApiError::new(StatusCode::NOT_FOUND, "guest_path", format!("cannot list {}", query.path));
-    if outcome.status != (strata_core::Status::Exited { code: 0 }) {
-        return Err(missing());
-    }
-    let mut entries = Vec::new();
-    for line in stdout.lines() {
-        let mut parts = line.splitn(3, '\t');
-        let (Some(kind), Some(size), Some(name)) = (parts.next(), parts.next(), parts.next()) else { continue };
-        let kind = match kind {
-            "E" => return Err(missing()),
-            "d" => "dir",
-            "f" => "file",
-            "l" => "symlink",
-            _ => "other",
-        };
-        entries.push(FileEntry { name: name.to_owned(), kind: kind.to_owned(), size: size.parse().unwrap_or(0) });
-    }
-    entries.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(Json(FileList { entries }))
+    let path = GuestPath::new(&query.path).map_err(|e| ApiError::bad_request("invalid_query", e.to_string()))?;
+    let entry = sandbox(&state, &principal, &id)?;
+    let listed = crate::service::list_dir(&state, entry, path, 1).await?;
+    let entries = listed.into_iter().map(|info| FileEntry { name: info.name, kind: info.file_type, size: info.size });
+    Ok(Json(FileList { entries: entries.collect() }))
 }
 
 #[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots", responses((status = 200, body = SnapshotList)))]

@@ -32,8 +32,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::http::{HeaderValue, Request, Response, StatusCode, header};
-use axum::response::IntoResponse;
+use axum::http::{HeaderValue, Request, Response, header};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
@@ -43,7 +42,6 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Sleep;
 use tower::ServiceExt;
 
-use crate::error::ApiError;
 use crate::registry::lock;
 
 /// The largest request body by default (files, jobs).
@@ -400,45 +398,10 @@ impl HttpBody for ResponseBody {
     }
 }
 
-/// The API error a request body's reader got from [`RequestBody`]: 413 `body_too_large` or 408 `body_timeout`.
-pub(crate) fn body_error(err: &(dyn std::error::Error + 'static), max_body: Option<usize>) -> Option<ApiError> {
-    let mut source = Some(err);
-    while let Some(err) = source {
-        if err.is::<http_body_util::LengthLimitError>() {
-            return Some(too_large(max_body));
-        }
-        if let Some(timeout) = err.downcast_ref::<BodyTimeout>() {
-            return Some(ApiError::new(StatusCode::REQUEST_TIMEOUT, "body_timeout", timeout.to_string()));
-        }
-        source = err.source();
-    }
-    None
-}
-
-/// The API error of an extractor's rejection of a body that [`RequestBody`] cut (axum reports the size limit by
-/// its status).
-pub(crate) fn rejected_body(status: StatusCode, rejection: &(dyn std::error::Error + 'static)) -> Option<ApiError> {
-    if status == StatusCode::PAYLOAD_TOO_LARGE {
-        return Some(too_large(None));
-    }
-    body_error(rejection, None)
-}
-
-fn too_large(max_body: Option<usize>) -> ApiError {
-    let message = match max_body {
-        Some(max) => format!("the request body is over {max} bytes, the most this server accepts"),
-        None => "the request body is over the most this server accepts".to_owned(),
-    };
-    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", message)
-}
-
-/// An error answered before routing, in the native shape under `/v1` and E2B's elsewhere, closing the connection.
-fn early_error(path: &str, err: ApiError) -> Response<axum::body::Body> {
-    let mut response =
-        if path.starts_with("/v1/") { err.into_response() } else { crate::e2b::ControlError(err).into_response() };
-    response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
-    response
-}
+/// Answers a request refused before routing because its declared body is over `max_body` bytes (given the
+/// request's path and headers, for the shape of its answer); the connection closes after it.
+pub(crate) type TooLarge =
+    fn(path: &str, headers: &axum::http::HeaderMap, max_body: usize) -> Response<axum::body::Body>;
 
 /// Accepts connections on `listener` and serves `app` on each until `shutdown` completes; then stops accepting,
 /// asks every connection to finish its request in flight and close, and returns once they have.
@@ -446,6 +409,7 @@ pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
     table: Arc<Connections>,
+    too_large: TooLarge,
     shutdown: impl Future<Output = ()>,
 ) {
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -480,7 +444,7 @@ pub(crate) async fn serve(
         let _ = tcp.set_nodelay(true);
         let (app, table, stop, open) = (app.clone(), table.clone(), stop_rx.clone(), open_rx.clone());
         tokio::spawn(async move {
-            connection(tcp, peer, slot, app, table, stop).await;
+            connection(tcp, peer, slot, app, table, too_large, stop).await;
             drop(open);
         });
     }
@@ -525,6 +489,7 @@ async fn connection(
     slot: Slot,
     app: Router,
     table: Arc<Connections>,
+    too_large: TooLarge,
     mut stop: watch::Receiver<bool>,
 ) {
     let limits = table.limits.clone();
@@ -538,7 +503,9 @@ async fn connection(
         let app = app.clone();
         async move {
             let response = if request.body().size_hint().lower() > max_body as u64 {
-                early_error(request.uri().path(), too_large(Some(max_body)))
+                let mut response = too_large(request.uri().path(), request.headers(), max_body);
+                response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+                response
             } else {
                 let request = request.map(|inner| {
                     axum::body::Body::new(RequestBody {

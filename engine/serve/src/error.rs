@@ -8,6 +8,9 @@ use strata_core::TierError;
 use strata_engine::EngineError;
 use utoipa::ToSchema;
 
+use crate::connections::BodyTimeout;
+use crate::registry::{AdmissionError, RegistryError};
+
 /// An error the API returns: an HTTP status, a stable machine-readable code and a one-line message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{code}: {message}")]
@@ -68,8 +71,8 @@ impl ApiError {
     }
 
     /// 409 `sandbox_busy`: another request is using the sandbox.
-    pub fn busy(id: &str) -> ApiError {
-        ApiError::new(StatusCode::CONFLICT, "sandbox_busy", format!("sandbox {id} is running another request"))
+    pub fn busy(id: &str, doing: &str) -> ApiError {
+        ApiError::new(StatusCode::CONFLICT, "sandbox_busy", format!("sandbox {id} is busy with {doing}"))
     }
 
     /// 429 `too_many_jobs`: the sandbox runs as many jobs at once as it may.
@@ -84,6 +87,43 @@ impl ApiError {
     /// 500 `internal`.
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+
+    /// 413 `body_too_large`: the request body is over `max_body` bytes (when known), the most the server accepts.
+    pub fn too_large(max_body: Option<usize>) -> ApiError {
+        let message = match max_body {
+            Some(max) => format!("the request body is over {max} bytes, the most this server accepts"),
+            None => "the request body is over the most this server accepts".to_owned(),
+        };
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", message)
+    }
+
+    /// The error a request body's reader got from the connection's body (`crate::connections`): 413
+    /// `body_too_large` or 408 `body_timeout`; `None` for any other error.
+    pub(crate) fn of_body(err: &(dyn std::error::Error + 'static), max_body: Option<usize>) -> Option<ApiError> {
+        let mut source = Some(err);
+        while let Some(err) = source {
+            if err.is::<http_body_util::LengthLimitError>() {
+                return Some(ApiError::too_large(max_body));
+            }
+            if let Some(timeout) = err.downcast_ref::<BodyTimeout>() {
+                return Some(ApiError::new(StatusCode::REQUEST_TIMEOUT, "body_timeout", timeout.to_string()));
+            }
+            source = err.source();
+        }
+        None
+    }
+
+    /// The error of an extractor's rejection of a body the connection cut (axum reports the size limit by its
+    /// status).
+    pub(crate) fn of_rejected_body(
+        status: StatusCode,
+        rejection: &(dyn std::error::Error + 'static),
+    ) -> Option<ApiError> {
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            return Some(ApiError::too_large(None));
+        }
+        ApiError::of_body(rejection, None)
     }
 
     /// The response body.
@@ -112,7 +152,7 @@ impl From<TierError> for ApiError {
             | TierError::ExecFailed { .. } => StatusCode::BAD_REQUEST,
             TierError::GuestPath { .. } => StatusCode::NOT_FOUND,
             TierError::Unsupported { .. } => StatusCode::NOT_IMPLEMENTED,
-            TierError::SessionEnded { .. } => StatusCode::CONFLICT,
+            TierError::SessionEnded { .. } | TierError::Busy { .. } => StatusCode::CONFLICT,
             TierError::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
             TierError::Capacity { .. } => StatusCode::SERVICE_UNAVAILABLE,
             TierError::Snapshot(_) => StatusCode::BAD_REQUEST,
@@ -145,7 +185,7 @@ impl From<EngineError> for ApiError {
 impl From<axum::extract::rejection::JsonRejection> for ApiError {
     fn from(rejection: axum::extract::rejection::JsonRejection) -> ApiError {
         use axum::extract::rejection::JsonRejection as R;
-        if let Some(err) = crate::connections::rejected_body(rejection.status(), &rejection) {
+        if let Some(err) = ApiError::of_rejected_body(rejection.status(), &rejection) {
             return err;
         }
         let code = match &rejection {
@@ -163,7 +203,7 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
 
 impl From<axum::extract::rejection::BytesRejection> for ApiError {
     fn from(rejection: axum::extract::rejection::BytesRejection) -> ApiError {
-        crate::connections::rejected_body(rejection.status(), &rejection)
+        ApiError::of_rejected_body(rejection.status(), &rejection)
             .unwrap_or_else(|| ApiError::bad_request("invalid_body", rejection.body_text()))
     }
 }
@@ -171,5 +211,50 @@ impl From<axum::extract::rejection::BytesRejection> for ApiError {
 impl From<axum::extract::rejection::QueryRejection> for ApiError {
     fn from(rejection: axum::extract::rejection::QueryRejection) -> ApiError {
         ApiError::bad_request("invalid_query", rejection.body_text())
+    }
+}
+
+impl From<AdmissionError> for ApiError {
+    fn from(err: AdmissionError) -> ApiError {
+        let code = match err {
+            AdmissionError::Quota { .. } | AdmissionError::MemoryQuota { .. } => "quota_exceeded",
+            AdmissionError::Capacity { .. }
+            | AdmissionError::MemoryBudget { .. }
+            | AdmissionError::CpuBudget { .. }
+            | AdmissionError::HostCpu { .. }
+            | AdmissionError::HostMemory { .. } => "server_at_capacity",
+        };
+        ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, err.to_string())
+    }
+}
+
+impl From<RegistryError> for ApiError {
+    fn from(err: RegistryError) -> ApiError {
+        match err {
+            RegistryError::SandboxNotFound(id) => ApiError::sandbox_not_found(&id),
+            RegistryError::SnapshotNotFound(id) => ApiError::snapshot_not_found(&id),
+            RegistryError::Busy { id, doing } => ApiError::busy(&id, doing),
+            RegistryError::TooManyJobs { id, max } => ApiError::too_many_jobs(&id, max),
+            RegistryError::Tier(err) => err.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_and_admission_errors_keep_their_codes() {
+        let full = ApiError::from(AdmissionError::Capacity { limit: 3 });
+        assert_eq!((full.status, full.code), (StatusCode::TOO_MANY_REQUESTS, "server_at_capacity"));
+        let quota = ApiError::from(AdmissionError::Quota { owner: "a".into(), limit: 1 });
+        assert_eq!(quota.code, "quota_exceeded");
+        let gone = ApiError::from(RegistryError::SandboxNotFound("sb_x".into()));
+        assert_eq!((gone.status, gone.code), (StatusCode::NOT_FOUND, "sandbox_not_found"));
+        let busy = ApiError::from(RegistryError::Busy { id: "sb_x".into(), doing: "a job" });
+        assert_eq!((busy.status, busy.code), (StatusCode::CONFLICT, "sandbox_busy"));
+        let many = ApiError::from(RegistryError::TooManyJobs { id: "sb_x".into(), max: 2 });
+        assert_eq!(many.code, "too_many_jobs");
     }
 }

@@ -1,4 +1,4 @@
-//! `strata serve`: Strata's sandbox API over HTTP/1.1 and WebSocket (issue 8).
+//! `strata serve`: Strata's sandbox API over HTTP/1.1 and WebSocket.
 //!
 //! One process serves, on one port:
 //! - the native API under `/v1` ([`api`]): sandboxes (create, list, get, delete, set timeout), jobs in them (exec,
@@ -7,6 +7,10 @@
 //! - the E2B-compatible subset the official E2B SDK uses unmodified ([`e2b`]): its control plane, the in-sandbox
 //!   agent (envd: Connect-RPC process calls, files, health) and the code interpreter's `/execute`;
 //! - `/metrics` in the Prometheus text format ([`metrics`]) and `/health`.
+//!
+//! The router here is the only place that knows every layer: the native API, its WebSocket and the E2B layer each
+//! call a small service layer (start, get, kill sandboxes, run jobs, files), never one another, and it calls the
+//! [`registry`] (which knows nothing of HTTP or E2B), the metrics and admission ([`capacity`]).
 //!
 //! Requests carry an API key (`Authorization: Bearer KEY` or `X-API-Key: KEY`) checked against a file of hashed keys
 //! with per-key quotas ([`auth`]). Without a keys file the server accepts every request as `anonymous`, and for that
@@ -38,11 +42,10 @@ pub mod auth;
 pub mod capacity;
 pub mod connections;
 pub mod e2b;
-mod e2b_fs;
-mod e2b_watch;
 pub mod error;
 pub mod metrics;
 pub mod registry;
+mod service;
 pub mod ws;
 
 use std::future::Future;
@@ -189,8 +192,8 @@ pub struct AppState {
     pub allow_grants: bool,
     /// This server's snapshot directory.
     pub snapshot_dir: PathBuf,
-    /// The E2B layer's running commands.
-    pub e2b: e2b::E2bState,
+    /// The E2B layer's state of its sandboxes (dropped with each sandbox, through [`SandboxEntry::on_kill`]).
+    pub e2b: Arc<e2b::E2bState>,
     /// Open connections and their limits.
     pub connections: Arc<Connections>,
     draining: AtomicBool,
@@ -292,7 +295,7 @@ impl Server {
             max_ttl: config.max_ttl,
             allow_grants: config.allow_grants,
             snapshot_dir,
-            e2b: e2b::E2bState::default(),
+            e2b: Arc::default(),
             connections: Arc::new(Connections::new(config.connections)),
             draining: AtomicBool::new(false),
         });
@@ -321,21 +324,21 @@ impl Server {
         let graceful = async move {
             shutdown.await;
             tracing::info!("shutting down: refusing new work, killing sandboxes");
-            let drained = api::blocking(move || {
+            let drained = service::blocking(move || {
                 drain_state.drain_blocking();
-                Ok(())
+                Ok::<(), ApiError>(())
             })
             .await;
             if let Err(err) = drained {
                 tracing::error!(error = %err, "draining failed");
             }
         };
-        connections::serve(self.listener, app, state.connections.clone(), graceful).await;
+        connections::serve(self.listener, app, state.connections.clone(), too_large, graceful).await;
         // Anything created while the last requests finished.
         let last = state.clone();
-        let _ = api::blocking(move || {
+        let _ = service::blocking(move || {
             last.drain_blocking();
-            Ok(())
+            Ok::<(), ApiError>(())
         })
         .await;
         Ok(())
@@ -432,10 +435,41 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/openapi.json", axum::routing::get(api::openapi))
         .route("/metrics", axum::routing::get(metrics_text))
         .route("/health", axum::routing::get(e2b::health))
-        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
+        .fallback(unknown_route)
         .layer(axum::extract::DefaultBodyLimit::max(state.connections.limits().max_body))
+        .layer(axum::middleware::from_fn(e2b_errors))
         .layer(axum::middleware::from_fn_with_state(state.clone(), request_log))
         .with_state(state)
+}
+
+/// Whether `path` is one of Strata's own (the native API, its document, `/metrics`) rather than an E2B route.
+fn native_path(path: &str) -> bool {
+    path == "/v1" || path.starts_with("/v1/") || path == "/metrics"
+}
+
+/// What no route takes: the native API's `not_found`, or E2B's `unimplemented` in the shape of the E2B request.
+async fn unknown_route(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    if native_path(uri.path()) {
+        return ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such endpoint").into_response();
+    }
+    e2b::E2bError::unimplemented(&method, uri.path()).into_response()
+}
+
+/// The answer to a request whose declared body is over `max_body`, refused before routing.
+fn too_large(path: &str, headers: &axum::http::HeaderMap, max_body: usize) -> Response {
+    let err = ApiError::too_large(Some(max_body));
+    if native_path(path) {
+        return err.into_response();
+    }
+    e2b::E2bError::from(err).answer_to(path, headers)
+}
+
+/// Gives every error of an E2B route E2B's shape ([`e2b::error::render`]); Strata's own routes keep theirs.
+async fn e2b_errors(request: Request, next: Next) -> Response {
+    if native_path(request.uri().path()) {
+        return next.run(request).await;
+    }
+    e2b::error::render(request, next).await
 }
 
 async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
@@ -457,11 +491,11 @@ async fn authenticate(State(state): State<Arc<AppState>>, mut request: Request, 
             Ok(principal) => principal,
             Err(err) => {
                 state.metrics.rejected("unauthorized");
-                // The E2B SDK parses its own error shape; everything under /v1 gets the native one.
-                if request.uri().path().starts_with("/v1/") {
+                // The E2B SDKs parse their own error shape; Strata's routes get the native one.
+                if native_path(request.uri().path()) {
                     return err.into_response();
                 }
-                return e2b::ControlError(err).into_response();
+                return e2b::E2bError::from(err).into_response();
             }
         },
     };

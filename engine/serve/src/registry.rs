@@ -1,29 +1,23 @@
 //! The live sandboxes and snapshots the server holds, with their owners, deadlines and admission counts.
 //!
-//! Locks here are `std` mutexes held for a few instructions, never across an `await` or a job: a sandbox's own
-//! lock is taken only on blocking threads (exec, files, snapshot, close), and [`SandboxEntry::kill`] cancels the
-//! running jobs before it waits for that lock. A sandbox whose tier runs jobs at the same time (the process tier's
-//! [`strata_core::SandboxHandle`]) runs every exec and file call through its handle, without that lock, so a
-//! command started in the background does not hold up the next; elsewhere a second request while one runs is
-//! `409 sandbox_busy`.
+//! Locks here are `std` mutexes held for a few instructions, never across an `await` or a job. A sandbox's calls
+//! run on blocking threads, beside each other as far as its tier allows ([`Sandbox`] says what runs at once; a call
+//! its tier cannot take beside a running one is `409 sandbox_busy`), so a command started in the background does
+//! not hold up the next on the process tier. [`SandboxEntry::kill`] cancels the running jobs before it closes the
+//! sandbox.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use strata_core::{
-    CancelToken, ExecOptions, Job, Limits, Outcome, Sandbox, SandboxHandle, Snapshot, TierError, TierKind,
-};
+use strata_core::{CancelToken, ExecOptions, Job, Limits, Outcome, Sandbox, Snapshot, TierError, TierKind};
 
 use crate::capacity::{HostCapacity, Short};
-use crate::error::ApiError;
 
 /// Locks a mutex, taking the data of a poisoned one (a panic elsewhere must not wedge the server).
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
+pub(crate) use strata_core::sync::lock;
 
 /// Seconds since the Unix epoch.
 pub(crate) fn unix_seconds(time: SystemTime) -> u64 {
@@ -34,6 +28,37 @@ pub(crate) fn unix_seconds(time: SystemTime) -> u64 {
 pub(crate) fn new_id(prefix: &str) -> String {
     let uuid = uuid::Uuid::new_v4().simple().to_string();
     format!("{prefix}{}", &uuid[..20])
+}
+
+/// Why a call on a sandbox or snapshot of the registry failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// No such sandbox (or one the caller may not see, or one that was killed).
+    #[error("no sandbox {0}")]
+    SandboxNotFound(String),
+    /// No such snapshot (or one the caller may not see).
+    #[error("no snapshot {0}")]
+    SnapshotNotFound(String),
+    /// The sandbox cannot take the request beside what it is doing (a tier that runs one job at a time, a
+    /// snapshot while jobs run).
+    #[error("sandbox {id} is busy with {doing}")]
+    Busy {
+        /// The sandbox.
+        id: String,
+        /// What it is busy with.
+        doing: &'static str,
+    },
+    /// The sandbox runs as many jobs at once as it may.
+    #[error("sandbox {id} is running {max} jobs, the most it runs at once")]
+    TooManyJobs {
+        /// The sandbox.
+        id: String,
+        /// The most it runs at once.
+        max: usize,
+    },
+    /// The tier failed the call.
+    #[error(transparent)]
+    Tier(#[from] TierError),
 }
 
 /// Why a sandbox was not admitted.
@@ -129,20 +154,6 @@ impl AdmissionError {
     }
 }
 
-impl From<AdmissionError> for ApiError {
-    fn from(err: AdmissionError) -> ApiError {
-        let code = match err {
-            AdmissionError::Quota { .. } | AdmissionError::MemoryQuota { .. } => "quota_exceeded",
-            AdmissionError::Capacity { .. }
-            | AdmissionError::MemoryBudget { .. }
-            | AdmissionError::CpuBudget { .. }
-            | AdmissionError::HostCpu { .. }
-            | AdmissionError::HostMemory { .. } => "server_at_capacity",
-        };
-        ApiError::new(axum::http::StatusCode::TOO_MANY_REQUESTS, code, err.to_string())
-    }
-}
-
 /// The most jobs one sandbox runs at once (each holds a blocking thread of the server while it runs).
 pub const MAX_JOBS: usize = 64;
 
@@ -161,16 +172,14 @@ pub struct SandboxEntry {
     /// The host CPUs admission placed it on ([`crate::capacity`]; accounting, not pinning).
     pub cpus: Vec<usize>,
     deadline: Mutex<(Instant, SystemTime)>,
-    sandbox: Mutex<Option<Box<dyn Sandbox>>>,
-    /// Runs jobs and file calls beside each other, where the tier can.
-    handle: Option<Arc<dyn SandboxHandle>>,
+    sandbox: Arc<dyn Sandbox>,
     /// The jobs running now, by a number of their own.
     running: Mutex<HashMap<u64, CancelToken>>,
     next_job: AtomicU64,
     killed: AtomicBool,
     last_used: Mutex<Instant>,
-    /// What the E2B-compatible layer knows about it (`None` for sandboxes of the native API).
-    pub e2b: Option<crate::e2b::E2bMeta>,
+    /// What runs when it is killed (the state other layers keep about it).
+    on_kill: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
 }
 
 impl std::fmt::Debug for SandboxEntry {
@@ -185,15 +194,8 @@ impl std::fmt::Debug for SandboxEntry {
 
 impl SandboxEntry {
     /// An entry for a sandbox that lives for `ttl` from now.
-    pub fn new(
-        id: String,
-        owner: String,
-        mut sandbox: Box<dyn Sandbox>,
-        limits: Limits,
-        ttl: Duration,
-    ) -> SandboxEntry {
+    pub fn new(id: String, owner: String, sandbox: Box<dyn Sandbox>, limits: Limits, ttl: Duration) -> SandboxEntry {
         let now = SystemTime::now();
-        let handle = sandbox.handle();
         SandboxEntry {
             id,
             owner,
@@ -202,20 +204,25 @@ impl SandboxEntry {
             created: now,
             cpus: Vec::new(),
             deadline: Mutex::new((Instant::now() + ttl, now + ttl)),
-            sandbox: Mutex::new(Some(sandbox)),
-            handle,
+            sandbox: Arc::from(sandbox),
             running: Mutex::new(HashMap::new()),
             next_job: AtomicU64::new(0),
             killed: AtomicBool::new(false),
             last_used: Mutex::new(Instant::now()),
-            e2b: None,
+            on_kill: Mutex::new(Vec::new()),
         }
     }
 
-    /// The same entry, marked as an E2B sandbox.
-    pub fn with_e2b(mut self, meta: crate::e2b::E2bMeta) -> SandboxEntry {
-        self.e2b = Some(meta);
-        self
+    /// Runs `f` (blocking) when the sandbox is killed, after it is closed; at once if it already was.
+    pub fn on_kill(&self, f: impl FnOnce() + Send + 'static) {
+        let mut hooks = lock(&self.on_kill);
+        // `kill` sets `killed` before it takes the hooks: one of the two sees the other.
+        if !self.killed.load(Ordering::SeqCst) {
+            hooks.push(Box::new(f));
+            return;
+        }
+        drop(hooks);
+        f();
     }
 
     /// When it expires, in seconds since the Unix epoch.
@@ -258,110 +265,70 @@ impl SandboxEntry {
         lock(&self.running).len()
     }
 
-    /// Whether it runs jobs at the same time (else a request while one runs is `sandbox_busy`).
+    /// Whether it runs jobs at the same time (else a job while one runs is `sandbox_busy`).
     pub fn is_concurrent(&self) -> bool {
-        self.handle.is_some()
+        self.tier.runs_jobs_at_once()
     }
 
-    /// Runs `f` on the sandbox; blocks, so call it on a blocking thread. A sandbox that is busy with another request
-    /// is `sandbox_busy`; one that was killed is `sandbox_not_found`.
-    pub fn with_sandbox<T>(&self, f: impl FnOnce(&mut dyn Sandbox) -> Result<T, TierError>) -> Result<T, ApiError> {
-        let mut guard = match self.sandbox.try_lock() {
-            Ok(guard) => guard,
-            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(TryLockError::WouldBlock) => return Err(ApiError::busy(&self.id)),
-        };
-        let sandbox = guard.as_mut().ok_or_else(|| ApiError::sandbox_not_found(&self.id))?;
-        *lock(&self.last_used) = Instant::now();
-        let result = f(sandbox.as_mut()).map_err(ApiError::from);
-        *lock(&self.last_used) = Instant::now();
-        result
-    }
-
-    /// Runs `f` with the sandbox's exec and file calls (blocking): through its handle where it has one, beside
-    /// anything else running there; else under its lock, as [`with_sandbox`](SandboxEntry::with_sandbox).
-    pub fn with_calls<T>(&self, f: impl FnOnce(&dyn SandboxHandle) -> Result<T, TierError>) -> Result<T, ApiError> {
-        let Some(handle) = &self.handle else {
-            return self.with_sandbox(|sandbox| f(&Exclusive(Mutex::new(sandbox))));
-        };
+    /// Runs `f` on the sandbox (blocking: call it on a blocking thread), beside its other calls as far as its
+    /// tier allows. One that was killed is `sandbox_not_found`, also when it was killed while `f` ran.
+    pub fn call<T>(&self, f: impl FnOnce(&dyn Sandbox) -> Result<T, TierError>) -> Result<T, RegistryError> {
         if self.killed.load(Ordering::SeqCst) {
-            return Err(ApiError::sandbox_not_found(&self.id));
+            return Err(RegistryError::SandboxNotFound(self.id.clone()));
         }
         *lock(&self.last_used) = Instant::now();
-        let result = f(handle.as_ref()).map_err(|err| match err {
-            // The sandbox was killed while the call ran.
+        let result = f(self.sandbox.as_ref()).map_err(|err| match err {
             TierError::SessionEnded { .. } if self.killed.load(Ordering::SeqCst) => {
-                ApiError::sandbox_not_found(&self.id)
+                RegistryError::SandboxNotFound(self.id.clone())
             }
-            other => ApiError::from(other),
+            TierError::Busy { doing, .. } => RegistryError::Busy { id: self.id.clone(), doing },
+            other => RegistryError::from(other),
         });
         *lock(&self.last_used) = Instant::now();
         result
     }
 
     /// Runs a job in the sandbox (blocking). `opts.cancel` is set when absent; killing the sandbox cancels it.
-    pub fn exec(&self, job: &Job, mut opts: ExecOptions) -> Result<Outcome, ApiError> {
+    pub fn exec(&self, job: &Job, mut opts: ExecOptions) -> Result<Outcome, RegistryError> {
         let token = opts.cancel.get_or_insert_with(CancelToken::new).clone();
         let number = self.next_job.fetch_add(1, Ordering::Relaxed);
-        let run = |calls: &dyn SandboxHandle| {
-            {
-                let mut running = lock(&self.running);
-                if running.len() >= MAX_JOBS {
-                    return Ok(Err(ApiError::too_many_jobs(&self.id, MAX_JOBS)));
-                }
-                running.insert(number, token.clone());
+        {
+            let mut running = lock(&self.running);
+            if running.len() >= MAX_JOBS {
+                return Err(RegistryError::TooManyJobs { id: self.id.clone(), max: MAX_JOBS });
             }
-            // `kill` sets `killed` before it looks at `running`: one of the two sees the other.
-            if self.killed.load(Ordering::SeqCst) {
-                token.cancel();
-            }
-            let outcome = calls.exec(job, opts);
-            lock(&self.running).remove(&number);
-            outcome.map(Ok)
-        };
-        self.with_calls(run)?
+            running.insert(number, token.clone());
+        }
+        // `kill` sets `killed` before it looks at `running`: one of the two sees the other.
+        if self.killed.load(Ordering::SeqCst) {
+            token.cancel();
+        }
+        let outcome = self.call(|sandbox| sandbox.exec(job, opts));
+        lock(&self.running).remove(&number);
+        outcome
     }
 
     /// Snapshots the sandbox into `destination` (blocking). Only between jobs: while any runs it is `sandbox_busy`.
-    pub fn snapshot(&self, destination: &std::path::Path) -> Result<Snapshot, ApiError> {
+    pub fn snapshot(&self, destination: &std::path::Path) -> Result<Snapshot, RegistryError> {
         if self.is_running() {
-            return Err(ApiError::busy(&self.id));
+            return Err(RegistryError::Busy { id: self.id.clone(), doing: "a job; a snapshot is taken between jobs" });
         }
-        self.with_sandbox(|sandbox| sandbox.snapshot(destination))
+        self.call(|sandbox| sandbox.snapshot(destination))
     }
 
-    /// Kills the running job if any, waits for it, and closes the sandbox (blocking). Idempotent.
+    /// Kills the running jobs if any and closes the sandbox (blocking). Idempotent.
     pub fn kill(&self) {
         self.killed.store(true, Ordering::SeqCst);
         for token in lock(&self.running).values() {
             token.cancel();
         }
-        let sandbox = lock(&self.sandbox).take();
-        if let Some(sandbox) = sandbox
-            && let Err(err) = sandbox.close()
-        {
+        if let Err(err) = self.sandbox.close() {
             tracing::warn!(sandbox = %self.id, error = %err, "closing the sandbox failed");
         }
-        if let Some(meta) = &self.e2b {
-            meta.close();
+        let hooks = std::mem::take(&mut *lock(&self.on_kill));
+        for hook in hooks {
+            hook();
         }
-    }
-}
-
-/// A sandbox under its lock, as a [`SandboxHandle`] (for [`SandboxEntry::with_calls`]).
-struct Exclusive<'a>(Mutex<&'a mut dyn Sandbox>);
-
-impl SandboxHandle for Exclusive<'_> {
-    fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
-        lock(&self.0).exec(job, opts)
-    }
-
-    fn write_file(&self, guest_path: &str, contents: &[u8]) -> Result<(), TierError> {
-        lock(&self.0).write_file(guest_path, contents)
-    }
-
-    fn read_file(&self, guest_path: &str) -> Result<Vec<u8>, TierError> {
-        lock(&self.0).read_file(guest_path)
     }
 }
 
@@ -590,10 +557,10 @@ impl Registry {
     }
 
     /// The sandbox `id` if `owner` may use it (else not found: ids of other keys are not revealed).
-    pub fn get(&self, id: &str, owner: &str) -> Result<Arc<SandboxEntry>, ApiError> {
+    pub fn get(&self, id: &str, owner: &str) -> Result<Arc<SandboxEntry>, RegistryError> {
         match lock(&self.inner).sandboxes.get(id) {
             Some(entry) if entry.owner == owner => Ok(entry.clone()),
-            _ => Err(ApiError::sandbox_not_found(id)),
+            _ => Err(RegistryError::SandboxNotFound(id.to_owned())),
         }
     }
 
@@ -603,13 +570,13 @@ impl Registry {
     }
 
     /// Takes the sandbox `id` out of the registry (its place is free at once); the caller kills it.
-    pub fn remove(&self, id: &str, owner: &str) -> Result<Arc<SandboxEntry>, ApiError> {
+    pub fn remove(&self, id: &str, owner: &str) -> Result<Arc<SandboxEntry>, RegistryError> {
         let mut inner = lock(&self.inner);
         match inner.sandboxes.get(id) {
             Some(entry) if entry.owner == owner => {}
-            _ => return Err(ApiError::sandbox_not_found(id)),
+            _ => return Err(RegistryError::SandboxNotFound(id.to_owned())),
         }
-        inner.remove_entry(id).ok_or_else(|| ApiError::sandbox_not_found(id))
+        inner.remove_entry(id).ok_or_else(|| RegistryError::SandboxNotFound(id.to_owned()))
     }
 
     /// The sandboxes of `owner` (every sandbox when `None`), oldest first.
@@ -664,10 +631,10 @@ impl Registry {
     }
 
     /// The snapshot `id` if `owner` may use it.
-    pub fn snapshot(&self, id: &str, owner: &str) -> Result<Arc<SnapshotEntry>, ApiError> {
+    pub fn snapshot(&self, id: &str, owner: &str) -> Result<Arc<SnapshotEntry>, RegistryError> {
         match lock(&self.inner).snapshots.get(id) {
             Some(entry) if entry.owner == owner => Ok(entry.clone()),
-            _ => Err(ApiError::snapshot_not_found(id)),
+            _ => Err(RegistryError::SnapshotNotFound(id.to_owned())),
         }
     }
 
@@ -679,13 +646,13 @@ impl Registry {
     }
 
     /// Takes the snapshot `id` out of the registry; the caller removes its directory.
-    pub fn remove_snapshot(&self, id: &str, owner: &str) -> Result<Arc<SnapshotEntry>, ApiError> {
+    pub fn remove_snapshot(&self, id: &str, owner: &str) -> Result<Arc<SnapshotEntry>, RegistryError> {
         let mut inner = lock(&self.inner);
         match inner.snapshots.get(id) {
             Some(entry) if entry.owner == owner => {}
-            _ => return Err(ApiError::snapshot_not_found(id)),
+            _ => return Err(RegistryError::SnapshotNotFound(id.to_owned())),
         }
-        inner.snapshots.remove(id).ok_or_else(|| ApiError::snapshot_not_found(id))
+        inner.snapshots.remove(id).ok_or_else(|| RegistryError::SnapshotNotFound(id.to_owned()))
     }
 }
 
@@ -770,7 +737,6 @@ mod tests {
         assert_eq!(err.reason(), "host_memory");
         let err = registry.reserve(&a, 1, &limits(1, 3)).expect_err("wider than the host");
         assert_eq!(err, AdmissionError::HostCpu { vcpus: 3, count: 1, cpus: 2, slots: 2 });
-        assert_eq!(ApiError::from(err).code, "server_at_capacity");
 
         let mut both = registry.reserve(&a, 1, &limits(1, 2)).expect("one slot on each CPU");
         let wide = both.commit(entry("sb_wide", "a", limits(1, 2)));

@@ -1,7 +1,7 @@
 //! `GET /v1/sandboxes/{id}/exec/ws`: a job streamed over a WebSocket.
 //!
 //! Protocol:
-//! 1. The client's first message is the job, as JSON ([`crate::api::JobRequest`]).
+//! 1. The client's first message is the job, as JSON ([`crate::service::JobRequest`]).
 //! 2. With `"stdin_stream": true`, the next messages (binary or text) are the job's stdin, written into a pipe as
 //!    they come, up to an empty message (EOF, the pipe closed). On every tier the job reads each message as it
 //!    arrives, and its answers stream back meanwhile ([`strata_core::ExecOptions::stdin_stream`]). A job that stops
@@ -14,7 +14,6 @@
 //! server's body timeout, and a client that stops reading is gone once a write has waited for the write timeout
 //! ([`crate::connections`]).
 
-use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,12 +25,12 @@ use axum::routing::get;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::json;
-use strata_core::{CancelToken, ExecOptions, OutputSink, StdinStream, Stream};
+use strata_core::{CancelToken, ExecOptions, OutputSink, Stream};
 use tokio::sync::mpsc;
 
-use crate::api::{CancelOnDrop, JobRequest, blocking, limits, record_job};
 use crate::error::ApiError;
 use crate::registry::SandboxEntry;
+use crate::service::{CancelOnDrop, JobRequest, blocking, limits, record_job, stdin_writer};
 use crate::{AppState, Principal};
 
 /// The WebSocket route (behind authentication).
@@ -46,7 +45,7 @@ async fn exec_ws(
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     state.admit()?;
-    let entry = state.registry.get(&id, &principal.name)?;
+    let entry = crate::service::sandbox(&state, &principal, &id)?;
     let upgrade = upgrade.map_err(|r| ApiError::bad_request("websocket_required", r.body_text()))?;
     Ok(upgrade.on_upgrade(move |socket| session(state, entry, socket)).into_response())
 }
@@ -91,25 +90,6 @@ async fn next_data(socket: &mut WebSocket) -> Option<Message> {
         }
     }
 }
-
-/// A pipe for a job's stdin and a channel into its writer: a blocking thread that writes each chunk, closing the
-/// pipe when the channel closes or the job is gone (`EPIPE`).
-pub(crate) fn stdin_writer() -> Result<(StdinStream, mpsc::Sender<Vec<u8>>), ApiError> {
-    let (stream, mut pipe) =
-        StdinStream::pipe().map_err(|e| ApiError::internal(format!("cannot make the stdin pipe: {e}")))?;
-    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(STDIN_QUEUE);
-    tokio::task::spawn_blocking(move || {
-        while let Some(chunk) = rx.blocking_recv() {
-            if pipe.write_all(&chunk).is_err() {
-                break;
-            }
-        }
-    });
-    Ok((stream, tx))
-}
-
-/// Chunks of stdin queued for a job that is not reading them yet; past this, the client's messages wait.
-const STDIN_QUEUE: usize = 64;
 
 /// Gives a client's message to the job's stdin: an empty one closes it. Messages after that, or without
 /// `stdin_stream`, are ignored.

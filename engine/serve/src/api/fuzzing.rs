@@ -1,6 +1,8 @@
 //! The native API's request checks, for the fuzz targets (`fuzz/`): what a handler makes of a JSON body before it
 //! starts anything. Not an API.
 
+use strata_core::Job;
+
 use super::*;
 
 /// What a body asks for, once checked.

@@ -1,7 +1,16 @@
 //! The E2B layer's request parsers, for the fuzz targets (`fuzz/`): what a handler makes of a client's bytes
 //! before it touches a sandbox. Not an API.
 
-use super::*;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde_json::Value;
+
+use super::E2bError;
+use super::connect::parse_envelope;
+use super::control::{CreateRequest, TimeoutRequest};
+use super::fs::{MoveRequest, PathRequest};
+use super::interpreter::ExecuteRequest;
+use super::process::{StartRequest, command_argv, selected_pid};
 
 /// A Connect-RPC request body: one envelope, its JSON message.
 pub fn connect_envelope(body: &[u8]) -> Result<Value, String> {
@@ -9,20 +18,19 @@ pub fn connect_envelope(body: &[u8]) -> Result<Value, String> {
 }
 
 /// `process.Process/Start`'s message as the handler reads it: the argv it runs and whether stdin stays open.
-pub fn process_start(message: Value) -> Result<(Vec<String>, bool), ApiError> {
-    let request = serde_json::from_value::<StartRequest>(message)
-        .map_err(|e| ApiError::bad_request("invalid_argument", e.to_string()))?;
+pub fn process_start(message: Value) -> Result<(Vec<String>, bool), E2bError> {
+    let request =
+        serde_json::from_value::<StartRequest>(message).map_err(|e| E2bError::invalid_argument(e.to_string()))?;
     let stdin = request.stdin;
     command_argv(request.process).map(|argv| (argv, stdin))
 }
 
 /// The pid a unary `process.Process/*` message names, and `SendInput`'s bytes when it carries any.
-pub fn process_unary(body: &[u8]) -> Result<(u32, Option<Vec<u8>>), ApiError> {
-    let request: Value = serde_json::from_slice(body).map_err(|e| invalid_argument(e.to_string()))?;
-    let pid = request["process"]["pid"].as_u64().and_then(|p| u32::try_from(p).ok());
-    let pid = pid.ok_or_else(|| invalid_argument("process.pid is required"))?;
+pub fn process_unary(body: &[u8]) -> Result<(u32, Option<Vec<u8>>), E2bError> {
+    let request: Value = serde_json::from_slice(body).map_err(|e| E2bError::invalid_argument(e.to_string()))?;
+    let pid = selected_pid(&request)?;
     let input = match request["input"]["stdin"].as_str() {
-        Some(text) => Some(BASE64.decode(text).map_err(|e| invalid_argument(format!("input.stdin: {e}")))?),
+        Some(text) => Some(BASE64.decode(text).map_err(|e| E2bError::invalid_argument(format!("input.stdin: {e}")))?),
         None => None,
     };
     Ok((pid, input))
@@ -37,9 +45,24 @@ pub fn control_bodies(body: &[u8]) -> [bool; 3] {
     ]
 }
 
-/// The filesystem call `call` (`stat`, `list`, `mkdir`, `move`, `remove`) as the argv of the sandbox's program.
-pub fn filesystem_call(call: &str, body: &[u8]) -> Result<Vec<String>, ApiError> {
-    let request: Value =
-        serde_json::from_slice(body).map_err(|e| ApiError::bad_request("invalid_argument", e.to_string()))?;
-    crate::e2b_fs::fuzzing::operation(call, &request)
+/// The filesystem call `call` (`stat`, `list`, `mkdir`, `move`, `remove`) as its handler reads it: the call's name,
+/// then the guest paths it acts on (and a listing's depth).
+pub fn filesystem_call(call: &str, body: &[u8]) -> Result<Vec<String>, E2bError> {
+    let invalid = |e: serde_json::Error| E2bError::invalid_argument(e.to_string());
+    let mut read = vec![call.to_owned()];
+    match call {
+        "stat" | "mkdir" | "remove" | "list" => {
+            let request = serde_json::from_slice::<PathRequest>(body).map_err(invalid)?;
+            read.push(request.path()?.as_str().to_owned());
+            if call == "list" {
+                read.push(request.depth().to_string());
+            }
+        }
+        "move" => {
+            let (from, to) = serde_json::from_slice::<MoveRequest>(body).map_err(invalid)?.paths()?;
+            read.extend([from.as_str().to_owned(), to.as_str().to_owned()]);
+        }
+        other => return Err(E2bError::internal(format!("no filesystem call {other}"))),
+    }
+    Ok(read)
 }

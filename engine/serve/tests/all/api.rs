@@ -173,6 +173,8 @@ async fn process_sandbox_runs_commands_and_moves_files() {
     );
     let (status, json) = server.get(&format!("/v1/sandboxes/{id}/files/list?path=/nope")).await;
     assert_eq!((status, code(&json)), (404, "guest_path"), "{json}");
+    let (status, json) = server.get(&format!("/v1/sandboxes/{id}/files/list?path=tmp")).await;
+    assert_eq!((status, code(&json)), (400, "invalid_query"), "{json}");
 
     let (status, outcome) =
         server.post("/v1/run", json!({"tier": "process", "job": {"command": ["uname", "-s"]}})).await;
@@ -225,18 +227,18 @@ async fn snapshot_forks_are_independent_copies() {
         let (_, outcome) = server.post(&format!("/v1/sandboxes/{fork}/exec"), json!({"python": "print(x)"})).await;
         assert_eq!(outcome["stdout"], "5\n", "{outcome}");
     }
-    // Listing a wasm session's directory leaves its names alone.
+    // Listing a wasm session's directory (its private /tmp) is the tier's own method: nothing runs in the session,
+    // whose names stay as they were.
     let exec = format!("/v1/sandboxes/{id}/exec");
     let (_, _) = server.post(&exec, json!({"python": "open('/tmp/n.txt', 'w').write('abcd')"})).await;
     let (status, list) = server.get(&format!("/v1/sandboxes/{id}/files/list?path=/tmp")).await;
     assert_eq!(status, 200, "{list}");
-    assert!(
-        list["entries"].as_array().expect("entries").contains(&json!({"name": "n.txt", "type": "file", "size": 4}))
-    );
-    let (_, outcome) = server.post(&exec, json!({"python": "print(sorted(n for n in dir() if 'strata' in n))"})).await;
-    assert_eq!(outcome["stdout"], "[]\n", "{outcome}");
+    let entries = list["entries"].as_array().expect("entries");
+    assert!(entries.contains(&json!({"name": "n.txt", "type": "file", "size": 4})), "{list}");
     let (status, json) = server.get(&format!("/v1/sandboxes/{id}/files/list?path=/nope")).await;
     assert_eq!((status, code(&json)), (404, "guest_path"), "{json}");
+    let (_, outcome) = server.post(&exec, json!({"python": "print(sorted(n for n in dir() if 'strata' in n))"})).await;
+    assert_eq!(outcome["stdout"], "[]\n", "{outcome}");
 
     assert_eq!(server.delete(&format!("/v1/snapshots/{snap_id}")).await, 204);
     assert_eq!(server.delete(&format!("/v1/snapshots/{snap_id}")).await, 404);

@@ -1,6 +1,7 @@
 //! The E2B-compatible layer: its protocol spoken by hand, and the official Python SDK run unmodified.
 
-use std::path::PathBuf;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::{Value, json};
@@ -38,7 +39,7 @@ async fn e2b_protocol_by_hand() {
     let client = &server.client;
     let response = client
         .post(server.url("/v2/sandboxes"))
-        .header("X-API-KEY", "e2b_0000000000000000000000000000000000000000")
+        .header("X-API-KEY", SDK_KEY)
         .json(&json!({"templateID": "base", "metadata": {"who": "test"}, "envVars": {"GREETING": "hello"}}))
         .send()
         .await
@@ -132,9 +133,10 @@ async fn e2b_protocol_by_hand() {
     assert_eq!(status, 204);
     let (status, body) = server.post("/sandboxes/sb_gone/timeout", json!({"timeout": 60})).await;
     assert_eq!((status, &body["code"]), (404, &json!(404)), "{body}");
-    // A WatchDir stream's watcher is a job of the sandbox, and a client that goes away stops it.
+    // A WatchDir stream's watcher is the sandbox's own watch (no job runs for it): it sees a file that lives for a
+    // few milliseconds, and a client that goes away stops it.
     let entry = server.state.registry.get_any(&id).expect("entry");
-    let payload = json!({"path": "/home/user"}).to_string().into_bytes();
+    let payload = json!({"path": "/tmp"}).to_string().into_bytes();
     let mut body = vec![0];
     body.extend_from_slice(&(payload.len() as u32).to_be_bytes());
     body.extend_from_slice(&payload);
@@ -147,13 +149,69 @@ async fn e2b_protocol_by_hand() {
     assert_eq!(response.status().as_u16(), 200);
     let first = response.chunk().await.expect("chunk").expect("a start frame");
     assert_eq!(envelopes(&first)[0].1, json!({"start": {}}));
-    assert_eq!(entry.jobs_running(), 1);
+    assert_eq!((entry.jobs_running(), server.state.e2b.watchers_running(&id)), (0, 1));
+    let brief = envd(reqwest::Method::POST, "/process.Process/Start")
+        .header("content-type", "application/connect+json")
+        .body(start_request("echo x > /tmp/brief; rm /tmp/brief"))
+        .send()
+        .await
+        .expect("start");
+    assert_eq!(brief.status().as_u16(), 200);
+    brief.bytes().await.expect("the command ends");
+    let mut seen = Vec::new();
+    let mut pending = Vec::new();
+    let wanted =
+        [json!({"name": "brief", "type": "EVENT_TYPE_CREATE"}), json!({"name": "brief", "type": "EVENT_TYPE_REMOVE"})];
+    while !wanted.iter().all(|event| seen.contains(event)) {
+        let chunk = tokio::time::timeout(std::time::Duration::from_secs(20), response.chunk()).await;
+        let chunk = chunk.expect("events in time").expect("chunk").expect("the stream goes on");
+        pending.extend_from_slice(&chunk);
+        while pending.len() >= 5 {
+            let len = u32::from_be_bytes([pending[1], pending[2], pending[3], pending[4]]) as usize;
+            if pending.len() < 5 + len {
+                break;
+            }
+            let frame: Vec<u8> = pending.drain(..5 + len).collect();
+            seen.extend(envelopes(&frame).into_iter().filter_map(|(_, m)| m.get("filesystem").cloned()));
+        }
+    }
     drop(response);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while entry.jobs_running() != 0 {
+    while server.state.e2b.watchers_running(&id) != 0 {
         assert!(std::time::Instant::now() < deadline, "the watcher outlived its client");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+    // Watchers past the sandbox's bound are refused as a limit, and removing one makes room.
+    let mut watchers = Vec::new();
+    let refused = loop {
+        let response = envd(reqwest::Method::POST, "/filesystem.Filesystem/CreateWatcher")
+            .json(&json!({"path": "/tmp"}))
+            .send()
+            .await
+            .expect("create watcher");
+        let (status, body): (u16, Value) = (response.status().as_u16(), response.json().await.expect("json"));
+        if status != 200 {
+            break (status, body);
+        }
+        watchers.push(body["watcherId"].as_str().expect("watcherId").to_owned());
+        assert!(watchers.len() <= 64, "no bound on watchers");
+    };
+    assert_eq!((refused.0, &refused.1["code"]), (429, &json!("resource_exhausted")), "{refused:?}");
+    assert!(!watchers.is_empty());
+    for watcher in &watchers {
+        let response = envd(reqwest::Method::POST, "/filesystem.Filesystem/RemoveWatcher")
+            .json(&json!({"watcherId": watcher}))
+            .send()
+            .await
+            .expect("remove watcher");
+        assert_eq!(response.status().as_u16(), 200);
+    }
+    let response = envd(reqwest::Method::POST, "/filesystem.Filesystem/GetWatcherEvents")
+        .json(&json!({"watcherId": watchers[0]}))
+        .send()
+        .await
+        .expect("events");
+    assert_eq!(response.status().as_u16(), 404, "a removed watcher is gone");
     // Killing the sandbox stops a cell that would run forever.
     let looping = envd(reqwest::Method::POST, "/execute")
         .header("E2b-Sandbox-Port", "49999")
@@ -248,6 +306,20 @@ wait_for(("w.txt", "CREATE"))
 sbx.commands.run("mkdir -p /home/user/sub && echo x > /home/user/sub/n.txt && rm /home/user/w.txt")
 wait_for(("sub", "CREATE"), ("sub/n.txt", "CREATE"), ("w.txt", "REMOVE"))
 w.stop()
+# A file that lives for less than 10 ms is seen created and removed (the watch is the tier's, not a poll).
+sbx.files.make_dir("/tmp/w")
+w = sbx.files.watch_dir("/tmp/w")
+seen = set()
+for attempt in range(5):
+    took = sbx.commands.run(
+        f"sh -c 'a=$(date +%s%N); echo x > /tmp/w/f{attempt}; rm /tmp/w/f{attempt}; b=$(date +%s%N); echo $((b - a))'"
+    )
+    if int(took.stdout) < 10_000_000:
+        break
+else:
+    raise SystemExit(f"no run made and removed a file within 10 ms (the last took {took.stdout.strip()} ns)")
+wait_for((f"f{attempt}", "CREATE"), (f"f{attempt}", "REMOVE"))
+w.stop()
 # The async SDK's watcher is a stream of events, ended by stop().
 import asyncio
 from e2b import AsyncSandbox
@@ -327,19 +399,258 @@ async fn e2b_sdk_runs_unmodified() {
     let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") else { return };
     let server = TestServer::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let output = tokio::process::Command::new(python)
-        .arg("-c")
-        .arg(SDK_SCRIPT)
-        .current_dir(dir.path())
-        .env("E2B_API_KEY", "e2b_0000000000000000000000000000000000000000")
+    run_sdk_script(&server, &python, &["-c".as_ref(), SDK_SCRIPT.as_ref()], dir.path(), "SDK OK").await;
+    server.stop().await;
+}
+
+/// The API key the SDK scripts use (E2B's format: `e2b_` and hex).
+const SDK_KEY: &str = "e2b_0000000000000000000000000000000000000000";
+
+/// A server whose only key is [`SDK_KEY`], so that a wrong key is refused.
+async fn keyed_server() -> TestServer {
+    TestServer::with(|config| config.keys = Some(strata_serve::KeyStore::from_keys([("sdk", SDK_KEY, None)]))).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_errors_have_e2b_shapes() {
+    let server = keyed_server().await;
+    let client = &server.client;
+    let call =
+        |method: reqwest::Method, path: &str| client.request(method, server.url(path)).header("X-API-KEY", SDK_KEY);
+    let answer = |request: reqwest::RequestBuilder| async move {
+        let response = request.send().await.expect("request");
+        let status = response.status().as_u16();
+        let text = response.text().await.expect("body");
+        (status, text)
+    };
+    let json = |text: &str| -> Value { serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}")) };
+    // REST: {"code": <status>, "message": …}, for a missing sandbox, a bad body, a wrong key, an unknown path or method.
+    for (request, status) in [
+        (call(reqwest::Method::GET, "/sandboxes/sb_nope"), 404),
+        (call(reqwest::Method::POST, "/v2/sandboxes/sb_nope/connect").json(&json!({"timeout": 10})), 404),
+        (call(reqwest::Method::POST, "/v2/sandboxes").body("{not json"), 400),
+        (call(reqwest::Method::POST, "/sandboxes/sb_nope/timeout").body("[]"), 400),
+        (client.post(server.url("/v2/sandboxes")).header("X-API-KEY", "e2b_1111").json(&json!({})), 401),
+        (call(reqwest::Method::POST, "/sandboxes/sb_nope/pause"), 501),
+        (call(reqwest::Method::GET, "/sandboxes/sb_nope/metrics"), 501),
+        (call(reqwest::Method::PUT, "/v2/sandboxes"), 405),
+        (client.get(server.url("/files?path=%2Ftmp%2Fa")).header("E2b-Sandbox-Id", "sb_nope"), 502),
+        (client.get(server.url("/health")).header("E2b-Sandbox-Id", "sb_nope"), 502),
+        (client.post(server.url("/execute")).header("E2b-Sandbox-Id", "sb_nope").body("{}"), 502),
+    ] {
+        let (got, text) = answer(request).await;
+        let body = json(&text);
+        assert_eq!((got, &body["code"]), (status, &json!(status)), "{text}");
+        assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()), "{text}");
+    }
+    // Connect unary: {"code": "<name>", "message": …} with the code's status.
+    let envd = |path: &str| client.post(server.url(path)).header("E2b-Sandbox-Id", "sb_nope");
+    for (request, status, code) in [
+        (envd("/process.Process/List").json(&json!({})), 503, "unavailable"),
+        (envd("/filesystem.Filesystem/Stat").json(&json!({"path": "/"})), 503, "unavailable"),
+        (envd("/process.Process/Nope").json(&json!({})), 501, "unimplemented"),
+        (client.get(server.url("/process.Process/List")), 501, "unimplemented"),
+        (client.post(server.url("/process.Process/List")).json(&json!({})), 400, "invalid_argument"),
+    ] {
+        let (got, text) = answer(request).await;
+        let body = json(&text);
+        assert_eq!((got, body["code"].as_str()), (status, Some(code)), "{text}");
+        assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()), "{text}");
+    }
+    // A Connect stream: 200, then one end-of-stream envelope carrying the error.
+    let response = envd("/process.Process/Start")
+        .header("content-type", "application/connect+json")
+        .body(start_request("true"))
+        .send()
+        .await
+        .expect("start");
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.headers()["content-type"], "application/connect+json");
+    let frames = envelopes(&response.bytes().await.expect("body"));
+    assert_eq!(frames.len(), 1, "{frames:?}");
+    assert_eq!((frames[0].0, &frames[0].1["error"]["code"]), (2, &json!("unavailable")), "{frames:?}");
+    // Strata's own routes keep their shape.
+    let (status, text) = answer(client.get(server.url("/v1/nope"))).await;
+    assert_eq!((status, &json(&text)["error"]["code"]), (404, &json!("not_found")), "{text}");
+    let (status, text) = answer(client.get(server.url("/v1/sandboxes")).header("X-API-KEY", "wrong")).await;
+    assert_eq!((status, &json(&text)["error"]["code"]), (401, &json!("unauthorized")), "{text}");
+    server.stop().await;
+}
+
+/// What the SDKs raise, in Python: their own exception types for every failure the script provokes.
+const SDK_ERRORS_SCRIPT: &str = r#"
+from e2b import Sandbox, AuthenticationException, FileNotFoundException, SandboxException
+from e2b.exceptions import SandboxNotFoundException, SandboxNotRunningException
+
+def expect(kind, what, call):
+    try:
+        call()
+    except kind:
+        return
+    except Exception as e:
+        raise SystemExit(f"{what}: {type(e).__module__}.{type(e).__name__}: {e}, not {kind.__name__}")
+    raise SystemExit(f"{what}: no {kind.__name__}")
+
+expect(SandboxNotFoundException, "connect to an unknown sandbox", lambda: Sandbox.connect("sb_nope"))
+expect(AuthenticationException, "a bad API key", lambda: Sandbox.create(api_key="e2b_" + "1" * 40))
+sbx = Sandbox.create()
+expect(FileNotFoundException, "read a missing file", lambda: sbx.files.read("/tmp/missing"))
+expect(SandboxException, "pause (not implemented)", lambda: sbx.pause())
+expect(SandboxException, "metrics (not implemented)", lambda: sbx.get_metrics())
+assert sbx.kill() is True
+expect(SandboxNotRunningException, "run in a killed sandbox", lambda: sbx.commands.run("true"))
+expect(SandboxNotRunningException, "read in a killed sandbox", lambda: sbx.files.read("/tmp/a"))
+expect(SandboxNotRunningException, "list in a killed sandbox", lambda: sbx.files.list("/"))
+print("ERRORS OK")
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_python_sdk_raises_its_own_errors() {
+    if !process_tier("e2b_python_sdk_raises_its_own_errors") {
+        return;
+    }
+    let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") else { return };
+    let server = keyed_server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    run_sdk_script(&server, &python, &["-c".as_ref(), SDK_ERRORS_SCRIPT.as_ref()], dir.path(), "ERRORS OK").await;
+    server.stop().await;
+}
+
+/// Runs `program ARGS…` in `dir` with the SDK's environment pointed at `server` (its control plane and envd): it
+/// must succeed, print `done`, and leave no sandbox behind.
+async fn run_sdk_script(server: &TestServer, program: &Path, args: &[&OsStr], dir: &Path, done: &str) {
+    let output = tokio::process::Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .env("E2B_API_KEY", SDK_KEY)
         .env("E2B_API_URL", &server.base)
         .env("E2B_SANDBOX_URL", &server.base)
+        .kill_on_drop(true)
         .output()
         .await
-        .expect("python runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success() && stdout.contains("SDK OK"), "stdout: {stdout}\nstderr: {stderr}");
+        .unwrap_or_else(|e| panic!("{} runs: {e}", program.display()));
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success() && stdout.contains(done), "stdout: {stdout}\nstderr: {stderr}");
     assert!(server.state.registry.list(None).is_empty(), "the SDK killed its sandboxes");
+}
+
+/// The pinned E2B JavaScript SDK under `$STRATA_HOME/e2b-js-2.51.0`, installed once with npm; `None` (with a line
+/// saying why) when it cannot be installed here.
+fn sdk_js() -> Option<PathBuf> {
+    let dir = strata_engine::strata_home()?.join("e2b-js-2.51.0");
+    if !Command::new("node").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipping e2b_js_sdk_raises_its_own_errors: no node here");
+        return None;
+    }
+    let ready = dir.join(".installed");
+    if ready.exists() {
+        return Some(dir);
+    }
+    let installed = std::fs::create_dir_all(&dir).is_ok()
+        && Command::new("npm")
+            .args(["install", "--no-audit", "--no-fund", "--silent", "e2b@2.51.0"])
+            .current_dir(&dir)
+            .status()
+            .is_ok_and(|s| s.success());
+    if !installed {
+        eprintln!(
+            "skipping e2b_js_sdk_raises_its_own_errors: cannot install e2b@2.51.0 with npm into {}",
+            dir.display()
+        );
+        return None;
+    }
+    let _ = std::fs::write(&ready, b"");
+    Some(dir)
+}
+
+/// What the SDKs raise, in JavaScript: a command and files to see the SDK works, then every failure.
+const JS_SDK_SCRIPT: &str = r#"
+import {
+  Sandbox, AuthenticationError, FileNotFoundError, SandboxError, SandboxNotFoundError, TimeoutError,
+} from 'e2b'
+
+async function expect(kind, what, call) {
+  try {
+    await call()
+  } catch (e) {
+    if (e instanceof kind) return
+    console.error(`${what}: ${e?.constructor?.name}: ${e?.message}, not ${kind.name}`)
+    process.exit(1)
+  }
+  console.error(`${what}: no ${kind.name}`)
+  process.exit(1)
+}
+
+await expect(SandboxNotFoundError, 'connect to an unknown sandbox', () => Sandbox.connect('sb_nope'))
+await expect(AuthenticationError, 'a bad API key', () => Sandbox.create({ apiKey: 'e2b_' + '1'.repeat(40) }))
+const sbx = await Sandbox.create()
+const run = await sbx.commands.run('echo hi')
+if (run.stdout !== 'hi\n' || run.exitCode !== 0) throw new Error(`run: ${JSON.stringify(run)}`)
+await sbx.files.write('/tmp/a.txt', 'x')
+if ((await sbx.files.read('/tmp/a.txt')) !== 'x') throw new Error('read back')
+await expect(FileNotFoundError, 'read a missing file', () => sbx.files.read('/tmp/missing'))
+await expect(FileNotFoundError, 'stat a missing file', () => sbx.files.getInfo('/tmp/missing'))
+await expect(SandboxError, 'pause (not implemented)', () => sbx.pause())
+await expect(SandboxError, 'metrics (not implemented)', () => sbx.getMetrics())
+await sbx.kill()
+await expect(SandboxNotFoundError, 'run in a killed sandbox', () => sbx.commands.run('true'))
+await expect(TimeoutError, 'read in a killed sandbox', () => sbx.files.read('/tmp/a.txt'))
+await expect(TimeoutError, 'list in a killed sandbox', () => sbx.files.list('/'))
+console.log('JS OK')
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_js_sdk_raises_its_own_errors() {
+    if !process_tier("e2b_js_sdk_raises_its_own_errors") {
+        return;
+    }
+    let Some(dir) = tokio::task::spawn_blocking(sdk_js).await.expect("setup") else { return };
+    let script = dir.join("errors.mjs");
+    std::fs::write(&script, JS_SDK_SCRIPT).expect("script");
+    let server = keyed_server().await;
+    run_sdk_script(&server, "node".as_ref(), &[script.as_os_str()], &dir, "JS OK").await;
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_state_goes_with_its_sandbox() {
+    if !process_tier("e2b_state_goes_with_its_sandbox") {
+        return;
+    }
+    let server = TestServer::start().await;
+    let (status, created) = server.post("/v2/sandboxes", json!({"templateID": "base"})).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
+    let homes = server.state.snapshot_dir.join("e2b");
+    let count = || std::fs::read_dir(&homes).map(|dir| dir.count()).unwrap_or(0);
+    assert_eq!(count(), 1, "the sandbox's home directory");
+    // Killed by the native API, not the E2B one: the E2B layer's state of it goes all the same.
+    assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 204);
+    assert_eq!(count(), 0, "the home directory outlived its sandbox");
+    let (status, body) = server.get(&format!("/sandboxes/{id}")).await;
+    assert_eq!((status, &body["code"]), (404, &json!(404)), "{body}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_bodies_over_the_limit_are_refused_in_e2b_shapes() {
+    let server = TestServer::with(|config| config.connections.max_body = 1024).await;
+    let big = vec![b' '; 4096];
+    let send = |path: &str, content_type: &str| {
+        let request = server.client.post(server.url(path)).header("content-type", content_type.to_owned());
+        request.header("E2b-Sandbox-Id", "sb_nope").body(big.clone()).send()
+    };
+    let response = send("/v2/sandboxes", "application/json").await.expect("create");
+    assert_eq!(response.status().as_u16(), 413);
+    assert_eq!(response.json::<Value>().await.expect("json")["code"], 413);
+    let response = send("/process.Process/List", "application/json").await.expect("list");
+    assert_eq!(response.status().as_u16(), 429);
+    assert_eq!(response.json::<Value>().await.expect("json")["code"], "resource_exhausted");
+    let response = send("/process.Process/Start", "application/connect+json").await.expect("start");
+    assert_eq!(response.status().as_u16(), 200);
+    let frames = envelopes(&response.bytes().await.expect("body"));
+    assert_eq!((frames[0].0, &frames[0].1["error"]["code"]), (2, &json!("resource_exhausted")), "{frames:?}");
+    let response = send("/v1/sandboxes", "application/json").await.expect("native");
+    assert_eq!(response.json::<Value>().await.expect("json")["error"]["code"], "body_too_large");
     server.stop().await;
 }

@@ -1,0 +1,118 @@
+//! Connect-RPC as envd speaks it (JSON only): the 5-byte envelope (flags, big-endian length, message) of streams,
+//! an extractor for a call's request message, and the extractor of the sandbox an envd call is for.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::header;
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::{E2bError, E2bMeta};
+use crate::AppState;
+use crate::error::ApiError;
+use crate::registry::SandboxEntry;
+
+/// The envelope flag of a stream's last message.
+pub const END_STREAM: u8 = 2;
+
+/// One Connect envelope: flags, big-endian length, JSON.
+pub fn envelope(flags: u8, body: &Value) -> Bytes {
+    let payload = body.to_string().into_bytes();
+    let mut frame = Vec::with_capacity(payload.len() + 5);
+    frame.push(flags);
+    frame.extend_from_slice(&u32::try_from(payload.len()).unwrap_or(u32::MAX).to_be_bytes());
+    frame.extend_from_slice(&payload);
+    Bytes::from(frame)
+}
+
+/// The JSON message of a request made of one uncompressed envelope.
+pub fn parse_envelope(body: &[u8]) -> Result<Value, String> {
+    let Some((&[flags, a, b, c, d], rest)) = body.split_first_chunk::<5>() else {
+        return Err("the request is shorter than a Connect envelope".to_owned());
+    };
+    if flags & 1 != 0 {
+        return Err("compressed envelopes are not supported".to_owned());
+    }
+    let len = usize::try_from(u32::from_be_bytes([a, b, c, d])).map_err(|e| e.to_string())?;
+    let payload = rest.get(..len).ok_or("the envelope is longer than the request")?;
+    serde_json::from_slice(payload).map_err(|e| format!("invalid message: {e}"))
+}
+
+/// A Connect call's request message: the JSON body of a unary call, or the one envelope of a server-streaming
+/// call's request (sent as `application/connect+json`). A message that does not parse is `invalid_argument`.
+#[derive(Debug)]
+pub struct ConnectRequest<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ConnectRequest<T> {
+    type Rejection = E2bError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, E2bError> {
+        let streamed = request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/connect+"));
+        let body = Bytes::from_request(request, state).await.map_err(ApiError::from)?;
+        let message = if streamed {
+            parse_envelope(&body).map_err(E2bError::invalid_argument)?
+        } else {
+            serde_json::from_slice(&body).map_err(|e| E2bError::invalid_argument(format!("invalid message: {e}")))?
+        };
+        serde_json::from_value(message).map(ConnectRequest).map_err(|e| E2bError::invalid_argument(e.to_string()))
+    }
+}
+
+/// The sandbox an envd call is for, and the E2B layer's state of it: named by its `E2b-Sandbox-Id` header,
+/// authorised by its `X-Access-Token`.
+#[derive(Debug)]
+pub struct EnvdSandbox(pub Arc<SandboxEntry>, pub Arc<E2bMeta>);
+
+impl FromRequestParts<Arc<AppState>> for EnvdSandbox {
+    type Rejection = E2bError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &Arc<AppState>) -> Result<Self, E2bError> {
+        let (entry, meta) = envd_sandbox(state, &parts.headers)?;
+        Ok(EnvdSandbox(entry, meta))
+    }
+}
+
+/// The sandbox an envd request is for, by `E2b-Sandbox-Id`, checked against its access token. One this server does
+/// not hold is [`E2bError::sandbox_gone`], as E2B's proxy answers.
+pub fn envd_sandbox(
+    state: &AppState,
+    headers: &axum::http::HeaderMap,
+) -> Result<(Arc<SandboxEntry>, Arc<E2bMeta>), E2bError> {
+    let id = headers
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| E2bError::invalid_argument("envd calls need the E2b-Sandbox-Id header"))?;
+    let entry = state.registry.get_any(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
+    let meta = state.e2b.sandbox(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
+    let token = headers.get("x-access-token").and_then(|v| v.to_str().ok());
+    if token != Some(meta.access_token.as_str()) {
+        return Err(E2bError::new(
+            super::ConnectCode::Unauthenticated,
+            "missing or wrong X-Access-Token for this sandbox",
+        ));
+    }
+    Ok((entry, meta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelopes_round_trip_and_bad_ones_are_refused() {
+        let frame = envelope(0, &serde_json::json!({"process": {"cmd": "/bin/bash"}}));
+        assert_eq!(parse_envelope(&frame), Ok(serde_json::json!({"process": {"cmd": "/bin/bash"}})));
+        assert!(parse_envelope(&frame[..3]).is_err());
+        assert!(parse_envelope(&frame[..frame.len() - 1]).is_err());
+        let mut compressed = frame.to_vec();
+        compressed[0] = 1;
+        assert!(parse_envelope(&compressed).is_err());
+    }
+}

@@ -1,0 +1,218 @@
+//! E2B's control plane (behind API-key authentication): create, list, get, kill, time out, connect to and keep alive
+//! E2B sandboxes, answered as E2B's API does.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use strata_core::{Capabilities, EnvVar, Grant, GrantMode, TierKind};
+use strata_engine::TierChoice;
+
+use super::{E2bError, E2bMeta, ENVD_VERSION, HOME};
+use crate::error::ApiError;
+use crate::registry::{SandboxEntry, new_id};
+use crate::service::start_sandbox;
+use crate::{AppState, Principal};
+
+/// RFC 3339 UTC time, as E2B's API prints it.
+pub(super) fn rfc3339(time: SystemTime) -> String {
+    strata_image_util::rfc3339_micros(time)
+}
+
+/// `POST /sandboxes`, `POST /v2/sandboxes`: the body the SDK sends (unknown fields are ignored: SDK versions add
+/// options this server does not have).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct CreateRequest {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<u64>,
+    #[serde(default)]
+    metadata: Option<Value>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+}
+
+fn sandbox_json(entry: &SandboxEntry, meta: &E2bMeta) -> Value {
+    json!({
+        "templateID": meta.template,
+        "sandboxID": entry.id,
+        "alias": meta.template,
+        "clientID": "strata",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": meta.access_token,
+    })
+}
+
+fn listed_json(entry: &SandboxEntry, meta: &E2bMeta) -> Value {
+    let end = UNIX_EPOCH + Duration::from_secs(entry.expires_at());
+    json!({
+        "templateID": meta.template,
+        "alias": meta.template,
+        "sandboxID": entry.id,
+        "clientID": "strata",
+        "startedAt": rfc3339(entry.created),
+        "endAt": rfc3339(end),
+        "cpuCount": entry.limits.vcpus,
+        "memoryMB": entry.limits.memory.0 >> 20,
+        "diskSizeMB": entry.limits.disk.0 >> 20,
+        "metadata": meta.metadata,
+        "state": "running",
+        "envdVersion": ENVD_VERSION,
+    })
+}
+
+/// The sandbox `id` of `principal` if it is an E2B sandbox.
+fn e2b_sandbox(
+    state: &AppState,
+    id: &str,
+    principal: &Principal,
+) -> Result<(Arc<SandboxEntry>, Arc<E2bMeta>), E2bError> {
+    let entry = crate::service::sandbox(state, principal, id)?;
+    let meta = state.e2b.sandbox(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
+    Ok((entry, meta))
+}
+
+pub(super) async fn create(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    body: Bytes,
+) -> Result<Response, E2bError> {
+    let req: CreateRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request("invalid_json", format!("invalid sandbox request: {e}")))?;
+    let env = req
+        .env_vars
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(name, value)| {
+            if name.is_empty() || name.contains(['=', '\0']) || value.contains('\0') {
+                return Err(ApiError::bad_request("invalid_capability", format!("invalid envVars name {name:?}")));
+            }
+            Ok(EnvVar { name, value })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let ttl = crate::service::ttl(&state, req.timeout)?;
+    // /home/user is a host directory shared with the code interpreter's wasm session.
+    let home = state.snapshot_dir.join("e2b").join(new_id("home_"));
+    std::fs::create_dir_all(&home).map_err(|e| ApiError::internal(format!("cannot create {}: {e}", home.display())))?;
+    let grant = Grant::new(&home, HOME, GrantMode::Rw).map_err(|e| ApiError::internal(e.to_string()))?;
+    let caps = Capabilities {
+        env: env.clone(),
+        grants: vec![grant],
+        net: state.policy.network.net_with(&strata_core::Allowlist::default()),
+        ..Capabilities::default()
+    };
+    let meta = E2bMeta::new(
+        req.template_id.unwrap_or_else(|| "base".to_owned()),
+        new_id("tok_") + &new_id(""),
+        req.metadata.unwrap_or_else(|| json!({})),
+        home.clone(),
+        env,
+    );
+    let limits = state.engine.default_limits().clone();
+    let choice = TierChoice::Tier(TierKind::Process);
+    let entry = match start_sandbox(&state, &principal, choice, caps, limits, ttl).await {
+        Ok(entry) => entry,
+        Err(err) => {
+            let _ = std::fs::remove_dir_all(&home);
+            return Err(err.into());
+        }
+    };
+    let meta = state.e2b.adopt(&entry, meta);
+    Ok((StatusCode::CREATED, Json(sandbox_json(&entry, &meta))).into_response())
+}
+
+pub(super) async fn list(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+) -> Json<Value> {
+    let list = state
+        .registry
+        .list(Some(&principal.name))
+        .iter()
+        .filter_map(|entry| state.e2b.sandbox(&entry.id).map(|meta| listed_json(entry, &meta)))
+        .collect();
+    Json(Value::Array(list))
+}
+
+pub(super) async fn detail(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, E2bError> {
+    let (entry, meta) = e2b_sandbox(&state, &id, &principal)?;
+    let mut detail = listed_json(&entry, &meta);
+    detail["envdAccessToken"] = json!(meta.access_token);
+    Ok(Json(detail))
+}
+
+pub(super) async fn kill(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, E2bError> {
+    let (_, meta) = e2b_sandbox(&state, &id, &principal)?;
+    // Its commands and watchers stop first, so that killing it does not wait on them; the rest goes with it.
+    meta.stop_jobs();
+    crate::service::kill_sandbox(&state, &principal, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct TimeoutRequest {
+    timeout: u64,
+}
+
+pub(super) async fn set_timeout(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, E2bError> {
+    let req: TimeoutRequest =
+        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?;
+    let (entry, _) = e2b_sandbox(&state, &id, &principal)?;
+    entry.set_ttl(crate::service::ttl(&state, Some(req.timeout))?);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub(super) async fn connect(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, E2bError> {
+    let (entry, meta) = e2b_sandbox(&state, &id, &principal)?;
+    if let Ok(req) = serde_json::from_slice::<TimeoutRequest>(&body) {
+        entry.set_ttl(crate::service::ttl(&state, Some(req.timeout))?);
+    }
+    Ok(Json(sandbox_json(&entry, &meta)))
+}
+
+pub(super) async fn refresh(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, E2bError> {
+    e2b_sandbox(&state, &id, &principal)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_prints_utc_dates() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000000Z");
+        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)), "2000-02-29T00:00:00.000000Z");
+        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_millis(1_796_105_201_500)), "2026-12-01T06:06:41.500000Z");
+    }
+}

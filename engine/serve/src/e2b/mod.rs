@@ -1,0 +1,250 @@
+//! The E2B-compatible layer, over the same sandbox registry as the native API, so that the official E2B SDK works
+//! unmodified with `E2B_API_URL` and `E2B_SANDBOX_URL` both set to this server (`docs/DESIGN.md` §8).
+//!
+//! - Control plane (API key in `X-API-Key`): `POST /sandboxes` and `/v2/sandboxes` (201 with `templateID`,
+//!   `sandboxID`, `clientID`, `envdVersion`, `envdAccessToken`), `GET /sandboxes` and `/v2/sandboxes`,
+//!   `GET /sandboxes/{id}`, `DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/timeout`, `POST /sandboxes/{id}/connect` (and `/v2/…`),
+//!   `POST /sandboxes/{id}/refreshes` (`control`).
+//! - The in-sandbox agent ("envd"), routed by the `E2b-Sandbox-Id` header and authorised by the sandbox's
+//!   `X-Access-Token`: Connect-RPC (JSON, 5-byte envelopes, end-of-stream frame; [`connect`]) `process.Process/Start` (`process`) streaming the
+//!   start event, stdout/stderr data and the end event (a command outlives the client that started it);
+//!   `process.Process/Connect` streaming a running command's start event and its frames from then on;
+//!   `SendInput` and `CloseStdin` for a command started with `stdin: true` (its stdin is a pipe the job reads as the
+//!   input comes); `SendSignal` and `List`; `filesystem.Filesystem/{ListDir,Stat,MakeDir,Move,Remove}`
+//!   and `GET`/`POST /files` (multipart or octet-stream) (`fs`), `{CreateWatcher,GetWatcherEvents,RemoveWatcher,
+//!   WatchDir}` (`watch`), each the sandbox's own filesystem method; `GET /health`. Commands, file calls and
+//!   watchers run at the same time.
+//! - The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` (`interpreter`) streaming NDJSON, the cell run by the
+//!   value of its last expression as the main result. The router picks the cell's tier: cells wasm can run go to a
+//!   live wasm Python session of the sandbox (state carries over as in Jupyter); the others run with the sandbox's
+//!   own `python3`, carrying imports, definitions and picklable values to the next such cell. Both see the
+//!   sandbox's `/home/user` (a host directory granted to each).
+//!
+//! Every error under these routes, the router's own refusals included (an unknown path or method is
+//! `unimplemented`, 501), takes E2B's shape for the route's protocol ([`error`]), so that the SDKs raise their own
+//! exceptions; an envd call for a sandbox the server does not hold is answered as E2B's proxy does (502, "was not
+//! found"). An E2B sandbox runs `/bin/bash -l -c CMD`, so it lives on the process tier.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::{get, post};
+use serde_json::Value;
+use strata_core::{CancelToken, EnvVar};
+use tokio::sync::{broadcast, mpsc};
+
+use crate::AppState;
+use crate::registry::{SandboxEntry, lock};
+
+pub mod connect;
+mod control;
+pub mod error;
+mod fs;
+mod interpreter;
+mod process;
+mod watch;
+
+pub use error::{ConnectCode, E2bError};
+
+/// The envd version this server reports: new enough for octet-stream uploads and `stdin: false` (≥ 0.5.7).
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// What the E2B layer keeps about one of its sandboxes.
+pub struct E2bMeta {
+    /// The template the client asked for (`base`, `code-interpreter-v1`, …); every template is the same image.
+    pub template: String,
+    /// The token envd calls must carry in `X-Access-Token`.
+    pub access_token: String,
+    /// The client's metadata, returned as given.
+    pub metadata: Value,
+    /// Cells run by `/execute`.
+    pub executions: AtomicU64,
+    /// The host directory shared by the sandbox and its Python session at [`HOME`] (removed with the sandbox).
+    pub home: Option<PathBuf>,
+    /// The sandbox's environment, for its Python session.
+    pub env: Vec<EnvVar>,
+    /// The code interpreter's live wasm Python session, started by the first cell the router sends to wasm.
+    pub python: std::sync::Mutex<Option<Box<dyn strata_core::Sandbox>>>,
+    /// Cancels the cell running in the Python session, if any.
+    pub cell: std::sync::Mutex<Option<CancelToken>>,
+    /// Set when the sandbox is killed: no new cell starts.
+    pub closed: std::sync::atomic::AtomicBool,
+    /// Its commands started through `process.Process/Start` that have not ended, by pid.
+    commands: std::sync::Mutex<HashMap<u32, RunningCommand>>,
+    /// Its directory watchers (`watch`).
+    watchers: watch::Watchers,
+}
+
+impl std::fmt::Debug for E2bMeta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("E2bMeta")
+            .field("template", &self.template)
+            .field("home", &self.home)
+            .field("python", &self.python.try_lock().map(|p| p.is_some()).ok())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where an E2B sandbox's shared home directory is, in the sandbox and in its Python session.
+pub const HOME: &str = "/home/user";
+
+impl E2bMeta {
+    /// What the layer knows of a new sandbox: its template, token, metadata, home directory and environment.
+    fn new(template: String, access_token: String, metadata: Value, home: PathBuf, env: Vec<EnvVar>) -> E2bMeta {
+        E2bMeta {
+            template,
+            access_token,
+            metadata,
+            executions: AtomicU64::new(0),
+            home: Some(home),
+            env,
+            python: std::sync::Mutex::new(None),
+            cell: std::sync::Mutex::new(None),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            commands: std::sync::Mutex::default(),
+            watchers: watch::Watchers::default(),
+        }
+    }
+
+    /// Cancels every command and watcher still running in the sandbox.
+    fn stop_jobs(&self) {
+        for command in lock(&self.commands).values() {
+            command.cancel.cancel();
+        }
+        self.watchers.stop_all();
+    }
+
+    /// Stops its jobs, closes the Python session and removes the shared home directory (blocking; called when the
+    /// sandbox is killed).
+    pub fn close(&self) {
+        self.stop_jobs();
+        self.closed.store(true, Ordering::SeqCst);
+        if let Some(cell) = lock(&self.cell).as_ref() {
+            cell.cancel();
+        }
+        if let Some(session) = lock(&self.python).take() {
+            let _ = session.close();
+        }
+        if let Some(home) = &self.home
+            && let Err(err) = std::fs::remove_dir_all(home)
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %home.display(), error = %err, "removing an E2B home directory failed");
+        }
+    }
+}
+
+/// A command started through `process.Process/Start` that has not ended.
+#[derive(Debug)]
+struct RunningCommand {
+    cancel: CancelToken,
+    cmd: String,
+    args: Vec<String>,
+    /// Its stdin while open, when it was started with `stdin: true` (`SendInput` writes, `CloseStdin` closes).
+    stdin: Option<mpsc::Sender<Vec<u8>>>,
+    /// Its frames from now on, for `process.Process/Connect`.
+    events: broadcast::Sender<Bytes>,
+}
+
+/// The E2B layer's own state, by sandbox id: what it knows of each E2B sandbox ([`E2bMeta`]: its token, its
+/// running commands and watchers, its Python session). A sandbox's part goes when the sandbox is killed
+/// ([`SandboxEntry::on_kill`]).
+#[derive(Debug, Default)]
+pub struct E2bState {
+    sandboxes: std::sync::Mutex<HashMap<String, Arc<E2bMeta>>>,
+    next_pid: AtomicU32,
+}
+
+impl E2bState {
+    fn pid(&self) -> u32 {
+        // Small positive pids, as a shell would see them.
+        1000 + self.next_pid.fetch_add(1, Ordering::Relaxed) % 4_000_000
+    }
+
+    /// What the layer knows of sandbox `id`, if it is an E2B sandbox.
+    fn sandbox(&self, id: &str) -> Option<Arc<E2bMeta>> {
+        lock(&self.sandboxes).get(id).cloned()
+    }
+
+    /// How many directory watchers sandbox `id` runs (none when it is not an E2B sandbox).
+    pub fn watchers_running(&self, id: &str) -> usize {
+        self.sandbox(id).map_or(0, |meta| meta.watchers.len())
+    }
+
+    /// Makes `entry` an E2B sandbox, whose state here is dropped (and closed) when it is killed.
+    fn adopt(self: &Arc<Self>, entry: &SandboxEntry, meta: E2bMeta) -> Arc<E2bMeta> {
+        let meta = Arc::new(meta);
+        lock(&self.sandboxes).insert(entry.id.clone(), meta.clone());
+        let (state, id) = (Arc::downgrade(self), entry.id.clone());
+        entry.on_kill(move || {
+            if let Some(state) = state.upgrade() {
+                state.forget(&id);
+            }
+        });
+        meta
+    }
+
+    /// Drops sandbox `id`'s state: cancels its commands and watchers, closes its Python session and removes its
+    /// home directory (blocking).
+    fn forget(&self, id: &str) {
+        let meta = lock(&self.sandboxes).remove(id);
+        if let Some(meta) = meta {
+            meta.close();
+        }
+    }
+}
+
+/// The control-plane routes (behind API-key authentication).
+pub fn control_routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/sandboxes", post(control::create).get(control::list))
+        .route("/v2/sandboxes", post(control::create).get(control::list))
+        .route("/sandboxes/{id}", get(control::detail).delete(control::kill))
+        .route("/sandboxes/{id}/timeout", post(control::set_timeout))
+        .route("/sandboxes/{id}/connect", post(control::connect))
+        .route("/v2/sandboxes/{id}/connect", post(control::connect))
+        .route("/sandboxes/{id}/refreshes", post(control::refresh))
+}
+
+/// The envd and code-interpreter routes (authorised by each sandbox's access token).
+pub fn envd_routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/process.Process/Start", post(process::start))
+        .route("/process.Process/SendSignal", post(process::send_signal))
+        .route("/process.Process/Connect", post(process::connect))
+        .route("/process.Process/SendInput", post(process::send_input))
+        .route("/process.Process/CloseStdin", post(process::close_stdin))
+        .route("/process.Process/List", post(process::list))
+        .route("/filesystem.Filesystem/Stat", post(fs::stat))
+        .route("/filesystem.Filesystem/ListDir", post(fs::list_dir))
+        .route("/filesystem.Filesystem/MakeDir", post(fs::make_dir))
+        .route("/filesystem.Filesystem/Move", post(fs::move_entry))
+        .route("/filesystem.Filesystem/Remove", post(fs::remove))
+        .route("/filesystem.Filesystem/CreateWatcher", post(watch::create))
+        .route("/filesystem.Filesystem/GetWatcherEvents", post(watch::events))
+        .route("/filesystem.Filesystem/RemoveWatcher", post(watch::remove))
+        .route("/filesystem.Filesystem/WatchDir", post(watch::watch_dir))
+        .route("/files", get(fs::read_file).post(fs::write_file))
+        .route("/execute", post(interpreter::execute))
+}
+
+/// `GET /health` with an `E2b-Sandbox-Id` header: 204 while the sandbox runs, 502 when it does not.
+pub async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<StatusCode, E2bError> {
+    match headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()) {
+        None => Ok(StatusCode::NO_CONTENT),
+        Some(id) => match state.registry.get_any(id) {
+            Some(_) if state.e2b.sandbox(id).is_some() => Ok(StatusCode::NO_CONTENT),
+            _ => Err(E2bError::sandbox_gone(id)),
+        },
+    }
+}
+
+/// Entry points of the fuzz targets (`fuzz/`): the parsers a client feeds, reachable without a server.
+#[doc(hidden)]
+pub mod fuzzing;

@@ -1,0 +1,287 @@
+//! envd's `process.Process` service: commands started, attached to, fed, signalled and listed. A command outlives the
+//! client that started it; its frames go to the `Start` stream and to every `Connect` stream attached meanwhile.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use strata_core::{CancelToken, ExecOptions, Job, Limits, OutputSink, Status, Stream};
+use tokio::sync::{broadcast, mpsc};
+
+use super::connect::{ConnectRequest, END_STREAM, EnvdSandbox, envelope};
+use super::{ConnectCode, E2bError, E2bMeta, RunningCommand};
+use crate::AppState;
+use crate::registry::{SandboxEntry, lock};
+use crate::service::{CancelOnDrop, blocking, record_job};
+
+#[derive(Debug, Deserialize)]
+pub(super) struct StartRequest {
+    pub(super) process: ProcessConfig,
+    /// Keep stdin open for `SendInput` (the SDK's `commands.run(..., stdin=True)`); closed at once otherwise.
+    #[serde(default)]
+    pub(super) stdin: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct ProcessConfig {
+    cmd: String,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default)]
+    envs: BTreeMap<String, String>,
+    #[serde(default)]
+    cwd: Option<String>,
+}
+
+/// Where a command's frames go: the `Start` stream, and every `Connect` stream attached meanwhile. Never blocks.
+#[derive(Clone)]
+struct EventSink {
+    start: mpsc::UnboundedSender<Bytes>,
+    connected: broadcast::Sender<Bytes>,
+}
+
+impl EventSink {
+    fn emit(&self, frame: Bytes) {
+        // No receiver attached is not an error.
+        let _ = self.connected.send(frame.clone());
+        let _ = self.start.send(frame);
+    }
+}
+
+impl OutputSink for EventSink {
+    fn output(&self, stream: Stream, chunk: &[u8]) {
+        let key = match stream {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        };
+        self.emit(envelope(0, &json!({"event": {"data": {key: BASE64.encode(chunk)}}})));
+    }
+}
+
+/// Frames kept for a `Connect` stream that reads slower than the command writes; one that falls further behind
+/// loses the oldest (the `Start` stream never does).
+const CONNECT_BACKLOG: usize = 1024;
+
+/// The argv of a process config: `env -C CWD K=V … CMD ARGS` when it sets a directory or variables.
+pub(super) fn command_argv(config: ProcessConfig) -> Result<Vec<String>, E2bError> {
+    let mut argv = Vec::new();
+    if config.cwd.is_some() || !config.envs.is_empty() {
+        argv.push("/usr/bin/env".to_owned());
+        if let Some(cwd) = config.cwd {
+            argv.push("-C".to_owned());
+            argv.push(cwd);
+        }
+        for (name, value) in config.envs {
+            if name.is_empty() || name.contains(['=', '\0']) {
+                return Err(E2bError::invalid_argument(format!("invalid environment name {name:?}")));
+            }
+            argv.push(format!("{name}={value}"));
+        }
+    }
+    argv.push(config.cmd);
+    argv.extend(config.args);
+    if argv.iter().any(|a| a.contains('\0')) {
+        return Err(E2bError::invalid_argument("arguments must not contain NUL"));
+    }
+    Ok(argv)
+}
+
+/// The wall limit of a command: the sandbox's, or the client's `connect-timeout-ms` when shorter.
+pub(super) fn command_limits(entry: &SandboxEntry, headers: &HeaderMap) -> Limits {
+    let mut limits = entry.limits.clone();
+    let asked = headers.get("connect-timeout-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if let Some(ms) = asked.filter(|ms| *ms > 0) {
+        limits.wall = limits.wall.min(Duration::from_millis(ms));
+    }
+    limits
+}
+
+pub(super) async fn start(
+    State(state): State<Arc<AppState>>,
+    EnvdSandbox(entry, meta): EnvdSandbox,
+    headers: HeaderMap,
+    ConnectRequest(request): ConnectRequest<StartRequest>,
+) -> Result<Response, E2bError> {
+    let (cmd, args, keep_stdin) = (request.process.cmd.clone(), request.process.args.clone(), request.stdin);
+    let argv = command_argv(request.process)?;
+    let (stdin_stream, stdin) = if keep_stdin {
+        let (stream, tx) = crate::service::stdin_writer()?;
+        (Some(stream), Some(tx))
+    } else {
+        (None, None)
+    };
+    let limits = command_limits(&entry, &headers);
+    let pid = state.e2b.pid();
+    let token = CancelToken::new();
+    let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+    let (connected, _) = broadcast::channel(CONNECT_BACKLOG);
+    let sink = EventSink { start: tx.clone(), connected: connected.clone() };
+    let command = RunningCommand { cancel: token.clone(), cmd, args, stdin, events: connected };
+    lock(&meta.commands).insert(pid, command);
+    let _ = tx.send(envelope(0, &json!({"event": {"start": {"pid": pid}}})));
+    let task_state = state.clone();
+    tokio::spawn(async move {
+        let mut guard = CancelOnDrop(Some(token.clone()));
+        let opts = ExecOptions {
+            limits: Some(limits),
+            stdin: None,
+            stdin_stream,
+            sink: Some(Arc::new(sink.clone())),
+            cancel: Some(token.clone()),
+        };
+        let started = Instant::now();
+        let tier = entry.tier;
+        let job = Job::Command { argv };
+        let job_entry = entry.clone();
+        // A client that goes away does not end the command (as in E2B: `Connect` attaches to it again, `SendSignal`
+        // or the sandbox's end stops it).
+        let result = blocking(move || job_entry.exec(&job, opts)).await;
+        guard.0 = None;
+        record_job(&task_state, tier, "e2b_command", started, &result);
+        lock(&meta.commands).remove(&pid);
+        let end = match result {
+            Ok(outcome) => {
+                let exited = matches!(outcome.status, Status::Exited { .. });
+                let mut end = json!({
+                    "exitCode": outcome.status.exit_code(),
+                    "exited": exited,
+                    "status": match &outcome.status {
+                        Status::Exited { code } => format!("exit status {code}"),
+                        other => other.to_string(),
+                    },
+                });
+                if !exited {
+                    end["error"] = json!(outcome.status.to_string());
+                }
+                sink.emit(envelope(0, &json!({"event": {"end": end}})));
+                json!({})
+            }
+            Err(err) => E2bError::from(err).end_of_stream(),
+        };
+        sink.emit(envelope(END_STREAM, &end));
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|frame| (Ok::<Bytes, Infallible>(frame), rx))
+    });
+    Ok(([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(stream)).into_response())
+}
+
+/// `process.Process/Connect`: the start event of a running command, then its frames from now on, to its end.
+pub(super) async fn connect(
+    EnvdSandbox(_, meta): EnvdSandbox,
+    ConnectRequest(request): ConnectRequest<Value>,
+) -> Result<Response, E2bError> {
+    let pid = selected_pid(&request)?;
+    let events = lock(&meta.commands).get(&pid).map(|c| c.events.subscribe());
+    let events = events.ok_or_else(|| E2bError::not_found(format!("process with pid {pid} not found")))?;
+    let start = envelope(0, &json!({"event": {"start": {"pid": pid}}}));
+    let stream = futures_util::stream::unfold((Some(start), events), |(first, mut events)| async move {
+        if let Some(frame) = first {
+            return Some((Ok::<Bytes, Infallible>(frame), (None, events)));
+        }
+        loop {
+            match events.recv().await {
+                Ok(frame) => return Some((Ok(frame), (None, events))),
+                // Output it fell behind on is lost to this stream only.
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    });
+    Ok(([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(stream)).into_response())
+}
+
+pub(super) async fn send_signal(
+    EnvdSandbox(_, meta): EnvdSandbox,
+    ConnectRequest(request): ConnectRequest<Value>,
+) -> Result<Json<Value>, E2bError> {
+    // Every signal ends the command: the engine cancels jobs, it does not deliver signals.
+    with_command(&meta, selected_pid(&request)?, |command| command.cancel.cancel())?;
+    Ok(Json(json!({})))
+}
+
+/// The pid a `process.Process/*` request selects.
+pub(super) fn selected_pid(request: &Value) -> Result<u32, E2bError> {
+    let pid = request["process"]["pid"].as_u64().and_then(|p| u32::try_from(p).ok());
+    pid.ok_or_else(|| E2bError::invalid_argument("process.pid is required"))
+}
+
+/// `f` on the sandbox's running command `pid`; `not_found` when there is none.
+fn with_command<T>(meta: &E2bMeta, pid: u32, f: impl FnOnce(&mut RunningCommand) -> T) -> Result<T, E2bError> {
+    let mut commands = lock(&meta.commands);
+    let command =
+        commands.get_mut(&pid).ok_or_else(|| E2bError::not_found(format!("process with pid {pid} not found")))?;
+    Ok(f(command))
+}
+
+/// `process.Process/SendInput`: `input.stdin` (base64, as protobuf JSON writes bytes) to a command started with
+/// `stdin: true`. It waits while the command is not reading (at most [`crate::ws`]'s queue of chunks ahead).
+pub(super) async fn send_input(
+    EnvdSandbox(_, meta): EnvdSandbox,
+    ConnectRequest(request): ConnectRequest<Value>,
+) -> Result<Json<Value>, E2bError> {
+    let pid = selected_pid(&request)?;
+    let data = match request["input"]["stdin"].as_str() {
+        Some(text) => BASE64.decode(text).map_err(|e| E2bError::invalid_argument(format!("input.stdin: {e}")))?,
+        None if request["input"]["pty"].is_string() => {
+            return Err(E2bError::new(ConnectCode::Unimplemented, "commands have no terminal here"));
+        }
+        None => return Err(E2bError::invalid_argument("input.stdin is required")),
+    };
+    let stdin = with_command(&meta, pid, |command| command.stdin.clone())?.ok_or_else(|| {
+        E2bError::new(
+            ConnectCode::FailedPrecondition,
+            format!("process {pid} has no open stdin (start it with stdin, and do not close it)"),
+        )
+    })?;
+    if !data.is_empty() && stdin.send(data).await.is_err() {
+        return Err(E2bError::not_found(format!("process with pid {pid} has ended")));
+    }
+    Ok(Json(json!({})))
+}
+
+/// `process.Process/CloseStdin`: the command reads end-of-file once what was sent before is written.
+pub(super) async fn close_stdin(
+    EnvdSandbox(_, meta): EnvdSandbox,
+    ConnectRequest(request): ConnectRequest<Value>,
+) -> Result<Json<Value>, E2bError> {
+    with_command(&meta, selected_pid(&request)?, |command| command.stdin = None)?;
+    Ok(Json(json!({})))
+}
+
+pub(super) async fn list(EnvdSandbox(_, meta): EnvdSandbox) -> Json<Value> {
+    let processes: Vec<Value> = lock(&meta.commands)
+        .iter()
+        .map(|(pid, command)| json!({"pid": pid, "config": {"cmd": command.cmd, "args": command.args}}))
+        .collect();
+    Json(json!({ "processes": processes }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cwd_and_envs_become_an_env_prefix() {
+        let config = ProcessConfig {
+            cmd: "/bin/bash".into(),
+            args: vec!["-c".into(), "pwd".into()],
+            envs: BTreeMap::from([("A".to_owned(), "1".to_owned())]),
+            cwd: Some("/tmp".into()),
+        };
+        assert_eq!(
+            command_argv(config).expect("argv"),
+            ["/usr/bin/env", "-C", "/tmp", "A=1", "/bin/bash", "-c", "pwd"].map(String::from).to_vec()
+        );
+    }
+}
