@@ -37,7 +37,7 @@ fi
 echo "==> cargo bench"
 cargo bench --quiet -p strata-benches -- "$@"
 
-# Snapshots and forks, tier by tier (issue 6): fork-to-first-output against a cold start, and the memory of idle
+# Snapshots and forks, tier by tier: fork-to-first-output against a cold start, and the memory of idle
 # forks. For reference, Firecracker publishes snapshot restores in single-digit milliseconds (guest memory loaded
 # on demand from a MAP_PRIVATE file), which is what the microVM figures here are built to meet on hardware KVM.
 echo "==> snapshots and forks: wasm (a numpy session), process (a jail's filesystem), microVM (tiny guests)"

@@ -8,7 +8,7 @@ use std::time::Instant;
 use strata_core::{
     Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, LimitsOverride, PythonSource, Snapshot, Status, TierKind,
 };
-use strata_engine::{Engine, EngineConfig, TierChoice};
+use strata_engine::{Engine, EngineConfig, RunRequest, TierChoice};
 use strata_test_programs as programs;
 
 fn count(dir: &str) -> usize {
@@ -52,7 +52,7 @@ fn python(code: &str) -> Job {
 /// Python sessions: started, a few turns, closed (or dropped).
 fn sessions(engine: &Engine, caps: &Capabilities, count: usize) -> anyhow::Result<()> {
     for i in 0..count {
-        let mut sandbox = engine.start(TierChoice::Auto, caps, &Limits::default())?;
+        let sandbox = engine.start(TierChoice::Auto, caps, &Limits::default())?;
         for turn in ["x = 1", "x += 1", "x"] {
             let outcome = sandbox.exec(&python(turn), ExecOptions::default())?;
             anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
@@ -70,11 +70,8 @@ fn main() -> anyhow::Result<()> {
     // The shared home: the Python runtime is installed and compiled there once.
     let home = strata_engine::strata_home().ok_or_else(|| anyhow::anyhow!("no STRATA_HOME"))?;
     let engine = Engine::new(EngineConfig { home: Some(home), ..EngineConfig::default() })?;
-    let caps = Capabilities {
-        grants: vec![Grant::new(data.path(), "/data", GrantMode::Rw)?],
-        stdin: b"input".to_vec(),
-        ..Capabilities::default()
-    };
+    let caps =
+        Capabilities { grants: vec![Grant::new(data.path(), "/data", GrantMode::Rw)?], ..Capabilities::default() };
     let fuel: LimitsOverride = toml::from_str("fuel = 2000000")?;
     let small_memory: LimitsOverride = toml::from_str("memory = \"4MiB\"")?;
     let jobs: Vec<(Job, Limits)> = vec![
@@ -93,7 +90,8 @@ fn main() -> anyhow::Result<()> {
         let mut done = 0;
         for _ in 0..rounds {
             for (job, limits) in &jobs {
-                let outcome = engine.run(job, &caps, limits, ExecOptions::default())?;
+                let outcome =
+                    engine.execute(RunRequest::new(job).caps(&caps).limits(limits.clone()).stdin(b"input".to_vec()))?;
                 anyhow::ensure!(!matches!(outcome.status, Status::Crashed { .. }), "{outcome:?}");
                 done += 1;
             }
@@ -164,11 +162,7 @@ fn process_tier(engine: &Engine, data: &std::path::Path) -> anyhow::Result<()> {
         println!("skip: process-tier leak check: the process tier cannot run on this host: {err}");
         return Ok(());
     }
-    let caps = Capabilities {
-        grants: vec![Grant::new(data, "/data", GrantMode::Rw)?],
-        stdin: b"input".to_vec(),
-        ..Capabilities::default()
-    };
+    let caps = Capabilities { grants: vec![Grant::new(data, "/data", GrantMode::Rw)?], ..Capabilities::default() };
     let sh = |script: &str| Job::Command { argv: vec!["sh".into(), "-c".into(), script.into()] };
     let tight: LimitsOverride = toml::from_str("wall = \"200ms\"\nmemory = \"48MiB\"\npids = 16")?;
     let tight = tight.apply(&Limits::default());
@@ -186,13 +180,8 @@ fn process_tier(engine: &Engine, data: &std::path::Path) -> anyhow::Result<()> {
         let mut done = 0;
         for _ in 0..rounds {
             for (job, limits, ok) in &jobs {
-                match engine.run_on(
-                    TierChoice::Tier(strata_core::TierKind::Process),
-                    job,
-                    &caps,
-                    limits,
-                    ExecOptions::default(),
-                ) {
+                let request = RunRequest::new(job).caps(&caps).limits(limits.clone()).stdin(b"input".to_vec());
+                match engine.execute(request.tier(TierChoice::Tier(strata_core::TierKind::Process))) {
                     Ok(outcome) => {
                         let limited = matches!(outcome.status, Status::LimitExceeded { .. });
                         anyhow::ensure!(limited != *ok, "{job:?}: {outcome:?}");
@@ -206,17 +195,16 @@ fn process_tier(engine: &Engine, data: &std::path::Path) -> anyhow::Result<()> {
     };
     let session_rounds = |count: usize| -> anyhow::Result<()> {
         for i in 0..count {
-            let mut sandbox =
-                engine.start(TierChoice::Tier(strata_core::TierKind::Process), &caps, &Limits::default())?;
+            let sandbox = engine.start(TierChoice::Tier(strata_core::TierKind::Process), &caps, &Limits::default())?;
             sandbox.write_file("/tmp/in", b"x")?;
             for script in ["cat /tmp/in > /tmp/out", "sleep 9 &", "cat /tmp/out"] {
                 let outcome = sandbox.exec(&sh(script), ExecOptions::default())?;
                 anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
             }
             anyhow::ensure!(sandbox.read_file("/tmp/out")? == b"x");
-            // Jobs at once through the handle: one leaves a process behind (its cgroup lingers until the
-            // sandbox goes), one trips its memory limit, one is plain; and a file call beside them.
-            let handle = sandbox.handle().ok_or_else(|| anyhow::anyhow!("a process sandbox has a handle"))?;
+            // Jobs at once: one leaves a process behind (its cgroup lingers until the sandbox goes), one trips
+            // its memory limit, one is plain; and a file call beside them.
+            let handle = &sandbox;
             let tight: LimitsOverride = toml::from_str("memory = \"48MiB\"")?;
             let tight = ExecOptions { limits: Some(tight.apply(&Limits::default())), ..ExecOptions::default() };
             std::thread::scope(|scope| -> anyhow::Result<()> {
@@ -258,7 +246,7 @@ fn process_tier(engine: &Engine, data: &std::path::Path) -> anyhow::Result<()> {
 /// Forks of `snapshot`, each running `job` (which must print `expect`), half closed and half dropped.
 fn forks(engine: &Engine, snapshot: &Snapshot, job: &Job, expect: &[u8], count: usize) -> anyhow::Result<()> {
     for i in 0..count {
-        let mut fork = engine.fork(TierChoice::Auto, snapshot)?;
+        let fork = engine.fork(TierChoice::Auto, snapshot)?;
         let outcome = fork.exec(job, ExecOptions::default())?;
         anyhow::ensure!(outcome.status == Status::Exited { code: 0 } && outcome.stdout == expect, "{outcome:?}");
         if i % 2 == 0 {
@@ -271,7 +259,7 @@ fn forks(engine: &Engine, snapshot: &Snapshot, job: &Job, expect: &[u8], count: 
 /// 500 forks of a Python session's snapshot leave no fd, thread, mapping or scratch directory behind.
 fn wasm_forks(engine: &Engine) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let mut session = engine.start(TierChoice::Tier(TierKind::Wasm), &Capabilities::default(), &Limits::default())?;
+    let session = engine.start(TierChoice::Tier(TierKind::Wasm), &Capabilities::default(), &Limits::default())?;
     let setup = session.exec(&python("x = 41\nopen('/tmp/n', 'w').write('n')"), ExecOptions::default())?;
     anyhow::ensure!(setup.status == Status::Exited { code: 0 }, "{setup:?}");
     let snapshot = session.snapshot(&dir.path().join("snap"))?;
@@ -295,8 +283,7 @@ fn process_forks(engine: &Engine) -> anyhow::Result<()> {
     }
     let dir = tempfile::tempdir()?;
     let sh = |script: &str| Job::Command { argv: vec!["sh".into(), "-c".into(), script.into()] };
-    let mut sandbox =
-        engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), &Limits::default())?;
+    let sandbox = engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), &Limits::default())?;
     let setup = sandbox.exec(&sh("echo 41 > /tmp/x"), ExecOptions::default())?;
     anyhow::ensure!(setup.status == Status::Exited { code: 0 }, "{setup:?}");
     let snapshot = sandbox.snapshot(&dir.path().join("snap"))?;

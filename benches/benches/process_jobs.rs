@@ -2,11 +2,11 @@
 //!
 //! | name           | Strata (a fresh jail per run)                         | peers, same run                        |
 //! |----------------|-------------------------------------------------------|----------------------------------------|
-//! | `true_inproc`  | `Engine::run_on` (process tier), `/bin/true`          | `bwrap … /bin/true`; bare `/bin/true`  |
+//! | `true_inproc`  | `Engine::execute` (process tier), `/bin/true`         | `bwrap … /bin/true`; bare `/bin/true`  |
 //! | `true_process` | `strata run --tier process -- /bin/true`              | the same two                           |
-//! | `print1`       | `Engine::run_on` (process tier), `python3 -c print(1)`| `bwrap … python3 -c`; bare `python3 -c`|
-//! | `sandbox_*`    | `/bin/true` in a live sandbox: its own connection, a lane | each other                     |
-//! | `lane_8_*`     | 8 lane jobs at once in one sandbox                     | the same 8 in turn                     |
+//! | `print1`       | `Engine::execute` (process tier), `python3 -c print(1)`| `bwrap … python3 -c`; bare `python3 -c`|
+//! | `sandbox_exec` | `/bin/true` in a live sandbox (a lane of the jail)     | `true_inproc` (a fresh jail)           |
+//! | `jobs_8_*`     | 8 jobs at once in one sandbox                          | the same 8 in turn                     |
 //!
 //! Each Strata run is a fresh jail: namespaces, a cgroup, an overlay over the Debian rootfs, pivot_root, seccomp,
 //! exec, teardown. The bwrap peer gets a comparable profile on the same rootfs (see [`bwrap`]). Then the targets
@@ -21,7 +21,7 @@ use std::process::{Command, Output};
 use anyhow::Context;
 use strata_benches::{Figures, find_strata, latency, process, ratio};
 use strata_core::{Capabilities, ExecOptions, Job, Limits, Status, TierKind};
-use strata_engine::{Engine, EngineConfig, TierChoice};
+use strata_engine::{Engine, EngineConfig, RunRequest, TierChoice};
 
 const PRINT1: &str = "print(1)";
 
@@ -79,10 +79,9 @@ fn strata_inproc(
     iters: usize,
 ) -> anyhow::Result<Figures> {
     let job = Job::Command { argv: argv.iter().map(|a| (*a).to_owned()).collect() };
-    let (caps, limits) = (Capabilities::default(), Limits::default());
     latency(name, iters, || {
-        let outcome =
-            engine.run_on(TierChoice::Tier(TierKind::Process), &job, &caps, &limits, ExecOptions::default())?;
+        let request = RunRequest::new(&job).limits(Limits::default()).tier(TierChoice::Tier(TierKind::Process));
+        let outcome = engine.execute(request)?;
         anyhow::ensure!(outcome.status == Status::Exited { code: 0 } && outcome.stdout == stdout, "{outcome:?}");
         Ok(())
     })
@@ -117,7 +116,7 @@ fn main() -> anyhow::Result<()> {
         std::thread::available_parallelism()?
     );
     // Engine::process() would build a missing Debian image (minutes, silently here): skip instead.
-    if !engine.debian_image()?.is_installed() {
+    if !engine.images().debian()?.is_installed() {
         println!("process tier: skipped: no Debian image (benches/run.sh or `strata images build debian` builds it)");
         return Ok(());
     }
@@ -125,7 +124,7 @@ fn main() -> anyhow::Result<()> {
         println!("process tier: skipped: {err}");
         return Ok(());
     }
-    let rootfs = engine.debian_image()?.installed()?.rootfs;
+    let rootfs = engine.images().debian()?.installed()?.rootfs;
     let bwrap_bin = find_in_path("bwrap");
     match &bwrap_bin {
         Some(bin) => println!("# peer: {} ({}), rootfs {}", version(bin), bin.display(), rootfs.display()),
@@ -203,36 +202,32 @@ fn main() -> anyhow::Result<()> {
     }
     ratio(name, &py_inproc, &py_bare, "bare");
 
-    // A live sandbox: a job on its own connection (one at a time) and on a lane (beside others: a socket pair
-    // and a child cgroup of its own per job); then 8 lane jobs at once, against 8 in turn.
-    let mut sandbox =
-        engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), &Limits::default())?;
-    let handle = sandbox.handle().context("a process sandbox has a handle")?;
+    // A live sandbox: a job (on a lane of the jail: a socket pair and a child cgroup of its own per job), then 8
+    // jobs at once, against 8 in turn.
+    let sandbox = engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), &Limits::default())?;
     let job = Job::Command { argv: vec!["/bin/true".into()] };
     let exited = |outcome: strata_core::Outcome| -> anyhow::Result<()> {
         anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
         Ok(())
     };
     let own = latency("sandbox_exec", iters, || exited(sandbox.exec(&job, ExecOptions::default())?))?;
-    let lane = latency("sandbox_lane_exec", iters, || exited(handle.exec(&job, ExecOptions::default())?))?;
     let batch = |parallel: bool| -> anyhow::Result<()> {
         if !parallel {
-            return (0..8).try_for_each(|_| exited(handle.exec(&job, ExecOptions::default())?));
+            return (0..8).try_for_each(|_| exited(sandbox.exec(&job, ExecOptions::default())?));
         }
         std::thread::scope(|scope| {
-            let jobs: Vec<_> = (0..8).map(|_| scope.spawn(|| handle.exec(&job, ExecOptions::default()))).collect();
+            let jobs: Vec<_> = (0..8).map(|_| scope.spawn(|| sandbox.exec(&job, ExecOptions::default()))).collect();
             jobs.into_iter().try_for_each(|j| exited(j.join().map_err(|_| anyhow::anyhow!("job thread"))??))
         })
     };
-    let in_turn = latency("lane_8_in_turn", (iters / 10).max(5), || batch(false))?;
-    let at_once = latency("lane_8_at_once", (iters / 10).max(5), || batch(true))?;
+    let in_turn = latency("jobs_8_in_turn", (iters / 10).max(5), || batch(false))?;
+    let at_once = latency("jobs_8_at_once", (iters / 10).max(5), || batch(true))?;
     sandbox.close()?;
-    own.print("sandbox, its own connection");
-    lane.print("sandbox, a lane (handle)");
-    ratio("sandbox_lane_exec", &lane, &own, "own connection");
-    in_turn.print("8 lane jobs in turn");
-    at_once.print("8 lane jobs at once");
-    ratio("lane_8_at_once", &at_once, &in_turn, "in turn");
+    own.print("sandbox, one job");
+    ratio("sandbox_exec", &own, &inproc, "a fresh jail");
+    in_turn.print("8 jobs in turn");
+    at_once.print("8 jobs at once");
+    ratio("jobs_8_at_once", &at_once, &in_turn, "in turn");
 
     // The targets, informative.
     println!("# targets (benchmarks, not tests: a MISS does not fail the bench)");

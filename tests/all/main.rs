@@ -5,6 +5,7 @@ mod capabilities;
 mod concurrent_jobs;
 mod egress;
 mod escalation;
+mod layout;
 mod native;
 mod policy;
 mod python;

@@ -12,7 +12,7 @@ use strata_core::{
     Capabilities, EnvVar, ExecOptions, Grant, GrantMode, Job, LimitKind, Limits, LimitsOverride, Outcome, PythonSource,
     Status, TierKind,
 };
-use strata_engine::{Engine, TierChoice};
+use strata_engine::{Engine, RunRequest, TierChoice};
 use strata_test_programs as programs;
 
 use crate::util::python_engine;
@@ -56,7 +56,7 @@ fn limits(text: &str) -> Limits {
 
 fn run(engine: &Engine, tier: TierKind, job: &Job, caps: &Capabilities, limits: &Limits) -> Outcome {
     engine
-        .run_on(TierChoice::Tier(tier), job, caps, limits, ExecOptions::default())
+        .execute(RunRequest::new(job).caps(caps).limits(limits.clone()).tier(TierChoice::Tier(tier)))
         .unwrap_or_else(|e| panic!("{tier}: {job:?}: {e}"))
 }
 
@@ -78,12 +78,13 @@ struct Case {
     name: &'static str,
     job: Job,
     caps: Capabilities,
+    stdin: Vec<u8>,
     limits: Limits,
     expect: Expect,
 }
 
 fn case(name: &'static str, job: Job, expect: Expect) -> Case {
-    Case { name, job, caps: Capabilities::default(), limits: Limits::default(), expect }
+    Case { name, job, caps: Capabilities::default(), stdin: Vec::new(), limits: Limits::default(), expect }
 }
 
 fn cases() -> Vec<Case> {
@@ -113,12 +114,9 @@ fn cases() -> Vec<Case> {
             },
             ..case("env", sh("echo $GREETING; echo $HOME"), Expect::Prints(0, "bonjour\n/root\n"))
         },
+        Case { stdin: b"line one\nline two\n".to_vec(), ..case("stdin", sh("wc -l"), Expect::Prints(0, "2\n")) },
         Case {
-            caps: Capabilities { stdin: b"line one\nline two\n".to_vec(), ..Capabilities::default() },
-            ..case("stdin", sh("wc -l"), Expect::Prints(0, "2\n"))
-        },
-        Case {
-            caps: Capabilities { stdin: b"piped".to_vec(), ..Capabilities::default() },
+            stdin: b"piped".to_vec(),
             ..case(
                 "static C binary from the host",
                 Job::Native {
@@ -249,7 +247,9 @@ fn check(tier: TierKind, case: &Case, outcome: &Outcome) {
 fn conformance_cases() {
     for (engine, tier) in native_tiers() {
         for case in cases() {
-            let outcome = run(engine, tier, &case.job, &case.caps, &case.limits);
+            let request = RunRequest::new(&case.job).caps(&case.caps).limits(case.limits.clone());
+            let request = request.tier(TierChoice::Tier(tier)).stdin(case.stdin.clone());
+            let outcome = engine.execute(request).unwrap_or_else(|e| panic!("{tier}: {}: {e}", case.name));
             check(tier, &case, &outcome);
         }
     }
@@ -377,34 +377,29 @@ fn grants_are_bind_mounted_read_only_or_read_write() {
 #[test]
 fn bad_jobs_are_typed_errors() {
     for (engine, tier) in native_tiers() {
-        let choice = TierChoice::Tier(tier);
-        let caps = Capabilities::default();
-        let l = Limits::default();
+        let run =
+            |job: &Job| engine.execute(RunRequest::new(job).limits(Limits::default()).tier(TierChoice::Tier(tier)));
         let missing = Job::Command { argv: vec!["no-such-program".into()] };
-        let err = engine.run_on(choice, &missing, &caps, &l, ExecOptions::default()).expect_err("missing program");
+        let err = run(&missing).expect_err("missing program");
         assert_eq!(err.code(), "program_not_found", "{err}");
         let empty = Job::Command { argv: vec![] };
-        assert!(engine.run_on(choice, &empty, &caps, &l, ExecOptions::default()).is_err());
+        assert!(run(&empty).is_err());
         let absent = Job::Native { program: "/no/such/file".into(), args: vec![] };
-        let err = engine.run_on(choice, &absent, &caps, &l, ExecOptions::default()).expect_err("absent file");
+        let err = run(&absent).expect_err("absent file");
         assert_eq!(err.code(), "input_unreadable", "{err}");
         let not_exec = Job::Command { argv: vec!["/etc/hostname".into()] };
-        let err = engine.run_on(choice, &not_exec, &caps, &l, ExecOptions::default()).expect_err("not executable");
+        let err = run(&not_exec).expect_err("not executable");
         assert_eq!(err.code(), "exec_failed", "{err}");
         let wasm = Job::wasm_file(programs::HELLO, vec![]);
-        let err = engine.run_on(choice, &wasm, &caps, &l, ExecOptions::default()).expect_err("wasm on native");
+        let err = run(&wasm).expect_err("wasm on native");
         assert_eq!(err.code(), "wrong_job", "{err}");
-        let net = Capabilities { net: strata_core::Net::Allow(vec!["exa mple.org".into()]), ..Capabilities::default() };
-        let err = engine.run_on(choice, &sh("true"), &net, &l, ExecOptions::default()).expect_err("egress");
-        let expected = if tier == TierKind::Process { "wrong_format" } else { "unsupported" };
-        assert_eq!(err.code(), expected, "{err}");
     }
 }
 
 #[test]
 fn sessions_keep_their_filesystem_between_jobs() {
     for (engine, tier) in session_tiers() {
-        let mut sandbox =
+        let sandbox =
             engine.start(TierChoice::Tier(tier), &Capabilities::default(), &Limits::default()).expect("start");
         assert_eq!(sandbox.tier(), tier);
         let first =
@@ -435,7 +430,7 @@ fn sessions_keep_their_filesystem_between_jobs() {
 #[test]
 fn a_session_survives_an_oom_kill_and_reports_it() {
     for (engine, tier) in session_tiers() {
-        let mut sandbox = engine
+        let sandbox = engine
             .start(TierChoice::Tier(tier), &Capabilities::default(), &limits("memory = \"96MiB\""))
             .expect("start");
         let hog = sandbox.exec(&python("x = bytearray(400 << 20)"), ExecOptions::default()).expect("hog");
@@ -454,10 +449,11 @@ fn cancelling_a_job_stops_it() {
             std::thread::sleep(std::time::Duration::from_millis(200));
             trigger.cancel();
         });
-        let opts = ExecOptions { cancel: Some(cancel), ..ExecOptions::default() };
         let started = std::time::Instant::now();
         let err = engine
-            .run_on(TierChoice::Tier(tier), &sh("sleep 30"), &Capabilities::default(), &Limits::default(), opts)
+            .execute(
+                RunRequest::new(&sh("sleep 30")).limits(Limits::default()).tier(TierChoice::Tier(tier)).cancel(cancel),
+            )
             .expect_err("cancelled");
         assert_eq!(err.code(), "cancelled");
         assert!(started.elapsed().as_secs() < 10);
@@ -475,9 +471,13 @@ fn streamed_output_reaches_the_sink() {
     }
     for (engine, tier) in native_tiers() {
         let sink = std::sync::Arc::new(Collect(std::sync::Mutex::new(Vec::new())));
-        let opts = ExecOptions { sink: Some(sink.clone()), ..ExecOptions::default() };
         let outcome = engine
-            .run_on(TierChoice::Tier(tier), &sh("seq 1 3"), &Capabilities::default(), &Limits::default(), opts)
+            .execute(
+                RunRequest::new(&sh("seq 1 3"))
+                    .limits(Limits::default())
+                    .tier(TierChoice::Tier(tier))
+                    .on_output(sink.clone()),
+            )
             .expect("run");
         assert_eq!(outcome.stdout, b"1\n2\n3\n");
         assert_eq!(*sink.0.lock().expect("lock"), b"1\n2\n3\n");
@@ -502,7 +502,7 @@ fn jobs_are_an_unprivileged_host_user_and_die_with_their_session() {
         eprintln!("skip: the process tier cannot run on this host");
         return;
     };
-    let mut sandbox =
+    let sandbox =
         engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), &Limits::default()).expect("start");
     // A duration unique to this test process names the background job among the host's processes.
     let marker = format!("47.{}", std::process::id());
@@ -567,7 +567,7 @@ fn session_files_cannot_leave_the_jail_or_pass_read_only_mounts() {
             grants: vec![Grant::new(ro.path(), "/ro", GrantMode::Ro).expect("grant")],
             ..Capabilities::default()
         };
-        let mut sandbox = engine.start(TierChoice::Tier(tier), &caps, &Limits::default()).expect("start");
+        let sandbox = engine.start(TierChoice::Tier(tier), &caps, &Limits::default()).expect("start");
         // A job plants links and a FIFO; the host's file API must not follow them out, nor block.
         let plant = sh("ln -s / /tmp/root-link; ln -s /ro/keep.txt /tmp/ro-link; mkfifo /tmp/fifo; \
                         ln -s /proc/1/root /tmp/pid1-root");

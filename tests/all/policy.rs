@@ -3,9 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use strata_core::{Capabilities, ExecOptions, Job, Net, PythonSource, Status, TierKind};
+use strata_core::{Capabilities, Job, Net, PythonSource, Status, TierKind};
 use strata_engine::policy::EscalationReason;
-use strata_engine::{Engine, EngineConfig, Policy, TierChoice};
+use strata_engine::{Engine, EngineConfig, Policy, RunRequest, TierChoice};
 use strata_test_programs as programs;
 
 use crate::util;
@@ -24,7 +24,7 @@ fn the_strict_policy_runs_python_on_wasm_within_its_limits_and_refuses_native_ti
     let policy = Policy::from_file(&policy_file("strict.toml")).expect("strict.toml");
     assert_eq!(policy.tiers.allowed, [TierKind::Wasm]);
     assert!(!policy.escalation.allowed);
-    assert_eq!(policy.network.net_with(&[]), Net::Deny);
+    assert_eq!(policy.network.net_with(&strata_core::Allowlist::default()), Net::Deny);
     let limits = policy.limits.clone();
     let engine = engine_with(policy);
 
@@ -34,9 +34,7 @@ fn the_strict_policy_runs_python_on_wasm_within_its_limits_and_refuses_native_ti
     let route = engine.route(TierChoice::Auto, &job).expect("route");
     assert_eq!(route.decision.tier, TierKind::Wasm, "{}", route.decision.reason);
     assert!(route.decision.reason.contains("allows only wasm"), "{}", route.decision.reason);
-    let outcome = engine
-        .run_on(TierChoice::Auto, &job, &Capabilities::default(), &limits, ExecOptions::default())
-        .expect("python on wasm");
+    let outcome = engine.execute(RunRequest::new(&job).limits(limits.clone())).expect("python on wasm");
     assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", util::stderr(&outcome));
     assert_eq!((outcome.tier, util::stdout(&outcome).as_str()), (TierKind::Wasm, "45\n"));
     assert!(outcome.usage.fuel.is_some_and(|fuel| fuel > 0), "fuel is metered: {:?}", outcome.usage);
@@ -44,7 +42,7 @@ fn the_strict_policy_runs_python_on_wasm_within_its_limits_and_refuses_native_ti
     for tier in [TierKind::Process, TierKind::Microvm] {
         let echo = Job::Command { argv: vec!["echo".into(), "no".into()] };
         let err = engine
-            .run_on(TierChoice::Tier(tier), &echo, &Capabilities::default(), &limits, ExecOptions::default())
+            .execute(RunRequest::new(&echo).limits(limits.clone()).tier(TierChoice::Tier(tier)))
             .expect_err("a native tier");
         assert_eq!(err.code(), "tier_not_allowed", "{err}");
         let err = engine.route(TierChoice::Auto, &echo).expect_err("a command has nowhere to go");
@@ -58,7 +56,7 @@ fn the_default_policy_file_loads_with_escalation_allowed_and_no_network() {
     assert_eq!(policy, Policy::default());
     assert!(policy.escalation.permits(EscalationReason::MissingModule));
     assert!(policy.escalation.permits(EscalationReason::UnsupportedCall));
-    assert_eq!(policy.network.net_with(&[]), Net::Deny);
+    assert_eq!(policy.network.net_with(&strata_core::Allowlist::default()), Net::Deny);
     assert!(policy.grant_sets.is_empty());
 }
 
@@ -110,7 +108,8 @@ fn network_specs_of_every_form_are_accepted() {
                 \"[::1]\", \"localhost\"]\n";
     let policy = Policy::from_toml(text, Path::new("net.toml")).expect("valid");
     assert_eq!(policy.network.allowlist().rules().len(), 6);
-    let Net::Allow(hosts) = policy.network.net_with(&["extra.org".into()]) else { panic!("allowed") };
-    assert_eq!(hosts.last().map(String::as_str), Some("extra.org"), "--allow-net adds to the policy");
-    assert_eq!(hosts.len(), 7);
+    let extra = strata_core::Allowlist::parse(["extra.org"]).expect("valid");
+    let Net::Allow(hosts) = policy.network.net_with(&extra) else { panic!("allowed") };
+    assert_eq!(hosts.specs().last().map(String::as_str), Some("extra.org"), "--allow-net adds to the policy");
+    assert_eq!(hosts.rules().len(), 7);
 }

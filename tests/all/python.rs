@@ -3,7 +3,7 @@
 use strata_core::{
     Capabilities, ExecOptions, Grant, GrantMode, Job, LimitKind, Limits, PythonSource, Status, TierError,
 };
-use strata_engine::{EngineError, TierChoice};
+use strata_engine::{EngineError, RunRequest, TierChoice};
 
 use crate::util::{limits, python, python_engine, stderr, stdout};
 
@@ -59,14 +59,14 @@ fn sys_exit_sets_the_exit_status() {
 
 #[test]
 fn argv_stdin_and_main_reach_the_program() {
-    let caps = Capabilities { stdin: b"line one\nline two\n".to_vec(), ..Capabilities::default() };
     let job = Job::Python {
         source: PythonSource::Code(
             "import sys\nprint(sys.argv, __name__)\nprint(sys.stdin.read().splitlines())".into(),
         ),
         args: vec!["a b".into(), "--flag".into()],
     };
-    let outcome = python_engine().run(&job, &caps, &Limits::default(), ExecOptions::default()).expect("runs");
+    let request = RunRequest::new(&job).limits(Limits::default()).stdin(b"line one\nline two\n".to_vec());
+    let outcome = python_engine().execute(request).expect("runs");
     assert_eq!(stdout(&outcome), "['-c', 'a b', '--flag'] __main__\n['line one', 'line two']\n");
 }
 
@@ -76,12 +76,12 @@ fn scripts_and_modules_run_as_main() {
     let script = dir.path().join("report.py");
     std::fs::write(&script, "import sys\nprint(__name__, __file__ == sys.argv[0], sys.argv[1:])\n").expect("write");
     let job = Job::Python { source: PythonSource::File(script.clone()), args: vec!["x".into()] };
-    let outcome = python_engine().run(&job, &Capabilities::default(), &Limits::default(), ExecOptions::default());
+    let outcome = python_engine().execute(RunRequest::new(&job).limits(Limits::default()));
     assert_eq!(stdout(&outcome.expect("script")), "__main__ True ['x']\n");
 
-    let caps = Capabilities { stdin: br#"{"b": 1, "a": [1, 2]}"#.to_vec(), ..Capabilities::default() };
     let job = Job::Python { source: PythonSource::Module("json.tool".into()), args: vec!["--sort-keys".into()] };
-    let outcome = python_engine().run(&job, &caps, &Limits::default(), ExecOptions::default()).expect("module");
+    let request = RunRequest::new(&job).limits(Limits::default()).stdin(br#"{"b": 1, "a": [1, 2]}"#.to_vec());
+    let outcome = python_engine().execute(request).expect("module");
     assert_eq!(stdout(&outcome), "{\n    \"a\": [\n        1,\n        2\n    ],\n    \"b\": 1\n}\n");
 }
 
@@ -97,8 +97,7 @@ fn atexit_handlers_run_and_buffered_output_is_flushed() {
 
 #[test]
 fn a_session_keeps_state_across_five_turns() {
-    let mut sandbox =
-        python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
+    let sandbox = python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
     let turns = [
         ("import math\ntotal = 0", ""),
         ("total += 10", ""),
@@ -122,8 +121,7 @@ fn a_session_keeps_state_across_five_turns() {
 
 #[test]
 fn a_limit_ends_the_session_with_a_typed_outcome() {
-    let mut sandbox =
-        python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
+    let sandbox = python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
     sandbox.exec(&code("x = 1"), ExecOptions::default()).expect("turn");
     let opts = ExecOptions { limits: Some(limits("wall = \"300ms\"")), ..ExecOptions::default() };
     let outcome = sandbox.exec(&code("while True: pass"), opts).expect("turn");
@@ -135,8 +133,7 @@ fn a_limit_ends_the_session_with_a_typed_outcome() {
 
 #[test]
 fn exit_in_a_session_ends_it() {
-    let mut sandbox =
-        python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
+    let sandbox = python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
     let outcome = sandbox.exec(&code("exit(2)"), ExecOptions::default()).expect("turn");
     assert_eq!(outcome.status, Status::Exited { code: 2 });
     assert!(matches!(sandbox.exec(&code("1"), ExecOptions::default()), Err(TierError::SessionEnded { .. })));
@@ -238,7 +235,7 @@ fn the_standard_library_cannot_be_shadowed_by_a_grant() {
         ..Default::default()
     };
     let err = python_engine()
-        .run(&code("print(1)"), &caps, &Limits::default(), ExecOptions::default())
+        .execute(RunRequest::new(&code("print(1)")).caps(&caps).limits(Limits::default()))
         .expect_err("reserved");
     assert!(matches!(err, EngineError::Tier(TierError::GuestPath { .. })), "{err}");
 }

@@ -4,8 +4,8 @@
 
 use std::path::Path;
 
-use strata_core::{Capabilities, ExecOptions, Job, Limits, Net, Outcome, PythonSource, Status, TierKind};
-use strata_engine::{Engine, EngineConfig, EngineError, Policy, TierChoice, doctor, scan};
+use strata_core::{Capabilities, Job, Limits, Net, Outcome, PythonSource, Status, TierKind};
+use strata_engine::{Engine, EngineConfig, EngineError, Policy, RunRequest, TierChoice, doctor, scan};
 
 fn engine_with(policy: &str) -> Engine {
     let policy = Policy::from_toml(policy, Path::new("test-policy.toml")).expect("policy");
@@ -14,7 +14,7 @@ fn engine_with(policy: &str) -> Engine {
 }
 
 fn run(engine: &Engine, choice: TierChoice, job: &Job) -> Result<Outcome, EngineError> {
-    engine.run_on(choice, job, &Capabilities::default(), &Limits::default(), ExecOptions::default())
+    engine.execute(RunRequest::new(job).limits(Limits::default()).tier(choice))
 }
 
 fn echo() -> Job {
@@ -203,7 +203,8 @@ fn python_with_network_goes_native_since_wasm_python_has_no_sockets() {
     }
     // pandas alone would stay on wasm; the allowlist is what sends it native.
     let job = python_code("import pandas as pd\n");
-    let caps = Capabilities { net: Net::Allow(vec!["example.org:443".into()]), ..Capabilities::default() };
+    let caps =
+        Capabilities { net: Net::allow(["example.org:443"]).expect("valid allowlist"), ..Capabilities::default() };
     let route = engine.route_with_limits(TierChoice::Auto, &job, &caps, &Limits::default()).expect("routes");
     assert_eq!(route.decision.tier, TierKind::Process, "{:?}", route.decision);
     assert_eq!(
@@ -215,7 +216,7 @@ fn python_with_network_goes_native_since_wasm_python_has_no_sockets() {
     // A wasm-only policy keeps it on wasm, which refuses the network with a typed error.
     let wasm_only = engine_with("[tiers]\nallowed = [\"wasm\"]\n");
     let err = wasm_only
-        .run_on(TierChoice::Auto, &job, &caps, &Limits::default(), ExecOptions::default())
+        .execute(RunRequest::new(&job).caps(&caps).limits(Limits::default()))
         .expect_err("no network on wasm python");
     assert_eq!(err.code(), "unsupported", "{err}");
 }

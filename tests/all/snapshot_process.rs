@@ -170,7 +170,7 @@ fn damaged_foreign_and_secret_snapshots_are_refused_with_typed_errors() {
         .expect("edit");
     let err = trust().open_for(&foreign, TierKind::Process).expect_err("edited manifest refused");
     assert!(matches!(err, SnapshotError::Seal(_)), "{err}");
-    let mut wasm = python_engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("wasm sandbox");
+    let wasm = python_engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("wasm sandbox");
     let wasm_snapshot = wasm.snapshot(&dir.path().join("wasm")).expect("wasm snapshot");
     let err = trust().open_for(&wasm_snapshot.dir, TierKind::Process).expect_err("foreign refused");
     assert!(matches!(err, SnapshotError::WrongTier { found: TierKind::Wasm, .. }), "{err}");

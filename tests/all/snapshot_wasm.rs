@@ -178,13 +178,13 @@ fn a_plain_wasm_sandbox_forks_with_its_capabilities() {
         grants: vec![Grant::new(rw.path(), "/work", GrantMode::Rw).expect("grant")],
         ..Capabilities::default()
     };
-    let mut sandbox = engine().wasm().start(&caps, &Limits::default()).expect("start");
+    let sandbox = engine().wasm().start(&caps, &Limits::default()).expect("start");
     let outcome =
         sandbox.exec(&job(programs::FS, &["write", "/work/a.txt", "before"]), ExecOptions::default()).expect("exec");
     assert_eq!(outcome.status, Status::Exited { code: 0 });
     let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
     assert!(snapshot.manifest.persists.is_empty(), "grants are host directories, not snapshot state");
-    let mut forked = engine().wasm().fork(&snapshot).expect("fork");
+    let forked = engine().wasm().fork(&snapshot).expect("fork");
     let outcome = forked.exec(&job(programs::FS, &["read", "/work/a.txt"]), ExecOptions::default()).expect("exec");
     assert_eq!(outcome.stdout, b"before");
     forked.close().expect("close");
@@ -205,7 +205,7 @@ fn secrets_are_never_written_to_a_snapshot() {
     assert!(!dir.path().join("python").exists());
 
     // A sandbox without an interpreter records the secret's name only, and its fork is refused without it.
-    let mut sandbox = engine().wasm().start(&caps, &Limits::default()).expect("start");
+    let sandbox = engine().wasm().start(&caps, &Limits::default()).expect("start");
     let snapshot = sandbox.snapshot(&dir.path().join("plain")).expect("snapshot");
     for file in std::fs::read_dir(&snapshot.dir).expect("ls") {
         let text = std::fs::read(file.expect("entry").path()).expect("read");

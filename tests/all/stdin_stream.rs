@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use strata_core::{
     Capabilities, ExecOptions, Job, Limits, OutputSink, PythonSource, Status, StdinStream, Stream, TierKind,
 };
-use strata_engine::TierChoice;
+use strata_engine::{RunRequest, TierChoice};
 
 use crate::util::python_engine;
 
@@ -67,7 +67,7 @@ fn reads_a_stream_while_the_caller_writes_it(tier: TierKind) {
     let engine = python_engine();
     let choice = TierChoice::Tier(tier);
     let (caps, limits) = (Capabilities::default(), Limits::default());
-    let mut sandbox = engine.start(choice, &caps, &limits).expect("sandbox");
+    let sandbox = engine.start(choice, &caps, &limits).expect("sandbox");
     for round in 0..2 {
         let (stream, mut writer) = StdinStream::pipe().expect("pipe");
         let sink = Arc::new(Collect::default());
@@ -75,7 +75,9 @@ fn reads_a_stream_while_the_caller_writes_it(tier: TierKind) {
         let outcome = std::thread::scope(|scope| {
             let job = scope.spawn(|| {
                 if round == 0 {
-                    engine.run_on(choice, &echo_lines(), &caps, &limits, opts).expect("one-shot run")
+                    let job = echo_lines();
+                    let request = RunRequest::new(&job).caps(&caps).limits(limits.clone()).tier(choice);
+                    engine.execute(request.options(opts)).expect("one-shot run")
                 } else {
                     sandbox.exec(&echo_lines(), opts).expect("sandbox exec")
                 }
@@ -128,10 +130,9 @@ fn an_escalating_job_reads_its_stream_live_on_both_runs() {
     };
     let (stream, mut writer) = StdinStream::pipe().expect("pipe");
     let sink = Arc::new(Collect::default());
-    let opts = ExecOptions { stdin_stream: Some(stream), sink: Some(sink.clone()), ..ExecOptions::default() };
-    let (caps, limits) = (Capabilities::default(), Limits::default());
+    let request = RunRequest::new(&job).limits(Limits::default()).stdin_stream(stream).on_output(sink.clone());
     let outcome = std::thread::scope(|scope| {
-        let job = scope.spawn(|| engine.run_on(TierChoice::Auto, &job, &caps, &limits, opts).expect("runs"));
+        let job = scope.spawn(|| engine.execute(request).expect("runs"));
         writer.write_all(b"one\n").expect("write");
         // Only the native run's output reaches the sink: it has read the replayed line.
         sink.wait_for("first one\n");

@@ -3,8 +3,8 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use strata_core::{Capabilities, ExecOptions, Job, Limits, LimitsOverride, Outcome, TierKind};
-use strata_engine::{Engine, EngineConfig, EngineError, TierChoice};
+use strata_core::{Capabilities, Job, Limits, LimitsOverride, Outcome, TierKind};
+use strata_engine::{Engine, EngineConfig, EngineError, RunRequest, TierChoice};
 
 /// One engine for the whole test binary, caching modules in a private home, as a server process would.
 pub fn engine() -> &'static Engine {
@@ -74,7 +74,7 @@ fn register_test_tools(registry: &strata_core::ToolRegistry) {
 pub fn python(code: &str, caps: &Capabilities, limits: &Limits) -> Outcome {
     let job = Job::Python { source: strata_core::PythonSource::Code(code.into()), args: Vec::new() };
     python_engine()
-        .run_on(TierChoice::Tier(TierKind::Wasm), &job, caps, limits, ExecOptions::default())
+        .execute(RunRequest::new(&job).caps(caps).limits(limits.clone()).tier(TierChoice::Tier(TierKind::Wasm)))
         .unwrap_or_else(|e| panic!("{code}: {e}"))
 }
 
@@ -93,7 +93,14 @@ pub fn job(program: &str, args: &[&str]) -> Job {
 }
 
 pub fn try_run(program: &str, args: &[&str], caps: &Capabilities, limits: &Limits) -> Result<Outcome, EngineError> {
-    engine().run(&job(program, args), caps, limits, ExecOptions::default())
+    engine().execute(RunRequest::new(&job(program, args)).caps(caps).limits(limits.clone()))
+}
+
+/// [`run`], with `stdin` as the job's input.
+pub fn run_with_stdin(program: &str, args: &[&str], caps: &Capabilities, stdin: &[u8]) -> Outcome {
+    let job = job(program, args);
+    let request = RunRequest::new(&job).caps(caps).limits(Limits::default()).stdin(stdin.to_vec());
+    engine().execute(request).unwrap_or_else(|e| panic!("{program} {args:?}: {e}"))
 }
 
 pub fn run(program: &str, args: &[&str], caps: &Capabilities, limits: &Limits) -> Outcome {

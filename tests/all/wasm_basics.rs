@@ -3,13 +3,12 @@
 use std::sync::{Arc, Mutex};
 
 use strata_core::{
-    CancelToken, Capabilities, EnvVar, ExecOptions, Fuel, Limits, Net, Outcome, OutputSink, Status, Stream, TierError,
-    TierKind,
+    CancelToken, Capabilities, EnvVar, Fuel, Limits, Net, Outcome, OutputSink, Status, Stream, TierError, TierKind,
 };
-use strata_engine::{EngineError, TierChoice};
+use strata_engine::{EngineError, RunRequest, TierChoice};
 use strata_test_programs as programs;
 
-use crate::util::{engine, job, limits, run, stdout, try_run};
+use crate::util::{engine, job, limits, run, run_with_stdin, stdout, try_run};
 
 #[test]
 fn hello_prints_its_greeting() {
@@ -36,10 +35,9 @@ fn exit_codes_are_reported() {
 fn args_env_and_stdin_reach_the_guest() {
     let caps = Capabilities {
         env: vec!["GREETING=hi there".parse().expect("env"), "EMPTY=".parse().expect("env")],
-        stdin: b"line one\nline two".to_vec(),
         ..Capabilities::default()
     };
-    let outcome = run(programs::ECHO, &["a b", "--flag", ""], &caps, &Limits::default());
+    let outcome = run_with_stdin(programs::ECHO, &["a b", "--flag", ""], &caps, b"line one\nline two");
     let text = stdout(&outcome);
     assert_eq!(outcome.status, Status::Exited { code: 0 });
     assert!(text.contains("arg[0]=echo.wasm\narg[1]=a b\narg[2]=--flag\narg[3]=\n"), "{text}");
@@ -116,7 +114,7 @@ fn a_grant_whose_host_directory_is_missing_is_refused() {
 
 #[test]
 fn network_and_unregistered_tools_are_refused() {
-    let caps = Capabilities { net: Net::Allow(vec!["example.com:443".into()]), ..Default::default() };
+    let caps = Capabilities { net: Net::allow(["example.com:443"]).expect("valid allowlist"), ..Default::default() };
     let err = try_run(programs::HELLO, &[], &caps, &Limits::default()).expect_err("net");
     assert_eq!(err.code(), "unsupported", "{err}");
     let caps = Capabilities { tools: vec!["search".into()], ..Default::default() };
@@ -128,24 +126,13 @@ fn network_and_unregistered_tools_are_refused() {
 fn a_tier_not_in_this_build_or_the_wrong_tier_is_a_typed_error() {
     let command = strata_core::Job::Command { argv: vec!["true".into()] };
     let err = engine()
-        .run_on(
-            TierChoice::Tier(TierKind::Microvm),
-            &command,
-            &Capabilities::default(),
-            &Limits::default(),
-            ExecOptions::default(),
-        )
+        .execute(RunRequest::new(&command).limits(Limits::default()).tier(TierChoice::Tier(TierKind::Microvm)))
         .expect_err("microvm tier");
     assert_eq!(err.code(), "tier_unavailable", "{err}");
     // A WebAssembly job on a native tier is refused before the tier starts.
+    let hello = job(programs::HELLO, &[]);
     let err = engine()
-        .run_on(
-            TierChoice::Tier(TierKind::Process),
-            &job(programs::HELLO, &[]),
-            &Capabilities::default(),
-            &Limits::default(),
-            ExecOptions::default(),
-        )
+        .execute(RunRequest::new(&hello).limits(Limits::default()).tier(TierChoice::Tier(TierKind::Process)))
         .expect_err("process tier");
     assert_eq!(err.code(), "wrong_job", "{err}");
 }
@@ -171,9 +158,9 @@ impl OutputSink for Collect {
 #[test]
 fn the_output_sink_sees_what_the_outcome_captures() {
     let sink = Arc::new(Collect::default());
-    let opts = ExecOptions { sink: Some(sink.clone()), ..ExecOptions::default() };
+    let flood = job(programs::FLOOD, &["20000"]);
     let outcome = engine()
-        .run(&job(programs::FLOOD, &["20000"]), &Capabilities::default(), &limits("output = \"10KiB\""), opts)
+        .execute(RunRequest::new(&flood).limits(limits("output = \"10KiB\"")).on_output(sink.clone()))
         .expect("runs");
     let chunks = sink.0.lock().expect("lock");
     let streamed = |which| chunks.iter().filter(|(s, _)| *s == which).flat_map(|(_, c)| c.clone()).collect::<Vec<u8>>();
@@ -192,8 +179,8 @@ fn a_cancelled_job_stops_with_a_typed_error() {
             cancel.cancel();
         })
     };
-    let opts = ExecOptions { cancel: Some(cancel), ..ExecOptions::default() };
-    let result = engine().run(&job(programs::SPIN, &[]), &Capabilities::default(), &limits("wall = \"60s\""), opts);
+    let spin = job(programs::SPIN, &[]);
+    let result = engine().execute(RunRequest::new(&spin).limits(limits("wall = \"60s\"")).cancel(cancel));
     canceller.join().expect("join");
     assert!(matches!(result, Err(EngineError::Tier(TierError::Cancelled))), "{result:?}");
 }
@@ -210,18 +197,12 @@ fn a_real_outcome_round_trips_through_json() {
 #[test]
 fn jobs_run_when_called_from_inside_an_async_runtime() {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let outcome = runtime.block_on(async {
-        engine().run(&job(programs::EXIT, &["9"]), &Capabilities::default(), &Limits::default(), ExecOptions::default())
-    });
+    let outcome = runtime
+        .block_on(async { engine().execute(RunRequest::new(&job(programs::EXIT, &["9"])).limits(Limits::default())) });
     assert_eq!(outcome.expect("runs").status, Status::Exited { code: 9 });
     let outcome = runtime.block_on(async {
         tokio::task::spawn_blocking(|| {
-            engine().run(
-                &job(programs::EXIT, &["8"]),
-                &Capabilities::default(),
-                &Limits::default(),
-                ExecOptions::default(),
-            )
+            engine().execute(RunRequest::new(&job(programs::EXIT, &["8"])).limits(Limits::default()))
         })
         .await
         .expect("join")

@@ -18,7 +18,7 @@ fn a_sandbox_runs_jobs_in_turn_and_shares_its_grants_with_the_host() {
         ],
         ..Capabilities::default()
     };
-    let mut sandbox = engine().start(TierChoice::Auto, &caps, &Limits::default()).expect("start");
+    let sandbox = engine().start(TierChoice::Auto, &caps, &Limits::default()).expect("start");
     assert_eq!(sandbox.tier(), TierKind::Wasm);
 
     sandbox.write_file("/work/note.txt", b"from the host").expect("write");
@@ -41,7 +41,7 @@ fn a_sandbox_runs_jobs_in_turn_and_shares_its_grants_with_the_host() {
 
 #[test]
 fn each_exec_can_bring_its_own_limits() {
-    let mut sandbox = engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
+    let sandbox = engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
     let opts = ExecOptions { limits: Some(limits("wall = \"100ms\"")), ..ExecOptions::default() };
     let outcome = sandbox.exec(&job(programs::SPIN, &[]), opts).expect("exec");
     assert_eq!(outcome.status, Status::LimitExceeded { limit: LimitKind::Wall });
@@ -50,10 +50,11 @@ fn each_exec_can_bring_its_own_limits() {
 }
 
 #[test]
-fn per_exec_stdin_replaces_the_sandbox_stdin() {
-    let caps = Capabilities { stdin: b"from caps".to_vec(), ..Capabilities::default() };
-    let mut sandbox = engine().start(TierChoice::Auto, &caps, &Limits::default()).expect("start");
+fn each_exec_reads_its_own_stdin_and_none_without_it() {
+    let sandbox = engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");
     let opts = ExecOptions { stdin: Some(b"from exec".to_vec()), ..ExecOptions::default() };
     let outcome = sandbox.exec(&job(programs::ECHO, &[]), opts).expect("exec");
     assert!(String::from_utf8_lossy(&outcome.stdout).ends_with("stdin=from exec\n"));
+    let outcome = sandbox.exec(&job(programs::ECHO, &[]), ExecOptions::default()).expect("exec");
+    assert!(String::from_utf8_lossy(&outcome.stdout).ends_with("stdin=\n"), "{outcome:?}");
 }

@@ -227,7 +227,10 @@ fn zygotes_that_cannot_be_held_are_refused_with_the_reason() {
     assert!(failed.contains("ValueError: bad setup"), "{failed}");
     let network = tier.zygote(
         &Job::Command { argv: vec!["true".into()] },
-        &Capabilities { net: strata_core::Net::Allow(vec!["example.com".into()]), ..Capabilities::default() },
+        &Capabilities {
+            net: strata_core::Net::allow(["example.com"]).expect("valid allowlist"),
+            ..Capabilities::default()
+        },
         &Limits::default(),
     );
     assert!(matches!(network, Err(TierError::Unsupported { .. })), "{network:?}");

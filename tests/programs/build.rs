@@ -8,6 +8,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use strata_image_util::nested::{NestedCargo, target_installed};
+
 fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
@@ -54,10 +56,7 @@ fn fail(message: &str) -> ! {
 
 /// Ends the build with the one command that fixes it when `target`'s standard library is not installed.
 fn require_target(target: &str) {
-    let rustc = env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
-    let Ok(out) = Command::new(rustc).args(["--print", "sysroot"]).output() else { return };
-    let sysroot = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    if out.status.success() && !Path::new(&sysroot).join("lib/rustlib").join(target).exists() {
+    if !target_installed(target) {
         fail(&format!(
             "the {target} Rust target is not installed (the test guest programs are built for it): run \
              `rustup target add {target}` (tests/run does this)"
@@ -67,26 +66,10 @@ fn require_target(target: &str) {
 
 fn build_guests(guests: &Path, target: &str, target_dir: &Path) -> Vec<(String, PathBuf)> {
     require_target(target);
-    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.args(["build", "--release", "--quiet", "--target", target, "--bins", "--manifest-path"])
-        .arg(guests.join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(target_dir);
-    // The outer build's flags are for the host; they must not leak into the guest build.
-    for var in [
-        "CARGO_ENCODED_RUSTFLAGS",
-        "RUSTFLAGS",
-        "CARGO_BUILD_RUSTFLAGS",
-        "CARGO_TARGET_DIR",
-        "CARGO_BUILD_TARGET",
-        "RUSTC_WORKSPACE_WRAPPER",
-        "CARGO_MAKEFLAGS",
-        "CARGO_PROFILE_RELEASE_DEBUG",
-    ] {
-        cmd.env_remove(var);
-    }
-    let status = cmd.status().expect("run cargo for the guest programs");
+    let status = NestedCargo::release(&guests.join("Cargo.toml"), target, target_dir)
+        .args(["--bins"])
+        .run()
+        .expect("run cargo for the guest programs");
     if !status.success() {
         fail(&format!("building the {target} guest programs in {} failed ({status}); see above", guests.display()));
     }

@@ -14,6 +14,7 @@
 
 pub mod generate;
 pub mod scratch;
+mod seed;
 pub mod seeds;
 mod snapshot_seeds;
 pub mod targets;

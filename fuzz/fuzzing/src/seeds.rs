@@ -4,15 +4,14 @@
 
 use strata_guest_proto::frame::encode;
 use strata_guest_proto::{
-    Bytes, EntryKind, ExecLimits, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, PROTOCOL_VERSION,
-    RequestId, Rusage, TreeEntry,
+    Bytes, EntryInfo, EntryKind, ExecLimits, ExecRequest, ExitStatus, FileType, GuestMessage, HostMessage,
+    OutputStream, PROTOCOL_VERSION, RequestId, Rusage, TreeEntry, WatchEvent, WatchKind,
 };
-use strata_jail::proto::{Bind, Exec, HostFrame, IdMap, JailFrame, Setup};
+use strata_jail::proto::{self as jail, Bind, Exec, HostFrame, IdMap, JailFrame, Setup};
 
 use crate::generate::{Script, frame};
-
-/// A seed: its file name in the target's corpus folder, and its bytes.
-pub type Seed = (String, Vec<u8>);
+pub use crate::seed::Seed;
+use crate::seed::named;
 
 /// The seeds of the target called `name` (none for a target without any).
 pub fn of(name: &str) -> Vec<Seed> {
@@ -38,10 +37,6 @@ pub fn of(name: &str) -> Vec<Seed> {
     }
 }
 
-fn named(items: Vec<(&str, Vec<u8>)>) -> Vec<Seed> {
-    items.into_iter().map(|(name, bytes)| (format!("seed-{name}"), bytes)).collect()
-}
-
 fn wire<T: serde::Serialize>(messages: &[T]) -> Vec<u8> {
     messages.iter().flat_map(|m| frame(&encode(m).expect("a seed message encodes"))).collect()
 }
@@ -59,6 +54,23 @@ fn exited(id: u64, stdout_bytes: u64) -> GuestMessage {
         stdout_bytes,
         stderr_bytes: 0,
     }
+}
+
+fn entry(path: &str, file_type: FileType) -> EntryInfo {
+    EntryInfo {
+        path: path.into(),
+        file_type,
+        size: 5,
+        mode: 0o644,
+        uid: 1000,
+        gid: 1000,
+        modified: Some((1_700_000_000, 5)),
+        target: (file_type == FileType::Symlink).then(|| "../x".into()),
+    }
+}
+
+fn watch_event(kind: WatchKind, path: &str) -> WatchEvent {
+    WatchEvent { kind, path: path.into() }
 }
 
 fn agent_frames() -> Vec<Seed> {
@@ -80,6 +92,19 @@ fn agent_frames() -> Vec<Seed> {
         },
         GuestMessage::TreeDone { id: RequestId(2), count: 1, skipped: 0 },
         GuestMessage::Error { id: None, message: "malformed frame".into() },
+        GuestMessage::Entry { id: RequestId(5), entry: entry("/data/x", FileType::File) },
+        GuestMessage::DirEntries {
+            id: RequestId(6),
+            entries: vec![entry("/data/x", FileType::File), entry("/data/link", FileType::Symlink)],
+        },
+        GuestMessage::DirDone { id: RequestId(6), count: 2, skipped: 0 },
+        GuestMessage::DirCreated { id: RequestId(7), created: true },
+        GuestMessage::WatchEvents {
+            id: RequestId(8),
+            events: vec![watch_event(WatchKind::Create, "/data/new"), watch_event(WatchKind::Remove, "/data/new")],
+            overflowed: false,
+        },
+        GuestMessage::WatchEnded { id: RequestId(8), reason: "the watched directory is gone".into() },
     ];
     let host = vec![
         HostMessage::Hello { version: PROTOCOL_VERSION },
@@ -102,6 +127,13 @@ fn agent_frames() -> Vec<Seed> {
             last: true,
         },
         HostMessage::ListTree { id: RequestId(4), path: "/data".into(), max_entries: 100_000 },
+        HostMessage::Stat { id: RequestId(5), path: "/data/x".into() },
+        HostMessage::ListDir { id: RequestId(6), path: "/data".into(), depth: 2, max_entries: 100_000 },
+        HostMessage::CreateDir { id: RequestId(7), path: "/data/a/b".into() },
+        HostMessage::Rename { id: RequestId(9), from: "/data/x".into(), to: "/data/y".into() },
+        HostMessage::Remove { id: RequestId(10), path: "/data/y".into() },
+        HostMessage::Watch { id: RequestId(8), path: "/data".into(), recursive: true },
+        HostMessage::Unwatch { id: RequestId(8) },
     ];
     named(vec![("agent-session", wire(&guest)), ("host-session", wire(&host))])
 }
@@ -167,7 +199,51 @@ fn agent_client() -> Vec<Seed> {
     generated.u8(0).u8(0x84).u8(5).block(&[1, 0, 7, 0, 0, 0, 2, 2, 3, 0, 1, 9, 4, 0]);
     generated.u8(1).u8(0).u8(9).block(&[2, 0, 3, 1, 2, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 0]);
 
-    named(vec![("exec", exec.bytes), ("files", files.bytes), ("generated", generated.bytes)])
+    // The file methods, then a watch whose sink stops after two batches (a third must not reach it), unwatched.
+    let mut methods = Script::default();
+    methods.u8(0).block(&wire(&[hello()]));
+    step(&mut methods, 12, 0, &[GuestMessage::Entry { id: id(1), entry: entry("/data/x", FileType::File) }]);
+    step(
+        &mut methods,
+        13,
+        0x13,
+        &[
+            GuestMessage::DirEntries {
+                id: id(2),
+                entries: vec![entry("/data/x", FileType::File), entry("/data/link", FileType::Symlink)],
+            },
+            GuestMessage::DirDone { id: id(2), count: 2, skipped: 0 },
+        ],
+    );
+    step(&mut methods, 14, 0, &[GuestMessage::DirCreated { id: id(3), created: true }]);
+    step(&mut methods, 15, 0, &[GuestMessage::Entry { id: id(4), entry: entry("/data/y", FileType::File) }]);
+    step(&mut methods, 16, 0, &[GuestMessage::Ack { id: id(5) }]);
+    let batch = |kind| GuestMessage::WatchEvents {
+        id: id(6),
+        events: vec![watch_event(kind, "/data/brief")],
+        overflowed: false,
+    };
+    step(
+        &mut methods,
+        17,
+        3,
+        &[GuestMessage::Ack { id: id(6) }, batch(WatchKind::Create), batch(WatchKind::Write), batch(WatchKind::Remove)],
+    );
+    step(&mut methods, 18, 0, &[]);
+
+    // Generated answers to the file methods and a watch.
+    let mut generated_files = Script::default();
+    generated_files.u8(0).block(&wire(&[hello()]));
+    generated_files.u8(17).u8(1).u8(0x85).block(&[4, 3, 0, 1, 2, 7, 7, 7, 7, 5, 0, 4, 0, 9]);
+    generated_files.u8(13).u8(0x13).u8(0x87).block(&[1, 2, 4, 0, 0, 1, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 2, 0, 2]);
+
+    named(vec![
+        ("exec", exec.bytes),
+        ("files", files.bytes),
+        ("generated", generated.bytes),
+        ("methods", methods.bytes),
+        ("generated-files", generated_files.bytes),
+    ])
 }
 
 fn jail_frames() -> Vec<Seed> {
@@ -195,6 +271,16 @@ fn jail_frames() -> Vec<Seed> {
         egress_socket: None,
         zygote: false,
     };
+    let entry = jail::Entry {
+        path: "/work/link".into(),
+        kind: jail::EntryKind::Symlink,
+        size: 4,
+        mode: 0o777,
+        uid: 0,
+        gid: 0,
+        modified: Some((1_700_000_000, 5)),
+        link: Some("/etc".into()),
+    };
     let mut seeds = vec![
         ("ready", json(&JailFrame::Ready { host_pid: 4242, notes: vec!["grant /data bind-mounted plainly".into()] })),
         (
@@ -206,6 +292,24 @@ fn jail_frames() -> Vec<Seed> {
         ("host-setup", json(&HostFrame::Setup(setup))),
         ("host-exec", json(&HostFrame::Exec(exec))),
         ("host-kill", json(&HostFrame::Kill)),
+        ("host-list-dir", json(&HostFrame::ListDir { path: "/work".into(), depth: 2, max_entries: 100_000 })),
+        ("host-rename", json(&HostFrame::Rename { from: "/work/a".into(), to: "/work/b".into() })),
+        ("host-watch", json(&HostFrame::Watch { id: 1, path: "/work".into(), recursive: true })),
+        ("host-unwatch", json(&HostFrame::Unwatch { id: 1 })),
+        ("entries", json(&JailFrame::Entries { entries: vec![entry.clone()], done: true })),
+        ("entry", json(&JailFrame::Entry { entry })),
+        ("list-too-large", json(&JailFrame::ListTooLarge { limit: 100_000 })),
+        (
+            "watch-events",
+            json(&JailFrame::WatchEvents {
+                id: 1,
+                events: vec![
+                    jail::WatchEvent { kind: jail::WatchKind::Create, path: "/work/f".into() },
+                    jail::WatchEvent { kind: jail::WatchKind::Remove, path: "/work/f".into() },
+                ],
+                overflowed: false,
+            }),
+        ),
     ];
     // Mode byte 0 (inline) before each, and one spilled with a descriptor beside it.
     let mut spilled = vec![3u8];

@@ -10,11 +10,7 @@ use strata_tier_microvm::vstate::vcpu::state::{DebugRegs, Fpu, Regs, Sregs, Vcpu
 use strata_tier_microvm::vstate::vm::ClockState;
 
 use crate::generate::Script;
-use crate::seeds::Seed;
-
-fn named(items: Vec<(&str, Vec<u8>)>) -> Vec<Seed> {
-    items.into_iter().map(|(name, bytes)| (format!("seed-{name}"), bytes)).collect()
-}
+use crate::seed::{Seed, named};
 
 /// An entry of a `snapshot_open` input.
 fn entry(script: &mut Script, kind: u8, name: &str, contents: &[u8]) {

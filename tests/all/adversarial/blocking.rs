@@ -14,7 +14,7 @@ use strata_core::{
     CancelToken, Capabilities, ExecOptions, Job, LimitKind, Limits, Net, Outcome, PythonSource, Status, StdinStream,
     TierKind, Tool,
 };
-use strata_engine::{Engine, EngineError, TierChoice};
+use strata_engine::{Engine, EngineError, RunRequest, TierChoice};
 use strata_test_programs as programs;
 
 use crate::util::{limits, python_engine};
@@ -105,11 +105,17 @@ fn run(case: &Case, limits: Limits, cancel: Option<CancelToken>) -> (Result<Outc
     } else {
         (None, None)
     };
-    let opts = ExecOptions { stdin_stream, cancel, ..ExecOptions::default() };
     let (tier, job, caps) = (case.tier, case.job.clone(), case.caps.clone());
     within_bound(case.name, move || {
+        let mut request = RunRequest::new(&job).caps(&caps).limits(limits).tier(TierChoice::Tier(tier));
+        if let Some(stream) = stdin_stream {
+            request = request.stdin_stream(stream);
+        }
+        if let Some(cancel) = cancel {
+            request = request.cancel(cancel);
+        }
         let started = Instant::now();
-        let result = engine().run_on(TierChoice::Tier(tier), &job, &caps, &limits, opts);
+        let result = engine().execute(request);
         let took = started.elapsed();
         drop(writer);
         (result, took)
@@ -190,13 +196,11 @@ fn a_tool_that_never_answers_holds_no_job_run_from_inside_an_async_runtime() {
         let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
         runtime.block_on(async {
             let started = Instant::now();
-            let outcome = engine().run_on(
-                TierChoice::Tier(TierKind::Wasm),
-                &job,
-                &caps,
-                &limits("wall = \"1s\""),
-                ExecOptions::default(),
-            );
+            let request = RunRequest::new(&job)
+                .caps(&caps)
+                .limits(limits("wall = \"1s\""))
+                .tier(TierChoice::Tier(TierKind::Wasm));
+            let outcome = engine().execute(request);
             (outcome, started.elapsed())
         })
     });
@@ -255,7 +259,7 @@ fn a_component_read_from_a_server_that_never_answers_is_stopped() {
         }
     });
     let target = format!("127.0.0.1:{port}");
-    let caps = Capabilities { net: Net::Allow(vec![target.clone()]), ..Capabilities::default() };
+    let caps = Capabilities { net: Net::allow([target.clone()]).expect("valid allowlist"), ..Capabilities::default() };
     let job = component(programs::COMPONENT_NET, &["get", &target]);
     stopped_both_ways(Case::new("component socket", TierKind::Wasm, job).caps(caps));
 }
@@ -263,13 +267,7 @@ fn a_component_read_from_a_server_that_never_answers_is_stopped() {
 /// Warms the Python runtime up (its first load may compile it), so that a case's time is the case's.
 fn python_ready() {
     let outcome = engine()
-        .run_on(
-            TierChoice::Tier(TierKind::Wasm),
-            &python("pass"),
-            &Capabilities::default(),
-            &Limits::default(),
-            ExecOptions::default(),
-        )
+        .execute(RunRequest::new(&python("pass")).limits(Limits::default()).tier(TierChoice::Tier(TierKind::Wasm)))
         .expect("python runs");
     assert_eq!(outcome.status, Status::Exited { code: 0 }, "{outcome:?}");
 }
@@ -296,7 +294,7 @@ fn a_python_session_turn_that_sleeps_is_stopped() {
     python_ready();
     let engine = engine();
     for cancelled in [false, true] {
-        let mut sandbox = engine
+        let sandbox = engine
             .start(TierChoice::Tier(TierKind::Wasm), &Capabilities::default(), &Limits::default())
             .expect("sandbox");
         let first = sandbox.exec(&python("x = 1"), ExecOptions::default()).expect("first turn");

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use strata_core::{Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, Outcome, PythonSource, Status, TierKind};
-use strata_engine::{Engine, TierChoice};
+use strata_engine::{Engine, RunRequest, TierChoice};
 use strata_test_programs as programs;
 
 use crate::util::python_engine;
@@ -237,14 +237,9 @@ fn no_call_plants_a_privileged_file_on_the_process_tier() {
     for case in CASES {
         let grant = fresh_grant();
         let program = format!("{PRELUDE}\n{}", case.code);
+        let (job, caps) = (python(&program), rw_grant(grant.path()));
         let outcome = engine
-            .run_on(
-                TierChoice::Tier(TierKind::Process),
-                &python(&program),
-                &rw_grant(grant.path()),
-                &limits(),
-                ExecOptions::default(),
-            )
+            .execute(RunRequest::new(&job).caps(&caps).limits(limits()).tier(TierChoice::Tier(TierKind::Process)))
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
         let printed = text(&outcome.stdout);
         if outcome.status != (Status::Exited { code: 0 }) || printed.trim() != case.prints {
@@ -266,7 +261,7 @@ fn no_call_plants_a_privileged_file_on_the_process_tier() {
 fn while_running(engine: &'static Engine, job: Job, grant: &Path, during: impl FnOnce()) -> Outcome {
     let caps = rw_grant(grant);
     let running = std::thread::spawn(move || {
-        engine.run_on(TierChoice::Tier(TierKind::Process), &job, &caps, &limits(), ExecOptions::default())
+        engine.execute(RunRequest::new(&job).caps(&caps).limits(limits()).tier(TierChoice::Tier(TierKind::Process)))
     });
     let ready = grant.join(".ready");
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -15,7 +15,7 @@ use strata_core::{
     Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, ModuleSource, Persisted, SnapshotError, SnapshotKey,
     SnapshotTrust, Status, Tier, TierError, TierKind,
 };
-use strata_engine::{Engine, EngineConfig};
+use strata_engine::{Engine, EngineConfig, RunRequest};
 use strata_test_programs as programs;
 use strata_tier_wasm::{CacheOutcome, WasmTier, WasmTierConfig};
 
@@ -84,7 +84,7 @@ fn assert_invalid(err: &dyn std::fmt::Display, code: &str) {
 fn a_wasm_state_rewritten_to_grant_host_root_is_refused() {
     let victim = Victim::new();
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
+    let sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
     let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
     rewrite(&snapshot.dir, "state.json", |bytes| {
         let mut state: Value = serde_json::from_slice(&bytes).expect("state");
@@ -93,7 +93,7 @@ fn a_wasm_state_rewritten_to_grant_host_root_is_refused() {
         serde_json::to_vec(&state).expect("json")
     });
     match engine().wasm().fork(&snapshot) {
-        Ok(mut fork) => {
+        Ok(fork) => {
             // What the attack gets when the fork is made: the host's files, through the smuggled grant.
             let secret = format!("/host{}", victim.secret().display());
             let read = fork.exec(&job(programs::FS, &["read", &secret]), ExecOptions::default()).expect("read");
@@ -116,7 +116,7 @@ fn a_process_manifest_rewritten_to_grant_host_root_is_refused() {
     let Some(tier) = process_tier("a_process_manifest_rewritten_to_grant_host_root_is_refused") else { return };
     let victim = Victim::new();
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut sandbox = tier.start(&Capabilities::default(), &Limits::default()).expect("start");
+    let sandbox = tier.start(&Capabilities::default(), &Limits::default()).expect("start");
     let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
     rewrite_manifest(&snapshot.dir, |manifest| {
         let caps = &mut manifest["meta"]["caps"];
@@ -125,7 +125,7 @@ fn a_process_manifest_rewritten_to_grant_host_root_is_refused() {
         caps["net"] = json!({"allow": ["*.com", "*.org", "*.net"]});
     });
     match tier.fork(&snapshot) {
-        Ok(mut fork) => {
+        Ok(fork) => {
             let secret = format!("/host{}", victim.secret().display());
             let script = format!("cat {secret}; echo pwned > {secret}; echo $PWNED");
             let job = Job::Command { argv: vec!["sh".into(), "-c".into(), script] };
@@ -153,7 +153,7 @@ fn a_file_swapped_after_the_snapshot_was_opened_is_refused_at_fork() {
         grants: vec![Grant::new(rw.path(), "/work", GrantMode::Rw).expect("grant")],
         ..Capabilities::default()
     };
-    let mut sandbox = engine().wasm().start(&caps, &Limits::default()).expect("start");
+    let sandbox = engine().wasm().start(&caps, &Limits::default()).expect("start");
     let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
     let opened = engine().open_snapshot(&snapshot.dir).expect("whole");
     let state = opened.dir.join("state.json");
@@ -181,7 +181,7 @@ fn a_file_swapped_after_the_snapshot_was_opened_is_refused_at_fork() {
     // Put back, the same snapshot forks again.
     std::fs::remove_file(&state).expect("rm");
     std::fs::write(&state, &original).expect("restore");
-    let mut fork = engine().wasm().fork(&opened).expect("fork of the restored snapshot");
+    let fork = engine().wasm().fork(&opened).expect("fork of the restored snapshot");
     let outcome = fork.exec(&job(programs::FS, &["write", "/work/a.txt", "ok"]), ExecOptions::default()).expect("run");
     assert_eq!(outcome.status, Status::Exited { code: 0 });
     victim.untouched();
@@ -195,13 +195,13 @@ fn a_memory_image_truncated_or_rewritten_under_live_forks_reaches_none_of_them()
     let py = |code: &str| Job::Python { source: strata_core::PythonSource::Code(code.into()), args: Vec::new() };
     let dir = tempfile::tempdir().expect("tempdir");
     let engine = python_engine();
-    let mut sandbox = engine.wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
+    let sandbox = engine.wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
     sandbox.exec(&py("x = 41"), ExecOptions::default()).expect("turn");
     let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
     let image = snapshot.dir.join("memory.img");
     let length = std::fs::metadata(&image).expect("memory.img").len();
-    let mut first = engine.wasm().fork(&snapshot).expect("fork");
-    let mut second = engine.wasm().fork(&snapshot).expect("fork");
+    let first = engine.wasm().fork(&snapshot).expect("fork");
+    let second = engine.wasm().fork(&snapshot).expect("fork");
 
     std::fs::OpenOptions::new().write(true).open(&image).expect("open").set_len(0).expect("truncate");
     // A full collection walks every object the interpreter has: pages of the image the fork never touched.
@@ -229,7 +229,7 @@ fn nix_mkfifo(path: &Path) {
 #[test]
 fn a_snapshot_from_another_home_or_an_older_format_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
+    let sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
     let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
     // Another home has another key: its engine refuses the snapshot, and so does its wasm tier's fork.
     let other_home = tempfile::tempdir().expect("tempdir");
@@ -274,7 +274,7 @@ fn no_job_is_granted_the_directory_of_the_snapshot_key() {
             assert_eq!(err.code(), "invalid_capability", "{err}");
             assert!(err.to_string().contains("snapshot key"), "{err}");
             let job = job(programs::HELLO, &[]);
-            let err = engine.run(&job, &caps, &Limits::default(), ExecOptions::default()).expect_err("refused");
+            let err = engine.execute(RunRequest::new(&job).caps(&caps).limits(Limits::default())).expect_err("refused");
             assert_eq!(err.code(), "invalid_capability", "{err}");
         }
     }
@@ -291,7 +291,7 @@ fn no_job_is_granted_the_directory_of_the_snapshot_key() {
 #[test]
 fn hostile_sizes_links_fifos_and_directory_bombs_are_refused_quickly() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
+    let sandbox = engine().wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
     let snapshot = sandbox.snapshot(&dir.path().join("snap")).expect("snapshot");
     let state = snapshot.dir.join("state.json");
     let original = std::fs::read(&state).expect("state");
@@ -512,7 +512,7 @@ fn a_full_home_is_a_typed_error_and_leaves_nothing_trusted() {
         env: vec![strata_core::EnvVar { name: "BIG".into(), value: "x".repeat(256 << 10) }],
         ..Capabilities::default()
     };
-    let mut sandbox = engine.wasm().start(&caps, &Limits::default()).expect("start");
+    let sandbox = engine.wasm().start(&caps, &Limits::default()).expect("start");
     // With no room for the key itself: a typed error, no key file and no temporary left.
     let filler = home.fill(0);
     let err = sandbox.snapshot(&home.path().join("snap")).expect_err("no room for the key");
@@ -532,7 +532,7 @@ fn a_full_home_is_a_typed_error_and_leaves_nothing_trusted() {
     std::fs::remove_file(&filler).expect("free");
     let snapshot = sandbox.snapshot(&home.path().join("snap")).expect("a snapshot, now that there is room");
     engine.open_snapshot(&snapshot.dir).expect("whole");
-    let mut fork = engine.wasm().fork(&snapshot).expect("fork");
+    let fork = engine.wasm().fork(&snapshot).expect("fork");
     let outcome = fork.exec(&job(programs::HELLO, &["fork"]), ExecOptions::default()).expect("run");
     assert_eq!(outcome.status, Status::Exited { code: 0 });
 }

@@ -5,7 +5,8 @@
 //!
 //! Input ([`Cursor`]): the handshake's answer, then up to [`MAX_STEPS`] steps of `op, param, answer`; an answer
 //! is `kind` then, for an even `kind`, a 2-byte length and that many raw bytes, and for an odd one the
-//! generator's bytes (a 2-byte length, then [`arbitrary`] input for `kind / 2 % 8` messages).
+//! generator's bytes (a 2-byte length, then [`arbitrary`] input for `kind / 2 % 8` messages: answers to the file
+//! methods and watch events when `kind`'s top bit is set, any other message when it is not).
 //!
 //! The transport is in memory: a step's answer becomes readable once the host has sent that step's request (or
 //! at the step's start when it sends none), so that answers never race the requests they answer. The host waits
@@ -14,7 +15,8 @@
 //! Oracles: nothing the agent sends makes the client panic or hang; the bounds the client promises hold for
 //! whatever it returns (a file never longer than `max`, a listing never longer than `max_entries`, output chunks
 //! never over `MAX_CHUNK` nor beyond the cap per stream, one exit per exec, exit totals not below what was
-//! forwarded); every frame the host writes is one valid host message.
+//! forwarded; a watch's sink gets batches of at most `MAX_WATCH_BATCH` events, and none once it said stop);
+//! every frame the host writes is one valid host message.
 
 use std::io::{self, Read, Write};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -23,11 +25,12 @@ use std::time::{Duration, Instant};
 use arbitrary::Unstructured;
 use strata_guest_proto::frame::{decode, encode};
 use strata_guest_proto::{
-    AgentClient, ClientConfig, ExecEvent, ExecHandle, ExecLimits, ExecRequest, HostMessage, MAX_CHUNK, MAX_FRAME,
-    Transport,
+    AgentClient, AgentWatch, ClientConfig, EntryInfo, ExecEvent, ExecHandle, ExecLimits, ExecRequest, FileType,
+    GuestMessage, HostMessage, MAX_CHUNK, MAX_FRAME, MAX_PATH, MAX_TREE_BATCH, MAX_WATCH_BATCH, RequestId, Transport,
+    WatchEvent, WatchKind,
 };
 
-use crate::generate::{Cursor, frame, guest_message};
+use crate::generate::{Cursor, edgy_u64, frame, guest_message};
 
 /// The most steps of one script.
 pub const MAX_STEPS: usize = 24;
@@ -37,6 +40,9 @@ pub const WAIT: Duration = Duration::from_millis(10);
 
 /// The most execs running at once in a script.
 const MAX_HANDLES: usize = 4;
+
+/// The most watches running at once in a script.
+const MAX_WATCHES: usize = 2;
 
 /// Runs the script in `data`.
 pub fn run(data: &[u8]) {
@@ -58,13 +64,17 @@ pub fn run(data: &[u8]) {
         }
     };
     let mut handles: Vec<Exec> = Vec::new();
+    let mut watches: Vec<Watched> = Vec::new();
     for (index, (op, _)) in steps.iter().enumerate() {
         agent.begin_step(index + 1, op.sends());
-        op.run(&client, &mut handles);
+        op.run(&client, &mut handles, &mut watches);
         agent.end_step();
     }
     drop(handles);
     drop(client);
+    for watched in watches {
+        watched.sink_kept_its_bounds();
+    }
     agent.host_frames_are_valid();
 }
 
@@ -95,12 +105,67 @@ fn answer(input: &mut Cursor<'_>, ids: &Ids) -> Vec<u8> {
     // Mostly the latest requests: an answer is usually about the request it answers.
     let recent: Vec<u64> = ids.issued.iter().rev().take(3).copied().collect();
     for _ in 0..(kind / 2 % 8) {
-        let Ok(message) = guest_message(&mut u, &recent) else { break };
+        let message = if kind & 0x80 != 0 { file_message(&mut u, &recent) } else { guest_message(&mut u, &recent) };
+        let Ok(message) = message else { break };
         if let Ok(body) = encode(&message) {
             out.extend_from_slice(&frame(&body));
         }
     }
     out
+}
+
+/// An answer to a file method, or a watch's events or end, about one of `ids` (or any id).
+fn file_message(u: &mut Unstructured<'_>, ids: &[u64]) -> arbitrary::Result<GuestMessage> {
+    let id = if ids.is_empty() || u.ratio(1, 8)? { RequestId(u.arbitrary()?) } else { RequestId(*u.choose(ids)?) };
+    // Mostly a few; now and then one past the batch limit, which the host must refuse.
+    let count = |u: &mut Unstructured<'_>, limit: usize| -> arbitrary::Result<usize> {
+        Ok(if u.ratio(1, 8)? { limit + 1 } else { u.int_in_range(0..=4)? })
+    };
+    Ok(match u.int_in_range(0u8..=5)? {
+        0 => GuestMessage::Entry { id, entry: entry_info(u)? },
+        1 => {
+            let entries = (0..count(u, MAX_TREE_BATCH)?).map(|_| entry_info(u)).collect::<arbitrary::Result<_>>()?;
+            GuestMessage::DirEntries { id, entries }
+        }
+        2 => GuestMessage::DirDone { id, count: edgy_u64(u, &[0, 1, 2, 4, u64::MAX])?, skipped: u.arbitrary()? },
+        3 => GuestMessage::DirCreated { id, created: u.arbitrary()? },
+        4 => {
+            let kinds = [WatchKind::Create, WatchKind::Write, WatchKind::Chmod, WatchKind::Rename, WatchKind::Remove];
+            let mut events = Vec::new();
+            for _ in 0..count(u, MAX_WATCH_BATCH)? {
+                events.push(WatchEvent { kind: *u.choose(&kinds)?, path: guest_path(u)? });
+            }
+            GuestMessage::WatchEvents { id, events, overflowed: u.arbitrary()? }
+        }
+        _ => GuestMessage::WatchEnded { id, reason: u.arbitrary()? },
+    })
+}
+
+fn entry_info(u: &mut Unstructured<'_>) -> arbitrary::Result<EntryInfo> {
+    Ok(EntryInfo {
+        path: guest_path(u)?,
+        file_type: *u.choose(&[FileType::File, FileType::Dir, FileType::Symlink, FileType::Other])?,
+        size: u.arbitrary()?,
+        mode: u.arbitrary()?,
+        uid: u.arbitrary()?,
+        gid: u.arbitrary()?,
+        modified: u.arbitrary()?,
+        target: if u.arbitrary()? { Some(guest_path(u)?) } else { None },
+    })
+}
+
+/// A path as a hostile agent might name one: about the paths the script asks about, or not a guest path at all.
+fn guest_path(u: &mut Unstructured<'_>) -> arbitrary::Result<String> {
+    Ok(match u.int_in_range(0u8..=7)? {
+        0 => format!("/data/{}", "p".repeat(MAX_PATH)),
+        1 => "/data/../etc".to_owned(),
+        2 => "relative".to_owned(),
+        3 => "/data".to_owned(),
+        _ => {
+            let name: String = u.arbitrary()?;
+            format!("/data/{}", name.chars().take(16).collect::<String>())
+        }
+    })
 }
 
 /// One host request.
@@ -118,6 +183,13 @@ enum Op {
     PrepareSnapshot,
     AfterRestore,
     StartEgress,
+    Stat,
+    ListDir { max: u64, depth: u32 },
+    CreateDir,
+    Rename,
+    Remove,
+    Watch { recursive: bool, stop_after: u8 },
+    Unwatch { watch: u8 },
 }
 
 const LIMITS: [u64; 8] = [0, 1, 5, 100, 4096, 65_536, 1 << 20, u64::MAX];
@@ -125,7 +197,7 @@ const LIMITS: [u64; 8] = [0, 1, 5, 100, 4096, 65_536, 1 << 20, u64::MAX];
 impl Op {
     fn parse(op: u8, param: u8) -> Op {
         let limit = LIMITS[usize::from(param) % LIMITS.len()];
-        match op % 12 {
+        match op % 19 {
             0 => Op::Exec { cap: (param & 0x80 == 0).then_some(limit), stdin: param & 0x40 != 0 },
             1 => Op::Next { handle: param },
             2 => Op::Signal { handle: param },
@@ -137,13 +209,20 @@ impl Op {
             8 => Op::Upload { len: [0, 1, MAX_CHUNK, MAX_CHUNK + 1, 3 * MAX_CHUNK][usize::from(param) % 5] },
             9 => Op::PrepareSnapshot,
             10 => Op::AfterRestore,
-            _ => Op::StartEgress,
+            11 => Op::StartEgress,
+            12 => Op::Stat,
+            13 => Op::ListDir { max: limit, depth: u32::from(param >> 4) },
+            14 => Op::CreateDir,
+            15 => Op::Rename,
+            16 => Op::Remove,
+            17 => Op::Watch { recursive: param & 1 != 0, stop_after: param >> 1 },
+            _ => Op::Unwatch { watch: param },
         }
     }
 
     /// Whether the client opens a route (takes a request id) for it.
     fn opens_route(self) -> bool {
-        !matches!(self, Op::Next { .. } | Op::Signal { .. } | Op::DropHandle { .. })
+        !matches!(self, Op::Next { .. } | Op::Signal { .. } | Op::DropHandle { .. } | Op::Unwatch { .. })
     }
 
     /// Whether it writes a frame (its answer is released at the first write).
@@ -151,7 +230,7 @@ impl Op {
         !matches!(self, Op::Next { .. } | Op::DropHandle { .. })
     }
 
-    fn run(self, client: &AgentClient, handles: &mut Vec<Exec>) {
+    fn run(self, client: &AgentClient, handles: &mut Vec<Exec>, watches: &mut Vec<Watched>) {
         let pick = |handles: &Vec<Exec>, handle: u8| {
             if handles.is_empty() { None } else { Some(usize::from(handle) % handles.len()) }
         };
@@ -216,6 +295,47 @@ impl Op {
             Op::StartEgress => {
                 let _ = client.start_egress(3128, 1028, 64);
             }
+            Op::Stat => {
+                let _ = client.stat("/data/x");
+            }
+            Op::ListDir { max, depth } => {
+                if let Ok(listing) = client.list_dir("/data", depth, max) {
+                    assert!(listing.entries.len() as u64 <= max, "{} entries of at most {max}", listing.entries.len());
+                }
+            }
+            Op::CreateDir => {
+                let _ = client.create_dir("/data/a/b");
+            }
+            Op::Rename => {
+                let _ = client.rename("/data/x", "/data/y");
+            }
+            Op::Remove => {
+                let _ = client.remove("/data/y");
+            }
+            Op::Watch { recursive, stop_after } => {
+                let record = Arc::new(Mutex::new(SinkRecord::default()));
+                let seen = Arc::clone(&record);
+                let sink = move |events: Vec<WatchEvent>, _overflowed: bool| {
+                    let mut seen = seen.lock().unwrap_or_else(PoisonError::into_inner);
+                    seen.after_stop |= seen.stopped;
+                    seen.largest = seen.largest.max(events.len());
+                    seen.batches += 1;
+                    seen.stopped = seen.batches > usize::from(stop_after);
+                    !seen.stopped
+                };
+                if let Ok(watch) = client.watch("/data", recursive, sink) {
+                    if watches.len() == MAX_WATCHES {
+                        watches.remove(0).sink_kept_its_bounds();
+                    }
+                    watches.push(Watched { _watch: watch, record });
+                }
+            }
+            Op::Unwatch { watch } => {
+                if !watches.is_empty() {
+                    let index = usize::from(watch) % watches.len();
+                    watches.remove(index).sink_kept_its_bounds();
+                }
+            }
         }
     }
 }
@@ -253,6 +373,33 @@ impl Exec {
             }
             Err(_) => {}
         }
+    }
+}
+
+/// What a watch's sink was handed.
+#[derive(Debug, Default)]
+struct SinkRecord {
+    batches: usize,
+    largest: usize,
+    /// The sink said stop.
+    stopped: bool,
+    /// It was called after that.
+    after_stop: bool,
+}
+
+/// A running watch and what its sink saw.
+#[derive(Debug)]
+struct Watched {
+    _watch: AgentWatch,
+    record: Arc<Mutex<SinkRecord>>,
+}
+
+impl Watched {
+    /// Ends the watch (when it is the last handle) and checks what its sink was handed.
+    fn sink_kept_its_bounds(self) {
+        let record = self.record.lock().unwrap_or_else(PoisonError::into_inner);
+        assert!(record.largest <= MAX_WATCH_BATCH, "a watch batch of {} events", record.largest);
+        assert!(!record.after_stop, "a sink was called after it said stop");
     }
 }
 

@@ -3,7 +3,8 @@
 //!
 //! Oracles: reading never fails other than with a typed [`FrameError`] (no panic, no allocation beyond a frame's
 //! bound); a body that decodes re-encodes within [`MAX_FRAME`] and decodes back to the same message; a `Hello`
-//! shows its version to [`peek_hello_version`].
+//! shows its version to [`peek_hello_version`]; every decoded message, the file methods' and watches' too,
+//! names its kind, and an agent's message the request it is about (`Hello` none).
 
 use std::fmt::Debug;
 
@@ -14,13 +15,22 @@ use strata_guest_proto::{FrameError, FrameReader, GuestMessage, HostMessage, MAX
 
 /// Reads `data` as frames of agent messages, then as frames of host messages.
 pub fn run(data: &[u8]) {
-    stream::<GuestMessage>(data, |m| match m {
-        GuestMessage::Hello { version, .. } => Some(*version),
-        _ => None,
+    stream::<GuestMessage>(data, |m| {
+        assert!(!m.kind().is_empty());
+        match m {
+            GuestMessage::Hello { version, .. } => {
+                assert_eq!(m.request_id(), None, "a Hello names a request");
+                Some(*version)
+            }
+            _ => None,
+        }
     });
-    stream::<HostMessage>(data, |m| match m {
-        HostMessage::Hello { version } => Some(*version),
-        _ => None,
+    stream::<HostMessage>(data, |m| {
+        assert!(!m.kind().is_empty());
+        match m {
+            HostMessage::Hello { version } => Some(*version),
+            _ => None,
+        }
     });
 }
 
