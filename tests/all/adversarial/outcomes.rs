@@ -2,16 +2,15 @@
 //! whatever memory it was (an inode flood is kernel memory, which no process's resident set shows) and whoever
 //! the kernel would have picked, and the job is the victim, not the jail's PID 1; a job that fills its writable
 //! layer (`--disk`: bytes or inodes) is `limit_exceeded`/`disk`, not the `exited 0` its shell made of `ENOSPC`.
-//! One-shot runs, a live sandbox, and jobs on its lanes (`Sandbox::handle`).
+//! One-shot runs and a live sandbox (whose jobs each run in a cgroup of their own: the jail's first connection's
+//! jobs cgroup, or a lane's).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use strata_core::{
-    ByteSize, Capabilities, ExecOptions, Job, LimitKind, Limits, Outcome, Sandbox, SandboxHandle, Status, TierError,
-    TierKind,
+    ByteSize, Capabilities, ExecOptions, Job, LimitKind, Limits, Outcome, Sandbox, Status, TierError, TierKind,
 };
-use strata_engine::{Engine, TierChoice};
+use strata_engine::{Engine, RunRequest, TierChoice};
 
 use crate::util::python_engine;
 
@@ -54,14 +53,9 @@ fn an_inode_flood_is_always_a_memory_kill_of_the_job() {
     let mut seen = Vec::new();
     for dir in ["/tmp/flood", "/dev/shm/flood"] {
         for _ in 0..4 {
+            let job = inode_flood(dir);
             let outcome = engine
-                .run_on(
-                    TierChoice::Tier(TierKind::Process),
-                    &inode_flood(dir),
-                    &Capabilities::default(),
-                    &flood_limits(),
-                    ExecOptions::default(),
-                )
+                .execute(RunRequest::new(&job).limits(flood_limits()).tier(TierChoice::Tier(TierKind::Process)))
                 .expect("run");
             seen.push(format!("{dir}: {}", describe(&outcome)));
         }
@@ -91,14 +85,19 @@ fn an_inode_flood_in_a_sandbox_is_a_memory_kill_and_the_sandbox_goes_on() {
         return;
     };
     for round in 0..3 {
-        let mut sandbox = engine
+        let sandbox = engine
             .start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), &flood_limits())
             .expect("start");
         let flood = sandbox.exec(&inode_flood("/tmp/flood"), ExecOptions::default()).expect("flood");
         assert!(memory_kill(&flood), "round {round}: {}", describe(&flood));
-        // What the flood left pins the cgroup's memory: the next job removes it, and then anything runs.
-        let cleanup = sandbox.exec(&sh("rm -rf /tmp/flood && echo alive"), ExecOptions::default());
-        if usable_or_ended(cleanup).unwrap_or_else(|e| panic!("round {round}: after the kill: {e}")) {
+        // What the flood left pins the cgroup's memory, but a sandbox that goes on has room for a small job.
+        let next = sandbox.exec(&sh("echo alive"), ExecOptions::default());
+        if usable_or_ended(next).unwrap_or_else(|e| panic!("round {round}: after the kill: {e}")) {
+            // A cleanup that fits in that room removes it, and then anything runs.
+            assert_eq!(
+                ok(&sandbox.exec(&frugal_cleanup("/tmp/flood"), ExecOptions::default()).expect("exec")),
+                "clean\n"
+            );
             assert_eq!(ok(&sandbox.exec(&sh("echo again"), ExecOptions::default()).expect("exec")), "again\n");
         } else {
             let err = sandbox.exec(&sh("true"), ExecOptions::default()).expect_err("an ended sandbox");
@@ -108,27 +107,33 @@ fn an_inode_flood_in_a_sandbox_is_a_memory_kill_and_the_sandbox_goes_on() {
     }
 }
 
-fn sandbox_and_handle(engine: &Engine, limits: &Limits) -> (Box<dyn Sandbox>, Arc<dyn SandboxHandle>) {
-    let mut sandbox =
-        engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), limits).expect("start");
-    let handle = sandbox.handle().expect("a process sandbox has a handle");
-    (sandbox, handle)
+fn process_sandbox(engine: &Engine, limits: &Limits) -> Box<dyn Sandbox> {
+    engine.start(TierChoice::Tier(TierKind::Process), &Capabilities::default(), limits).expect("start")
+}
+
+/// Removes what [`inode_flood`] made in `dir` a tenth at a time, in a few MiB: `rm -rf` reads a whole
+/// directory before it unlinks anything (tens of thousands of entries here), which may need more than the room
+/// a sandbox that goes on after a memory kill promises, and be killed for memory in turn. Prints `clean`.
+fn frugal_cleanup(dir: &str) -> Job {
+    sh(&format!("cd {dir} && for d in 0 1 2 3 4 5 6 7 8 9; do rm -f f*$d; done && cd / && rmdir {dir} && echo clean"))
 }
 
 #[test]
-fn an_inode_flood_on_a_lane_is_a_memory_kill_of_that_job() {
-    let Some(engine) = process("an_inode_flood_on_a_lane_is_a_memory_kill_of_that_job") else { return };
-    let (sandbox, handle) = sandbox_and_handle(engine, &flood_limits());
+fn inode_floods_in_one_sandbox_are_each_a_memory_kill_of_that_job() {
+    let Some(engine) = process("inode_floods_in_one_sandbox_are_each_a_memory_kill_of_that_job") else { return };
+    let sandbox = process_sandbox(engine, &flood_limits());
     for round in 0..3 {
-        let flood = handle.exec(&inode_flood(&format!("/tmp/flood{round}")), ExecOptions::default()).expect("flood");
+        let dir = format!("/tmp/flood{round}");
+        let flood = sandbox.exec(&inode_flood(&dir), ExecOptions::default()).expect("flood");
         assert!(memory_kill(&flood), "round {round}: {}", describe(&flood));
-        let cleanup = handle.exec(&sh(&format!("rm -rf /tmp/flood{round} && echo alive")), ExecOptions::default());
-        if !usable_or_ended(cleanup).unwrap_or_else(|e| panic!("round {round}: after the kill: {e}")) {
+        let next = sandbox.exec(&sh("echo alive"), ExecOptions::default());
+        if !usable_or_ended(next).unwrap_or_else(|e| panic!("round {round}: after the kill: {e}")) {
             // Ended cleanly: every call says so.
-            let err = handle.exec(&sh("true"), ExecOptions::default()).expect_err("an ended sandbox");
+            let err = sandbox.exec(&sh("true"), ExecOptions::default()).expect_err("an ended sandbox");
             assert!(matches!(err, TierError::SessionEnded { .. }), "{err:?}");
             break;
         }
+        assert_eq!(ok(&sandbox.exec(&frugal_cleanup(&dir), ExecOptions::default()).expect("cleanup")), "clean\n");
     }
     sandbox.close().expect("close");
 }
@@ -136,15 +141,14 @@ fn an_inode_flood_on_a_lane_is_a_memory_kill_of_that_job() {
 #[test]
 fn a_memory_kill_that_frees_its_memory_leaves_the_sandbox_usable() {
     let Some(engine) = process("a_memory_kill_that_frees_its_memory_leaves_the_sandbox_usable") else { return };
-    let (mut sandbox, handle) = sandbox_and_handle(engine, &flood_limits());
+    let sandbox = process_sandbox(engine, &flood_limits());
     let hog = sh("python3 -c \"x = b'x' * (64 << 20)\"");
-    let killed = sandbox.exec(&hog, ExecOptions::default()).expect("hog");
-    assert!(memory_kill(&killed), "{}", describe(&killed));
-    let next = sandbox.exec(&sh("echo alive"), ExecOptions::default());
-    assert_eq!(usable_or_ended(next), Ok(true), "a sandbox whose memory came back was ended");
-    let killed = handle.exec(&hog, ExecOptions::default()).expect("hog on a lane");
-    assert!(memory_kill(&killed), "{}", describe(&killed));
-    assert_eq!(usable_or_ended(handle.exec(&sh("echo alive"), ExecOptions::default())), Ok(true));
+    for round in 0..2 {
+        let killed = sandbox.exec(&hog, ExecOptions::default()).expect("hog");
+        assert!(memory_kill(&killed), "round {round}: {}", describe(&killed));
+        let next = sandbox.exec(&sh("echo alive"), ExecOptions::default());
+        assert_eq!(usable_or_ended(next), Ok(true), "round {round}: a sandbox whose memory came back was ended");
+    }
     sandbox.close().expect("close");
 }
 
@@ -168,13 +172,7 @@ fn filling_the_disk_is_a_disk_limit_not_exit_0() {
     let Some(engine) = process("filling_the_disk_is_a_disk_limit_not_exit_0") else { return };
     let run = |job: &Job| {
         engine
-            .run_on(
-                TierChoice::Tier(TierKind::Process),
-                job,
-                &Capabilities::default(),
-                &disk_limits(8 << 20),
-                ExecOptions::default(),
-            )
+            .execute(RunRequest::new(job).limits(disk_limits(8 << 20)).tier(TierChoice::Tier(TierKind::Process)))
             .expect("run")
     };
     let bytes = run(&sh(FILL_BYTES));
@@ -195,18 +193,13 @@ fn filling_the_disk_is_a_disk_limit_not_exit_0() {
 #[test]
 fn filling_a_sandboxs_disk_is_a_disk_limit_for_that_job_only() {
     let Some(engine) = process("filling_a_sandboxs_disk_is_a_disk_limit_for_that_job_only") else { return };
-    let (mut sandbox, handle) = sandbox_and_handle(engine, &disk_limits(8 << 20));
-    let mut exec = |script: &str| sandbox.exec(&sh(script), ExecOptions::default()).expect(script);
+    let sandbox = process_sandbox(engine, &disk_limits(8 << 20));
+    let exec = |script: &str| sandbox.exec(&sh(script), ExecOptions::default()).expect(script);
     assert!(disk_full(&exec(FILL_BYTES)));
     // The layer is still full: a job that merely runs meanwhile did not fill it.
     assert_eq!(exec("echo still").status, Status::Exited { code: 0 });
     assert_eq!(text(&exec("rm /tmp/big && echo freed").stdout), "freed\n");
     assert!(disk_full(&exec(FILL_INODES)));
     assert_eq!(text(&exec("rm -r /tmp/many && echo freed").stdout), "freed\n");
-    // On a lane, the same.
-    let on_lane = handle.exec(&sh(FILL_BYTES), ExecOptions::default()).expect("lane");
-    assert!(disk_full(&on_lane), "{}", describe(&on_lane));
-    let freed = handle.exec(&sh("rm /tmp/big && echo freed"), ExecOptions::default()).expect("lane");
-    assert_eq!(text(&freed.stdout), "freed\n");
     sandbox.close().expect("close");
 }
