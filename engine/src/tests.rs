@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex};
 
 use strata_core::{
     Capabilities, ExecOptions, Job, Limits, Outcome, PythonSource, Sandbox, Status, Tier, TierError, TierKind,
-    Truncated, Usage,
 };
 
 use crate::{Engine, EngineConfig, EngineError, RunRequest, TierChoice};
@@ -35,16 +34,8 @@ impl Tier for FakeTier {
     fn run(&self, job: &Job, _: &Capabilities, _: &Limits, _: ExecOptions) -> Result<Outcome, TierError> {
         self.ran.lock().expect("lock").push(job.clone());
         Ok(Outcome {
-            tier: self.kind,
-            status: Status::Exited { code: self.answer.0 },
-            stdout: Vec::new(),
             stderr: self.answer.1.as_bytes().to_vec(),
-            truncated: Truncated::default(),
-            usage: Usage::default(),
-            escalations: Vec::new(),
-            tools: Vec::new(),
-            route: None,
-            egress: Vec::new(),
+            ..Outcome::new(self.kind, Status::Exited { code: self.answer.0 })
         })
     }
 

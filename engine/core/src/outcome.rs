@@ -261,6 +261,23 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// An outcome of `tier` that ended as `status`, with no output, usage, history or egress yet: each tier
+    /// fills what it measured with struct update syntax (`Outcome { stdout, ..Outcome::new(tier, status) }`).
+    pub fn new(tier: TierKind, status: Status) -> Outcome {
+        Outcome {
+            tier,
+            status,
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            truncated: Truncated::default(),
+            usage: Usage::default(),
+            escalations: Vec::new(),
+            tools: Vec::new(),
+            route: None,
+            egress: Vec::new(),
+        }
+    }
+
     /// The exit status `strata run` uses for this outcome.
     pub fn exit_code(&self) -> i32 {
         self.status.exit_code()
@@ -354,11 +371,7 @@ mod tests {
 
     fn sample() -> Outcome {
         Outcome {
-            tier: TierKind::Wasm,
-            status: Status::Exited { code: 0 },
             stdout: b"hello\n".to_vec(),
-            stderr: Vec::new(),
-            truncated: Truncated::default(),
             usage: Usage {
                 wall: Duration::from_micros(1200),
                 cpu: Duration::from_micros(1000),
@@ -367,10 +380,7 @@ mod tests {
                 stdout_bytes: 6,
                 stderr_bytes: 0,
             },
-            escalations: Vec::new(),
-            tools: Vec::new(),
-            route: None,
-            egress: Vec::new(),
+            ..Outcome::new(TierKind::Wasm, Status::Exited { code: 0 })
         }
     }
 

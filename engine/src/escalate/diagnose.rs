@@ -238,23 +238,12 @@ fn unsupported_attribute(module: &str, attribute: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use strata_core::{TierKind, Truncated, Usage};
+    use strata_core::TierKind;
 
     use super::*;
 
     fn failed(stderr: &str) -> Outcome {
-        Outcome {
-            tier: TierKind::Wasm,
-            status: Status::Exited { code: 1 },
-            stdout: Vec::new(),
-            stderr: stderr.as_bytes().to_vec(),
-            truncated: Truncated::default(),
-            usage: Usage::default(),
-            escalations: Vec::new(),
-            tools: Vec::new(),
-            route: None,
-            egress: Vec::new(),
-        }
+        Outcome { stderr: stderr.as_bytes().to_vec(), ..Outcome::new(TierKind::Wasm, Status::Exited { code: 1 }) }
     }
 
     fn traceback(line: &str) -> String {

@@ -429,8 +429,6 @@ impl<H: AgentHost> Session<H> {
             None => (Vec::new(), 0),
         };
         Ok(Outcome {
-            tier: TierKind::Microvm,
-            status,
             truncated: Truncated {
                 stdout: out.truncated || totals.0 > cap,
                 stderr: err.truncated || totals.1 > cap,
@@ -446,10 +444,8 @@ impl<H: AgentHost> Session<H> {
             },
             stdout: out.bytes,
             stderr: err.bytes,
-            escalations: Vec::new(),
-            tools: Vec::new(),
-            route: None,
             egress,
+            ..Outcome::new(TierKind::Microvm, status)
         })
     }
 
@@ -656,18 +652,7 @@ pub(crate) fn grant_error(err: GrantError) -> TierError {
 
 /// An outcome for a job that never ran.
 pub(crate) fn ended(status: Status, started: Instant) -> Outcome {
-    Outcome {
-        tier: TierKind::Microvm,
-        status,
-        stdout: Vec::new(),
-        stderr: Vec::new(),
-        truncated: Truncated::default(),
-        usage: Usage { wall: started.elapsed(), ..Usage::default() },
-        escalations: Vec::new(),
-        tools: Vec::new(),
-        route: None,
-        egress: Vec::new(),
-    }
+    Outcome { usage: Usage { wall: started.elapsed(), ..Usage::default() }, ..Outcome::new(TierKind::Microvm, status) }
 }
 
 /// A host file to write into the guest before the job: guest path and contents.

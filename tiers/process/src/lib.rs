@@ -448,8 +448,6 @@ fn outcome(
     };
     let (out, err) = (stdout.finish(), stderr.finish());
     Ok(Outcome {
-        tier: TierKind::Process,
-        status,
         truncated: Truncated { stdout: out.truncated, stderr: err.truncated, egress: egress_dropped },
         usage: Usage {
             wall: report.wall,
@@ -461,10 +459,8 @@ fn outcome(
         },
         stdout: out.bytes,
         stderr: err.bytes,
-        escalations: Vec::new(),
-        tools: Vec::new(),
-        route: None,
         egress,
+        ..Outcome::new(TierKind::Process, status)
     })
 }
 

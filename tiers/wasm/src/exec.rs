@@ -510,16 +510,12 @@ impl Measured {
         let peak_memory = store.data().meter.peak_memory;
         let (out, err) = captures.finish();
         Outcome {
-            tier: TierKind::Wasm,
-            status,
             truncated: Truncated { stdout: out.truncated, stderr: err.truncated, egress: 0 },
             usage: Usage { wall, cpu, fuel, peak_memory, stdout_bytes: out.written, stderr_bytes: err.written },
             stdout: out.bytes,
             stderr: err.bytes,
-            escalations: Vec::new(),
             tools,
-            route: None,
-            egress: Vec::new(),
+            ..Outcome::new(TierKind::Wasm, status)
         }
     }
 }
