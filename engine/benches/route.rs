@@ -8,7 +8,8 @@
 //! | `route_native_200`  | the script with `import subprocess` (→ the process tier, where it runs here)        |
 //! | `route_wasm_module` | a WebAssembly job, for comparison (no scan)                                         |
 //!
-//! Target: routing and the scan add at most 1 ms to a job; the last line compares p99 with it. Uses the
+//! The policy accepts wasm32 numerics (`python_wasm_numpy = true`), so the script, which imports numpy, stays on
+//! wasm. Target: routing and the scan add at most 1 ms to a job; the last line compares p99 with it. Uses the
 //! Python runtime under `$STRATA_HOME` for the wasm build's module list (generated and cached on first use).
 //! `ROUTE_ITERS` sets the number of timed runs per case.
 
@@ -43,7 +44,9 @@ fn script(extra_import: &str) -> String {
 
 fn main() -> anyhow::Result<()> {
     let iters: usize = std::env::var("ROUTE_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2_000);
-    let policy = Policy::from_toml("[tiers]\nnative = \"process\"\n", Path::new("bench-policy.toml"))?;
+    // The script computes with numpy: accepting wasm32 numerics keeps it on wasm, whose decision is timed.
+    let policy =
+        Policy::from_toml("[tiers]\nnative = \"process\"\npython_wasm_numpy = true\n", Path::new("bench-policy.toml"))?;
     let engine = Engine::new(EngineConfig { home: Some(strata_home()), policy, ..EngineConfig::default() })?;
     let modules = engine.wasm_modules()?.clone();
     let limits = Limits::default();
@@ -53,7 +56,10 @@ fn main() -> anyhow::Result<()> {
     let mut all: Vec<Figures> = Vec::new();
     all.push(latency("scan_200_lines", iters, || {
         let refs = scan::scan_source(&source).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        anyhow::ensure!(matches!(scan::route_python(&refs, Some(&modules)), scan::PythonVerdict::Wasm(_)));
+        anyhow::ensure!(matches!(
+            scan::route_python(&refs, Some(&modules), scan::Wasm32Numerics::Accepted),
+            scan::PythonVerdict::Wasm(_)
+        ));
         Ok(())
     })?);
 

@@ -199,6 +199,18 @@ pub enum EngineError {
     /// The engine has no home directory (`$STRATA_HOME`) for what was asked.
     #[error("no STRATA_HOME (nor HOME) to keep {0} in")]
     NoHome(&'static str),
+    /// A Python job whose numbers could differ on wasm32 (it computes with numpy, whose default integer is `int32`
+    /// there) when no native tier can run it: it is not run on wasm unless the user accepts wasm32 numerics.
+    #[error(
+        "{reason}, and {native}; run it with --tier wasm (or [tiers] python_wasm_numpy = true in the policy) to \
+         accept wasm32 numerics"
+    )]
+    Wasm32Numerics {
+        /// What the job imports.
+        reason: String,
+        /// Why no native tier runs it: the policy's, or the host's.
+        native: String,
+    },
     /// A grant of a directory that holds the snapshot key: a job could read it and seal snapshots of its own.
     #[error(
         "the grant of {} would expose the snapshot key in {} (a job that reads it can forge snapshots); grant a \
@@ -222,6 +234,7 @@ impl EngineError {
             EngineError::TierUnavailable { .. } => "tier_unavailable",
             EngineError::TierNotAllowed { .. } => "tier_not_allowed",
             EngineError::NoTierFor(_) => "no_tier",
+            EngineError::Wasm32Numerics { .. } => "wasm32_numerics",
             EngineError::UnknownTier(_) => "unknown_tier",
             EngineError::UnknownImage(_) => "unknown_image",
             EngineError::Policy(_) => "invalid_policy",
@@ -687,13 +700,17 @@ impl Engine {
         };
         // The module list is only needed when something is imported.
         if refs.is_empty() {
-            return scan::route_python(&refs, None);
+            return scan::route_python(&refs, None, scan::Wasm32Numerics::Refused);
         }
+        let numerics = match self.config.policy.tiers.python_wasm_numpy {
+            true => scan::Wasm32Numerics::Accepted,
+            false => scan::Wasm32Numerics::Refused,
+        };
         match self.wasm_modules() {
-            Ok(modules) => scan::route_python(&refs, Some(modules)),
+            Ok(modules) => scan::route_python(&refs, Some(modules), numerics),
             Err(err) => {
                 log::warn!("routing Python without the wasm build's module list: {err}");
-                scan::route_python(&refs, None)
+                scan::route_python(&refs, None, numerics)
             }
         }
     }

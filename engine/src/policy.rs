@@ -125,6 +125,10 @@ pub struct TierPolicy {
     /// `auto` sends a Python job whose wall or CPU limit exceeds this to the native tier (CPython in wasm runs
     /// CPU-bound code about 4× slower than native); `None` (`"off"`) never does.
     pub python_native_above: Option<Duration>,
+    /// Whether `auto` may run Python that computes with numpy on wasm, where numpy's default integer is `int32`
+    /// and results can differ from a 64-bit host's ([`crate::scan::WASM32_NUMERICS`]). `false` (the default)
+    /// sends such a job to the native tier, and refuses it (`wasm32_numerics`) where no native tier can run it.
+    pub python_wasm_numpy: bool,
 }
 
 impl Default for TierPolicy {
@@ -135,6 +139,7 @@ impl Default for TierPolicy {
             native: TierKind::Microvm,
             fallback: true,
             python_native_above: Some(Duration::from_secs(60)),
+            python_wasm_numpy: false,
         }
     }
 }
@@ -277,6 +282,7 @@ struct TiersFile {
     native: Option<TierName>,
     fallback: Option<bool>,
     python_native_above: Option<Threshold>,
+    python_wasm_numpy: Option<bool>,
 }
 
 /// A duration (`"60s"`) or `"off"`.
@@ -353,6 +359,7 @@ impl Policy {
             native,
             fallback: file.tiers.fallback.unwrap_or(defaults.fallback),
             python_native_above: file.tiers.python_native_above.map_or(defaults.python_native_above, |t| t.0),
+            python_wasm_numpy: file.tiers.python_wasm_numpy.unwrap_or(defaults.python_wasm_numpy),
         };
         let line = |offset: usize| text.get(..offset).map_or(0, |before| before.matches('\n').count()) + 1;
         let native_allowed = tiers.allows(TierKind::Process) || tiers.allows(TierKind::Microvm);
@@ -491,6 +498,15 @@ mod tests {
             let err = Policy::from_toml(bad, Path::new("bad.toml")).expect_err(bad).to_string();
             assert!(err.contains("bad.toml"), "{err}");
         }
+    }
+
+    #[test]
+    fn python_wasm_numpy_is_off_unless_a_policy_says_so() {
+        let parse = |text: &str| Policy::from_toml(text, Path::new("p.toml"));
+        assert!(!Policy::default().tiers.python_wasm_numpy);
+        assert!(parse("[tiers]\npython_wasm_numpy = true\n").expect("valid").tiers.python_wasm_numpy);
+        assert!(!parse("[tiers]\npython_wasm_numpy = false\n").expect("valid").tiers.python_wasm_numpy);
+        assert!(parse("[tiers]\npython_wasm_numpy = \"yes\"\n").is_err());
     }
 
     #[test]

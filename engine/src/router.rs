@@ -84,6 +84,19 @@ impl<'p> Router<'p> {
                         (TierKind::Wasm, format!("{reason}, but the policy allows only wasm"))
                     }
                     PythonVerdict::Native(reason) => return self.python_native(reason, tiers),
+                    PythonVerdict::Numerics(reason) if !policy.allows(policy.native) => {
+                        let native = format!("the policy allows no native tier ({})", policy.native);
+                        return Err(EngineError::Wasm32Numerics { reason, native });
+                    }
+                    PythonVerdict::Numerics(reason) => {
+                        let why = format!("{reason} → the policy's native tier");
+                        return match self.resolve(TierChoice::Auto, policy.native, why, tiers) {
+                            Err(unavailable @ EngineError::TierUnavailable { .. }) => {
+                                Err(EngineError::Wasm32Numerics { reason, native: unavailable_phrase(&unavailable) })
+                            }
+                            other => other,
+                        };
+                    }
                 },
             },
         };
@@ -296,6 +309,32 @@ mod tests {
         let plan = Router::new(&wasm_only).plan(TierChoice::Auto, &python(), to_native, &tiers).expect("routes");
         assert_eq!(plan.tier, TierKind::Wasm);
         assert!(plan.decision.reason.ends_with("but the policy allows only wasm"), "{}", plan.decision.reason);
+    }
+
+    fn to_numerics() -> PythonVerdict {
+        PythonVerdict::Numerics("python: imports numpy, whose integer results on wasm32 could differ".into())
+    }
+
+    #[test]
+    fn numpy_goes_native_and_never_quietly_back_to_wasm() {
+        let policy = TierPolicy::default();
+        let tiers = FakeTiers::without(&[(TierKind::Microvm, "no hardware KVM")]);
+        let plan = Router::new(&policy).plan(TierChoice::Auto, &python(), to_numerics, &tiers).expect("routes");
+        assert_eq!(plan.tier, TierKind::Process, "the microVM falls back to process");
+        assert!(plan.decision.reason.starts_with("python: imports numpy"), "{}", plan.decision.reason);
+        // Where a Python job that needs processes would stay on wasm, one that computes with numpy is refused.
+        let no_fallback = TierPolicy { fallback: false, ..TierPolicy::default() };
+        let err = Router::new(&no_fallback).plan(TierChoice::Auto, &python(), to_numerics, &tiers).expect_err("no");
+        assert_eq!(err.code(), "wasm32_numerics");
+        assert!(err.to_string().contains("the microvm tier is not available (no hardware KVM)"), "{err}");
+        assert!(err.to_string().contains("--tier wasm"), "{err}");
+        let wasm_only = TierPolicy { allowed: vec![TierKind::Wasm], ..TierPolicy::default() };
+        let err = Router::new(&wasm_only).plan(TierChoice::Auto, &python(), to_numerics, &tiers).expect_err("no");
+        assert_eq!(err.code(), "wasm32_numerics");
+        assert!(err.to_string().contains("the policy allows no native tier"), "{err}");
+        // Asked for by name, wasm runs it.
+        let plan = Router::new(&policy).plan(TierChoice::Tier(TierKind::Wasm), &python(), no_scan, &tiers);
+        assert_eq!(plan.expect("routes").tier, TierKind::Wasm);
     }
 
     #[test]

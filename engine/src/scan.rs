@@ -171,6 +171,33 @@ pub const NEEDS_NATIVE: &[NativeOnly] = &[
     NativeOnly { name: "signal.setitimer", need: Need::Signals, probe: "signal.setitimer(signal.ITIMER_REAL, 1)" },
 ];
 
+/// Top-level modules of the wasm build whose results are numpy's: numpy itself and the packages that compute
+/// through it. On wasm32 numpy's default integer (`np.intp`, C `long`) is `int32`, so integer sums, products,
+/// powers and `cumsum` wrap where a 64-bit host's do not (`np.arange(10**6).sum()` is 1783293664 there and
+/// 499999500000 natively), with no warning. A job that imports one of these is not run on wasm unless the user
+/// accepts wasm32 numerics (`--tier wasm`, or `[tiers] python_wasm_numpy = true`).
+///
+/// The integration tests import every third-party module of the installed build in a fresh interpreter: each one
+/// that loads numpy must be here or in [`NUMPY_ONLY_RECOGNISED`], and each listed one must load it (statsmodels
+/// through `statsmodels.api`: its bare package imports lazily).
+pub const WASM32_NUMERICS: &[&str] = &[
+    "numpy",
+    "pandas",
+    "scipy",
+    "sklearn",
+    "statsmodels",
+    "matplotlib",
+    "pylab",
+    "seaborn",
+    "patsy",
+    "formulaic",
+    "contourpy",
+];
+
+/// Modules of the wasm build that load numpy only to recognise its types: what they compute and return are
+/// Python values, so they stay on wasm (a job that computes with numpy itself imports it, and is judged by that).
+pub const NUMPY_ONLY_RECOGNISED: &[&str] = &["joblib", "openpyxl"];
+
 /// The entry of [`NEEDS_NATIVE`] that covers a dotted name: the name itself or one of its parents (`subprocess`
 /// covers `subprocess.run`, `multiprocessing` covers `multiprocessing.pool`).
 pub fn needs_native(name: &str) -> Option<&'static NativeOnly> {
@@ -522,6 +549,11 @@ impl WasmModules {
         self.zip.contains(top_level) || self.builtin.contains(top_level)
     }
 
+    /// Its top-level names, each once, in order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.zip.union(&self.builtin).map(String::as_str)
+    }
+
     /// How many top-level names it has.
     pub fn len(&self) -> usize {
         self.zip.union(&self.builtin).count()
@@ -625,12 +657,26 @@ pub enum PythonVerdict {
     Wasm(String),
     /// It needs the native tier; the reason says what for.
     Native(String),
+    /// Wasm could run it, but its numbers could differ from a 64-bit host's ([`WASM32_NUMERICS`]): the native
+    /// tier, and never wasm in its place unless the user accepts wasm32 numerics.
+    Numerics(String),
+}
+
+/// Whether a Python job may compute with numpy on wasm32 ([`WASM32_NUMERICS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wasm32Numerics {
+    /// Such a job goes native (the default).
+    Refused,
+    /// The user accepted wasm32 numerics (`[tiers] python_wasm_numpy = true`): such a job may run on wasm.
+    Accepted,
 }
 
 /// The import-based part of the router's decision for a Python job: native when a reference needs what WASI
-/// lacks ([`NEEDS_NATIVE`]) or a non-optional import is absent from `modules`; wasm otherwise. `modules` is `None`
-/// when the list could not be made (the absence check is then skipped and the reason says so).
-pub fn route_python(refs: &[ImportRef], modules: Option<&WasmModules>) -> PythonVerdict {
+/// lacks ([`NEEDS_NATIVE`]) or a non-optional import is absent from `modules`; [`PythonVerdict::Numerics`] when
+/// it imports a module whose numbers differ on wasm32 ([`WASM32_NUMERICS`], optional imports included: a module
+/// that imports is used) and `numerics` refuses them; wasm otherwise. `modules` is `None` when the list could not
+/// be made (the absence check is then skipped and the reason says so).
+pub fn route_python(refs: &[ImportRef], modules: Option<&WasmModules>, numerics: Wasm32Numerics) -> PythonVerdict {
     let mut needs: Vec<String> = Vec::new();
     let mut covered: Vec<&str> = Vec::new();
     let mut absent: Vec<&str> = Vec::new();
@@ -668,6 +714,14 @@ pub fn route_python(refs: &[ImportRef], modules: Option<&WasmModules>) -> Python
             parts.push(format!("imports {}, absent from the wasm build", list(&absent)));
         }
         return PythonVerdict::Native(format!("python: {}", parts.join("; ")));
+    }
+    let numeric: Vec<&str> = present.iter().copied().filter(|top| WASM32_NUMERICS.contains(top)).collect();
+    if !numeric.is_empty() && numerics == Wasm32Numerics::Refused {
+        return PythonVerdict::Numerics(format!(
+            "python: imports {}, whose integer results on wasm32 (numpy's default int is int32) could differ from \
+             native Python's",
+            list(&numeric)
+        ));
     }
     if present.is_empty() {
         // Nothing imported (or only what is covered above): no module list is needed to say so.
@@ -775,15 +829,21 @@ mod tests {
 
     #[test]
     fn the_verdict_says_why() {
-        let route = |source: &str| route_python(&scan_source(source).expect("parses"), Some(&modules()));
+        let route = |source: &str| {
+            route_python(&scan_source(source).expect("parses"), Some(&modules()), Wasm32Numerics::Refused)
+        };
+        let accepting = |source: &str| {
+            route_python(&scan_source(source).expect("parses"), Some(&modules()), Wasm32Numerics::Accepted)
+        };
         assert_eq!(
-            route("import numpy as np, json, sys\n"),
+            accepting("import numpy as np, json, sys\n"),
             PythonVerdict::Wasm("python: imports only modules the wasm build has (numpy, json, sys)".into())
         );
         assert_eq!(route("x = 1\n"), PythonVerdict::Wasm("python: imports nothing the wasm build lacks".into()));
         // Without the module list (it is made only when something is imported), a script that imports nothing
         // says only that; one that imports says what was not checked.
-        let unlisted = |source: &str| route_python(&scan_source(source).expect("parses"), None);
+        let unlisted =
+            |source: &str| route_python(&scan_source(source).expect("parses"), None, Wasm32Numerics::Refused);
         assert_eq!(unlisted("print(1)\n"), PythonVerdict::Wasm("python: imports nothing the wasm build lacks".into()));
         assert_eq!(
             unlisted("import json\n"),
@@ -808,6 +868,36 @@ mod tests {
             route("import os\nos.system('ls')\n"),
             PythonVerdict::Native("python: uses os.system (needs processes)".into())
         );
+    }
+
+    #[test]
+    fn numpy_goes_native_unless_wasm32_numerics_are_accepted() {
+        let route =
+            |source: &str, numerics| route_python(&scan_source(source).expect("parses"), Some(&modules()), numerics);
+        let numerics = PythonVerdict::Numerics(
+            "python: imports numpy, whose integer results on wasm32 (numpy's default int is int32) could differ \
+             from native Python's"
+                .into(),
+        );
+        for source in [
+            "import numpy as np\nprint(np.arange(10**6).sum())\n",
+            "from numpy import arange\n",
+            "import numpy.linalg\n",
+            "import json\nnp = __import__('numpy')\n",
+            // A job that copes without numpy still computes with it where it imports.
+            "try:\n    import numpy\nexcept ImportError:\n    numpy = None\n",
+        ] {
+            assert_eq!(route(source, Wasm32Numerics::Refused), numerics, "{source}");
+            assert!(matches!(route(source, Wasm32Numerics::Accepted), PythonVerdict::Wasm(_)), "{source}");
+        }
+        // What needs native anyway says so first.
+        assert_eq!(
+            route("import numpy, subprocess\n", Wasm32Numerics::Refused),
+            PythonVerdict::Native("python: imports subprocess (needs processes)".into())
+        );
+        // Only computing modules count: json is not numpy's.
+        assert!(matches!(route("import json\n", Wasm32Numerics::Refused), PythonVerdict::Wasm(_)));
+        assert!(WASM32_NUMERICS.iter().all(|m| !NUMPY_ONLY_RECOGNISED.contains(m)));
     }
 
     #[test]

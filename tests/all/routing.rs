@@ -113,8 +113,9 @@ fn python_goes_to_wasm_unless_its_imports_need_what_wasm_lacks() {
     assert!(["numpy", "pandas", "lxml", "json", "sys", "math"].iter().all(|m| modules.has(m)), "{modules:?}");
     assert!(!modules.has("requests") && !modules.has("torch"));
     let corpus: &[(&str, TierKind, &str)] = &[
-        ("import numpy as np\nprint(np.arange(3).sum())\n", TierKind::Wasm, "wasm build has (numpy)"),
-        ("import pandas as pd, json\n", TierKind::Wasm, "wasm build has (pandas, json)"),
+        ("import numpy as np\nprint(np.arange(3).sum())\n", TierKind::Process, "imports numpy, whose integer"),
+        ("import pandas as pd, json\n", TierKind::Process, "imports pandas, whose integer results on wasm32"),
+        ("import json, yaml\n", TierKind::Wasm, "wasm build has (json, yaml)"),
         ("import lxml.etree\n", TierKind::Wasm, "(lxml)"),
         ("print('no imports')\n", TierKind::Wasm, "imports nothing"),
         ("import subprocess\nsubprocess.run(['ls'])\n", TierKind::Process, "imports subprocess (needs processes)"),
@@ -201,8 +202,8 @@ fn python_with_network_goes_native_since_wasm_python_has_no_sockets() {
     if !process_tier_runs(&engine, "python_with_network_goes_native...") {
         return;
     }
-    // pandas alone would stay on wasm; the allowlist is what sends it native.
-    let job = python_code("import pandas as pd\n");
+    // json alone would stay on wasm; the allowlist is what sends it native.
+    let job = python_code("import json\n");
     let caps =
         Capabilities { net: Net::allow(["example.org:443"]).expect("valid allowlist"), ..Capabilities::default() };
     let route = engine.route_with_limits(TierChoice::Auto, &job, &caps, &Limits::default()).expect("routes");
@@ -231,6 +232,112 @@ fn a_wasm_only_policy_keeps_python_on_wasm_whatever_it_imports() {
     // An explicit tier is the reason itself.
     let outcome = run(&engine, TierChoice::Tier(TierKind::Wasm), &python_code("pass")).expect("runs");
     assert_eq!(outcome.route.expect("route").reason, "explicit --tier wasm");
+}
+
+/// Integer results that wrap on wasm32 (numpy's default integer is `int32` there), each with the value native
+/// Python computes: `(expression, native value)`.
+const OVERFLOWS: &[(&str, &str)] = &[
+    ("np.arange(10**6).sum()", "499999500000"),
+    ("(np.array([100000]) ** 2)[0]", "10000000000"),
+    ("np.prod(np.arange(1, 21))", "2432902008176640000"),
+    ("np.arange(100000).cumsum()[-1]", "4999950000"),
+    ("(np.array([2**31 - 1]) + 1)[0]", "2147483648"),
+    ("np.array([70000]).dot(np.array([70000]))", "4900000000"),
+    ("np.dtype(int).itemsize * 8", "64"),
+    ("pd.Series(range(100000)).sum()", "4999950000"),
+    ("(pd.DataFrame({'a': [100000] * 3})['a'] ** 2).sum()", "30000000000"),
+    ("pd.Series(np.arange(100000)).cumsum().iloc[-1]", "4999950000"),
+];
+
+fn overflow_script() -> String {
+    let mut script = String::from("import numpy as np, pandas as pd\n");
+    for (expression, _) in OVERFLOWS {
+        script.push_str(&format!("print(int({expression}))\n"));
+    }
+    script
+}
+
+#[test]
+fn numpy_and_pandas_give_native_answers_on_the_default_route() {
+    let engine = engine_with("[tiers]\nnative = \"process\"\n");
+    if !process_tier_runs(&engine, "numpy_and_pandas_give_native_answers_on_the_default_route") {
+        return;
+    }
+    let job = python_code(&overflow_script());
+    let outcome = run(&engine, TierChoice::Auto, &job).expect("runs");
+    let stdout = String::from_utf8_lossy(&outcome.stdout);
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{stdout}{}", String::from_utf8_lossy(&outcome.stderr));
+    assert_eq!(outcome.tier, TierKind::Process, "{:?}", outcome.route);
+    let route = outcome.route.as_ref().expect("route");
+    assert!(route.reason.starts_with("python: imports numpy, pandas, whose integer results"), "{}", route.reason);
+    let got: Vec<&str> = stdout.lines().collect();
+    let native: Vec<&str> = OVERFLOWS.iter().map(|(_, value)| *value).collect();
+    assert_eq!(got, native, "{:#?}", OVERFLOWS);
+    // The same job where the user asked for wasm: wasm32 numbers (the classic case wraps), as asked.
+    let accepted = engine_with("[tiers]\nnative = \"process\"\npython_wasm_numpy = true\n");
+    for (engine, choice) in [(&engine, TierChoice::Tier(TierKind::Wasm)), (&accepted, TierChoice::Auto)] {
+        let outcome = run(engine, choice, &job).expect("runs");
+        assert_eq!(outcome.tier, TierKind::Wasm, "{choice}: {:?}", outcome.route);
+        let stdout = String::from_utf8_lossy(&outcome.stdout);
+        assert_eq!(stdout.lines().next(), Some("1783293664"), "{choice}: {stdout}");
+    }
+}
+
+#[test]
+fn numpy_is_refused_rather_than_run_on_wasm_where_no_native_tier_may_run_it() {
+    let engine = engine_with("[tiers]\nallowed = [\"wasm\"]\n");
+    let err = run(&engine, TierChoice::Auto, &python_code("import numpy\nprint(numpy.arange(10**6).sum())\n"))
+        .expect_err("refused");
+    assert_eq!(err.code(), "wasm32_numerics", "{err}");
+    assert!(err.to_string().contains("--tier wasm"), "{err}");
+    // Asking for it runs it there; so does a wasm-only policy that accepts wasm32 numerics.
+    let job = python_code("import numpy\nprint(numpy.arange(3).sum())\n");
+    assert_eq!(run(&engine, TierChoice::Tier(TierKind::Wasm), &job).expect("runs").stdout, b"3\n");
+    let accepting = engine_with("[tiers]\nallowed = [\"wasm\"]\npython_wasm_numpy = true\n");
+    assert_eq!(run(&accepting, TierChoice::Auto, &job).expect("runs").stdout, b"3\n");
+}
+
+/// The router's numpy lists match the installed wasm build: every third-party module whose import loads numpy
+/// (each in a fresh interpreter) is in [`scan::WASM32_NUMERICS`] or [`scan::NUMPY_ONLY_RECOGNISED`], and every
+/// module listed there loads it. A runtime that bundles a new numpy-based package fails this test until the
+/// package is listed.
+#[test]
+fn the_numpy_lists_match_what_loads_numpy_on_wasm() {
+    let engine = engine_with("");
+    let wasm = TierChoice::Tier(TierKind::Wasm);
+    let stdlib = run(&engine, wasm, &python_code("import sys\nprint('\\n'.join(sys.stdlib_module_names))"))
+        .expect("stdlib names");
+    let stdlib = String::from_utf8_lossy(&stdlib.stdout).into_owned();
+    let stdlib: std::collections::HashSet<&str> = stdlib.lines().collect();
+    let modules = engine.wasm_modules().expect("the wasm build's module list");
+    let third_party: Vec<&str> =
+        modules.names().filter(|name| !stdlib.contains(name) && !name.starts_with('_')).collect();
+    assert!(third_party.len() > 20 && third_party.contains(&"numpy"), "{third_party:?}");
+    let mut loads = Vec::new();
+    for name in &third_party {
+        // statsmodels' package imports lazily; its API is what jobs import.
+        let import = if *name == "statsmodels" { "statsmodels.api" } else { name };
+        let probe = format!(
+            "import sys\ntry:\n    import {import}\nexcept BaseException:\n    pass\nprint('numpy' in sys.modules)\n"
+        );
+        let outcome = run(&engine, wasm, &python_code(&probe)).expect("probe");
+        match outcome.stdout.as_slice() {
+            b"True\n" => loads.push(*name),
+            b"False\n" => {}
+            other => {
+                panic!("{name}: {:?} {:?}", String::from_utf8_lossy(other), String::from_utf8_lossy(&outcome.stderr))
+            }
+        }
+    }
+    let listed = |name: &&str| scan::WASM32_NUMERICS.contains(name) || scan::NUMPY_ONLY_RECOGNISED.contains(name);
+    let unlisted: Vec<&&str> = loads.iter().filter(|name| !listed(name)).collect();
+    assert!(unlisted.is_empty(), "modules that load numpy on wasm but are in neither list: {unlisted:?}");
+    let stale: Vec<&&str> = scan::WASM32_NUMERICS
+        .iter()
+        .chain(scan::NUMPY_ONLY_RECOGNISED)
+        .filter(|name| third_party.contains(name) && !loads.contains(name))
+        .collect();
+    assert!(stale.is_empty(), "listed, but their import does not load numpy: {stale:?}");
 }
 
 /// Every entry of the router's "needs native" list fails on the wasm tier, shown by its probe: an entry that
