@@ -1,7 +1,7 @@
 //! Python on the wasm tier: CPython 3.15 with numpy and pandas, one-shot jobs, sessions, limits, grants, tools.
 
 use strata_core::{
-    Capabilities, ExecOptions, Grant, GrantMode, Job, LimitKind, Limits, PythonSource, Status, TierError,
+    Capabilities, ExecOptions, Grant, GrantMode, Job, LimitKind, Limits, PythonSource, Status, TierError, TierKind,
 };
 use strata_engine::{EngineError, RunRequest, TierChoice};
 
@@ -212,6 +212,30 @@ fn the_scratch_tmp_is_private_and_removed_after_the_job() {
     assert_eq!(stdout(&outcome), "[]\n", "each job gets a fresh /tmp");
 }
 
+/// Every socket call a job may make fails as documented, `OSError: [Errno 58] Not supported`: name lookups too
+/// (the wasm build's `_socket` has no resolver, so they used to raise `AttributeError`).
+const SOCKET_CALLS: &str = r#"import socket
+for name, call in [
+    ('connect', lambda: socket.socket().connect(('1.1.1.1', 80))),
+    ('create_connection', lambda: socket.create_connection(('example.org', 80), timeout=5)),
+    ('getaddrinfo', lambda: socket.getaddrinfo('localhost', 80)),
+    ('gethostbyname', lambda: socket.gethostbyname('localhost')),
+    ('getservbyname', lambda: socket.getservbyname('http')),
+]:
+    try:
+        call()
+        print(name, 'worked')
+    except OSError as e:
+        print(name, e)
+"#;
+
+fn socket_calls_expected() -> String {
+    ["connect", "create_connection", "getaddrinfo", "gethostbyname", "getservbyname"]
+        .iter()
+        .map(|name| format!("{name} [Errno 58] Not supported\n"))
+        .collect()
+}
+
 #[test]
 fn sockets_and_subprocesses_fail_inside_the_guest() {
     let outcome = python(
@@ -225,6 +249,17 @@ fn sockets_and_subprocesses_fail_inside_the_guest() {
         stdout(&outcome),
         "socket: [Errno 58] Not supported\nsubprocess: [Errno 58] wasi does not support processes.\n"
     );
+    let outcome = python(SOCKET_CALLS, &Capabilities::default(), &Limits::default());
+    assert_eq!(stdout(&outcome), socket_calls_expected(), "{}", stderr(&outcome));
+    // In a session too, with socket imported in an earlier turn or not.
+    let session = python_engine()
+        .start(TierChoice::Tier(TierKind::Wasm), &Capabilities::default(), &Limits::default())
+        .expect("start");
+    for _ in 0..2 {
+        let outcome = session.exec(&code(SOCKET_CALLS), ExecOptions::default()).expect("turn");
+        assert_eq!(stdout(&outcome), socket_calls_expected(), "{}", stderr(&outcome));
+    }
+    session.close().expect("close");
 }
 
 #[test]

@@ -114,6 +114,29 @@ fn py_list(items: &[String]) -> String {
     serde_json::to_string(items).unwrap_or_else(|_| "[]".into())
 }
 
+/// Completes the wasm build's `_socket`, which lacks the resolver functions: `socket.create_connection` raised
+/// `AttributeError: module '_socket' has no attribute 'getaddrinfo'` where the documented failure of a socket
+/// call on wasm is `OSError: [Errno 58] Not supported` (what `socket.socket().connect` raises). Each missing one
+/// becomes a function that raises that, on `_socket` and on `socket` if it is already imported (`socket` takes
+/// `_socket`'s names when it is first imported). Run before every one-shot job and at a session's start; it binds
+/// no name in `__main__`.
+const SOCKET_SHIM: &str = "def __strata_sockets():
+    import _socket, errno, sys
+    def unsupported(*args, **kwargs):
+        raise OSError(errno.ENOTSUP, 'Not supported')
+    for name in ('getaddrinfo', 'getnameinfo', 'gethostbyname', 'gethostbyname_ex', 'gethostbyaddr',
+                 'getservbyname', 'getservbyport', 'getprotobyname', 'if_nameindex'):
+        if not hasattr(_socket, name):
+            setattr(_socket, name, unsupported)
+        socket = sys.modules.get('socket')
+        if socket is not None and not hasattr(socket, name):
+            setattr(socket, name, unsupported)
+try:
+    __strata_sockets()
+finally:
+    del __strata_sockets
+";
+
 /// The turn code of a one-shot job: the program run as `python -c`/`python FILE`/`python -m` would run it.
 fn one_shot_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> String {
     let (argv0, body) = match source {
@@ -146,7 +169,7 @@ fn one_shot_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> 
     let mut argv = vec![argv0];
     argv.extend(args.iter().cloned());
     format!(
-        "def __strata_job():
+        "{SOCKET_SHIM}def __strata_job():
     import sys
     sys.argv = {argv}
     main = sys.modules['__main__'].__dict__
@@ -457,16 +480,21 @@ impl PythonSession {
             ended: None,
             scratch,
         };
-        if let Some(restore) = restore {
-            session.restore_globals(&restore.globals)?;
-            let limits = Limits { wall: SHUTDOWN_DEADLINE, cpu: SHUTDOWN_DEADLINE, ..limits.clone() };
-            let outcome =
-                session.turn(runtime, &PythonSource::Code(RESEED.into()), &[], &limits, &ExecOptions::default())?;
-            if outcome.status != (Status::Exited { code: 0 }) {
-                return Err(TierError::SessionEnded {
-                    reason: format!("the restored interpreter failed its first turn: {}", outcome.status),
-                });
+        // A first turn of the host's own: a restored interpreter reseeds its random generators; every one gets
+        // the socket shim (a snapshot made before it existed has none).
+        let setup = match restore {
+            Some(restore) => {
+                session.restore_globals(&restore.globals)?;
+                format!("{RESEED}{SOCKET_SHIM}")
             }
+            None => SOCKET_SHIM.to_owned(),
+        };
+        let limits = Limits { wall: SHUTDOWN_DEADLINE, cpu: SHUTDOWN_DEADLINE, ..limits.clone() };
+        let outcome = session.turn(runtime, &PythonSource::Code(setup), &[], &limits, &ExecOptions::default())?;
+        if outcome.status != (Status::Exited { code: 0 }) || !outcome.stdout.is_empty() {
+            return Err(TierError::SessionEnded {
+                reason: format!("the interpreter failed its first turn: {}", outcome.status),
+            });
         }
         Ok(session)
     }
