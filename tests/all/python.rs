@@ -1,7 +1,8 @@
 //! Python on the wasm tier: CPython 3.15 with numpy and pandas, one-shot jobs, sessions, limits, grants, tools.
 
 use strata_core::{
-    Capabilities, ExecOptions, Grant, GrantMode, Job, LimitKind, Limits, PythonSource, Status, TierError, TierKind,
+    Capabilities, ExecOptions, Grant, GrantMode, Job, LimitKind, Limits, PythonSource, Status, Tier, TierError,
+    TierKind,
 };
 use strata_engine::{EngineError, RunRequest, TierChoice};
 
@@ -259,6 +260,14 @@ fn sockets_and_subprocesses_fail_inside_the_guest() {
         let outcome = session.exec(&code(SOCKET_CALLS), ExecOptions::default()).expect("turn");
         assert_eq!(stdout(&outcome), socket_calls_expected(), "{}", stderr(&outcome));
     }
+    // And in a fork of it.
+    let dir = tempfile::tempdir().expect("tempdir");
+    session.snapshot(&dir.path().join("snap")).expect("snapshot");
+    let snapshot = python_engine().snapshots().open_for(&dir.path().join("snap"), TierKind::Wasm).expect("open");
+    let fork = python_engine().wasm().fork(&snapshot).expect("fork");
+    let outcome = fork.exec(&code(SOCKET_CALLS), ExecOptions::default()).expect("turn");
+    assert_eq!(stdout(&outcome), socket_calls_expected(), "{}", stderr(&outcome));
+    fork.close().expect("close");
     session.close().expect("close");
 }
 

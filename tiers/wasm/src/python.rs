@@ -118,24 +118,22 @@ fn py_list(items: &[String]) -> String {
 /// `AttributeError: module '_socket' has no attribute 'getaddrinfo'` where the documented failure of a socket
 /// call on wasm is `OSError: [Errno 58] Not supported` (what `socket.socket().connect` raises). Each missing one
 /// becomes a function that raises that, on `_socket` and on `socket` if it is already imported (`socket` takes
-/// `_socket`'s names when it is first imported). Run before every one-shot job and at a session's start; it binds
-/// no name in `__main__`.
-const SOCKET_SHIM: &str = "def __strata_sockets():
-    import _socket, errno, sys
-    def unsupported(*args, **kwargs):
-        raise OSError(errno.ENOTSUP, 'Not supported')
-    for name in ('getaddrinfo', 'getnameinfo', 'gethostbyname', 'gethostbyname_ex', 'gethostbyaddr',
-                 'getservbyname', 'getservbyport', 'getprotobyname', 'if_nameindex'):
-        if not hasattr(_socket, name):
-            setattr(_socket, name, unsupported)
-        socket = sys.modules.get('socket')
-        if socket is not None and not hasattr(socket, name):
-            setattr(socket, name, unsupported)
-try:
-    __strata_sockets()
-finally:
-    del __strata_sockets
+/// `_socket`'s names when it is first imported). Run before every one-shot job and as a fresh session's first
+/// turn; the names it binds in `__main__` are deleted at its end. Terse on purpose: CPython in wasm compiles
+/// about a microsecond per byte of source, and this is compiled once per job (~0.2 ms; docs/python-runtime.md).
+const SOCKET_SHIM: &str = "import _socket as _s,errno as _e,sys as _y
+def _u(*a,_c=_e.ENOTSUP,**k):raise OSError(_c,'Not supported')
+for _m in(_s,_y.modules.get('socket')):
+ for _n in('getaddrinfo','getnameinfo','gethostbyname','gethostbyname_ex','gethostbyaddr','getservbyname',
+  'getservbyport','getprotobyname','if_nameindex'):_m is None or hasattr(_m,_n)or setattr(_m,_n,_u)
+del _s,_e,_y,_u,_m,_n
 ";
+
+/// A restored interpreter's part of the shim: a snapshot taken after [`SOCKET_SHIM`] ran has it already, so only
+/// one made before it compiles it.
+fn restored_socket_shim() -> String {
+    format!("import _socket as _s\nif not hasattr(_s,'getaddrinfo'):exec({},{{}})\ndel _s\n", py_str(SOCKET_SHIM))
+}
 
 /// The turn code of a one-shot job: the program run as `python -c`/`python FILE`/`python -m` would run it.
 fn one_shot_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> String {
@@ -485,7 +483,7 @@ impl PythonSession {
         let setup = match restore {
             Some(restore) => {
                 session.restore_globals(&restore.globals)?;
-                format!("{RESEED}{SOCKET_SHIM}")
+                format!("{RESEED}{}", restored_socket_shim())
             }
             None => SOCKET_SHIM.to_owned(),
         };
@@ -652,6 +650,13 @@ mod tests {
     fn strings_become_python_literals() {
         assert_eq!(py_str("a'b\"c\\\n"), r#""a'b\"c\\\n""#);
         assert_eq!(py_list(&["-c".into(), "x y".into()]), r#"["-c","x y"]"#);
+    }
+
+    #[test]
+    fn the_restored_socket_shim_carries_the_whole_shim_as_a_literal() {
+        let code = restored_socket_shim();
+        assert!(code.contains(&py_str(SOCKET_SHIM)), "{code}");
+        assert!(code.starts_with("import _socket as _s\n") && code.ends_with("del _s\n"), "{code}");
     }
 
     #[test]
