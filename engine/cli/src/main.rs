@@ -9,6 +9,7 @@ mod docs;
 mod doctor;
 mod images;
 mod progress;
+mod replay;
 mod run;
 mod serve;
 mod snapshot;
@@ -38,7 +39,10 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a job: `strata run [OPTIONS] FILE [-- ARGS...]`, or `strata run --python -c CODE | -m MODULE`.
-    Run(Box<run::RunArgs>),
+    Run(Box<run::RunCommand>),
+    /// Re-run a job recorded by `strata run --record FILE` with the same inputs and check that its output and
+    /// exit status are byte-identical; says where it diverged if not (exit status 1).
+    Replay(replay::ReplayArgs),
     /// Snapshot a prepared sandbox (`create`) or look into a snapshot (`inspect`); `strata run --snapshot DIR`
     /// forks it.
     Snapshot(snapshot::SnapshotArgs),
@@ -117,8 +121,12 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Run(args) => {
-            let json = args.json;
+            let json = args.run.json;
             run::run(*args).map_err(|failure| (json, failure))
+        }
+        Command::Replay(args) => {
+            let json = args.json;
+            replay::replay(args).map_err(|failure| (json, failure))
         }
         Command::Snapshot(args) => {
             let json = snapshot::wants_json(&args);

@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use clap::Args;
 use strata_core::{
-    Allowlist, ByteSize, Capabilities, EnvVar, Fuel, Grant, Job, Limits, LimitsOverride, Outcome, OutputSink,
-    PythonSource, Snapshot, Status, StdinStream, Stream, format_duration, parse_duration,
+    Allowlist, ByteSize, Capabilities, Determinism, EnvVar, ExecOptions, Fuel, Grant, Job, Limits, LimitsOverride,
+    Outcome, OutputSink, PythonSource, Recorder, Snapshot, Status, StdinStream, Stream, TierKind, format_duration,
+    parse_duration,
 };
 use strata_engine::{Engine, EngineConfig, Policy, RunRequest, TierChoice, VmImage};
 
@@ -114,6 +115,30 @@ pub(crate) struct RunArgs {
     /// Print exactly one JSON object, the outcome (or {"error":…}), instead of the guest's output.
     #[arg(long)]
     pub(crate) json: bool,
+}
+
+/// `strata run`: the job's options, and how to make the run reproducible.
+#[derive(Args)]
+pub(crate) struct RunCommand {
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
+
+    #[command(flatten)]
+    repro: ReproArgs,
+}
+
+/// Reproducible runs (wasm jobs only: they force the wasm tier).
+#[derive(Args)]
+struct ReproArgs {
+    /// Make the job's clocks and randomness deterministic: the wall clock starts at an instant derived from N and
+    /// both clocks advance 1ms per reading, random bytes come from ChaCha20 keyed by N (wasm tier only).
+    #[arg(long, value_name = "N")]
+    seed: Option<u64>,
+
+    /// Record the job's inputs (args, env, stdin, clock readings, random bytes, tool answers) and its output and
+    /// status into FILE, for `strata replay FILE` (wasm tier only; stdin is read whole before the job starts).
+    #[arg(long, value_name = "FILE")]
+    record: Option<PathBuf>,
 }
 
 /// A job ready to run: what `strata run` and `strata snapshot create` make of their options.
@@ -299,10 +324,48 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
     Ok(Prepared { engine, job, caps, limits, tier: args.tier, snapshot, json: args.json, ungranted })
 }
 
-pub(crate) fn run(args: RunArgs) -> Result<i32, Failure> {
-    let prepared = prepare(args)?;
+pub(crate) fn run(command: RunCommand) -> Result<i32, Failure> {
+    let RunCommand { run: args, repro } = command;
+    let reproducible = repro.seed.is_some() || repro.record.is_some();
+    let flag = if repro.record.is_some() { "--record" } else { "--seed" };
+    if reproducible && args.snapshot.is_some() {
+        return Err(Failure::new(
+            "usage",
+            format!(
+                "{flag} runs a one-shot wasm job; a fork of --snapshot is a live session, which is not reproducible"
+            ),
+        ));
+    }
+    let mut prepared = prepare(args)?;
+    if reproducible {
+        // Only the wasm tier makes a job reproducible: force it, and never let the job run elsewhere unseeded.
+        prepared.tier = match prepared.tier {
+            TierChoice::Auto | TierChoice::Tier(TierKind::Wasm) => TierChoice::Tier(TierKind::Wasm),
+            other => {
+                return Err(Failure::new(
+                    "usage",
+                    format!("{flag} needs the wasm tier (only wasm jobs are reproducible), not --tier {other}"),
+                ));
+            }
+        };
+    }
+    let recorder = repro.record.as_ref().map(|_| Arc::new(Recorder::new(repro.seed)));
+    let determinism = match (&recorder, repro.seed) {
+        (Some(recorder), _) => Some(Determinism::Record(recorder.clone())),
+        (None, Some(seed)) => Some(Determinism::Seed(seed)),
+        (None, None) => None,
+    };
+    let stdin = if recorder.is_some() { StdinInput::Whole } else { StdinInput::Stream };
     let Prepared { engine, limits, json, ungranted, .. } = &prepared;
-    let outcome = execute(*json, limits, prepared.request(), |request| engine.execute(request))?;
+    let request = prepared.request().options(ExecOptions { determinism, ..ExecOptions::default() });
+    let outcome = execute_with(*json, limits, request, stdin, |request| engine.execute(request))?;
+    if let (Some(recorder), Some(path)) = (&recorder, &repro.record) {
+        let recording = recorder.finish(&outcome).map_err(|e| Failure::new(e.code(), e.to_string()))?;
+        recording.write(path).map_err(|e| Failure::new(e.code(), e.to_string()))?;
+        if !*json {
+            crate::progress::plain(&format!("strata: recorded to {} (`strata replay` re-runs it)", path.display()));
+        }
+    }
     if *json {
         print_json(&outcome)?;
     } else if outcome.exit_code() != 0
@@ -347,9 +410,35 @@ pub(crate) fn execute<'a, T: AsOutcome>(
     request: RunRequest<'a>,
     job: impl FnOnce(RunRequest<'a>) -> Result<T, strata_engine::EngineError>,
 ) -> Result<T, Failure> {
-    let request = match stdin_stream()? {
-        Some(stream) => request.stdin_stream(stream),
-        None => request,
+    execute_with(json, limits, request, StdinInput::Stream, job)
+}
+
+/// How a job gets this process's stdin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StdinInput {
+    /// Streamed in as it arrives.
+    Stream,
+    /// Read to its end before the job starts (a recorded job's stdin is part of its recording).
+    Whole,
+}
+
+/// [`execute`], with stdin given as `stdin` says.
+fn execute_with<'a, T: AsOutcome>(
+    json: bool,
+    limits: &Limits,
+    request: RunRequest<'a>,
+    stdin: StdinInput,
+    job: impl FnOnce(RunRequest<'a>) -> Result<T, strata_engine::EngineError>,
+) -> Result<T, Failure> {
+    let request = match (stdin_stream()?, stdin) {
+        (Some(stream), StdinInput::Stream) => request.stdin_stream(stream),
+        (Some(stream), StdinInput::Whole) => {
+            let bytes = stream
+                .read_to_end(strata_core::MAX_BUFFERED_STDIN)
+                .map_err(|e| Failure::new(e.code(), e.to_string()))?;
+            request.stdin(bytes)
+        }
+        (None, _) => request,
     };
     if json {
         return Ok(job(request)?);

@@ -126,6 +126,9 @@ pub enum TierError {
         /// The program and the error.
         message: String,
     },
+    /// A recording could not be made, read or replayed.
+    #[error(transparent)]
+    Replay(#[from] crate::replay::ReplayError),
     /// A snapshot could not be written, or was refused when read.
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
@@ -187,6 +190,7 @@ impl TierError {
             TierError::ProgramNotFound { .. } => "program_not_found",
             TierError::ExecFailed { .. } => "exec_failed",
             TierError::Snapshot(err) => err.code(),
+            TierError::Replay(err) => err.code(),
             TierError::Internal { .. } => "internal",
         }
     }

@@ -19,6 +19,7 @@ pub mod outcome;
 pub mod private_copy;
 mod random;
 pub mod redact;
+pub mod replay;
 pub mod snapshot;
 pub mod snapshot_key;
 pub mod sync;
@@ -38,6 +39,7 @@ pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
 pub use outcome::{EgressEntry, Escalation, Outcome, RouteDecision, Status, TierKind, Truncated, Usage};
 pub use private_copy::PrivateCopy;
 pub use redact::{Redactor, Secret};
+pub use replay::{Determinism, Divergence, JobInputs, Recorder, Recording, ReplayError, Replayer};
 pub use snapshot::{
     Manifest, Persisted, Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, SnapshotWriter,
 };

@@ -14,6 +14,7 @@ use crate::guest_path::GuestPath;
 use crate::job::Job;
 use crate::limits::Limits;
 use crate::outcome::{Outcome, TierKind};
+use crate::replay::Determinism;
 use crate::snapshot::Snapshot;
 
 /// Which output stream a chunk came from.
@@ -76,6 +77,10 @@ pub struct ExecOptions {
     pub sink: Option<Arc<dyn OutputSink>>,
     /// Cancels the job.
     pub cancel: Option<CancelToken>,
+    /// Seeded clocks and randomness, or the record or replay of the job's inputs ([`crate::replay`]). Only the
+    /// wasm tier's one-shot jobs take it; every other tier and a session's turn refuse it
+    /// ([`TierError::Unsupported`]) rather than run the job as if it were not asked for.
+    pub determinism: Option<Determinism>,
 }
 
 impl fmt::Debug for ExecOptions {
@@ -86,7 +91,22 @@ impl fmt::Debug for ExecOptions {
             .field("stdin_stream", &self.stdin_stream)
             .field("sink", &self.sink.is_some())
             .field("cancel", &self.cancel)
+            .field("determinism", &self.determinism)
             .finish()
+    }
+}
+
+impl ExecOptions {
+    /// Refuses [`ExecOptions::determinism`] on a tier that cannot honour it: `tier` cannot make `what`
+    /// reproducible.
+    pub fn refuse_determinism(&self, tier: TierKind, what: &str) -> Result<(), TierError> {
+        match &self.determinism {
+            None => Ok(()),
+            Some(_) => Err(TierError::Unsupported {
+                tier,
+                what: format!("seeded, recorded or replayed runs of {what} (only one-shot wasm jobs are reproducible)"),
+            }),
+        }
     }
 }
 

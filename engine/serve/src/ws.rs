@@ -146,6 +146,7 @@ async fn session(state: Arc<AppState>, entry: Arc<SandboxEntry>, mut socket: Web
         stdin_stream,
         sink: Some(Arc::new(ChannelSink(tx))),
         cancel: Some(token.clone()),
+        determinism: None,
     };
     let started = Instant::now();
     let tier = entry.tier;

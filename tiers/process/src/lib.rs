@@ -334,6 +334,7 @@ impl Tier for ProcessTier {
     }
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
+        opts.refuse_determinism(TierKind::Process, "process-tier jobs")?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let prepared = PreparedJob::new(job, caps, limits)?;
         let mut jail = self.start_jail(caps, limits, true, None)?;

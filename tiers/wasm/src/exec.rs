@@ -15,7 +15,7 @@ use strata_core::{
     CancelToken, Capabilities, ExecOptions, GrantMode, LimitKind, Limits, Net, Outcome, OutputSink, Status,
     StdinStream, Stream, TierError, TierKind, ToolCall, ToolRegistry, Truncated, Usage,
 };
-use strata_core::{Captured, OutputCapture};
+use strata_core::{Captured, JobInputs, OutputCapture};
 use strata_wasi_shims::{StreamedStdin, WasiOutput};
 use wasmtime::{ResourceLimiter, Store, Trap, UpdateDeadline, WasmBacktrace};
 use wasmtime_wasi::p1::WasiP1Ctx;
@@ -270,6 +270,9 @@ pub(crate) struct WasiSpec<'a> {
     pub(crate) clock: Option<GuestClock>,
     /// The job's network (components only); `None` is no network at all.
     pub(crate) net: Option<Arc<NetPolicy>>,
+    /// Where the guest's clocks and random bytes come from when the job is seeded, recorded or replayed (this
+    /// takes the place of `clock`); the host's when `None`.
+    pub(crate) inputs: Option<Arc<JobInputs>>,
 }
 
 impl<'a> WasiSpec<'a> {
@@ -285,6 +288,7 @@ impl<'a> WasiSpec<'a> {
             preopens: Vec::new(),
             clock: None,
             net,
+            inputs: job.inputs.clone(),
         }
     }
 }
@@ -341,14 +345,73 @@ impl wasmtime_wasi::HostMonotonicClock for GuestClock {
     }
 }
 
+/// The guest's clocks read from a seeded, recorded or replayed job's [`JobInputs`].
+struct InputsClock(Arc<JobInputs>);
+
+impl wasmtime_wasi::HostWallClock for InputsClock {
+    fn resolution(&self) -> Duration {
+        Duration::from_nanos(1)
+    }
+
+    fn now(&self) -> Duration {
+        Duration::from_nanos(self.0.wall_clock_ns())
+    }
+}
+
+impl wasmtime_wasi::HostMonotonicClock for InputsClock {
+    fn resolution(&self) -> u64 {
+        1
+    }
+
+    fn now(&self) -> u64 {
+        self.0.monotonic_ns()
+    }
+}
+
+/// The guest's random bytes (WASI's secure and insecure generators alike) from a job's [`JobInputs`].
+struct InputsRandom(Arc<JobInputs>);
+
+impl rand_core::TryRng for InputsRandom {
+    type Error = std::convert::Infallible;
+
+    fn try_next_u32(&mut self) -> Result<u32, Self::Error> {
+        let mut bytes = [0u8; 4];
+        self.0.fill_random(&mut bytes);
+        Ok(u32::from_le_bytes(bytes))
+    }
+
+    fn try_next_u64(&mut self) -> Result<u64, Self::Error> {
+        let mut bytes = [0u8; 8];
+        self.0.fill_random(&mut bytes);
+        Ok(u64::from_le_bytes(bytes))
+    }
+
+    fn try_fill_bytes(&mut self, dst: &mut [u8]) -> Result<(), Self::Error> {
+        self.0.fill_random(dst);
+        Ok(())
+    }
+}
+
 /// The one place `Capabilities` become a WASI context: nothing is reachable that is not granted here.
 pub(crate) fn wasi_ctx(spec: WasiSpec<'_>, captures: &Captures) -> Result<WasiP1Ctx, TierError> {
     let mut builder = WasiCtxBuilder::new();
     // Must come before the preopens, which capture it: file I/O runs on the job's thread instead of a pool.
     builder.allow_blocking_current_thread(true);
     builder.args(&spec.args);
-    if let Some(clock) = spec.clock {
-        builder.monotonic_clock(clock);
+    match &spec.inputs {
+        Some(inputs) => {
+            builder
+                .wall_clock(InputsClock(inputs.clone()))
+                .monotonic_clock(InputsClock(inputs.clone()))
+                .secure_random(InputsRandom(inputs.clone()))
+                .insecure_random(InputsRandom(inputs.clone()))
+                .insecure_random_seed(inputs.insecure_seed());
+        }
+        None => {
+            if let Some(clock) = spec.clock {
+                builder.monotonic_clock(clock);
+            }
+        }
     }
     for (name, value) in &spec.base_env {
         builder.env(name, value);
@@ -529,6 +592,8 @@ pub(crate) struct JobContext<'a> {
     pub(crate) sink: Option<Arc<dyn OutputSink>>,
     pub(crate) cancel: Option<CancelToken>,
     pub(crate) tools: ToolHost,
+    /// The clocks, random bytes and tool answers of a seeded, recorded or replayed job.
+    pub(crate) inputs: Option<Arc<JobInputs>>,
 }
 
 /// A store ready for a one-shot job: limits armed, fuel set, the epoch ticker running while it lives.

@@ -479,13 +479,20 @@ impl TierInner {
     ) -> Result<Outcome, TierError> {
         exec::check_caps(caps, &self.config.tools)?;
         let runtime = self.runtime(limits.fuel.limit().is_some())?;
-        let context = |tools| exec::JobContext {
+        let inputs = match &opts.determinism {
+            Some(determinism) => {
+                Some(determinism.start(job, caps, limits, opts.stdin.as_deref(), opts.stdin_stream.is_some())?)
+            }
+            None => None,
+        };
+        let context = |tools: ToolHost| exec::JobContext {
             caps,
             limits,
             stdin: exec::GuestStdin::of(&opts),
             sink: opts.sink.clone(),
             cancel: opts.cancel.clone(),
-            tools,
+            tools: tools.with_inputs(inputs.clone()),
+            inputs: inputs.clone(),
         };
         match job {
             Job::Wasm { module, args } => {

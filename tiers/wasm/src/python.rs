@@ -298,7 +298,11 @@ pub(crate) fn run_once(
     job: JobContext<'_>,
 ) -> Result<Outcome, TierError> {
     exec::refuse_net(job.caps, exec::PYTHON)?;
-    let code = one_shot_code(source, read_source(source)?.as_deref(), args);
+    let text = match &job.inputs {
+        Some(inputs) => inputs.python_source(source, || read_source(source))?,
+        None => read_source(source)?,
+    };
+    let code = one_shot_code(source, text.as_deref(), args);
     let scratch = scratch(job.caps)?;
     let captures = Captures::new(job.caps, job.limits, job.sink.clone());
     let spec = WasiSpec {
@@ -309,6 +313,7 @@ pub(crate) fn run_once(
         preopens: preopens(artifacts, job.caps, scratch.as_ref().map(|d| d.path()))?,
         clock: None,
         net: None,
+        inputs: job.inputs.clone(),
     };
     let wasi = exec::wasi_ctx(spec, &captures)?;
     let ArmedStore { mut store, measured, wall_deadline, _running } =
@@ -427,6 +432,7 @@ impl PythonSession {
             preopens,
             clock: Some(clock),
             net: None,
+            inputs: None,
         };
         let wasi = exec::wasi_ctx(spec, &captures)?;
         let _running = runtime.ticker.enter().map_err(|e| internal_from("cannot start the epoch thread", e))?;
@@ -556,6 +562,7 @@ impl PythonSession {
         if let Some(reason) = &self.ended {
             return Err(TierError::SessionEnded { reason: reason.clone() });
         }
+        opts.refuse_determinism(TierKind::Wasm, "a turn of a live Python session (run the code as a one-shot job)")?;
         if limits.fuel.limit().is_some() && !self.metered {
             return Err(TierError::Unsupported {
                 tier: TierKind::Wasm,

@@ -12,12 +12,18 @@
 //! job waits for it asynchronously, so the job's wall limit and cancel end the job during a call that never
 //! returns ([`run_handler`] says what becomes of the handler).
 //!
+//! In a seeded or recorded job each frame's answer is noted in its [`JobInputs`]; in a replayed one every answer
+//! is the recording's, no handler runs, and a frame the recording does not have gets an error frame (and the
+//! replay a divergence).
+//!
 //! A store whose data is a [`ToolsView`] gets `host.call` from [`add_to_linker`].
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{Value, json};
-use strata_core::{Tool, ToolCall, ToolFailure};
+use strata_core::replay::ToolAnswer;
+use strata_core::{JobInputs, Tool, ToolCall, ToolFailure};
 use wasmtime::{Caller, Extern, Linker};
 
 /// The protocol version served.
@@ -39,6 +45,8 @@ pub(crate) struct ToolHost {
     tools: Vec<Tool>,
     seq: u32,
     records: Vec<ToolCall>,
+    /// A seeded, recorded or replayed job's inputs, which note or give the answers.
+    inputs: Option<Arc<JobInputs>>,
 }
 
 /// What a frame asks for once it is parsed.
@@ -78,11 +86,20 @@ fn nesting(value: &Value) -> usize {
 
 impl ToolHost {
     pub(crate) fn new(tools: Vec<Tool>) -> ToolHost {
-        ToolHost { tools, seq: 0, records: Vec::new() }
+        ToolHost { tools, seq: 0, records: Vec::new(), inputs: None }
+    }
+
+    /// The same tools, answering through a seeded, recorded or replayed job's `inputs`.
+    pub(crate) fn with_inputs(self, inputs: Option<Arc<JobInputs>>) -> ToolHost {
+        ToolHost { inputs, ..self }
     }
 
     pub(crate) fn has_tools(&self) -> bool {
-        !self.tools.is_empty()
+        let offered = !self.tools.is_empty();
+        match &self.inputs {
+            Some(inputs) => inputs.tools_offered(offered),
+            None => offered,
+        }
     }
 
     /// The frames exchanged so far, leaving the record empty (a session's next turn starts a new one).
@@ -259,16 +276,33 @@ async fn host_call<T: ToolsView>(
             None => return -2,
         }
     };
-    let request = caller.data_mut().tools().request(&frame, len, seq);
-    let answer = match request {
+    let inputs = caller.data_mut().tools().inputs.clone();
+    let recorded = inputs.as_ref().map(|inputs| inputs.tool_answer(&frame));
+    let answer = match recorded {
+        Some(ToolAnswer::Recorded(answer)) => answer,
+        Some(ToolAnswer::Missing(message)) => error_frame(&Value::Null, "replay", &message),
+        Some(ToolAnswer::Live) | None => {
+            let answer = live_answer(caller, &frame, len, seq).await;
+            if let Some(inputs) = &inputs {
+                inputs.note_tool(&frame, &answer);
+            }
+            answer
+        }
+    };
+    write_answer(caller, &memory, &answer, out_ptr, out_len).await
+}
+
+/// The answer of this job's own tools to a frame.
+async fn live_answer<T: ToolsView>(caller: &mut Caller<'_, T>, frame: &[u8], len: usize, seq: u32) -> Vec<u8> {
+    let request = caller.data_mut().tools().request(frame, len, seq);
+    match request {
         Request::Answer(answer) => answer,
         Request::Call { id, tool, args } => {
             let name = tool.name().to_owned();
             let result = run_handler(tool, args).await;
             caller.data_mut().tools().answer_call(seq, &id, &name, len, result)
         }
-    };
-    write_answer(caller, &memory, &answer, out_ptr, out_len).await
+    }
 }
 
 /// Handlers running in this process at once, for [`run_handler`].

@@ -138,6 +138,7 @@ pub(super) async fn start(
             stdin_stream,
             sink: Some(Arc::new(sink.clone())),
             cancel: Some(token.clone()),
+            determinism: None,
         };
         let started = Instant::now();
         let tier = entry.tier;
