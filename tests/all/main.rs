@@ -10,6 +10,7 @@ mod native;
 mod policy;
 mod python;
 mod python_image;
+mod replay;
 mod routing;
 mod snapshot_process;
 mod snapshot_wasm;
