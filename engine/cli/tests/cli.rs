@@ -865,3 +865,44 @@ fn help_completions_and_manual_pages_come_from_the_same_definitions() {
     let run_page = std::fs::read_to_string(dir.join("strata-run.1")).expect("strata-run.1");
     assert!(run_page.contains("\\-\\-timeout"), "{run_page}");
 }
+
+#[test]
+fn seeded_python_runs_are_identical_and_a_recording_replays() {
+    let home = shared_home();
+    let code = "import time, random, os, uuid; print(time.time(), random.random(), os.urandom(8).hex(), uuid.uuid4())";
+    let first = strata(&home, &["run", "--seed", "7", "--python", "-c", code], b"");
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let second = strata(&home, &["run", "--seed", "7", "--python", "-c", code], b"");
+    assert_eq!(first.stdout, second.stdout);
+    let other = strata(&home, &["run", "--seed", "8", "--python", "-c", code], b"");
+    assert_ne!(first.stdout, other.stdout);
+
+    // A reproducible run never goes to another tier.
+    let run = strata(&home, &["run", "--seed", "7", "--tier", "process", "--", "true"], b"");
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("--seed needs the wasm tier"), "{}", run.stderr);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("run.json");
+    let recorded = ["run", "--record", file.to_str().expect("utf8"), "--python", "-c"];
+    let run =
+        strata(&home, &[&recorded[..], &[&format!("{code}; import sys; print(sys.stdin.read())")]].concat(), b"in");
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(run.stdout.ends_with(" in\n") || run.stdout.ends_with("\nin\n"), "{}", run.stdout);
+    let replayed = strata(&home, &["replay", file.to_str().expect("utf8")], b"");
+    assert_eq!(replayed.code, 0, "{}", replayed.stderr);
+    assert!(replayed.stdout.starts_with("replay identical:"), "{}", replayed.stdout);
+
+    // A tampered recording: the divergence names the stream and the byte.
+    let mut recording = strata_core::Recording::read(&file).expect("the recording");
+    recording.expected.stdout.0[3] ^= 1;
+    recording.write(&file).expect("write");
+    let diverged = strata(&home, &["replay", file.to_str().expect("utf8")], b"");
+    assert_eq!(diverged.code, 1, "{}", diverged.stderr);
+    assert!(diverged.stderr.contains("replay diverged: stdout differs at byte 3"), "{}", diverged.stderr);
+
+    std::fs::write(&file, "{\"format\":\"strata-recording\",\"version\":1}").expect("write");
+    let malformed = strata(&home, &["replay", "--json", file.to_str().expect("utf8")], b"");
+    assert_eq!(malformed.code, 2, "{}", malformed.stderr);
+    assert_eq!(json(&malformed)["error"]["kind"], "invalid_recording");
+}
