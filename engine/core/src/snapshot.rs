@@ -11,7 +11,10 @@
 //! exists only as this module made it (opened, re-opened or committed), and a tier forking one re-opens it first
 //! ([`SnapshotTrust::reopen`]): the directory must still hold the same sealed manifest, and its files are hashed
 //! again unless their identity, size and times are those they were verified with (any write moves the change time,
-//! which no one but the kernel sets). Tiers read their files only through [`Snapshot::read_file`] (bytes checked
+//! which no one but the kernel sets). Across processes likewise: after a full verification, a trust with a home
+//! writes the stamps the files were verified with to a record under the home ([`VERIFIED_DIR`], not in the
+//! snapshot directory), sealed with the key under the manifest's seal, and a later open hashes only the files
+//! whose stamp differs from the record's ([`crate::file_stamp`] for when a stamp vouches for bytes). Tiers read their files only through [`Snapshot::read_file`] (bytes checked
 //! against the manifest as they are read) and [`Snapshot::open_file`] (the verified file itself), and map only
 //! [`Snapshot::private_copy`] (the bytes copied where no one else can change them, checked as they are copied).
 //!
@@ -45,6 +48,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, SystemTime};
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat};
@@ -53,6 +57,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::dirfd;
+use crate::file_stamp::FileStamp;
 use crate::outcome::TierKind;
 use crate::private_copy::PrivateCopy;
 use crate::random::random_hex;
@@ -76,6 +81,13 @@ const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 
 /// Where, under a home, the unnamed files of private copies are made ([`Snapshot::private_copy`]).
 pub const COPIES_DIR: &str = "run/copies";
+
+/// Where, under a home, the sealed records of the stamps snapshots were verified with are kept
+/// ([`SnapshotTrust::with_verified_in`]).
+pub const VERIFIED_DIR: &str = "run/verified";
+
+/// What a record of verified stamps says first.
+const VERIFIED_TAG: &str = "strata-verified-stamps 1";
 
 /// A seal file larger than this is not one of ours.
 const MAX_SEAL_BYTES: u64 = 128;
@@ -321,28 +333,6 @@ fn too_large(path: &Path, message: String) -> SnapshotError {
     SnapshotError::TooLarge { path: path.to_owned(), message }
 }
 
-/// A file's identity, size and times: unchanged stamps mean unchanged contents.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    dev: u64,
-    ino: u64,
-    size: i64,
-    mtime: (i64, i64),
-    ctime: (i64, i64),
-}
-
-impl Stamp {
-    fn of(st: &FileStat) -> Stamp {
-        Stamp {
-            dev: st.st_dev,
-            ino: st.st_ino,
-            size: st.st_size,
-            mtime: (st.st_mtime, st.st_mtime_nsec),
-            ctime: (st.st_ctime, st.st_ctime_nsec),
-        }
-    }
-}
-
 /// A verified snapshot: its directory and sealed manifest, and the stamps its files were verified with. Made only
 /// by [`SnapshotTrust`] and [`SnapshotWriter::commit`]; tiers fork from it ([`crate::Tier::fork`]).
 #[derive(Debug, Clone)]
@@ -354,7 +344,12 @@ pub struct Snapshot {
     /// Its manifest.
     pub manifest: Manifest,
     /// The stamps of `manifest.files`, in order, when they were verified.
-    stamps: Vec<Stamp>,
+    stamps: Vec<FileStamp>,
+    /// How many bytes were hashed to verify it.
+    hashed: u64,
+    /// Whether every file had last changed [`crate::file_stamp::SETTLE`] before it was verified: then an
+    /// unchanged stamp vouches for its bytes ([`Snapshot::private_copy`]).
+    settled: bool,
     /// Sealed copies of its files made so far ([`Snapshot::sealed_file`]), shared by its clones.
     copies: Arc<Copies>,
 }
@@ -394,6 +389,12 @@ impl PartialEq for Snapshot {
 impl Eq for Snapshot {}
 
 impl Snapshot {
+    /// How many bytes of its files were hashed when it was opened: 0 when every file still had the stamp of a
+    /// verified stamps record ([`SnapshotTrust::with_verified_in`]), or of the handle it was re-opened from.
+    pub fn bytes_hashed(&self) -> u64 {
+        self.hashed
+    }
+
     /// The path of one of its files (for messages; read it with [`Snapshot::read_file`] or
     /// [`Snapshot::open_file`]).
     pub fn file(&self, name: &str) -> PathBuf {
@@ -416,10 +417,15 @@ impl Snapshot {
             .ok_or_else(|| SnapshotError::MissingFile(self.file(name)))?;
         let root = open_root(&self.dir)?;
         let (file, st) = open_regular(&root, &self.dir, name)?;
-        if self.stamps.get(index) != Some(&Stamp::of(&st)) {
+        if self.stamps.get(index) != Some(&FileStamp::of_stat(&st)) {
             return Err(SnapshotError::Changed(self.file(name)));
         }
         Ok(file)
+    }
+
+    /// The stamp the listed file `name` was verified with.
+    fn stamp_of(&self, name: &str) -> Option<&FileStamp> {
+        self.manifest.files.iter().position(|f| f.path == name).and_then(|index| self.stamps.get(index))
     }
 
     /// The bytes of the listed file `name`, at most `max` of them, checked against the manifest's size and
@@ -443,9 +449,11 @@ impl Snapshot {
     }
 
     /// The listed file `name` as a [`PrivateCopy`]: its bytes copied where no one else can reach them (an
-    /// unnamed file in the trust's directory for them, or a sealed memfd) and checked against the manifest's
-    /// size and sha256 as they are copied. This, not the file, is what a tier maps: nothing done to the snapshot
-    /// directory afterwards (truncating the file, rewriting it) reaches a mapping of the copy. The copy is made
+    /// unnamed file in the trust's directory for them, or a sealed memfd) and checked as they are copied: against
+    /// the manifest's size and sha256, or, when every file had settled before it was verified
+    /// ([`crate::file_stamp`]), by the file's stamp, which must be the verified one before and after the copy.
+    /// This, not the file, is what a tier maps: nothing done to the snapshot directory afterwards (truncating the
+    /// file, rewriting it) reaches a mapping of the copy. The copy is made
     /// once per content: this snapshot keeps it, and every snapshot of the same trust asking for the same bytes
     /// while it lives gets the same one.
     pub fn private_copy(&self, name: &str) -> Result<Arc<PrivateCopy>, SnapshotError> {
@@ -462,22 +470,39 @@ impl Snapshot {
             Some(copy) => copy,
             None => {
                 let file = self.open_file(name)?;
-                let mut hasher = Sha256::new();
+                // Settled, the verified stamp vouches for the bytes as long as it holds (checked after the copy);
+                // otherwise a write in the clock tick of the verification could hide behind it: hash them.
+                let mut hasher = (!self.settled).then(Sha256::new);
                 if let Some(dir) = &place.dir {
                     // Best effort: without it the copy is a memfd.
                     let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir);
                 }
-                let name = c"strata-snapshot-file";
-                let copy =
-                    PrivateCopy::copy_from(place.dir.as_deref(), name, file, listed.size, |chunk| hasher.update(chunk))
-                        .map_err(|source| match source.kind() {
-                            io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
-                                SnapshotError::Changed(path.clone())
-                            }
-                            _ => SnapshotError::Io { path: path.clone(), source },
-                        })?;
-                if strata_image_util::hex(&hasher.finalize()) != listed.sha256 {
-                    return Err(SnapshotError::Checksum(path));
+                let label = c"strata-snapshot-file";
+                let inspect = |chunk: &[u8]| {
+                    if let Some(hasher) = &mut hasher {
+                        hasher.update(chunk);
+                    }
+                };
+                let copy = PrivateCopy::copy_from(place.dir.as_deref(), label, &file, listed.size, inspect).map_err(
+                    |source| match source.kind() {
+                        io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
+                            SnapshotError::Changed(path.clone())
+                        }
+                        _ => SnapshotError::Io { path: path.clone(), source },
+                    },
+                )?;
+                match hasher {
+                    Some(hasher) => {
+                        if strata_image_util::hex(&hasher.finalize()) != listed.sha256 {
+                            return Err(SnapshotError::Checksum(path));
+                        }
+                    }
+                    None => {
+                        let after = fstat(&file).map_err(errno_error(&path))?;
+                        if self.stamp_of(name) != Some(&FileStamp::of_stat(&after)) {
+                            return Err(SnapshotError::Changed(path));
+                        }
+                    }
                 }
                 let copy = Arc::new(copy);
                 let mut by_content = place.by_content.lock().unwrap_or_else(|p| p.into_inner());
@@ -510,6 +535,10 @@ pub struct SnapshotTrust {
     key: Arc<KeySource>,
     bounds: SnapshotBounds,
     copies: CopyPlace,
+    /// Where sealed records of verified stamps are kept, if anywhere.
+    verified: Option<PathBuf>,
+    /// How long before a verification a file must have last changed for its stamp to be recorded.
+    settle: Duration,
 }
 
 impl std::fmt::Debug for SnapshotTrust {
@@ -519,7 +548,11 @@ impl std::fmt::Debug for SnapshotTrust {
             KeySource::Home { path, .. } => path.display().to_string(),
             KeySource::ProcessLocal => "process-local".to_owned(),
         };
-        f.debug_struct("SnapshotTrust").field("key", &key).field("bounds", &self.bounds).finish()
+        f.debug_struct("SnapshotTrust")
+            .field("key", &key)
+            .field("bounds", &self.bounds)
+            .field("verified", &self.verified)
+            .finish()
     }
 }
 
@@ -530,10 +563,11 @@ impl SnapshotTrust {
     }
 
     /// Trusts snapshots sealed with the key of the home `home` ([`crate::snapshot_key::KEY_FILE`] under it,
-    /// created on first use).
+    /// created on first use), and keeps its records of verified stamps there ([`VERIFIED_DIR`]).
     pub fn in_home(home: &Path) -> SnapshotTrust {
         let path = home.join(crate::snapshot_key::KEY_FILE);
         SnapshotTrust::with_key(KeySource::Home { path, loaded: Mutex::new(None) }, Some(home.join(COPIES_DIR)))
+            .with_verified_in(home.join(VERIFIED_DIR))
     }
 
     /// Trusts snapshots sealed in this process only ([`SnapshotKey::process_local`]).
@@ -543,7 +577,32 @@ impl SnapshotTrust {
 
     fn with_key(key: KeySource, copies: Option<PathBuf>) -> SnapshotTrust {
         let copies = CopyPlace { dir: copies, by_content: ByContent::default() };
-        SnapshotTrust { key: Arc::new(key), bounds: SnapshotBounds::default(), copies }
+        SnapshotTrust {
+            key: Arc::new(key),
+            bounds: SnapshotBounds::default(),
+            copies,
+            verified: None,
+            settle: crate::file_stamp::SETTLE,
+        }
+    }
+
+    /// The same trust keeping sealed records of verified stamps in `dir` (created, mode 0700, when missing): after
+    /// a snapshot's files are hashed in full, the stamps they were verified with ([`FileStamp`]: device, inode,
+    /// size, modification and change times), sealed with the key under the manifest's seal; a later open (in any
+    /// process) hashes only the files whose stamp, taken through the descriptor it checks, differs from the
+    /// record's. A record is written only when every file last changed at least [`crate::file_stamp::SETTLE`]
+    /// before the verification (file times are coarse); a record that is not sealed with this key, or names
+    /// another manifest, is ignored. `dir` must be the host's (the home's), never a place a sandbox can write.
+    pub fn with_verified_in(mut self, dir: PathBuf) -> SnapshotTrust {
+        self.verified = Some(dir);
+        self
+    }
+
+    /// The same trust recording the stamps of files changed as little as `settle` before their verification.
+    #[cfg(any(test, feature = "test-utils"))]
+    pub fn with_settle(mut self, settle: Duration) -> SnapshotTrust {
+        self.settle = settle;
+        self
     }
 
     /// The same trust with other bounds.
@@ -597,7 +656,9 @@ impl SnapshotTrust {
     }
 
     /// Opens and verifies a snapshot directory: the seal, then the manifest, then that no unlisted file is there,
-    /// then every file's size (all of them, from `stat`) and sha256 (reading every byte once, about 1 s per GiB).
+    /// then every file's size (all of them, from `stat`) and sha256 (reading every byte once, about 1 s per GiB),
+    /// but for files that still have the stamp of this trust's record of verified stamps
+    /// ([`SnapshotTrust::with_verified_in`]).
     pub fn open(&self, dir: &Path) -> Result<Snapshot, SnapshotError> {
         self.open_checked(dir, None)
     }
@@ -610,7 +671,7 @@ impl SnapshotTrust {
     /// The sealed manifest of `dir`, its files not checked (never for restoring).
     pub fn manifest(&self, dir: &Path) -> Result<Manifest, SnapshotError> {
         let root = open_root(dir)?;
-        read_sealed(&root, dir, &self.key()?, &self.bounds)
+        Ok(read_sealed(&root, dir, &self.key()?, &self.bounds)?.0)
     }
 
     /// `snapshot` as its directory holds it now, for a tier about to fork it: the same sealed manifest (else
@@ -619,33 +680,120 @@ impl SnapshotTrust {
     pub fn reopen(&self, snapshot: &Snapshot) -> Result<Snapshot, SnapshotError> {
         let dir = &snapshot.dir;
         let root = open_root(dir)?;
-        let manifest = read_sealed(&root, dir, &self.key()?, &self.bounds)?;
+        let key = self.key()?;
+        let (manifest, sealed) = read_sealed(&root, dir, &key, &self.bounds)?;
         if manifest != snapshot.manifest {
             return Err(SnapshotError::Replaced(dir.clone()));
         }
-        let current: Option<Vec<Stamp>> = manifest
+        let current: Option<Vec<FileStamp>> = manifest
             .files
             .iter()
-            .map(|file| fstatat(&root, file.path.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).ok().map(|st| Stamp::of(&st)))
+            .map(|file| {
+                fstatat(&root, file.path.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).ok().map(|st| FileStamp::of_stat(&st))
+            })
             .collect();
         if current.as_ref() == Some(&snapshot.stamps) {
-            return Ok(Snapshot { stamps: snapshot.stamps.clone(), ..snapshot.clone() });
+            return Ok(Snapshot { stamps: snapshot.stamps.clone(), hashed: 0, ..snapshot.clone() });
         }
-        let stamps = verify_files(&root, dir, &manifest, &self.bounds)?;
-        Ok(Snapshot { tier: manifest.tier, dir: dir.clone(), manifest, stamps, copies: Copies::new(&self.copies) })
+        let (stamps, hashed, settled) = self.verify(&root, dir, &manifest, &sealed, &key)?;
+        let copies = Copies::new(&self.copies);
+        Ok(Snapshot { tier: manifest.tier, dir: dir.clone(), manifest, stamps, hashed, settled, copies })
     }
 
     fn open_checked(&self, dir: &Path, tier: Option<TierKind>) -> Result<Snapshot, SnapshotError> {
         let root = open_root(dir)?;
-        let manifest = read_sealed(&root, dir, &self.key()?, &self.bounds)?;
+        let key = self.key()?;
+        let (manifest, sealed) = read_sealed(&root, dir, &key, &self.bounds)?;
         if let Some(expected) = tier
             && manifest.tier != expected
         {
             return Err(SnapshotError::WrongTier { dir: dir.to_owned(), expected, found: manifest.tier });
         }
-        let stamps = verify_files(&root, dir, &manifest, &self.bounds)?;
-        Ok(Snapshot { tier: manifest.tier, dir: dir.to_owned(), manifest, stamps, copies: Copies::new(&self.copies) })
+        let (stamps, hashed, settled) = self.verify(&root, dir, &manifest, &sealed, &key)?;
+        let copies = Copies::new(&self.copies);
+        Ok(Snapshot { tier: manifest.tier, dir: dir.to_owned(), manifest, stamps, hashed, settled, copies })
     }
+
+    /// [`verify_files`], sparing the files this trust's record vouches for, and recording the stamps when
+    /// something was hashed and every file had settled. Returns the stamps, how many bytes were hashed, and
+    /// whether every file had settled.
+    fn verify(
+        &self,
+        root: &OwnedFd,
+        dir: &Path,
+        manifest: &Manifest,
+        sealed: &blake3::Hash,
+        key: &SnapshotKey,
+    ) -> Result<(Vec<FileStamp>, u64, bool), SnapshotError> {
+        let record = self.verified.as_deref();
+        let known = record.and_then(|record| read_verified(record, sealed, manifest.files.len(), key));
+        let checked = SystemTime::now();
+        let (stamps, hashed) = verify_files(root, dir, manifest, &self.bounds, known.as_deref())?;
+        let settled = stamps.iter().all(|stamp| stamp.settled(checked, self.settle));
+        if let Some(record) = record
+            && settled
+            && known.as_ref() != Some(&stamps)
+        {
+            // Best effort: without a record, the next open hashes again.
+            let _ = write_verified(record, sealed, &stamps, key);
+        }
+        Ok((stamps, hashed, settled))
+    }
+}
+
+/// The record of verified stamps for the manifest sealed `sealed`, from `record`: its seal checked with `key`
+/// before anything else of it is believed. `None` when there is none, or it is not one for this manifest and
+/// `files` files sealed with this key.
+fn read_verified(record: &Path, sealed: &blake3::Hash, files: usize, key: &SnapshotKey) -> Option<Vec<FileStamp>> {
+    let max = 256 + 128 * u64::try_from(files).ok()?;
+    let file = File::options()
+        .read(true)
+        .custom_flags((OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK).bits())
+        .open(record.join(sealed.to_hex().as_str()))
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.len() > max {
+        return None;
+    }
+    let mut text = String::new();
+    file.take(max + 1).read_to_string(&mut text).ok()?;
+    let (body, seal) = text.split_at(text.rfind("\nseal ")? + 1);
+    let given = blake3::Hash::from_hex(seal.strip_prefix("seal ")?.strip_suffix('\n')?).ok()?;
+    // blake3::Hash compares in constant time.
+    if key.seal_stamps(body.as_bytes()) != given {
+        return None;
+    }
+    let mut lines = body.lines();
+    if lines.next()? != VERIFIED_TAG || lines.next()? != format!("manifest {}", sealed.to_hex()) {
+        return None;
+    }
+    let stamps: Vec<FileStamp> = lines.map(FileStamp::parse).collect::<Option<_>>()?;
+    (stamps.len() == files).then_some(stamps)
+}
+
+/// Writes (replaces) the record of the stamps the files of the manifest sealed `sealed` were verified with.
+fn write_verified(record: &Path, sealed: &blake3::Hash, stamps: &[FileStamp], key: &SnapshotKey) -> io::Result<()> {
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(record)?;
+    let mut body = format!("{VERIFIED_TAG}\nmanifest {}\n", sealed.to_hex());
+    for stamp in stamps {
+        body.push_str(&stamp.render());
+        body.push('\n');
+    }
+    let text = format!("{body}seal {}\n", key.seal_stamps(body.as_bytes()).to_hex());
+    let path = record.join(sealed.to_hex().as_str());
+    let temporary = record.join(format!(".{}.{}.{}.tmp", sealed.to_hex(), std::process::id(), random_hex(4)));
+    let written = File::options()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(OFlag::O_NOFOLLOW.bits())
+        .open(&temporary)
+        .and_then(|mut file| file.write_all(text.as_bytes()))
+        .and_then(|()| std::fs::rename(&temporary, &path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written
 }
 
 /// Opens a snapshot directory (the path itself may be a link; nothing below it is followed).
@@ -729,12 +877,13 @@ fn seal_text(mac: &blake3::Hash) -> String {
 }
 
 /// Reads the seal and the manifest's bytes, checks the MAC, and only then parses and checks the manifest.
+/// Returns it with its seal.
 fn read_sealed(
     root: &OwnedFd,
     dir: &Path,
     key: &SnapshotKey,
     bounds: &SnapshotBounds,
-) -> Result<Manifest, SnapshotError> {
+) -> Result<(Manifest, blake3::Hash), SnapshotError> {
     let seal = read_small(root, dir, SEAL, MAX_SEAL_BYTES)?;
     let bytes = read_small(root, dir, MANIFEST, MAX_MANIFEST_BYTES)?;
     let (seal, bytes) = match (seal, bytes) {
@@ -752,7 +901,7 @@ fn read_sealed(
     if key.seal(&bytes) != given {
         return Err(SnapshotError::Seal(dir.to_owned()));
     }
-    parse_manifest(dir, &bytes, bounds)
+    Ok((parse_manifest(dir, &bytes, bounds)?, given))
 }
 
 /// Parses a sealed manifest's bytes and checks everything it says against itself and `bounds`.
@@ -826,14 +975,16 @@ fn check_relative(dir: &Path, path: &str) -> Result<(), SnapshotError> {
 
 /// Checks the directory against the sealed manifest, bounded before the work is done: no unlisted entry (the
 /// walk stops at the bounds), every listed file regular and of its sealed size (all from `lstat`, before any
-/// byte is hashed), then every file's sha256 through the descriptor that was checked. Returns the stamps the
-/// files were verified with.
+/// byte is hashed), then every file's sha256 through the descriptor that was checked, unless that descriptor's
+/// stamp is the one `known` has for it (a sealed record of a verification). Returns the stamps the files were
+/// verified with and how many bytes were hashed.
 fn verify_files(
     root: &OwnedFd,
     dir: &Path,
     manifest: &Manifest,
     bounds: &SnapshotBounds,
-) -> Result<Vec<Stamp>, SnapshotError> {
+    known: Option<&[FileStamp]>,
+) -> Result<(Vec<FileStamp>, u64), SnapshotError> {
     let listed: HashSet<&str> = manifest.files.iter().map(|f| f.path.as_str()).collect();
     for relative in walk(root, dir, bounds)? {
         if relative != MANIFEST && relative != SEAL && !listed.contains(relative.as_str()) {
@@ -860,13 +1011,20 @@ fn verify_files(
         }
     }
     let mut stamps = Vec::with_capacity(manifest.files.len());
-    for file in &manifest.files {
+    let mut hashed = 0u64;
+    for (index, file) in manifest.files.iter().enumerate() {
         let path = dir.join(&file.path);
         let (opened, before) = open_regular(root, dir, &file.path)?;
         let found = u64::try_from(before.st_size).unwrap_or(u64::MAX);
         if found != file.size {
             return Err(SnapshotError::SizeMismatch { path, expected: file.size, found });
         }
+        let stamp = FileStamp::of_stat(&before);
+        if known.and_then(|known| known.get(index)) == Some(&stamp) {
+            stamps.push(stamp);
+            continue;
+        }
+        hashed = hashed.saturating_add(file.size);
         let (read, sum) = sha256_of(opened, file.size).map_err(io_error(&path))?;
         if read != file.size {
             return Err(SnapshotError::SizeMismatch { path, expected: file.size, found: read });
@@ -875,12 +1033,12 @@ fn verify_files(
             return Err(SnapshotError::Checksum(path));
         }
         let after = fstatat(root, file.path.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).map_err(errno_error(&path))?;
-        if Stamp::of(&after) != Stamp::of(&before) {
+        if FileStamp::of_stat(&after) != FileStamp::of_stat(&before) {
             return Err(SnapshotError::Changed(path));
         }
-        stamps.push(Stamp::of(&before));
+        stamps.push(stamp);
     }
-    Ok(stamps)
+    Ok((stamps, hashed))
 }
 
 /// The sha256 of at most `size + 1` bytes of `file`, and how many there were.
@@ -1073,11 +1231,11 @@ impl SnapshotWriter {
             let size = u64::try_from(st.st_size).unwrap_or(u64::MAX);
             let (read, sha256) = sha256_of(file, size).map_err(io_error(&path))?;
             let after = fstatat(&root, name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).map_err(errno_error(&path))?;
-            if read != size || Stamp::of(&after) != Stamp::of(&st) {
+            if read != size || FileStamp::of_stat(&after) != FileStamp::of_stat(&st) {
                 return Err(SnapshotError::Changed(path));
             }
             files.push(ManifestFile { path: name, size, sha256 });
-            stamps.push(Stamp::of(&st));
+            stamps.push(FileStamp::of_stat(&st));
         }
         let mut persists = persists;
         persists.sort();
@@ -1124,7 +1282,9 @@ impl SnapshotWriter {
         if let Some(parent) = self.destination.parent().filter(|p| !p.as_os_str().is_empty()) {
             sync_dir(parent)?;
         }
-        Ok(Snapshot { tier, dir: self.destination.clone(), manifest, stamps, copies: Copies::new(&self.copies) })
+        let hashed = manifest.total_bytes;
+        let copies = Copies::new(&self.copies);
+        Ok(Snapshot { tier, dir: self.destination.clone(), manifest, stamps, hashed, settled: false, copies })
     }
 }
 
@@ -1502,6 +1662,128 @@ mod tests {
         let refused = fresh.private_copy("memory").expect_err("changed");
         assert!(matches!(refused, SnapshotError::Changed(_) | SnapshotError::Checksum(_)), "{refused}");
         assert!(matches!(fresh.private_copy("absent"), Err(SnapshotError::MissingFile(_))));
+    }
+
+    /// A trust keeping verified stamps in `record`, for files however recently changed.
+    fn recording(record: &Path) -> SnapshotTrust {
+        trust().with_verified_in(record.to_owned()).with_settle(Duration::ZERO)
+    }
+
+    /// A snapshot whose files changed a little while ago, and the directory its trusts keep records in.
+    fn settled(root: &Path) -> (Snapshot, PathBuf) {
+        let made = snapshot(root, &trust());
+        std::thread::sleep(Duration::from_millis(30));
+        (made, root.join("verified"))
+    }
+
+    #[test]
+    fn a_verified_stamp_spares_the_next_open_the_hashing() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let (made, record) = settled(root.path());
+        let first = recording(&record).open(&made.dir).expect("open");
+        assert_eq!(first.bytes_hashed(), 10_009);
+        let again = recording(&record).open(&made.dir).expect("again");
+        assert_eq!(again.bytes_hashed(), 0, "vouched for by the record");
+        assert_eq!(again, first);
+        assert_eq!(again.read_file("fs/upper.tar", 100).expect("read"), b"tar bytes");
+        // The record lives under the host's directory, not in the snapshot (which still opens as whole).
+        assert_eq!(std::fs::read_dir(&record).expect("ls").count(), 1);
+        assert_eq!(trust().open(&made.dir).expect("no record").bytes_hashed(), 10_009);
+    }
+
+    #[test]
+    fn a_file_changed_just_before_its_verification_gets_no_record() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let made = snapshot(root.path(), &trust());
+        let record = root.path().join("verified");
+        let trust = trust().with_verified_in(record.clone());
+        assert_eq!(trust.open(&made.dir).expect("open").bytes_hashed(), 10_009);
+        assert_eq!(trust.open(&made.dir).expect("again").bytes_hashed(), 10_009, "hashed again");
+        assert!(std::fs::read_dir(&record).map_or(true, |mut entries| entries.next().is_none()));
+    }
+
+    #[test]
+    fn a_file_replaced_after_its_stamp_was_recorded_is_hashed_again() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let (made, record) = settled(root.path());
+        recording(&record).open(&made.dir).expect("open");
+        // The same bytes in a new file renamed over it: a new inode, hashed, and good.
+        write(root.path(), "same", &[7u8; 10_000]);
+        std::fs::rename(root.path().join("same"), made.dir.join("memory")).expect("rename");
+        assert_eq!(recording(&record).open(&made.dir).expect("same bytes").bytes_hashed(), 10_000);
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(recording(&record).open(&made.dir).expect("recorded again").bytes_hashed(), 0);
+        // Other bytes, same size, renamed over it: refused.
+        write(root.path(), "other", &[8u8; 10_000]);
+        std::fs::rename(root.path().join("other"), made.dir.join("memory")).expect("rename");
+        assert!(matches!(recording(&record).open(&made.dir), Err(SnapshotError::Checksum(_))));
+    }
+
+    #[test]
+    fn a_file_rewritten_in_place_after_its_stamp_was_recorded_is_hashed_again() {
+        use std::os::unix::fs::FileExt;
+        let root = tempfile::tempdir().expect("tempdir");
+        let (made, record) = settled(root.path());
+        recording(&record).open(&made.dir).expect("open");
+        let memory = made.dir.join("memory");
+        let inode = std::fs::metadata(&memory).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).expect("stat");
+        // One byte, in place, its modification time then set back: the change time still moved.
+        let before = std::fs::metadata(&memory).and_then(|m| m.modified()).expect("mtime");
+        let file = std::fs::OpenOptions::new().write(true).open(&memory).expect("open");
+        file.write_all_at(b"\x08", 5_000).expect("write");
+        file.set_modified(before).expect("utimens");
+        drop(file);
+        assert_eq!(std::fs::metadata(&memory).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).expect("stat"), inode);
+        assert!(matches!(recording(&record).open(&made.dir), Err(SnapshotError::Checksum(_))));
+        // Put back (bytes and modification time): hashed again (that file only), and good.
+        let file = std::fs::OpenOptions::new().write(true).open(&memory).expect("open");
+        file.write_all_at(b"\x07", 5_000).expect("write");
+        file.set_modified(before).expect("utimens");
+        drop(file);
+        assert_eq!(recording(&record).open(&made.dir).expect("restored").bytes_hashed(), 10_000);
+    }
+
+    #[test]
+    fn a_stamp_record_not_sealed_with_this_key_is_ignored() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let (made, record) = settled(root.path());
+        // Changed bytes, then a record that vouches for the files as they are now.
+        std::fs::write(made.dir.join("memory"), [8u8; 10_000]).expect("change");
+        std::thread::sleep(Duration::from_millis(30));
+        let root_fd = open_root(&made.dir).expect("root");
+        let (manifest, sealed) =
+            read_sealed(&root_fd, &made.dir, &trust().key().expect("key"), &SnapshotBounds::default()).expect("sealed");
+        let stamps: Vec<FileStamp> = manifest
+            .files
+            .iter()
+            .map(|f| {
+                FileStamp::of_stat(&fstatat(&root_fd, f.path.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).expect("stat"))
+            })
+            .collect();
+        let path = record.join(sealed.to_hex().as_str());
+        // Sealed with another key: ignored, so the files are hashed, and refused.
+        write_verified(&record, &sealed, &stamps, &SnapshotKey::from_bytes([8; 32])).expect("forge");
+        assert!(matches!(recording(&record).open(&made.dir), Err(SnapshotError::Checksum(_))));
+        // Sealed with this key but edited afterwards (a stamp line), or cut short: ignored alike.
+        write_verified(&record, &sealed, &stamps, &trust().key().expect("key")).expect("genuine");
+        let genuine = std::fs::read_to_string(&path).expect("record");
+        let edited = genuine.replacen(&stamps[0].render(), &FileStamp { ino: 1, ..stamps[0] }.render(), 1);
+        for bad in [edited.as_str(), &genuine[..genuine.len() - 2], "", "seal \n"] {
+            std::fs::write(&path, bad).expect("tamper");
+            assert!(matches!(recording(&record).open(&made.dir), Err(SnapshotError::Checksum(_))), "{bad:?}");
+        }
+        // A genuine record of another manifest (the file named after this one): ignored.
+        let other = snapshot(&root.path().join("other").tap_mkdir(), &trust());
+        let other_fd = open_root(&other.dir).expect("root");
+        let (_, other_sealed) =
+            read_sealed(&other_fd, &other.dir, &trust().key().expect("key"), &SnapshotBounds::default())
+                .expect("sealed");
+        write_verified(&record, &other_sealed, &stamps, &trust().key().expect("key")).expect("other");
+        std::fs::rename(record.join(other_sealed.to_hex().as_str()), &path).expect("rename");
+        assert!(matches!(recording(&record).open(&made.dir), Err(SnapshotError::Checksum(_))));
+        // The genuine record itself would vouch for the changed bytes: only the key's holder can write one.
+        std::fs::write(&path, &genuine).expect("genuine");
+        assert_eq!(recording(&record).open(&made.dir).expect("vouched").bytes_hashed(), 0);
     }
 
     trait TapMkdir {

@@ -33,11 +33,16 @@ pub const KEY_LEN: usize = 32;
 /// The context of the seal's key derivation: a seal is never valid as any other MAC made with the same key.
 const SEAL_CONTEXT: &str = "strata snapshot manifest seal, format 2";
 
+/// The context of the key that seals records of verified stamps ([`crate::snapshot`]).
+const STAMPS_CONTEXT: &str = "strata snapshot verified stamps, format 1";
+
 /// The host-only key that seals snapshot manifests. Its bytes are never printed.
 #[derive(Clone, PartialEq, Eq)]
 pub struct SnapshotKey {
     /// The key the seals are made with, derived from the key's bytes for this use only.
     seal_key: [u8; KEY_LEN],
+    /// The key records of verified stamps are sealed with, derived likewise.
+    stamps_key: [u8; KEY_LEN],
 }
 
 impl fmt::Debug for SnapshotKey {
@@ -64,7 +69,10 @@ fn key_error(path: &Path, message: impl Into<String>) -> SnapshotKeyError {
 impl SnapshotKey {
     /// A key from its bytes (an embedder that keeps its own).
     pub fn from_bytes(bytes: [u8; KEY_LEN]) -> SnapshotKey {
-        SnapshotKey { seal_key: blake3::derive_key(SEAL_CONTEXT, &bytes) }
+        SnapshotKey {
+            seal_key: blake3::derive_key(SEAL_CONTEXT, &bytes),
+            stamps_key: blake3::derive_key(STAMPS_CONTEXT, &bytes),
+        }
     }
 
     /// A new random key from the kernel.
@@ -174,6 +182,11 @@ impl SnapshotKey {
     /// The seal of a manifest's bytes.
     pub(crate) fn seal(&self, manifest: &[u8]) -> blake3::Hash {
         blake3::keyed_hash(&self.seal_key, manifest)
+    }
+
+    /// The seal of a record of verified stamps (never valid as a manifest's seal, nor one as this).
+    pub(crate) fn seal_stamps(&self, record: &[u8]) -> blake3::Hash {
+        blake3::keyed_hash(&self.stamps_key, record)
     }
 }
 

@@ -560,3 +560,89 @@ fn a_full_module_cache_compiles_anyway_and_keeps_no_half_entry() {
     assert_eq!(tier().prepare(&module, &limits).expect("compile"), Some(CacheOutcome::Compiled));
     assert_eq!(tier().prepare(&module, &limits).expect("load"), Some(CacheOutcome::Hit));
 }
+
+/// A later process skips hashing a snapshot only where a sealed record of its last verification vouches for the
+/// files: kept in the home (never in the snapshot directory, which whoever made the snapshot may write), sealed
+/// with the home's key, and naming each file's device, inode, size and times. Whoever can write the snapshot
+/// directory cannot make that record vouch for a change: a file rewritten in place (its times put back), replaced
+/// by another file, or a record edited without the key all lead to the files being hashed, and refused.
+#[test]
+fn a_verified_stamp_vouches_only_for_files_left_as_they_were() {
+    let home = tempfile::tempdir().expect("tempdir");
+    let new_engine =
+        || Engine::new(EngineConfig { home: Some(home.path().to_owned()), ..EngineConfig::default() }).expect("e");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rw = tempfile::tempdir().expect("tempdir");
+    let caps = Capabilities {
+        grants: vec![Grant::new(rw.path(), "/work", GrantMode::Rw).expect("grant")],
+        ..Capabilities::default()
+    };
+    let snapshot = {
+        let engine = new_engine();
+        let sandbox = engine.wasm().start(&caps, &Limits::default()).expect("start");
+        sandbox.snapshot(&dir.path().join("snap")).expect("snapshot")
+    };
+    let listing = |path: &Path| -> Vec<_> {
+        let mut names: Vec<_> = std::fs::read_dir(path).expect("ls").map(|e| e.expect("e").file_name()).collect();
+        names.sort();
+        names
+    };
+    let before = listing(&snapshot.dir);
+    // Files changed within a second of their check are not recorded (file times are coarse): once they settle,
+    // a new process (a new engine on the same home) hashes them once, and the next one does not.
+    std::thread::sleep(strata_core::file_stamp::SETTLE + Duration::from_millis(100));
+    assert!(new_engine().open_snapshot(&snapshot.dir).expect("whole").bytes_hashed() > 0);
+    let engine = new_engine();
+    let opened = engine.open_snapshot(&snapshot.dir).expect("whole");
+    assert_eq!(opened.bytes_hashed(), 0, "vouched for by the record");
+    let fork = engine.wasm().fork(&opened).expect("fork");
+    let outcome = fork.exec(&job(programs::FS, &["write", "/work/a.txt", "ok"]), ExecOptions::default()).expect("run");
+    assert_eq!(outcome.status, Status::Exited { code: 0 });
+    // The record is the home's, private to it; the snapshot directory holds what it held.
+    let records = home.path().join(strata_core::snapshot::VERIFIED_DIR);
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&records).expect("records").permissions());
+    assert_eq!(mode & 0o777, 0o700);
+    assert_eq!(listing(&snapshot.dir), before);
+    let record = std::fs::read_dir(&records).expect("ls").next().expect("a record").expect("entry").path();
+    let genuine = std::fs::read_to_string(&record).expect("record");
+
+    // The state file, rewritten in place (same size) with a grant of the victim's directory, its modification
+    // time put back: the change time moved, so it is hashed, and refused.
+    let victim = Victim::new();
+    let state = snapshot.dir.join("state.json");
+    let original = std::fs::read(&state).expect("state");
+    let mut forged: Value = serde_json::from_slice(&original).expect("state");
+    forged["caps"]["grants"][0]["host"] = json!(victim.dir.path());
+    let mut forged = serde_json::to_vec(&forged).expect("json");
+    forged.resize(original.len(), b' ');
+    let mtime = std::fs::metadata(&state).and_then(|m| m.modified()).expect("mtime");
+    let file = std::fs::OpenOptions::new().write(true).open(&state).expect("open");
+    std::os::unix::fs::FileExt::write_all_at(&file, &forged, 0).expect("write");
+    file.set_modified(mtime).expect("utimens");
+    drop(file);
+    let err = new_engine().open_snapshot(&snapshot.dir).expect_err("rewritten in place");
+    assert_invalid(&err, err.code());
+    // The record edited to vouch for the file as it is now (its line found by the inode, which an in-place
+    // write keeps), without the key to seal it again: ignored, so the file is hashed, and refused.
+    std::thread::sleep(strata_core::file_stamp::SETTLE + Duration::from_millis(100));
+    let now = strata_core::FileStamp::of_metadata(&std::fs::symlink_metadata(&state).expect("stat"));
+    let old = genuine.lines().find(|line| line.split(' ').nth(1) == Some(now.ino.to_string().as_str()));
+    let edited = genuine.replacen(old.expect("the record has a line for state.json"), &now.render(), 1);
+    assert_ne!(edited, genuine);
+    std::fs::write(&record, &edited).expect("forge the record");
+    let err = new_engine().open_snapshot(&snapshot.dir).expect_err("a forged record");
+    assert_invalid(&err, err.code());
+    // Replaced by another file (a new inode) with the forged bytes, as a rename over it: refused.
+    std::fs::write(dir.path().join("forged"), &forged).expect("write");
+    std::fs::rename(dir.path().join("forged"), &state).expect("rename");
+    let err = new_engine().open_snapshot(&snapshot.dir).expect_err("replaced");
+    assert_invalid(&err, err.code());
+    // Put back (a new file with the original bytes): hashed, whole, and forked.
+    std::fs::write(dir.path().join("original"), &original).expect("write");
+    std::fs::rename(dir.path().join("original"), &state).expect("rename");
+    let engine = new_engine();
+    let opened = engine.open_snapshot(&snapshot.dir).expect("whole again");
+    assert!(opened.bytes_hashed() > 0);
+    engine.wasm().fork(&opened).expect("fork of the restored snapshot");
+    victim.untouched();
+}

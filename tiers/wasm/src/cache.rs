@@ -22,10 +22,10 @@
 use std::fmt;
 use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use strata_core::FileStamp;
 use wasmtime::component::Component;
 use wasmtime::{Engine, Module};
 
@@ -221,7 +221,7 @@ impl ModuleCache {
             Err(err) => return Err(Invalid::Corrupt(format!("opening {}: {err}", cwasm_path.display()))),
         };
         let meta = file.metadata().map_err(|e| Invalid::Corrupt(format!("stat: {e}")))?;
-        let stamp = Stamp::of(&meta);
+        let stamp = FileStamp::of_metadata(&meta);
         if sum.stamp != Some(stamp) {
             let mut hasher = blake3::Hasher::new();
             let len = io::copy(&mut file, &mut hasher).map_err(|e| Invalid::Corrupt(format!("reading: {e}")))?;
@@ -253,73 +253,36 @@ impl ModuleCache {
         // The .cwasm goes first: a reader that sees the new .sum then finds the matching .cwasm. A crash in
         // between leaves a mismatch, which the next load detects and repairs.
         write_atomically(&cwasm_path, &bytes)?;
-        let stamp = fs::metadata(&cwasm_path).ok().map(|m| Stamp::of(&m));
+        let stamp = fs::metadata(&cwasm_path).ok().map(|m| FileStamp::of_metadata(&m));
         write_atomically(&sum_path, Sum { hash, len: bytes.len() as u64, stamp }.render().as_bytes())
     }
 }
 
-/// What identifies a file's bytes without reading them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    dev: u64,
-    ino: u64,
-    len: u64,
-    mtime: (i64, i64),
-    ctime: (i64, i64),
-}
-
-impl Stamp {
-    fn of(meta: &fs::Metadata) -> Stamp {
-        Stamp {
-            dev: meta.dev(),
-            ino: meta.ino(),
-            len: meta.len(),
-            mtime: (meta.mtime(), meta.mtime_nsec()),
-            ctime: (meta.ctime(), meta.ctime_nsec()),
-        }
-    }
-}
-
-/// A `.sum` file: `blake3 HASH LEN` and, once checked, `stamp DEV INO LEN MTIME.NS CTIME.NS`.
+/// A `.sum` file: `blake3 HASH LEN` and, once checked, `stamp DEV INO LEN MTIME.NS CTIME.NS` (the
+/// [`FileStamp`] of the file it was last checked against). The snapshot-ready runtime's memory image has one too.
 #[derive(Debug, Clone)]
-struct Sum {
-    hash: String,
-    len: u64,
-    stamp: Option<Stamp>,
+pub(crate) struct Sum {
+    pub(crate) hash: String,
+    pub(crate) len: u64,
+    pub(crate) stamp: Option<FileStamp>,
 }
 
 impl Sum {
-    fn parse(text: &str) -> Option<Sum> {
+    pub(crate) fn parse(text: &str) -> Option<Sum> {
         let mut lines = text.lines();
         let mut first = lines.next()?.split_whitespace();
         let (hash, len) = match (first.next(), first.next(), first.next(), first.next()) {
             (Some("blake3"), Some(hash), Some(len), None) if hash.len() == 64 => (hash.to_owned(), len.parse().ok()?),
             _ => return None,
         };
-        let pair = |s: &str| -> Option<(i64, i64)> {
-            let (a, b) = s.split_once('.')?;
-            Some((a.parse().ok()?, b.parse().ok()?))
-        };
-        let stamp = lines.next().and_then(|line| match line.split_whitespace().collect::<Vec<_>>().as_slice() {
-            ["stamp", dev, ino, len, mtime, ctime] => Some(Stamp {
-                dev: dev.parse().ok()?,
-                ino: ino.parse().ok()?,
-                len: len.parse().ok()?,
-                mtime: pair(mtime)?,
-                ctime: pair(ctime)?,
-            }),
-            _ => None,
-        });
+        let stamp = lines.next().and_then(|line| line.strip_prefix("stamp ")).and_then(FileStamp::parse);
         Some(Sum { hash, len, stamp })
     }
 
-    fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let mut text = format!("blake3 {} {}\n", self.hash, self.len);
-        if let Some(s) = &self.stamp {
-            text.push_str(&format!(
-                "stamp {} {} {} {}.{} {}.{}\n",
-                s.dev, s.ino, s.len, s.mtime.0, s.mtime.1, s.ctime.0, s.ctime.1
-            ));
+        if let Some(stamp) = &self.stamp {
+            text.push_str(&format!("stamp {}\n", stamp.render()));
         }
         text
     }

@@ -3,7 +3,9 @@
 //!
 //! ```text
 //! <id>.image       the initial memory of a fresh interpreter (the module's data segments, laid out)
-//! <id>.image.sum   `blake3 HASH LEN` of it, checked once per process before the same descriptor is mapped
+//! <id>.image.sum   `blake3 HASH LEN` of it, checked before the same descriptor is mapped, and the stamp of the
+//!                  file it was last checked against (hashed again only when the stamp differs, as the module
+//!                  cache's entries are)
 //! <id>.refused     why the runtime cannot be made snapshot-ready (sessions then run the plain runtime)
 //! ```
 //!
@@ -14,11 +16,11 @@ use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use strata_core::{PrivateCopy, TierError};
+use strata_core::{FileStamp, PrivateCopy, TierError};
 
 use super::memory_image::MemoryImage;
 use super::ready_module::{WASM_PAGE, instrument};
-use crate::cache::{Digest, ModuleCache, write_atomically};
+use crate::cache::{Digest, ModuleCache, Sum, write_atomically};
 
 /// The snapshot-ready Python runtime a session runs: what a snapshot of it records and a fork needs.
 #[derive(Debug, Clone)]
@@ -115,23 +117,24 @@ fn ready(digest: Digest, base_image: Arc<MemoryImage>) -> ReadyRuntime {
 /// The name of the memfd an image is copied into.
 const IMAGE_NAME: &std::ffi::CStr = c"strata-python-image";
 
-/// The cached image, if it is there and matches its checksum; the descriptor checked is the one mapped. Not
-/// copied (as a snapshot's memory is): the cache is the host's own, written only by rename, like the compiled
-/// code wasmtime maps from it, and a copy would cost every process that starts a session a write of the image.
+/// The cached image, if it is there and matches its checksum (or still has the stamp it had when it last did,
+/// recorded then); the descriptor checked is the one mapped. Not copied (as a snapshot's memory is): the cache is
+/// the host's own, written only by rename, like the compiled code wasmtime maps from it, and a copy would cost
+/// every process that starts a session a write of the image.
 fn load_image(image_path: &Path, sum_path: &Path) -> Option<Arc<MemoryImage>> {
-    let sum = fs::read_to_string(sum_path).ok()?;
-    let mut words = sum.split_whitespace();
-    let (Some("blake3"), Some(hash), Some(len)) = (words.next(), words.next(), words.next()) else {
-        return None;
-    };
-    let len: u64 = len.parse().ok()?;
+    let sum = Sum::parse(&fs::read_to_string(sum_path).ok()?)?;
     let mut file = File::open(image_path).ok()?;
-    let mut hasher = blake3::Hasher::new();
-    let read = std::io::copy(&mut std::io::Read::take(&mut file, len.saturating_add(1)), &mut hasher).ok()?;
-    if read != len || hasher.finalize().to_hex().as_str() != hash {
-        log::warn!("{} does not match its checksum; making it again", image_path.display());
-        return None;
+    let stamp = FileStamp::of_metadata(&file.metadata().ok()?);
+    if sum.stamp != Some(stamp) {
+        let mut hasher = blake3::Hasher::new();
+        let read = std::io::copy(&mut std::io::Read::take(&mut file, sum.len.saturating_add(1)), &mut hasher).ok()?;
+        if read != sum.len || hasher.finalize().to_hex().as_str() != sum.hash {
+            log::warn!("{} does not match its checksum; making it again", image_path.display());
+            return None;
+        }
+        let _ = write_atomically(sum_path, Sum { stamp: Some(stamp), ..sum.clone() }.render().as_bytes());
     }
+    let len = sum.len;
     MemoryImage::cached(file, len).ok().map(Arc::new)
 }
 
@@ -143,8 +146,8 @@ fn store_image(cache: Option<&ModuleCache>, digest: &Digest, bytes: &[u8]) -> Re
             |source| TierError::Storage { what: "cannot write the memory image", path: image_path.clone(), source };
         fs::create_dir_all(cache.dir()).map_err(fail)?;
         write_atomically(&image_path, bytes).map_err(fail)?;
-        let sum = format!("blake3 {} {}\n", blake3::hash(bytes).to_hex(), bytes.len());
-        write_atomically(&sum_path, sum.as_bytes()).map_err(fail)?;
+        let sum = Sum { hash: blake3::hash(bytes).to_hex().to_string(), len: bytes.len() as u64, stamp: None };
+        write_atomically(&sum_path, sum.render().as_bytes()).map_err(fail)?;
     }
     let fail = |source| TierError::Storage { what: "cannot make a memory image in", path: "memfd".into(), source };
     let dir = cache.map(ModuleCache::dir);
