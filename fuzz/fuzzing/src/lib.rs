@@ -49,6 +49,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "snapshot_wasm", run: targets::snapshot_wasm::run },
     Target { name: "snapshot_vm_state", run: targets::snapshot_vm_state::run },
     Target { name: "snapshot_upper_tree", run: targets::snapshot_upper_tree::run },
+    Target { name: "replay_recording", run: targets::replay_recording::run },
 ];
 
 /// The target called `name`.

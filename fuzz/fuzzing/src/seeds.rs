@@ -33,6 +33,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "snapshot_wasm" => crate::snapshot_seeds::snapshot_wasm(),
         "snapshot_vm_state" => crate::snapshot_seeds::snapshot_vm_state(),
         "snapshot_upper_tree" => crate::snapshot_seeds::snapshot_upper_tree(),
+        "replay_recording" => replay_recording(),
         _ => Vec::new(),
     }
 }
@@ -390,6 +391,32 @@ fn policy_toml() -> Vec<Seed> {
                    [grants.data]\ndirs = [\"/srv/data:/data:ro\", \"out:/out:rw\"]\n\n[limits]\nwall = \"10s\"\n\
                    memory = \"512MiB\"\nfuel = \"unlimited\"\n";
     named(vec![("default", read("default.toml")), ("strict", read("strict.toml")), ("grants", grants.to_vec())])
+}
+
+/// A seeded recording of a Python job with stdin, as `strata run --seed 7 --record FILE` writes one: clock
+/// readings, random bytes, a tool exchange and the expected output.
+fn replay_recording() -> Vec<Seed> {
+    use std::sync::Arc;
+
+    use strata_core::{Capabilities, Determinism, Job, Limits, Outcome, PythonSource, Recorder, Status, TierKind};
+
+    let recorder = Arc::new(Recorder::new(Some(7)));
+    let job = Job::Python { source: PythonSource::Code("import time; print(time.time())".into()), args: vec![] };
+    let caps = Capabilities { env: vec!["K=v".parse().expect("env")], ..Capabilities::default() };
+    let inputs = Determinism::Record(recorder.clone())
+        .start(&job, &caps, &Limits::default(), Some(b"input"), false)
+        .expect("a recording starts");
+    inputs.wall_clock_ns();
+    inputs.monotonic_ns();
+    inputs.monotonic_ns();
+    inputs.fill_random(&mut [0u8; 24]);
+    inputs.note_tool(br#"{"v":1,"id":1,"op":"list"}"#, br#"{"v":1,"id":1,"ok":true,"tools":[]}"#);
+    let outcome = Outcome {
+        stdout: b"1704067207.001\n".to_vec(),
+        ..Outcome::new(TierKind::Wasm, Status::Exited { code: 0 })
+    };
+    let recording = recorder.finish(&outcome).expect("a recording");
+    named(vec![("python", recording.to_json())])
 }
 
 /// Register accesses of a driver's setup: write the status steps, the features, a queue, DRIVER_OK, notify.

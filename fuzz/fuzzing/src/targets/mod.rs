@@ -10,6 +10,7 @@ pub mod egress_request;
 pub mod egress_sni;
 pub mod jail_frames;
 pub mod policy_toml;
+pub mod replay_recording;
 pub mod snapshot_open;
 pub mod snapshot_upper_tree;
 pub mod snapshot_vm_state;
