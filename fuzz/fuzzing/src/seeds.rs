@@ -411,10 +411,8 @@ fn replay_recording() -> Vec<Seed> {
     inputs.monotonic_ns();
     inputs.fill_random(&mut [0u8; 24]);
     inputs.note_tool(br#"{"v":1,"id":1,"op":"list"}"#, br#"{"v":1,"id":1,"ok":true,"tools":[]}"#);
-    let outcome = Outcome {
-        stdout: b"1704067207.001\n".to_vec(),
-        ..Outcome::new(TierKind::Wasm, Status::Exited { code: 0 })
-    };
+    let outcome =
+        Outcome { stdout: b"1704067207.001\n".to_vec(), ..Outcome::new(TierKind::Wasm, Status::Exited { code: 0 }) };
     let recording = recorder.finish(&outcome).expect("a recording");
     named(vec![("python", recording.to_json())])
 }
