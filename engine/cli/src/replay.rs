@@ -19,7 +19,7 @@ pub(crate) struct ReplayArgs {
     #[arg(value_name = "FILE")]
     file: PathBuf,
 
-    /// Print the replay's output as it runs (by default only the verdict is printed).
+    /// Print the replay's output once it ends (by default only the verdict is printed).
     #[arg(long)]
     show_output: bool,
 
