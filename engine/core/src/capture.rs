@@ -112,6 +112,12 @@ impl CaptureState {
     }
 
     fn keep(&mut self, bytes: &[u8]) {
+        if let Some(sink) = self.sink.as_ref().filter(|sink| sink.takes_all()) {
+            if !bytes.is_empty() {
+                sink.output(self.stream, bytes);
+            }
+            return;
+        }
         let room = self.cap.saturating_sub(self.kept.len());
         let kept = &bytes[..bytes.len().min(room)];
         if kept.len() < bytes.len() {
@@ -165,6 +171,28 @@ mod tests {
         capture.restart(64, None);
         capture.write(b"second");
         assert_eq!(capture.finish(), Captured { bytes: b"second".to_vec(), written: 6, truncated: false });
+    }
+
+    struct TakesAll(Collect);
+
+    impl OutputSink for TakesAll {
+        fn output(&self, stream: Stream, chunk: &[u8]) {
+            self.0.output(stream, chunk);
+        }
+
+        fn takes_all(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_sink_that_takes_all_gets_every_byte_and_nothing_is_kept() {
+        let sink = Arc::new(TakesAll(Collect::default()));
+        let capture = OutputCapture::new(Stream::Stdout, 4, Vec::new(), Some(sink.clone()));
+        capture.write(b"beyond ");
+        capture.write(b"the cap");
+        assert_eq!(capture.finish(), Captured { bytes: Vec::new(), written: 14, truncated: false });
+        assert_eq!(*sink.0.0.lock().expect("lock"), b"beyond the cap");
     }
 
     #[test]

@@ -55,6 +55,20 @@ pub enum TierError {
         /// What it cannot do.
         what: String,
     },
+    /// A job a session cannot run where it lives: a session is one interpreter on one tier for its whole life, so
+    /// a job that needs another tier fails with the reason and the tier that would run it (never runs elsewhere).
+    #[error(
+        "this session runs on the {session} tier for its whole life, and this job needs the {needs} tier ({reason}); \
+         start the session on the {needs} tier to run it"
+    )]
+    SessionTier {
+        /// Where the session lives.
+        session: TierKind,
+        /// The tier that would run the job.
+        needs: TierKind,
+        /// Why, as the router says it.
+        reason: String,
+    },
     /// The job kind is not one this tier runs.
     #[error("the {tier} tier cannot run {job} jobs")]
     WrongJob {
@@ -179,6 +193,7 @@ impl TierError {
             TierError::Capability(_) => "invalid_capability",
             TierError::Unsupported { .. } => "unsupported",
             TierError::WrongJob { .. } => "wrong_job",
+            TierError::SessionTier { .. } => "session_tier",
             TierError::Cancelled => "cancelled",
             TierError::Capacity { .. } => "capacity",
             TierError::Storage { .. } => "storage",

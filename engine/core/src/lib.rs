@@ -38,7 +38,7 @@ pub use guest_command::{CopyIn, GuestCommand};
 pub use guest_path::{GuestPath, GuestPathError};
 pub use job::{Job, JobKind, ModuleSource, PythonSource};
 pub use limits::{Fuel, LimitKind, Limits, LimitsError, LimitsOverride};
-pub use outcome::{EgressEntry, Escalation, Outcome, RouteDecision, Status, TierKind, Truncated, Usage};
+pub use outcome::{EgressEntry, Escalation, Outcome, Platform, RouteDecision, Status, TierKind, Truncated, Usage};
 pub use private_copy::PrivateCopy;
 pub use redact::{Redactor, Secret};
 pub use replay::{Determinism, Divergence, JobInputs, Recorder, Recording, ReplayError, Replayer};

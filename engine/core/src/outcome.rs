@@ -258,6 +258,18 @@ pub struct Outcome {
     /// Every request the job made through the egress proxy, in the order they finished (empty without
     /// network, and then absent from the JSON).
     pub egress: Vec<EgressEntry>,
+    /// Set when the job's numbers follow a platform other than the host's because the user asked for it: Python
+    /// computing with numpy on wasm32 (`"platform":"wasm32"`, where numpy's default integer is `int32`). Absent
+    /// from the JSON otherwise.
+    pub platform: Option<Platform>,
+}
+
+/// The platform whose numeric semantics a job ran under, when it is not the host's ([`Outcome::platform`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Platform {
+    /// 32-bit WebAssembly: C `long` and numpy's default integer are 32 bits wide.
+    Wasm32,
 }
 
 impl Outcome {
@@ -275,6 +287,7 @@ impl Outcome {
             tools: Vec::new(),
             route: None,
             egress: Vec::new(),
+            platform: None,
         }
     }
 
@@ -303,6 +316,8 @@ struct OutcomeJson {
     tools: Vec<ToolCall>,
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     egress: Vec<EgressEntry>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    platform: Option<Platform>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy)]
@@ -342,6 +357,7 @@ impl Serialize for Outcome {
             escalations: self.escalations.clone(),
             tools: self.tools.clone(),
             egress: self.egress.clone(),
+            platform: self.platform,
         }
         .serialize(serializer)
     }
@@ -361,6 +377,7 @@ impl<'de> Deserialize<'de> for Outcome {
             tools: o.tools,
             route: o.route,
             egress: o.egress,
+            platform: o.platform,
         })
     }
 }

@@ -32,6 +32,14 @@ pub enum Stream {
 pub trait OutputSink: Send + Sync {
     /// A chunk of output.
     fn output(&self, stream: Stream, chunk: &[u8]);
+
+    /// Whether this sink takes the whole of both streams: the capture then forwards every byte here, beyond the
+    /// output limit too, and keeps none (the outcome's stdout and stderr are empty; `usage` still counts the
+    /// bytes). For a job that lives as long as a service does, such as a code-interpreter kernel; the sink bounds
+    /// what it holds.
+    fn takes_all(&self) -> bool {
+        false
+    }
 }
 
 /// Cancels a running job from another thread (a client that went away). Cheap to clone; all clones share one
