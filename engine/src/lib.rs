@@ -32,6 +32,7 @@ pub mod policy;
 pub mod request;
 pub mod router;
 pub mod scan;
+mod session;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -408,7 +409,7 @@ pub struct Engine {
     /// Tiers put in place of built-in ones ([`Engine::with_tier`]).
     replaced: Vec<Arc<dyn Tier>>,
     /// What the wasm build of Python can import, for the router (generated on the first Python job).
-    wasm_modules: OnceLock<Result<scan::WasmModules, String>>,
+    wasm_modules: OnceLock<Result<Arc<scan::WasmModules>, String>>,
     tools: ToolRegistry,
     /// What every tier seals its snapshots with and opens them by.
     snapshots: SnapshotTrust,
@@ -669,50 +670,18 @@ impl Engine {
                 ));
             }
         }
-        let refs = match source {
-            PythonSource::Module(module) => scan::scan_main_module(module),
-            PythonSource::Code(code) => match scan::scan_source(code) {
-                Ok(refs) => refs,
-                Err(err) => return scan::unparsable(&err),
-            },
-            PythonSource::File(path) => {
-                let text = match std::fs::read(path) {
-                    Ok(bytes) => bytes,
-                    Err(err) => {
-                        return scan::PythonVerdict::Wasm(format!(
-                            "python: cannot read {} ({err}); the wasm tier reports it",
-                            path.display()
-                        ));
-                    }
-                };
-                match std::str::from_utf8(&text) {
-                    Ok(text) => match scan::scan_source(text) {
-                        Ok(refs) => refs,
-                        Err(err) => return scan::unparsable(&err),
-                    },
-                    Err(_) => {
-                        return scan::PythonVerdict::Wasm(
-                            "python: the script is not UTF-8; wasm reports the SyntaxError".to_owned(),
-                        );
-                    }
-                }
-            }
-        };
-        // The module list is only needed when something is imported.
-        if refs.is_empty() {
-            return scan::route_python(&refs, None, scan::Wasm32Numerics::Refused);
-        }
         let numerics = match self.config.policy.tiers.python_wasm_numpy {
             true => scan::Wasm32Numerics::Accepted,
             false => scan::Wasm32Numerics::Refused,
         };
-        match self.wasm_modules() {
-            Ok(modules) => scan::route_python(&refs, Some(modules), numerics),
+        // The module list is only needed when something is imported.
+        scan::judge_source(source, numerics, || match self.wasm_modules() {
+            Ok(modules) => Some(modules),
             Err(err) => {
                 log::warn!("routing Python without the wasm build's module list: {err}");
-                scan::route_python(&refs, None, numerics)
+                None
             }
-        }
+        })
     }
 
     /// What the wasm build of Python can import: generated from the installed runtime on first use (its stdlib zip,
@@ -739,9 +708,10 @@ impl Engine {
                 }
                 Ok(String::from_utf8_lossy(&outcome.stdout).lines().map(str::to_owned).collect())
             })
+            .map(Arc::new)
             .map_err(|e| e.to_string())
         });
-        modules.as_ref().map_err(|reason| EngineError::Image(reason.clone()))
+        modules.as_deref().map_err(|reason| EngineError::Image(reason.clone()))
     }
 
     /// The tier of kind `tier`: one [`Engine::with_tier`] put in place, else the built-in one, started on first
@@ -785,7 +755,9 @@ impl Engine {
         }
         let none = Capabilities::default();
         let caps = request.caps.unwrap_or(&none);
-        self.run_on(request.tier, request.job, caps, limits, request.opts)
+        let mut outcome = self.run_on(request.tier, request.job, caps, limits, request.opts)?;
+        outcome.platform = self.platform_of(request.job, outcome.tier);
+        Ok(outcome)
     }
 
     /// Runs the setup job `request` describes in a new sandbox and, when it exits with status 0, snapshots the
@@ -851,6 +823,17 @@ impl Engine {
         }
         outcome.route = Some(route.decision);
         Ok(outcome)
+    }
+
+    /// `Some(Wasm32)` when `job` is Python that computes with numpy and ran on wasm (the user asked for it: a
+    /// default route never sends it there), for the outcome's `platform`.
+    fn platform_of(&self, job: &Job, tier: TierKind) -> Option<strata_core::Platform> {
+        let Job::Python { source, .. } = job else { return None };
+        if tier != TierKind::Wasm {
+            return None;
+        }
+        let verdict = scan::judge_source(source, scan::Wasm32Numerics::Refused, || self.wasm_modules().ok());
+        matches!(verdict, scan::PythonVerdict::Numerics(_)).then_some(strata_core::Platform::Wasm32)
     }
 
     /// Whether a failed run of `job` on `route` may re-run natively: `Auto` sent Python to wasm, and the policy
@@ -1030,7 +1013,11 @@ impl Engine {
         Ok(outcome)
     }
 
-    /// Starts a sandbox on a tier (`Auto` starts on the cheapest, wasm).
+    /// Starts a sandbox on a tier (`Auto` starts on the cheapest, wasm). A sandbox lives on its tier for its whole
+    /// life: a wasm sandbox `Auto` started refuses a Python job the router would send to a native tier
+    /// ([`TierError::SessionTier`](strata_core::TierError::SessionTier): numpy whose wasm32 integers could differ,
+    /// processes, sockets, native extensions), and numpy runs on wasm32 only where the user asked for it (`Tier(Wasm)`
+    /// or the policy's `python_wasm_numpy`), its outcome then saying `"platform":"wasm32"`.
     pub fn start(
         &self,
         choice: TierChoice,
@@ -1045,7 +1032,27 @@ impl Engine {
         if !self.config.policy.tiers.allows(tier) {
             return Err(EngineError::TierNotAllowed { tier });
         }
-        Ok(self.tier(tier)?.start(caps, limits)?)
+        let sandbox = self.tier(tier)?.start(caps, limits)?;
+        if tier != TierKind::Wasm {
+            return Ok(sandbox);
+        }
+        let chosen = match choice {
+            TierChoice::Auto => session::Chosen::ByEngine,
+            TierChoice::Tier(_) => session::Chosen::ByUser,
+        };
+        let modules = self.wasm_modules_arc();
+        let policy = &self.config.policy.tiers;
+        let numerics =
+            if policy.python_wasm_numpy { scan::Wasm32Numerics::Accepted } else { scan::Wasm32Numerics::Refused };
+        Ok(Box::new(session::WasmSession::new(sandbox, chosen, numerics, policy.native, modules)))
+    }
+
+    /// The wasm build's module list, shared; `None` (logged) when it cannot be made.
+    fn wasm_modules_arc(&self) -> Option<Arc<scan::WasmModules>> {
+        if let Err(err) = self.wasm_modules() {
+            log::warn!("judging a session's Python without the wasm build's module list: {err}");
+        }
+        self.wasm_modules.get().and_then(|modules| modules.as_ref().ok()).cloned()
     }
 }
 

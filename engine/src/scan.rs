@@ -30,6 +30,7 @@ use std::path::{Path, PathBuf};
 use ruff_python_ast::visitor::{self, Visitor};
 use ruff_python_ast::{ExceptHandler, Expr, Stmt};
 use ruff_text_size::Ranged;
+use strata_core::PythonSource;
 
 /// Why a module or name the wasm build has still cannot work there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -743,6 +744,49 @@ pub fn unparsable(err: &ScanError) -> PythonVerdict {
         "python: does not parse as Python 3 (line {}: {}); wasm reports the SyntaxError",
         err.line, err.message
     ))
+}
+
+/// What the import scan says of a Python source: where it can run by what it imports, with `numerics` deciding
+/// whether numpy on wasm32 is acceptable. `modules` is asked for the wasm build's module list only when the source
+/// imports something. A file that cannot be read or is not UTF-8 is left to wasm, which reports it.
+pub fn judge_source<'m>(
+    source: &PythonSource,
+    numerics: Wasm32Numerics,
+    modules: impl FnOnce() -> Option<&'m WasmModules>,
+) -> PythonVerdict {
+    let refs = match source {
+        PythonSource::Module(module) => scan_main_module(module),
+        PythonSource::Code(code) => match scan_source(code) {
+            Ok(refs) => refs,
+            Err(err) => return unparsable(&err),
+        },
+        PythonSource::File(path) => {
+            let text = match std::fs::read(path) {
+                Ok(bytes) => bytes,
+                Err(err) => {
+                    return PythonVerdict::Wasm(format!(
+                        "python: cannot read {} ({err}); the wasm tier reports it",
+                        path.display()
+                    ));
+                }
+            };
+            match std::str::from_utf8(&text) {
+                Ok(text) => match scan_source(text) {
+                    Ok(refs) => refs,
+                    Err(err) => return unparsable(&err),
+                },
+                Err(_) => {
+                    return PythonVerdict::Wasm(
+                        "python: the script is not UTF-8; wasm reports the SyntaxError".to_owned(),
+                    );
+                }
+            }
+        }
+    };
+    if refs.is_empty() {
+        return route_python(&refs, None, numerics);
+    }
+    route_python(&refs, modules(), numerics)
 }
 
 /// `a, b, c` — at most eight names, then `and N more`.

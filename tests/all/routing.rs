@@ -273,14 +273,53 @@ fn numpy_and_pandas_give_native_answers_on_the_default_route() {
     let got: Vec<&str> = stdout.lines().collect();
     let native: Vec<&str> = OVERFLOWS.iter().map(|(_, value)| *value).collect();
     assert_eq!(got, native, "{:#?}", OVERFLOWS);
-    // The same job where the user asked for wasm: wasm32 numbers (the classic case wraps), as asked.
+    assert_eq!(outcome.platform, None, "native numbers are the host's");
+    // The same job where the user asked for wasm: wasm32 numbers (the classic case wraps), as asked, and said.
     let accepted = engine_with("[tiers]\nnative = \"process\"\npython_wasm_numpy = true\n");
     for (engine, choice) in [(&engine, TierChoice::Tier(TierKind::Wasm)), (&accepted, TierChoice::Auto)] {
         let outcome = run(engine, choice, &job).expect("runs");
         assert_eq!(outcome.tier, TierKind::Wasm, "{choice}: {:?}", outcome.route);
         let stdout = String::from_utf8_lossy(&outcome.stdout);
         assert_eq!(stdout.lines().next(), Some("1783293664"), "{choice}: {stdout}");
+        assert_eq!(outcome.platform, Some(strata_core::Platform::Wasm32), "{choice}");
+        let json = serde_json::to_value(&outcome).expect("json");
+        assert_eq!(json["platform"], "wasm32", "{choice}");
     }
+    // Python without numpy on wasm computes as native Python does: no platform is stated.
+    let plain = run(&engine, TierChoice::Auto, &python_code("print(2**64)")).expect("runs");
+    assert_eq!((plain.tier, plain.platform), (TierKind::Wasm, None));
+    assert!(serde_json::to_value(&plain).expect("json").get("platform").is_none());
+}
+
+/// A session is one interpreter on one tier for its life: a wasm session the engine chose refuses a cell that
+/// needs the native tier (naming why and the tier), and keeps its state; one the user chose runs numpy on wasm32,
+/// and says so.
+#[test]
+fn a_wasm_session_never_splits_and_refuses_what_it_cannot_run_as_native_code_would() {
+    let engine = engine_with("[tiers]\nnative = \"process\"\n");
+    let session = engine.start(TierChoice::Auto, &Default::default(), engine.default_limits()).expect("session");
+    let exec = |code: &str| session.exec(&python_code(code), Default::default());
+    assert_eq!(exec("x = 41\nprint(x + 1)").expect("runs").stdout, b"42\n");
+    for (code, why) in [
+        ("import numpy as np\nprint(np.arange(10**6).sum())", "numpy"),
+        ("import subprocess\nsubprocess.run(['true'])", "subprocess"),
+    ] {
+        let err = exec(code).expect_err("refused");
+        assert_eq!(err.code(), "session_tier", "{err}");
+        let text = err.to_string();
+        assert!(text.contains("wasm tier") && text.contains("process tier") && text.contains(why), "{text}");
+    }
+    // The refused cells did not run anywhere: the session's state is as it was.
+    assert_eq!(exec("print(x)").expect("runs").stdout, b"41\n");
+    session.close().expect("close");
+    let chosen = engine
+        .start(TierChoice::Tier(TierKind::Wasm), &Default::default(), engine.default_limits())
+        .expect("session");
+    let outcome = chosen.exec(&python_code("import numpy as np\nprint(np.arange(10**6).sum())"), Default::default());
+    let outcome = outcome.expect("runs");
+    assert_eq!(outcome.stdout, b"1783293664\n");
+    assert_eq!(outcome.platform, Some(strata_core::Platform::Wasm32));
+    chosen.close().expect("close");
 }
 
 #[test]
