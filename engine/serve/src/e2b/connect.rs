@@ -92,13 +92,19 @@ pub fn envd_sandbox(
     let entry = state.registry.get_any(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
     let meta = state.e2b.sandbox(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
     let token = headers.get("x-access-token").and_then(|v| v.to_str().ok());
-    if token != Some(meta.access_token.as_str()) {
+    if !token.is_some_and(|token| same_secret(token, &meta.access_token)) {
         return Err(E2bError::new(
             super::ConnectCode::Unauthenticated,
             "missing or wrong X-Access-Token for this sandbox",
         ));
     }
     Ok((entry, meta))
+}
+
+/// Whether a token presented equals the secret, compared in time that does not depend on where they differ.
+pub fn same_secret(presented: &str, secret: &str) -> bool {
+    presented.len() == secret.len()
+        && presented.bytes().zip(secret.bytes()).fold(0u8, |diff, (a, b)| diff | (a ^ b)) == 0
 }
 
 #[cfg(test)]

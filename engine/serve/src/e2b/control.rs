@@ -48,6 +48,7 @@ fn sandbox_json(entry: &SandboxEntry, meta: &E2bMeta) -> Value {
         "clientID": "strata",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": meta.access_token,
+        "trafficAccessToken": meta.traffic_token,
     })
 }
 
@@ -150,6 +151,7 @@ pub(super) async fn detail(
     let (entry, meta) = e2b_sandbox(&state, &id, &principal)?;
     let mut detail = listed_json(&entry, &meta);
     detail["envdAccessToken"] = json!(meta.access_token);
+    detail["trafficAccessToken"] = json!(meta.traffic_token);
     Ok(Json(detail))
 }
 

@@ -1,102 +1,87 @@
-//! The code interpreter's `POST /execute` (`E2b-Sandbox-Port: 49999`): a cell run by the value of its last
-//! expression as the main result, answered as NDJSON. Cells wasm can run go to a live wasm Python session of the
-//! sandbox (state carries over as in Jupyter); the others run with the sandbox's own `python3`, carrying imports,
-//! definitions and picklable values to the next such cell. Both see the sandbox's [`HOME`].
+//! The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` streaming NDJSON, and the contexts API
+//! (`POST`/`GET /contexts`, `POST /contexts/{id}/restart`, `DELETE /contexts/{id}`).
+//!
+//! A sandbox's cells run in its contexts, each one interpreter for its whole life ([`super::kernel`]): an IPython
+//! kernel inside the sandbox (process tier, the sandbox's own `python3` with numpy, pandas, matplotlib and scipy),
+//! or one bash. A cell never runs anywhere else. The `strata-wasm-python` template instead runs its Python cells
+//! in one wasm Python session of the sandbox (microsecond cells, wasm32 semantics: numpy's default integer is
+//! `int32` there); a cell that needs what wasm lacks fails with a typed error naming the tier that would run it.
+//! Both see the sandbox's [`HOME`].
+//!
+//! These routes are authorised by the sandbox's access token (`X-Access-Token`) or its traffic token
+//! (`E2B-Traffic-Access-Token`, which the SDKs send on the contexts calls).
 
+use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime};
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::{HeaderMap, header};
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use strata_core::{CancelToken, Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, PythonSource, TierKind};
 use strata_engine::TierChoice;
 
-use super::connect::EnvdSandbox;
 use super::control::rfc3339;
+use super::kernel::{Context, Language};
 use super::process::command_limits;
-use super::{E2bError, HOME};
+use super::{E2bError, E2bMeta, HOME};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::registry::{SandboxEntry, lock};
 use crate::service::{CancelOnDrop, blocking, record_job};
 
-/// Runs a cell in `__main__`: every statement, then the last one's value (if it is an expression) as the main result,
-/// which it reports after a record separator on stderr with any exception.
-///
-/// Each cell is a fresh `python3`, so state is carried in `/tmp/.strata-cells`: the source of every top-level
-/// import, `def` and `class` is replayed before the next cell, and every picklable value is restored. What does not
-/// pickle (open files, generators, sockets) does not survive from one cell to the next.
-const CELL_DRIVER: &str = r#"import ast as _s_ast, json as _s_json, os as _s_os, pickle as _s_pickle, sys as _s_sys
-import traceback as _s_tb, types as _s_types
-_s_ns = globals()
-_s_path = "/tmp/.strata-cells"
-_s_out = {"result": None, "error": None}
-_s_saved = {"defs": [], "values": {}}
-try:
-    with open(_s_path, "rb") as _s_f:
-        _s_saved = _s_pickle.load(_s_f)
-except Exception:
-    pass
-for _s_src in _s_saved["defs"]:
-    try:
-        exec(compile(_s_src, "<history>", "exec"), _s_ns)
-    except BaseException:
-        pass
-for _s_name, _s_blob in _s_saved["values"].items():
-    try:
-        _s_ns[_s_name] = _s_pickle.loads(_s_blob)
-    except BaseException:
-        pass
-_s_cell = _s_sys.argv[1]
-try:
-    _s_tree = _s_ast.parse(_s_cell, "<cell>", "exec")
-    for _s_node in _s_tree.body:
-        if isinstance(_s_node, (_s_ast.Import, _s_ast.ImportFrom, _s_ast.FunctionDef, _s_ast.AsyncFunctionDef,
-                                _s_ast.ClassDef)):
-            _s_src = _s_ast.get_source_segment(_s_cell, _s_node)
-            if _s_src:
-                _s_saved["defs"].append(_s_src)
-    _s_last = None
-    if _s_tree.body and isinstance(_s_tree.body[-1], _s_ast.Expr):
-        _s_last = _s_ast.Expression(_s_tree.body.pop().value)
-    exec(compile(_s_tree, "<cell>", "exec"), _s_ns)
-    if _s_last is not None:
-        _s_value = eval(compile(_s_last, "<cell>", "eval"), _s_ns)
-        if _s_value is not None:
-            _s_out["result"] = repr(_s_value)
-except BaseException as _s_e:
-    _s_out["error"] = {"name": type(_s_e).__name__, "value": str(_s_e), "traceback": _s_tb.format_exc()}
-_s_values = {}
-for _s_name, _s_value in list(_s_ns.items()):
-    if _s_name.startswith(("_s_", "__")) or isinstance(_s_value, (_s_types.ModuleType, _s_types.FunctionType, type)):
-        continue
-    try:
-        _s_values[_s_name] = _s_pickle.dumps(_s_value)
-    except BaseException:
-        pass
-_s_saved["values"] = _s_values
-try:
-    with open(_s_path + ".tmp", "wb") as _s_f:
-        _s_pickle.dump(_s_saved, _s_f)
-    _s_os.replace(_s_path + ".tmp", _s_path)
-except Exception:
-    pass
-_s_sys.stdout.flush()
-_s_sys.stderr.write("\x1eSTRATA-CELL " + _s_json.dumps(_s_out) + "\n")
-_s_sys.stderr.flush()
-"#;
+/// The template whose Python cells run in a wasm Python session instead of an IPython kernel.
+pub const WASM_TEMPLATE: &str = "strata-wasm-python";
 
-/// A cell in the live wasm session: the same protocol as [`CELL_DRIVER`], inside a function that removes itself so
-/// that the session's names are the cells' own. `{CODE}` is the cell as a JSON string (a valid Python literal).
-const SESSION_DRIVER: &str = r#"def __strata_cell(src):
-    import ast, json, sys, traceback
+/// The most code a cell may carry.
+const MAX_CELL: usize = 4 << 20;
+
+/// The sandbox a code-interpreter request is for, by `E2b-Sandbox-Id`, checked against its access token or its
+/// traffic token.
+pub(super) struct InterpreterSandbox(Arc<SandboxEntry>, Arc<E2bMeta>);
+
+impl FromRequestParts<Arc<AppState>> for InterpreterSandbox {
+    type Rejection = E2bError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &Arc<AppState>) -> Result<Self, E2bError> {
+        let headers = &parts.headers;
+        let id = headers
+            .get("e2b-sandbox-id")
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| E2bError::invalid_argument("code-interpreter calls need the E2b-Sandbox-Id header"))?;
+        let entry = state.registry.get_any(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
+        let meta = state.e2b.sandbox(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
+        let given = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let access = given("x-access-token").is_some_and(|t| super::connect::same_secret(t, &meta.access_token));
+        let traffic =
+            given("e2b-traffic-access-token").is_some_and(|t| super::connect::same_secret(t, &meta.traffic_token));
+        if !access && !traffic {
+            return Err(E2bError::new(
+                super::ConnectCode::Unauthenticated,
+                "missing or wrong X-Access-Token or E2B-Traffic-Access-Token for this sandbox",
+            ));
+        }
+        Ok(InterpreterSandbox(entry, meta))
+    }
+}
+
+/// A cell in the live wasm session: every statement, then the last one's value (if it is an expression) as the main
+/// result, reported after a record separator on stderr with any exception; inside a function that removes itself so
+/// that the session's names are the cells' own; the call with the cell and its variables as JSON (valid Python
+/// literals) is appended.
+const SESSION_DRIVER: &str = r#"def __strata_cell(src, env):
+    import ast, json, os, sys, traceback
     g = sys.modules["__main__"].__dict__
     out = {"result": None, "error": None}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         tree = ast.parse(src, "<cell>", "exec")
         last = None
@@ -109,13 +94,14 @@ const SESSION_DRIVER: &str = r#"def __strata_cell(src):
                 out["result"] = repr(value)
     except BaseException as e:
         out["error"] = {"name": type(e).__name__, "value": str(e), "traceback": traceback.format_exc()}
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     sys.stdout.flush()
     sys.stderr.write("\x1eSTRATA-CELL " + json.dumps(out) + "\n")
     sys.stderr.flush()
-try:
-    __strata_cell({CODE})
-finally:
-    del __strata_cell
 "#;
 
 /// Runs a cell in the sandbox's wasm Python session (started on first use, in [`HOME`], with the sandbox's
@@ -124,12 +110,17 @@ fn session_cell(
     state: &AppState,
     entry: &SandboxEntry,
     code: &str,
+    env: &BTreeMap<String, String>,
     limits: Limits,
     cancel: CancelToken,
 ) -> Result<strata_core::Outcome, ApiError> {
     let meta = state.e2b.sandbox(&entry.id).ok_or_else(|| ApiError::sandbox_not_found(&entry.id))?;
     let literal = serde_json::to_string(code).map_err(|e| ApiError::internal(e.to_string()))?;
-    let job = Job::Python { source: PythonSource::Code(SESSION_DRIVER.replace("{CODE}", &literal)), args: Vec::new() };
+    let env = serde_json::to_string(env).map_err(|e| ApiError::internal(e.to_string()))?;
+    // Appended, never substituted: the cell's text is not searched for anything.
+    let driver =
+        format!("{SESSION_DRIVER}try:\n    __strata_cell({literal}, {env})\nfinally:\n    del __strata_cell\n");
+    let job = Job::Python { source: PythonSource::Code(driver), args: Vec::new() };
     let mut session = lock(&meta.python);
     *lock(&meta.cell) = Some(cancel.clone());
     // `close` sets `closed` before it looks at `cell`: one of the two sees the other.
@@ -167,40 +158,120 @@ fn session_cell(
     Err(ApiError::internal("the Python session could not be restarted"))
 }
 
-const CELL_MARKER: &str = "\u{1e}STRATA-CELL ";
-
 #[derive(Debug, Deserialize)]
 pub(super) struct ExecuteRequest {
     code: String,
+    #[serde(default)]
+    context_id: Option<String>,
+    #[serde(default)]
+    language: Option<String>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
 }
 
+/// `POST /execute`: the cell runs in its context (or the language's default context), its events streamed as
+/// NDJSON while it runs.
 pub(super) async fn execute(
     State(state): State<Arc<AppState>>,
-    EnvdSandbox(entry, _): EnvdSandbox,
+    InterpreterSandbox(entry, meta): InterpreterSandbox,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, E2bError> {
     let request: ExecuteRequest =
         serde_json::from_slice(&body).map_err(|e| E2bError::invalid_argument(format!("invalid cell: {e}")))?;
+    if request.code.len() > MAX_CELL {
+        return Err(E2bError::invalid_argument(format!("a cell holds at most {} MiB of code", MAX_CELL >> 20)));
+    }
+    if request.context_id.is_some() && request.language.is_some() {
+        return Err(E2bError::invalid_argument("give a context or a language, not both"));
+    }
     let limits = command_limits(&entry, &headers);
-    let count = state.e2b.sandbox(&entry.id).map(|m| m.executions.fetch_add(1, Ordering::Relaxed) + 1).unwrap_or(1);
-    let cell = Job::Python { source: PythonSource::Code(request.code.clone()), args: Vec::new() };
-    let on_wasm = state.engine.route(TierChoice::Auto, &cell).is_ok_and(|route| route.decision.tier == TierKind::Wasm);
-    let outcome = if on_wasm {
-        let started = Instant::now();
-        let session_state = state.clone();
-        let token = CancelToken::new();
-        let mut guard = CancelOnDrop(Some(token.clone()));
-        let result = blocking(move || session_cell(&session_state, &entry, &request.code, limits, token)).await;
-        guard.0 = None;
-        record_job(&state, TierKind::Wasm, "run_code", started, &result);
-        result
-    } else {
-        let job = Job::Python { source: PythonSource::Code(CELL_DRIVER.to_owned()), args: vec![request.code] };
-        let opts = ExecOptions { limits: Some(limits), ..ExecOptions::default() };
-        crate::service::exec_in(&state, entry, job, opts).await
+    if meta.template == WASM_TEMPLATE {
+        Language::parse(request.language.as_deref()).and_then(|language| match language {
+            Language::Python => Ok(()),
+            Language::Bash => Err(E2bError::invalid_argument(format!(
+                "the {WASM_TEMPLATE} template runs Python only: create a sandbox of another template for bash"
+            ))),
+        })?;
+        if let Some(id) = request.context_id.as_deref().filter(|id| *id != WASM_CONTEXT) {
+            return Err(E2bError::not_found(format!("no code context {id}")));
+        }
+        return wasm_cell(state, entry, meta, request, limits).await;
+    }
+    let context = match &request.context_id {
+        Some(id) => meta.contexts.get(id).ok_or_else(|| E2bError::not_found(format!("no code context {id}")))?,
+        None => meta.contexts.default_for(Language::parse(request.language.as_deref())?, HOME)?,
     };
-    let outcome = outcome?;
+    meta.executions.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Value>(16);
+    let env = request.env_vars.unwrap_or_default();
+    let started = Instant::now();
+    let task_state = state.clone();
+    std::thread::Builder::new()
+        .name("strata-cell".into())
+        .spawn(move || {
+            context.run_cell(&entry, &request.code, &env, limits.wall, &tx);
+            let _ = tx.blocking_send(json!({"type": "end_of_execution"}));
+            task_state.metrics.latency(TierKind::Process.as_str(), "run_code", started.elapsed());
+        })
+        .map_err(|e| E2bError::internal(format!("cannot start the cell's thread: {e}")))?;
+    Ok(ndjson(rx))
+}
+
+/// The id of the one context of a [`WASM_TEMPLATE`] sandbox.
+const WASM_CONTEXT: &str = "wasm-python";
+
+/// Streams lines as NDJSON.
+fn ndjson(rx: tokio::sync::mpsc::Receiver<Value>) -> Response {
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|line| {
+            let mut text = line.to_string();
+            text.push('\n');
+            (Ok::<Bytes, Infallible>(Bytes::from(text)), rx)
+        })
+    });
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response()
+}
+
+/// A cell of a [`WASM_TEMPLATE`] sandbox: in its wasm Python session, if wasm can run it; otherwise a typed error
+/// naming what it needs and the tier that would run it (never another interpreter).
+async fn wasm_cell(
+    state: Arc<AppState>,
+    entry: Arc<SandboxEntry>,
+    meta: Arc<E2bMeta>,
+    request: ExecuteRequest,
+    limits: Limits,
+) -> Result<Response, E2bError> {
+    let count = meta.executions.fetch_add(1, Ordering::Relaxed) + 1;
+    let mut lines = vec![json!({"type": "number_of_executions", "execution_count": count})];
+    let cell = Job::Python { source: PythonSource::Code(request.code.clone()), args: Vec::new() };
+    let route = state.engine.route(TierChoice::Auto, &cell).map_err(|e| E2bError::from(ApiError::from(e)));
+    // numpy is what this template is for (its wasm32 semantics stated); anything else bound elsewhere is refused.
+    let refused = match route {
+        Ok(route) if route.decision.tier != TierKind::Wasm && !route.decision.reason.contains("wasm32") => {
+            Some(route.decision)
+        }
+        Ok(_) => None,
+        Err(err) => return Err(err),
+    };
+    if let Some(decision) = refused {
+        lines.push(json!({"type": "error", "name": "SessionTierError",
+            "value": format!("this context is a wasm32 Python session ({WASM_TEMPLATE}) for its whole life, and \
+                this cell needs the {} tier ({}): run it in a sandbox of another template", decision.tier,
+                decision.reason),
+            "traceback": ""}));
+        return Ok(lines_response(lines));
+    }
+    let started = Instant::now();
+    let session_state = state.clone();
+    let token = CancelToken::new();
+    let mut guard = CancelOnDrop(Some(token.clone()));
+    let code = request.code;
+    let env = request.env_vars.unwrap_or_default();
+    let result = blocking(move || session_cell(&session_state, &entry, &code, &env, limits, token)).await;
+    guard.0 = None;
+    record_job(&state, TierKind::Wasm, "run_code", started, &result);
+    let outcome = result?;
     let now = rfc3339(SystemTime::now());
     let stderr = String::from_utf8_lossy(&outcome.stderr).into_owned();
     let (stderr, trailer) = match stderr.rfind(CELL_MARKER) {
@@ -210,7 +281,6 @@ pub(super) async fn execute(
         }
         None => (stderr, None),
     };
-    let mut lines = vec![json!({"type": "number_of_executions", "execution_count": count})];
     let stdout = String::from_utf8_lossy(&outcome.stdout);
     if !stdout.is_empty() {
         lines.push(json!({"type": "stdout", "text": stdout, "timestamp": now}));
@@ -232,11 +302,93 @@ pub(super) async fn execute(
         None => lines.push(json!({"type": "error", "name": "SandboxError", "value": outcome.status.to_string(),
             "traceback": ""})),
     }
+    Ok(lines_response(lines))
+}
+
+/// Lines known at once, as NDJSON ending in `end_of_execution`.
+fn lines_response(mut lines: Vec<Value>) -> Response {
     lines.push(json!({"type": "end_of_execution"}));
     let mut text = String::new();
     for line in lines {
         text.push_str(&line.to_string());
         text.push('\n');
     }
-    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], text).into_response())
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], text).into_response()
+}
+
+const CELL_MARKER: &str = "\u{1e}STRATA-CELL ";
+
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct CreateContext {
+    #[serde(default)]
+    language: Option<String>,
+    #[serde(default)]
+    cwd: Option<String>,
+}
+
+/// `POST /contexts`: a new context, its kernel started before the answer (so a bad `cwd` fails here).
+pub(super) async fn create_context(
+    InterpreterSandbox(entry, meta): InterpreterSandbox,
+    body: Bytes,
+) -> Result<Json<Value>, E2bError> {
+    let request: CreateContext = match body.is_empty() {
+        true => CreateContext::default(),
+        false => {
+            serde_json::from_slice(&body).map_err(|e| E2bError::invalid_argument(format!("invalid context: {e}")))?
+        }
+    };
+    let language = Language::parse(request.language.as_deref())?;
+    if meta.template == WASM_TEMPLATE {
+        return Err(E2bError::invalid_argument(format!(
+            "a {WASM_TEMPLATE} sandbox has one context, its wasm Python session ({WASM_CONTEXT})"
+        )));
+    }
+    let context = meta.contexts.create(language, request.cwd.as_deref().unwrap_or(HOME))?;
+    let started = context.clone();
+    let result =
+        blocking(move || started.ensure_started(&entry).map_err(|why| ApiError::bad_request("kernel_start", why)))
+            .await;
+    if let Err(err) = result {
+        meta.contexts.remove(&context.id);
+        return Err(err.into());
+    }
+    Ok(Json(context.json()))
+}
+
+/// `GET /contexts`.
+pub(super) async fn list_contexts(InterpreterSandbox(_, meta): InterpreterSandbox) -> Json<Value> {
+    if meta.template == WASM_TEMPLATE {
+        return Json(json!([{"id": WASM_CONTEXT, "language": "python", "cwd": HOME}]));
+    }
+    Json(Value::Array(meta.contexts.list().iter().map(|c| c.json()).collect()))
+}
+
+/// `POST /contexts/{id}/restart`: a fresh kernel (its variables gone), started before the answer.
+pub(super) async fn restart_context(
+    InterpreterSandbox(entry, meta): InterpreterSandbox,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, E2bError> {
+    if meta.template == WASM_TEMPLATE && id == WASM_CONTEXT {
+        let session = lock(&meta.python).take();
+        if let Some(session) = session {
+            let _ = blocking(move || session.close()).await;
+        }
+        return Ok(Json(json!({})));
+    }
+    let context: Arc<Context> =
+        meta.contexts.get(&id).ok_or_else(|| E2bError::not_found(format!("no code context {id}")))?;
+    context.stop();
+    blocking(move || context.ensure_started(&entry).map_err(ApiError::internal)).await?;
+    Ok(Json(json!({})))
+}
+
+/// `DELETE /contexts/{id}`.
+pub(super) async fn remove_context(
+    InterpreterSandbox(_, meta): InterpreterSandbox,
+    Path(id): Path<String>,
+) -> Result<StatusCode, E2bError> {
+    match meta.contexts.remove(&id) {
+        true => Ok(StatusCode::NO_CONTENT),
+        false => Err(E2bError::not_found(format!("no code context {id}"))),
+    }
 }

@@ -14,11 +14,11 @@
 //!   and `GET`/`POST /files` (multipart or octet-stream) (`fs`), `{CreateWatcher,GetWatcherEvents,RemoveWatcher,
 //!   WatchDir}` (`watch`), each the sandbox's own filesystem method; `GET /health`. Commands, file calls and
 //!   watchers run at the same time.
-//! - The code interpreter (`E2b-Sandbox-Port: 49999`): `POST /execute` (`interpreter`) streaming NDJSON, the cell run by the
-//!   value of its last expression as the main result. The router picks the cell's tier: cells wasm can run go to a
-//!   live wasm Python session of the sandbox (state carries over as in Jupyter); the others run with the sandbox's
-//!   own `python3`, carrying imports, definitions and picklable values to the next such cell. Both see the
-//!   sandbox's `/home/user` (a host directory granted to each).
+//! - The code interpreter (`E2b-Sandbox-Port: 49999`, `interpreter`): `POST /execute` streaming NDJSON while the
+//!   cell runs, and the contexts API. Each context is one IPython kernel (or one bash) inside the sandbox for its
+//!   whole life ([`kernel`]), with IPython's rich results, `display()`, magics and streamed output; the
+//!   `strata-wasm-python` template runs its cells in one wasm Python session instead. A cell never runs in another
+//!   interpreter than its context's. All see the sandbox's `/home/user`.
 //!
 //! Every error under these routes, the router's own refusals included (an unknown path or method is
 //! `unimplemented`, 501), takes E2B's shape for the route's protocol ([`error`]), so that the SDKs raise their own
@@ -47,6 +47,7 @@ mod control;
 pub mod error;
 mod fs;
 mod interpreter;
+pub mod kernel;
 mod process;
 mod watch;
 
@@ -61,6 +62,9 @@ pub struct E2bMeta {
     pub template: String,
     /// The token envd calls must carry in `X-Access-Token`.
     pub access_token: String,
+    /// The token the code interpreter's calls may carry instead, in `E2B-Traffic-Access-Token` (the SDKs send it,
+    /// and not the access token, on the contexts calls).
+    pub traffic_token: String,
     /// The client's metadata, returned as given.
     pub metadata: Value,
     /// Cells run by `/execute`.
@@ -69,7 +73,9 @@ pub struct E2bMeta {
     pub home: Option<PathBuf>,
     /// The sandbox's environment, for its Python session.
     pub env: Vec<EnvVar>,
-    /// The code interpreter's live wasm Python session, started by the first cell the router sends to wasm.
+    /// The code interpreter's contexts, each one kernel in the sandbox ([`kernel`]).
+    pub contexts: kernel::Contexts,
+    /// The wasm Python session of a `strata-wasm-python` sandbox, started by its first cell.
     pub python: std::sync::Mutex<Option<Box<dyn strata_core::Sandbox>>>,
     /// Cancels the cell running in the Python session, if any.
     pub cell: std::sync::Mutex<Option<CancelToken>>,
@@ -100,6 +106,8 @@ impl E2bMeta {
         E2bMeta {
             template,
             access_token,
+            traffic_token: crate::registry::new_id("trf_") + &crate::registry::new_id(""),
+            contexts: kernel::Contexts::default(),
             metadata,
             executions: AtomicU64::new(0),
             home: Some(home),
@@ -117,6 +125,7 @@ impl E2bMeta {
         for command in lock(&self.commands).values() {
             command.cancel.cancel();
         }
+        self.contexts.stop_all();
         self.watchers.stop_all();
     }
 
@@ -232,6 +241,9 @@ pub fn envd_routes() -> Router<Arc<AppState>> {
         .route("/filesystem.Filesystem/WatchDir", post(watch::watch_dir))
         .route("/files", get(fs::read_file).post(fs::write_file))
         .route("/execute", post(interpreter::execute))
+        .route("/contexts", post(interpreter::create_context).get(interpreter::list_contexts))
+        .route("/contexts/{id}", axum::routing::delete(interpreter::remove_context))
+        .route("/contexts/{id}/restart", post(interpreter::restart_context))
 }
 
 /// `GET /health` with an `E2b-Sandbox-Id` header: 204 while the sandbox runs, 502 when it does not.

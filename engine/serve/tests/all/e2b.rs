@@ -229,7 +229,7 @@ async fn e2b_protocol_by_hand() {
 
 /// A venv with the pinned E2B SDK under `$STRATA_HOME/e2b-sdk`, installed once; `None` (with a line saying why)
 /// when it cannot be made here.
-fn sdk_python() -> Option<PathBuf> {
+pub(crate) fn sdk_python() -> Option<PathBuf> {
     let home = strata_engine::strata_home()?;
     let venv = home.join("e2b-sdk-2.63.0");
     let python = venv.join("bin/python");
@@ -404,7 +404,7 @@ async fn e2b_sdk_runs_unmodified() {
 }
 
 /// The API key the SDK scripts use (E2B's format: `e2b_` and hex).
-const SDK_KEY: &str = "e2b_0000000000000000000000000000000000000000";
+pub(crate) const SDK_KEY: &str = "e2b_0000000000000000000000000000000000000000";
 
 /// A server whose only key is [`SDK_KEY`], so that a wrong key is refused.
 async fn keyed_server() -> TestServer {
@@ -518,7 +518,7 @@ async fn e2b_python_sdk_raises_its_own_errors() {
 
 /// Runs `program ARGS…` in `dir` with the SDK's environment pointed at `server` (its control plane and envd): it
 /// must succeed, print `done`, and leave no sandbox behind.
-async fn run_sdk_script(server: &TestServer, program: &Path, args: &[&OsStr], dir: &Path, done: &str) {
+pub(crate) async fn run_sdk_script(server: &TestServer, program: &Path, args: &[&OsStr], dir: &Path, done: &str) {
     let output = tokio::process::Command::new(program)
         .args(args)
         .current_dir(dir)

@@ -2,6 +2,7 @@
 
 mod api;
 mod e2b;
+mod interpreter;
 mod lifecycle;
 mod limits;
 mod load;
