@@ -50,6 +50,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "snapshot_vm_state", run: targets::snapshot_vm_state::run },
     Target { name: "snapshot_upper_tree", run: targets::snapshot_upper_tree::run },
     Target { name: "replay_recording", run: targets::replay_recording::run },
+    Target { name: "kernel_events", run: targets::kernel_events::run },
 ];
 
 /// The target called `name`.

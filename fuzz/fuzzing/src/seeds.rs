@@ -34,6 +34,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "snapshot_vm_state" => crate::snapshot_seeds::snapshot_vm_state(),
         "snapshot_upper_tree" => crate::snapshot_seeds::snapshot_upper_tree(),
         "replay_recording" => replay_recording(),
+        "kernel_events" => kernel_events(),
         _ => Vec::new(),
     }
 }
@@ -478,6 +479,32 @@ fn e2b_connect() -> Vec<Seed> {
         ("create", with(3, br#"{"templateID":"base","timeout":300,"metadata":{"k":"v"},"envVars":{"A":"1"}}"#)),
         ("execute", with(3, br#"{"code":"import math\nmath.pi"}"#)),
     ])
+}
+
+fn kernel_events() -> Vec<Seed> {
+    let head = concat!(
+        r#"{"type": "ready"}"#,
+        "\n",
+        r#"{"type": "number_of_executions", "execution_count": 1}"#,
+        "\n",
+        r#"{"type": "stdout", "text": "hel"#,
+    );
+    let tail = concat!(
+        r#"lo\n"}"#,
+        "\n",
+        r#"{"type": "result", "is_main_result": true, "text": "42", "html": "<b>42</b>", "data": {"columns": ["a"]}}"#,
+        "\n",
+        r#"{"type": "result", "is_main_result": false, "png": "iVBORw0KGgo=", "extra": {"image/gif": "R0lG"}}"#,
+        "\n",
+        r#"{"type": "error", "name": "ZeroDivisionError", "value": "division by zero", "traceback": "..."}"#,
+        "\n",
+        r#"{"type": "end_of_execution"}"#,
+        "\n",
+    );
+    // 0xff ends a chunk: the stdout line arrives in two writes.
+    let cell = [head.as_bytes(), &[0xff], tail.as_bytes()].concat();
+    let forged = b"{\"type\": \"result\", \"png\": 7, \"evil\": 1}\nnot json\n[1]\n{\"type\": \"exited\"}\n".to_vec();
+    named(vec![("cell", cell), ("forged", forged)])
 }
 
 fn api_bodies() -> Vec<Seed> {

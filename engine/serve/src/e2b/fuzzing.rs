@@ -10,6 +10,7 @@ use super::connect::parse_envelope;
 use super::control::{CreateRequest, TimeoutRequest};
 use super::fs::{MoveRequest, PathRequest};
 use super::interpreter::ExecuteRequest;
+pub use super::kernel::{KernelEvent, MAX_EVENT, parse_event};
 use super::process::{StartRequest, command_argv, selected_pid};
 
 /// A Connect-RPC request body: one envelope, its JSON message.
@@ -65,4 +66,16 @@ pub fn filesystem_call(call: &str, body: &[u8]) -> Result<Vec<String>, E2bError>
         other => return Err(E2bError::internal(format!("no filesystem call {other}"))),
     }
     Ok(read)
+}
+
+/// What the server makes of a kernel's stdout written in these chunks: its checked events, and the line each sends
+/// to the SDKs.
+pub fn kernel_output(chunks: &[&[u8]]) -> Vec<(KernelEvent, Option<Value>)> {
+    super::kernel::events_of(chunks)
+        .into_iter()
+        .map(|event| {
+            let line = super::kernel::e2b_line(&event);
+            (event, line)
+        })
+        .collect()
 }

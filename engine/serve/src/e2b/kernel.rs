@@ -267,6 +267,23 @@ impl OutputSink for KernelSink {
     }
 }
 
+/// The events a kernel's stdout makes when written in these chunks, in order (for the fuzz target).
+pub(super) fn events_of(chunks: &[&[u8]]) -> Vec<KernelEvent> {
+    let lines = chunks.iter().map(|chunk| chunk.iter().filter(|b| **b == b'\n').count()).sum::<usize>();
+    let (tx, rx) = sync_channel(lines + 1);
+    let sink = KernelSink { events: tx, line: Mutex::default(), stderr: Arc::default() };
+    for chunk in chunks {
+        sink.output(Stream::Stdout, chunk);
+    }
+    drop(sink);
+    rx.into_iter().collect()
+}
+
+/// The NDJSON line E2B's SDKs get for `event`, if any (for the fuzz target).
+pub(super) fn e2b_line(event: &KernelEvent) -> Option<Value> {
+    event.to_e2b()
+}
+
 /// A running kernel.
 struct Kernel {
     stdin: std::io::PipeWriter,

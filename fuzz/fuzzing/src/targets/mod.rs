@@ -9,6 +9,7 @@ pub mod egress_proxy;
 pub mod egress_request;
 pub mod egress_sni;
 pub mod jail_frames;
+pub mod kernel_events;
 pub mod policy_toml;
 pub mod replay_recording;
 pub mod snapshot_open;
