@@ -58,7 +58,8 @@ pub const ENVD_VERSION: &str = "0.5.7";
 
 /// What the E2B layer keeps about one of its sandboxes.
 pub struct E2bMeta {
-    /// The template the client asked for (`base`, `code-interpreter-v1`, …); every template is the same image.
+    /// The template the client asked for (`base`, `code-interpreter-v1`, …); every template is the same image
+    /// (`strata-wasm-python` runs its cells in a wasm Python session).
     pub template: String,
     /// The token envd calls must carry in `X-Access-Token`.
     pub access_token: String,
