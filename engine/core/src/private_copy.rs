@@ -18,7 +18,10 @@
 //!   of a file on a full tmpfs, read through a mapping, is `SIGBUS` too). It costs unreclaimable memory without
 //!   swap, and faults are slower than on a disk filesystem's large folios (a wasm fork took ~35 % longer).
 //!
-//! Pages that are all zero are not written: they stay holes, cost nothing on disk, and read as zero.
+//! Pages that are all zero are not written: they stay holes, cost nothing on disk, and read as zero. A source
+//! that is a file ([`PrivateCopy::copy_file`]) is copied by its data regions only (`SEEK_DATA`/`SEEK_HOLE`): its
+//! holes are never read, and without a check that needs the bytes, its data is copied inside the kernel
+//! (`copy_file_range`).
 
 use std::ffi::CStr;
 use std::fs::File;
@@ -26,9 +29,11 @@ use std::io::{self, Read};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+use nix::errno::Errno;
+use nix::fcntl::{FcntlArg, SealFlag, copy_file_range, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::statfs::{FsType, fstatfs};
+use nix::unistd::{Whence, lseek};
 
 /// The unit in which zero pages are skipped.
 const PAGE: usize = 4096;
@@ -72,14 +77,7 @@ impl PrivateCopy {
         len: u64,
         mut inspect: impl FnMut(&[u8]),
     ) -> io::Result<PrivateCopy> {
-        let (file, backing) = match dir.and_then(unnamed_in) {
-            Some(file) => (file, Backing::Unnamed),
-            None => {
-                let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
-                (File::from(fd), Backing::SealedMemfd)
-            }
-        };
-        file.set_len(len)?;
+        let (file, backing) = create(dir, name, len)?;
         let mut input = source.take(len.saturating_add(1));
         let mut buf = vec![0u8; CHUNK];
         let mut offset = 0u64;
@@ -99,17 +97,78 @@ impl PrivateCopy {
             offset += n as u64;
         }
         if offset != len {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("{offset} bytes where {len} were expected"),
-            ));
+            return Err(short(offset, len));
         }
-        if backing == Backing::SealedMemfd {
-            let seals =
-                SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SEAL;
-            fcntl(&file, FcntlArg::F_ADD_SEALS(seals))?;
+        finish(file, len, backing)
+    }
+
+    /// As [`PrivateCopy::copy_from`], from a file read by its data regions: a hole is given to `inspect` as
+    /// zeros and never read, and with no `inspect` the data is copied inside the kernel. The file's size is
+    /// checked after the copy: a file that shrank or grew meanwhile is an error, as a short or long source is
+    /// there.
+    pub fn copy_file(
+        dir: Option<&Path>,
+        name: &CStr,
+        source: &File,
+        len: u64,
+        mut inspect: Option<&mut dyn FnMut(&[u8])>,
+    ) -> io::Result<PrivateCopy> {
+        let (file, backing) = create(dir, name, len)?;
+        let mut buf = Vec::new();
+        let mut in_kernel = inspect.is_none();
+        let mut offset = 0u64;
+        while offset < len {
+            let data = match lseek(source, to_off(offset)?, Whence::SeekData) {
+                Ok(data) => u64::try_from(data).map_err(io::Error::other)?.min(len),
+                // No data past `offset`: the rest is a hole (or the file shrank, found below).
+                Err(Errno::ENXIO) => len,
+                Err(err) => return Err(err.into()),
+            };
+            if let Some(inspect) = inspect.as_deref_mut() {
+                inspect_zeros(inspect, data - offset);
+            }
+            if data == len {
+                break;
+            }
+            let hole = u64::try_from(lseek(source, to_off(data)?, Whence::SeekHole)?).map_err(io::Error::other)?;
+            let end = hole.min(len);
+            let mut at = data;
+            if in_kernel {
+                match copy_in_kernel(source, &file, at, end) {
+                    Ok(copied) => at = copied,
+                    // Another filesystem, or one that cannot: copied through a buffer instead.
+                    Err(Errno::EXDEV | Errno::EINVAL | Errno::ENOSYS | Errno::EOPNOTSUPP) => in_kernel = false,
+                    Err(err) => return Err(err.into()),
+                }
+            }
+            while at < end {
+                if buf.is_empty() {
+                    buf = vec![0u8; CHUNK];
+                }
+                let want = usize::try_from(end - at).unwrap_or(CHUNK).min(CHUNK);
+                let n = match source.read_at(&mut buf[..want], at) {
+                    Ok(0) => return Err(short(at, len)),
+                    Ok(n) => n,
+                    Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(err) => return Err(err),
+                };
+                let chunk = &buf[..n];
+                if let Some(inspect) = inspect.as_deref_mut() {
+                    inspect(chunk);
+                }
+                write_nonzero(&file, chunk, at)?;
+                at += n as u64;
+            }
+            offset = end;
         }
-        Ok(PrivateCopy { file, len, backing })
+        let size = source.metadata()?.len();
+        if size > len {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("more than the {len} bytes expected")));
+        }
+        if size < len {
+            return Err(short(size, len));
+        }
+        finish(file, len, backing)
     }
 
     /// The file, to map (`MAP_PRIVATE`) or read. Never write to it.
@@ -131,6 +190,65 @@ impl PrivateCopy {
     pub fn backing(&self) -> Backing {
         self.backing
     }
+}
+
+/// A new file of `len` bytes (all a hole) for a copy: unnamed in `dir` if it can be, else a memfd.
+fn create(dir: Option<&Path>, name: &CStr, len: u64) -> io::Result<(File, Backing)> {
+    let (file, backing) = match dir.and_then(unnamed_in) {
+        Some(file) => (file, Backing::Unnamed),
+        None => {
+            let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
+            (File::from(fd), Backing::SealedMemfd)
+        }
+    };
+    file.set_len(len)?;
+    Ok((file, backing))
+}
+
+/// The copy, once every byte is in: a memfd sealed against every change.
+fn finish(file: File, len: u64, backing: Backing) -> io::Result<PrivateCopy> {
+    if backing == Backing::SealedMemfd {
+        let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SEAL;
+        fcntl(&file, FcntlArg::F_ADD_SEALS(seals))?;
+    }
+    Ok(PrivateCopy { file, len, backing })
+}
+
+fn short(found: u64, len: u64) -> io::Error {
+    io::Error::new(io::ErrorKind::UnexpectedEof, format!("{found} bytes where {len} were expected"))
+}
+
+fn to_off(offset: u64) -> io::Result<i64> {
+    i64::try_from(offset).map_err(io::Error::other)
+}
+
+/// Gives `inspect` `count` zero bytes, a chunk at a time.
+fn inspect_zeros(inspect: &mut dyn FnMut(&[u8]), count: u64) {
+    static ZEROS: [u8; PAGE * 16] = [0; PAGE * 16];
+    let mut left = count;
+    while left > 0 {
+        let n = usize::try_from(left).unwrap_or(ZEROS.len()).min(ZEROS.len());
+        inspect(&ZEROS[..n]);
+        left -= n as u64;
+    }
+}
+
+/// Copies `[from, to)` of `source` to the same offsets of `copy` inside the kernel; returns where it stopped
+/// (before `to` only at the source's end, which the caller finds on reading on).
+fn copy_in_kernel(source: &File, copy: &File, from: u64, to: u64) -> Result<u64, Errno> {
+    let mut at = from;
+    while at < to {
+        let mut off_in = i64::try_from(at).map_err(|_| Errno::EOVERFLOW)?;
+        let mut off_out = off_in;
+        let want = usize::try_from(to - at).unwrap_or(usize::MAX).min(1 << 30);
+        match copy_file_range(source, Some(&mut off_in), copy, Some(&mut off_out), want) {
+            Ok(0) => break,
+            Ok(n) => at += n as u64,
+            Err(Errno::EINTR) => {}
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(at)
 }
 
 /// A new unnamed file in `dir`, if `dir` is on a disk filesystem and takes one.
@@ -249,6 +367,46 @@ mod tests {
         PrivateCopy::copy_from(None, c"test", &bytes[..], bytes.len() as u64, |chunk| seen.extend_from_slice(chunk))
             .expect("copy");
         assert_eq!(seen, bytes);
+    }
+
+    /// `bytes` in a file whose zero pages are holes.
+    fn sparse_file(dir: &Path, bytes: &[u8]) -> File {
+        let file =
+            File::options().read(true).write(true).create(true).truncate(true).open(dir.join("src")).expect("src");
+        file.set_len(bytes.len() as u64).expect("len");
+        write_nonzero(&file, bytes, 0).expect("write");
+        file
+    }
+
+    #[test]
+    fn a_sparse_file_is_copied_by_its_data_and_its_holes_are_inspected_as_zeros() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut bytes = vec![0u8; 64 * PAGE + 100];
+        bytes[5] = 1;
+        bytes[40 * PAGE + 7] = 2;
+        bytes[64 * PAGE + 99] = 3;
+        let source = sparse_file(dir.path(), &bytes);
+        for place in [None, Some(dir.path())] {
+            let copy = PrivateCopy::copy_file(place, c"test", &source, bytes.len() as u64, None).expect("copy");
+            assert_eq!(read_all(&copy), bytes);
+            let blocks = nix::sys::stat::fstat(copy.file()).expect("stat").st_blocks as u64 * 512;
+            assert!(blocks < 16 * PAGE as u64, "{blocks} bytes allocated for three pages of data");
+        }
+        let mut seen = Vec::new();
+        let mut inspect = |chunk: &[u8]| seen.extend_from_slice(chunk);
+        PrivateCopy::copy_file(None, c"test", &source, bytes.len() as u64, Some(&mut inspect)).expect("copy");
+        assert_eq!(seen, bytes);
+    }
+
+    #[test]
+    fn a_file_of_another_size_than_expected_is_an_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = sparse_file(dir.path(), &sample());
+        let len = sample().len() as u64;
+        let err = PrivateCopy::copy_file(None, c"test", &source, len + 1, None).expect_err("short");
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        let err = PrivateCopy::copy_file(None, c"test", &source, len - 1, None).expect_err("long");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
     }
 
     #[test]

@@ -478,12 +478,13 @@ impl Snapshot {
                     let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir);
                 }
                 let label = c"strata-snapshot-file";
-                let inspect = |chunk: &[u8]| {
+                let mut hash = |chunk: &[u8]| {
                     if let Some(hasher) = &mut hasher {
                         hasher.update(chunk);
                     }
                 };
-                let copy = PrivateCopy::copy_from(place.dir.as_deref(), label, &file, listed.size, inspect).map_err(
+                let inspect: Option<&mut dyn FnMut(&[u8])> = if self.settled { None } else { Some(&mut hash) };
+                let copy = PrivateCopy::copy_file(place.dir.as_deref(), label, &file, listed.size, inspect).map_err(
                     |source| match source.kind() {
                         io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
                             SnapshotError::Changed(path.clone())
