@@ -995,7 +995,7 @@ impl Engine {
         Ok(self.tier(snapshot.tier)?.fork(snapshot)?)
     }
 
-    /// Runs one job in a fresh fork of `snapshot` ([`Engine::fork`]) and closes the fork.
+    /// Runs one job in a fresh fork of `snapshot` ([`Engine::fork`]) as the fork's last ([`Sandbox::exec_and_close`]).
     fn run_from_snapshot(
         &self,
         choice: TierChoice,
@@ -1005,10 +1005,7 @@ impl Engine {
         opts: ExecOptions,
     ) -> Result<Outcome, EngineError> {
         let sandbox = self.fork(choice, snapshot)?;
-        let outcome = sandbox.exec(job, ExecOptions { limits: Some(limits.clone()), ..opts });
-        let closed = sandbox.close();
-        let mut outcome = outcome?;
-        closed?;
+        let mut outcome = sandbox.exec_and_close(job, ExecOptions { limits: Some(limits.clone()), ..opts })?;
         outcome.route = Some(forked(snapshot));
         Ok(outcome)
     }

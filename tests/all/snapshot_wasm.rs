@@ -214,3 +214,29 @@ fn secrets_are_never_written_to_a_snapshot() {
     let err = engine().wasm().fork(&snapshot).err().expect("refused");
     assert!(matches!(err, TierError::Unsupported { .. }) && err.to_string().contains("TOKEN"), "{err}");
 }
+
+/// A fork's last job ends as a program does: `atexit` handlers run inside the job, their output and their
+/// failures (reported as CPython reports them) in its outcome, and the fork is closed after it.
+#[test]
+fn a_forks_last_job_runs_atexit_handlers_into_its_outcome() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut session = python_session();
+    py(session.as_mut(), "import atexit\nx = 1");
+    let snapshot = session.snapshot(&dir.path().join("snap")).expect("snapshot");
+    session.close().expect("close");
+
+    let forked = fork(&snapshot);
+    let job = code("atexit.register(print, 'bye')\nprint(x)");
+    let outcome = forked.exec_and_close(&job, ExecOptions::default()).expect("exec");
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", stderr(&outcome));
+    assert_eq!(stdout(&outcome), "1\nbye\n");
+    assert!(matches!(forked.exec(&code("x"), ExecOptions::default()), Err(TierError::SessionEnded { .. })));
+
+    let forked = fork(&snapshot);
+    let job = code("def fail():\n    1 / 0\natexit.register(fail)\nprint('ran')");
+    let outcome = forked.exec_and_close(&job, ExecOptions::default()).expect("exec");
+    assert_eq!(outcome.status, Status::Exited { code: 0 }, "{}", stderr(&outcome));
+    assert_eq!(stdout(&outcome), "ran\n");
+    let err = stderr(&outcome);
+    assert!(err.contains("Exception ignored in atexit callback") && err.contains("ZeroDivisionError"), "{err}");
+}

@@ -345,6 +345,18 @@ pub trait Sandbox: Send + Sync {
     /// them through their [`CancelToken`]s first to have them end as cancelled); every later call answers
     /// [`TierError::SessionEnded`].
     fn close(&self) -> Result<(), TierError>;
+
+    /// Runs `job` as the sandbox's last, then closes it: [`Sandbox::exec`] then [`Sandbox::close`], the job's
+    /// error first. Nothing uses the sandbox's state again, so a tier may end the job as a program ends instead
+    /// of tearing the state down at close: the wasm tier runs a Python interpreter's `atexit` handlers and
+    /// flushes its streams inside the job (their output is in its outcome) and never finalises it.
+    fn exec_and_close(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
+        let outcome = self.exec(job, opts);
+        let closed = self.close();
+        let outcome = outcome?;
+        closed?;
+        Ok(outcome)
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,8 @@
 //!
 //! **Sessions** keep one instance: each `exec` is one `turn`, with variables and imports kept and a final
 //! expression echoed as in the REPL, under its own limits. A trap, a limit or `exit()` ends the session;
-//! `close` calls `shutdown()`. The session's stdin is the sandbox's (`Capabilities::stdin`), read across turns; a
+//! `close` calls `shutdown()`. A sandbox's last job (`Sandbox::exec_and_close`: a run from a snapshot) ends as a
+//! one-shot job does, `atexit` handlers and flushes in the job, and the interpreter is dropped, not finalised. The session's stdin is the sandbox's (`Capabilities::stdin`), read across turns; a
 //! turn that brings its own (bytes, or a stream read as it arrives) reads that one during the turn instead.
 //!
 //! The guest sees the stdlib zip read-only at `/usr/local/lib`, matplotlib's data beside it, a private scratch
@@ -135,6 +136,30 @@ fn restored_socket_shim() -> String {
     format!("import _socket as _s\nif not hasattr(_s,'getaddrinfo'):exec({},{{}})\ndel _s\n", py_str(SOCKET_SHIM))
 }
 
+/// What a program's clean exit runs before CPython would finalise the interpreter: the `atexit` handlers (a failing
+/// one is reported as CPython reports it, "Exception ignored in atexit callback" on stderr), then the standard
+/// streams flushed. Defines `__strata_exit` in `__main__`; a one-shot job calls it at its end, and so does the
+/// last turn of a sandbox ([`exit_turn_code`]). Nothing finalises the interpreter afterwards: its instance is
+/// dropped (`Py_FinalizeEx`, which clears every module, would take longer than most jobs).
+const EXIT: &str = "def __strata_exit():
+    import sys
+    try:
+        import atexit
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+";
+
+/// The turn code that ends a session's interpreter as [`one_shot_code`] ends its program, after its last job.
+fn exit_turn_code() -> String {
+    format!("{EXIT}try:\n    __strata_exit()\nfinally:\n    del __strata_exit\n")
+}
+
 /// The turn code of a one-shot job: the program run as `python -c`/`python FILE`/`python -m` would run it.
 fn one_shot_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> String {
     let (argv0, body) = match source {
@@ -167,7 +192,7 @@ fn one_shot_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> 
     let mut argv = vec![argv0];
     argv.extend(args.iter().cloned());
     format!(
-        "{SOCKET_SHIM}def __strata_job():
+        "{SOCKET_SHIM}{EXIT}def __strata_job():
     import sys
     sys.argv = {argv}
     main = sys.modules['__main__'].__dict__
@@ -183,20 +208,11 @@ fn one_shot_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> 
             traceback.print_exception(type(error), error, tb)
             raise SystemExit(1) from None
     finally:
-        try:
-            import atexit
-            atexit._run_exitfuncs()
-        except BaseException:
-            pass
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
+        __strata_exit()
 try:
     __strata_job()
 finally:
-    del __strata_job
+    del __strata_job, __strata_exit
 ",
         argv = py_list(&argv),
     )
@@ -559,6 +575,36 @@ impl PythonSession {
         limits: &Limits,
         opts: &ExecOptions,
     ) -> Result<Outcome, TierError> {
+        self.run_turn(runtime, source, args, limits, opts, false)
+    }
+
+    /// Runs the interpreter's last turn: the job, then, unless it ended the interpreter, what a program's clean
+    /// exit runs ([`EXIT`]), both inside the job's limits and outcome; then drops the instance without
+    /// finalising the interpreter, since nothing runs in it again.
+    pub(crate) fn last_turn(
+        &mut self,
+        runtime: &Runtime<JobState>,
+        source: &PythonSource,
+        args: &[String],
+        limits: &Limits,
+        opts: &ExecOptions,
+    ) -> Result<Outcome, TierError> {
+        let outcome = self.run_turn(runtime, source, args, limits, opts, true);
+        if self.ended.is_none() {
+            self.end("its last job has ended".into());
+        }
+        outcome
+    }
+
+    fn run_turn(
+        &mut self,
+        runtime: &Runtime<JobState>,
+        source: &PythonSource,
+        args: &[String],
+        limits: &Limits,
+        opts: &ExecOptions,
+        last: bool,
+    ) -> Result<Outcome, TierError> {
         if let Some(reason) = &self.ended {
             return Err(TierError::SessionEnded { reason: reason.clone() });
         }
@@ -598,6 +644,26 @@ impl PythonSession {
                 status
             }),
             Err(err) => Err(err),
+        };
+        let status = match status {
+            Ok(status @ Status::Exited { .. }) if last && !quit => {
+                // The exit's own status stands only when it is not a plain return: a limit, a trap or a
+                // cancel reached in an `atexit` handler, or `os._exit` called from one.
+                let ended = guarded(call_turn(store, exports, &exit_turn_code()), wall_deadline, opts.cancel.as_ref());
+                let mut exit_quit = false;
+                let exit = ended.and_then(|ended| {
+                    status_of(ended, store.data().meter.stop, |value| {
+                        let (status, exited) = decode_turn(value);
+                        exit_quit = exited;
+                        status
+                    })
+                });
+                match exit {
+                    Ok(Status::Exited { .. }) if !exit_quit => Ok(status),
+                    other => other,
+                }
+            }
+            other => other,
         };
         let status = match status {
             Ok(status) => status,

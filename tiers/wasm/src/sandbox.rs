@@ -118,14 +118,9 @@ impl WasmSandbox {
         self.open()?;
         Ok(self.visible())
     }
-}
 
-impl Sandbox for WasmSandbox {
-    fn tier(&self) -> TierKind {
-        TierKind::Wasm
-    }
-
-    fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
+    /// Runs a job; a Python one as the interpreter's last turn when `last`.
+    fn exec_turn(&self, job: &Job, opts: ExecOptions, last: bool) -> Result<Outcome, TierError> {
         self.open()?;
         let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
         let Job::Python { source, args } = job else {
@@ -147,7 +142,31 @@ impl Sandbox for WasmSandbox {
             return Err(TierError::SessionEnded { reason: "the session did not start".into() });
         };
         let runtime = self.tier.runtime_of(session.metered(), session.allocation())?;
-        session.turn(runtime, source, args, &limits, &opts)
+        if last {
+            session.last_turn(runtime, source, args, &limits, &opts)
+        } else {
+            session.turn(runtime, source, args, &limits, &opts)
+        }
+    }
+}
+
+impl Sandbox for WasmSandbox {
+    fn tier(&self) -> TierKind {
+        TierKind::Wasm
+    }
+
+    fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
+        self.exec_turn(job, opts, false)
+    }
+
+    /// Ends a Python job as a program ends (see [`PythonSession::last_turn`]): closing afterwards has nothing
+    /// to finalise.
+    fn exec_and_close(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
+        let outcome = self.exec_turn(job, opts, true);
+        let closed = self.close();
+        let outcome = outcome?;
+        closed?;
+        Ok(outcome)
     }
 
     fn write_file(&self, guest_path: &str, contents: &[u8]) -> Result<(), TierError> {
