@@ -47,6 +47,9 @@ const DISK_FILESYSTEMS: [FsType; 3] = [
     FsType(0x9123_683e), // btrfs
 ];
 
+/// What is handed every byte of a copy, in order (to hash it).
+pub type Inspect<'a> = &'a mut dyn FnMut(&[u8]);
+
 /// Where a private copy lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backing {
@@ -111,7 +114,7 @@ impl PrivateCopy {
         name: &CStr,
         source: &File,
         len: u64,
-        mut inspect: Option<&mut dyn FnMut(&[u8])>,
+        mut inspect: Option<Inspect<'_>>,
     ) -> io::Result<PrivateCopy> {
         let (file, backing) = create(dir, name, len)?;
         let mut buf = Vec::new();

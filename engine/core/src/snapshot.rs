@@ -483,7 +483,8 @@ impl Snapshot {
                         hasher.update(chunk);
                     }
                 };
-                let inspect: Option<&mut dyn FnMut(&[u8])> = if self.settled { None } else { Some(&mut hash) };
+                let inspect: Option<crate::private_copy::Inspect<'_>> =
+                    if self.settled { None } else { Some(&mut hash) };
                 let copy = PrivateCopy::copy_file(place.dir.as_deref(), label, &file, listed.size, inspect).map_err(
                     |source| match source.kind() {
                         io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
