@@ -175,6 +175,8 @@ pub struct SandboxEntry {
     sandbox: Arc<dyn Sandbox>,
     /// The jobs running now, by a number of their own.
     running: Mutex<HashMap<u64, CancelToken>>,
+    /// Its services running now ([`SandboxEntry::exec_service`]), by the same numbering.
+    services: Mutex<HashMap<u64, CancelToken>>,
     next_job: AtomicU64,
     killed: AtomicBool,
     last_used: Mutex<Instant>,
@@ -206,6 +208,7 @@ impl SandboxEntry {
             deadline: Mutex::new((Instant::now() + ttl, now + ttl)),
             sandbox: Arc::from(sandbox),
             running: Mutex::new(HashMap::new()),
+            services: Mutex::new(HashMap::new()),
             next_job: AtomicU64::new(0),
             killed: AtomicBool::new(false),
             last_used: Mutex::new(Instant::now()),
@@ -308,6 +311,21 @@ impl SandboxEntry {
         outcome
     }
 
+    /// Runs a service of the sandbox (blocking): a job that lives as long as something of the sandbox does (a
+    /// code-interpreter kernel, for its context), not a piece of work. It is not counted as a running job (so a
+    /// sandbox whose kernel waits for cells is idle), and killing the sandbox ends it as it ends jobs.
+    pub fn exec_service(&self, job: &Job, mut opts: ExecOptions) -> Result<Outcome, RegistryError> {
+        let token = opts.cancel.get_or_insert_with(CancelToken::new).clone();
+        let number = self.next_job.fetch_add(1, Ordering::Relaxed);
+        lock(&self.services).insert(number, token.clone());
+        if self.killed.load(Ordering::SeqCst) {
+            token.cancel();
+        }
+        let outcome = self.call(|sandbox| sandbox.exec(job, opts));
+        lock(&self.services).remove(&number);
+        outcome
+    }
+
     /// Snapshots the sandbox into `destination` (blocking). Only between jobs: while any runs it is `sandbox_busy`.
     pub fn snapshot(&self, destination: &std::path::Path) -> Result<Snapshot, RegistryError> {
         if self.is_running() {
@@ -319,7 +337,7 @@ impl SandboxEntry {
     /// Kills the running jobs if any and closes the sandbox (blocking). Idempotent.
     pub fn kill(&self) {
         self.killed.store(true, Ordering::SeqCst);
-        for token in lock(&self.running).values() {
+        for token in lock(&self.running).values().chain(lock(&self.services).values()) {
             token.cancel();
         }
         if let Err(err) = self.sandbox.close() {

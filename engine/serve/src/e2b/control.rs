@@ -127,6 +127,7 @@ pub(super) async fn create(
         }
     };
     let meta = state.e2b.adopt(&entry, meta);
+    super::interpreter::prestart(&entry, &meta);
     Ok((StatusCode::CREATED, Json(sandbox_json(&entry, &meta))).into_response())
 }
 

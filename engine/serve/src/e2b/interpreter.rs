@@ -158,6 +158,25 @@ fn session_cell(
     Err(ApiError::internal("the Python session could not be restarted"))
 }
 
+/// Starts the default Python context's kernel in the background when the sandbox is made from a code-interpreter
+/// template (`code-interpreter-v1`, the SDK's default), so that its first cell does not wait for IPython to start;
+/// a sandbox of another template starts it on its first cell. A failed start is reported by that cell.
+pub(super) fn prestart(entry: &Arc<SandboxEntry>, meta: &Arc<E2bMeta>) {
+    if !meta.template.starts_with("code-interpreter") {
+        return;
+    }
+    let Ok(context) = meta.contexts.default_for(Language::Python, HOME) else { return };
+    let entry = entry.clone();
+    let spawned = std::thread::Builder::new().name("strata-kernel-start".into()).spawn(move || {
+        if let Err(why) = context.ensure_started(&entry) {
+            tracing::debug!(sandbox = %entry.id, %why, "the default kernel did not start ahead");
+        }
+    });
+    if let Err(err) = spawned {
+        tracing::warn!(error = %err, "cannot start the default kernel ahead");
+    }
+}
+
 #[derive(Debug, Deserialize)]
 pub(super) struct ExecuteRequest {
     code: String,

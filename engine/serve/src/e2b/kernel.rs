@@ -294,12 +294,19 @@ struct Kernel {
 
 impl Kernel {
     /// Starts a kernel of `language` in `cwd` as a job of `entry`, and waits until it is ready.
-    fn start(entry: &Arc<SandboxEntry>, language: Language, cwd: &str) -> Result<Kernel, String> {
+    /// Its cancel token is put in `published` before it waits, so that a context stopped meanwhile stops it.
+    fn start(
+        entry: &Arc<SandboxEntry>,
+        language: Language,
+        cwd: &str,
+        published: &Mutex<Option<CancelToken>>,
+    ) -> Result<Kernel, String> {
         let (stdin_stream, stdin) = StdinStream::pipe().map_err(|e| format!("cannot make the kernel's stdin: {e}"))?;
         let (tx, events) = sync_channel(EVENT_QUEUE);
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let sink = KernelSink { events: tx.clone(), line: Mutex::default(), stderr: stderr.clone() };
         let cancel = CancelToken::new();
+        *lock(published) = Some(cancel.clone());
         let limits = Limits { wall: KERNEL_LIFE, cpu: KERNEL_LIFE, ..entry.limits.clone() };
         let argv = [
             "/usr/bin/env",
@@ -326,7 +333,7 @@ impl Kernel {
         std::thread::Builder::new()
             .name("strata-kernel".into())
             .spawn(move || {
-                let why = match runner.exec(&job, opts) {
+                let why = match runner.exec_service(&job, opts) {
                     Ok(outcome) => format!("the kernel {}", outcome.status),
                     Err(err) => format!("the kernel could not run: {err}"),
                 };
@@ -364,6 +371,11 @@ impl Kernel {
         self.cancel.cancel();
     }
 
+    /// Whether it was stopped (its job ends, or has ended).
+    fn is_stopped(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+
     /// What its stderr said last, for an error.
     fn stderr_tail(&self) -> String {
         String::from_utf8_lossy(&lock(&self.stderr)).trim().to_owned()
@@ -386,6 +398,8 @@ pub struct Context {
     /// Its working directory.
     pub cwd: String,
     kernel: Mutex<Option<Kernel>>,
+    /// The cancel token of its kernel, reachable while a cell holds the kernel: stopping never waits for a cell.
+    cancel: Mutex<Option<CancelToken>>,
 }
 
 impl std::fmt::Debug for Context {
@@ -407,17 +421,25 @@ impl Context {
     /// Starts its kernel now if it is not running (blocking).
     pub fn ensure_started(&self, entry: &Arc<SandboxEntry>) -> Result<(), String> {
         let mut kernel = lock(&self.kernel);
-        if kernel.is_none() {
-            *kernel = Some(Kernel::start(entry, self.language, &self.cwd)?);
+        if kernel.as_ref().is_none_or(Kernel::is_stopped) {
+            *kernel = None;
+            *kernel = Some(Kernel::start(entry, self.language, &self.cwd, &self.cancel)?);
         }
         Ok(())
     }
 
-    /// Stops its kernel; the next cell starts a fresh one.
+    /// Stops its kernel, without waiting for a cell that runs (it ends with its kernel); the next cell starts a
+    /// fresh one.
     pub fn stop(&self) {
-        if let Some(kernel) = lock(&self.kernel).take() {
-            kernel.stop();
+        if let Some(token) = lock(&self.cancel).take() {
+            token.cancel();
         }
+        let idle = match self.kernel.try_lock() {
+            Ok(mut slot) => slot.take(),
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner().take(),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        drop(idle);
     }
 
     /// Runs one cell (blocking): each E2B NDJSON line goes to `out` as the kernel produces it. Past `limit`, or when
@@ -432,6 +454,9 @@ impl Context {
         out: &tokio::sync::mpsc::Sender<Value>,
     ) {
         let mut slot = lock(&self.kernel);
+        if slot.as_ref().is_some_and(Kernel::is_stopped) {
+            *slot = None;
+        }
         let error = |name: &str, value: String| json!({"type": "error", "name": name, "value": value, "traceback": ""});
         // What a kernel that ended between cells left behind, then a running kernel.
         if let Some(kernel) = slot.as_ref() {
@@ -447,7 +472,7 @@ impl Context {
             }
         }
         if slot.is_none() {
-            match Kernel::start(entry, self.language, &self.cwd) {
+            match Kernel::start(entry, self.language, &self.cwd, &self.cancel) {
                 Ok(kernel) => *slot = Some(kernel),
                 Err(why) => {
                     let _ = out.blocking_send(error("KernelError", why));
@@ -560,7 +585,13 @@ impl Contexts {
         }
         let uuid = new_id("");
         let id = format!("{}-{}-{}-{}", &uuid[..8], &uuid[8..12], &uuid[12..16], &uuid[16..20]);
-        let context = Arc::new(Context { id: id.clone(), language, cwd: cwd.to_owned(), kernel: Mutex::new(None) });
+        let context = Arc::new(Context {
+            id: id.clone(),
+            language,
+            cwd: cwd.to_owned(),
+            kernel: Mutex::new(None),
+            cancel: Mutex::new(None),
+        });
         all.insert(id, context.clone());
         Ok(context)
     }
