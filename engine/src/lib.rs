@@ -1041,7 +1041,17 @@ impl Engine {
         let policy = &self.config.policy.tiers;
         let numerics =
             if policy.python_wasm_numpy { scan::Wasm32Numerics::Accepted } else { scan::Wasm32Numerics::Refused };
-        Ok(Box::new(session::WasmSession::new(sandbox, chosen, numerics, policy.native, modules)))
+        // The tier a refused job would run on, as the router would resolve it: the microVM only where /dev/kvm is
+        // hardware (checked cheaply, without starting the tier), else the process tier when the policy falls back.
+        let native = match policy.native {
+            TierKind::Microvm
+                if policy.fallback && policy.allows(TierKind::Process) && doctor::kvm().kind != "hardware" =>
+            {
+                TierKind::Process
+            }
+            native => native,
+        };
+        Ok(Box::new(session::WasmSession::new(sandbox, chosen, numerics, native, modules)))
     }
 
     /// The wasm build's module list, shared; `None` (logged) when it cannot be made.

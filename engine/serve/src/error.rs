@@ -152,7 +152,9 @@ impl From<TierError> for ApiError {
             | TierError::ExecFailed { .. } => StatusCode::BAD_REQUEST,
             TierError::GuestPath { .. } => StatusCode::NOT_FOUND,
             TierError::Unsupported { .. } => StatusCode::NOT_IMPLEMENTED,
-            TierError::SessionEnded { .. } | TierError::Busy { .. } => StatusCode::CONFLICT,
+            TierError::SessionEnded { .. } | TierError::Busy { .. } | TierError::SessionTier { .. } => {
+                StatusCode::CONFLICT
+            }
             TierError::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
             TierError::Capacity { .. } => StatusCode::SERVICE_UNAVAILABLE,
             TierError::Snapshot(_) => StatusCode::BAD_REQUEST,

@@ -66,6 +66,32 @@ async fn wasm_sandbox_create_exec_list_get_delete() {
     server.stop().await;
 }
 
+/// A sandbox is one interpreter on one tier for its life: one `auto` put on wasm refuses a job that needs the native
+/// tier (409 `session_tier`, naming it) and keeps its state; one asked for on wasm runs numpy there, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_session_never_splits_across_tiers() {
+    let server = TestServer::start().await;
+    let id = server.create(json!({"tier": "auto", "ttl": 60})).await;
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let (status, outcome) = server.post(&exec, json!({"python": "x = 41"})).await;
+    assert_eq!((status, outcome["tier"].as_str()), (200, Some("wasm")), "{outcome}");
+    let (status, body) =
+        server.post(&exec, json!({"python": "import numpy as np\nprint(np.arange(10**6).sum())"})).await;
+    assert_eq!((status, code(&body)), (409, "session_tier"), "{body}");
+    assert!(body["error"]["message"].as_str().is_some_and(|m| m.contains("process tier")), "{body}");
+    let (_, outcome) = server.post(&exec, json!({"python": "print(x + 1)"})).await;
+    assert_eq!(outcome["stdout"], "42\n", "{outcome}");
+    assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 204);
+    let id = server.create(json!({"tier": "wasm", "ttl": 60})).await;
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let (status, outcome) =
+        server.post(&exec, json!({"python": "import numpy as np\nprint(np.arange(10**6).sum())"})).await;
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("1783293664\n")), "{outcome}");
+    assert_eq!(outcome["platform"], "wasm32", "{outcome}");
+    assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 204);
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_shot_run_returns_the_routed_outcome() {
     let server = TestServer::start().await;
