@@ -96,6 +96,23 @@ fn atexit_handlers_run_and_buffered_output_is_flushed() {
     assert_eq!(stdout(&outcome), "no newlinebye\n");
 }
 
+/// As natively, a program's end drops `__main__`'s names: a file it left open is flushed to the host, and
+/// `__del__` methods run (their output in the outcome).
+#[test]
+fn a_file_left_open_is_flushed_and_finalizers_run_at_exit() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let caps = Capabilities {
+        grants: vec![Grant::new(out.path(), "/out", GrantMode::Rw).expect("grant")],
+        ..Capabilities::default()
+    };
+    let program = "f = open('/out/left-open.txt', 'w')\nf.write('written')\n\
+                   class Noisy:\n    def __del__(self):\n        print('finalised')\nn = Noisy()\nprint('end')";
+    let outcome = python(program, &caps, &Limits::default());
+    assert_eq!(stdout(&outcome), "end\nfinalised\n");
+    let written = std::fs::read_to_string(out.path().join("left-open.txt")).expect("the file");
+    assert_eq!(written, "written");
+}
+
 #[test]
 fn a_session_keeps_state_across_five_turns() {
     let sandbox = python_engine().start(TierChoice::Auto, &Capabilities::default(), &Limits::default()).expect("start");

@@ -137,10 +137,12 @@ fn restored_socket_shim() -> String {
 }
 
 /// What a program's clean exit runs before CPython would finalise the interpreter: the `atexit` handlers (a failing
-/// one is reported as CPython reports it, "Exception ignored in atexit callback" on stderr), then the standard
-/// streams flushed. Defines `__strata_exit` in `__main__`; a one-shot job calls it at its end, and so does the
-/// last turn of a sandbox ([`exit_turn_code`]). Nothing finalises the interpreter afterwards: its instance is
-/// dropped (`Py_FinalizeEx`, which clears every module, would take longer than most jobs).
+/// one is reported as CPython reports it, "Exception ignored in atexit callback" on stderr), then `__main__`'s
+/// names dropped, as finalisation drops them (so a file the program left open is flushed and closed, and `__del__`
+/// methods run, as natively), then the standard streams flushed. Defines `__strata_exit` in `__main__`; a one-shot
+/// job calls it at its end, and so does the last turn of a sandbox ([`exit_turn_code`]). Nothing finalises the
+/// interpreter afterwards: its instance is dropped (`Py_FinalizeEx`, which clears every module, would take longer
+/// than most jobs). What only other modules or reference cycles hold is not finalised.
 const EXIT: &str = "def __strata_exit():
     import sys
     try:
@@ -148,6 +150,12 @@ const EXIT: &str = "def __strata_exit():
         atexit._run_exitfuncs()
     except BaseException:
         pass
+    main = sys.modules['__main__'].__dict__
+    for name in [n for n in main if not n.startswith('__')]:
+        try:
+            del main[name]
+        except BaseException:
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
