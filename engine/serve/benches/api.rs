@@ -101,7 +101,7 @@ for i in range(int(sys.argv[1])):
 const SDK_RUN_CODE: &str = r#"
 import sys, time
 from e2b_code_interpreter import Sandbox
-s = Sandbox.create()
+s = Sandbox.create(template=sys.argv[2])
 s.run_code("x = 1")
 for i in range(int(sys.argv[1])):
     t = time.perf_counter()
@@ -143,9 +143,9 @@ fn main() -> anyhow::Result<()> {
         if python.exists() && engine.process().is_ok() {
             // A directory of its own: a stray module in the temporary directory must not shadow the SDK's imports.
             let dir = tempfile::tempdir()?;
-            let sdk = |script: &str, name: &'static str, who: &str| -> anyhow::Result<()> {
+            let sdk = |script: &str, template: &str, name: &'static str, who: &str| -> anyhow::Result<()> {
                 let output = std::process::Command::new(&python)
-                    .args(["-c", script, &(iters / 4).to_string()])
+                    .args(["-c", script, &(iters / 4).to_string(), template])
                     .current_dir(dir.path())
                     .env("E2B_API_KEY", "e2b_0000000000000000000000000000000000000000")
                     .env("E2B_API_URL", &base)
@@ -159,8 +159,12 @@ fn main() -> anyhow::Result<()> {
                 figures.print(who);
                 Ok(())
             };
-            sdk(SDK_LOOP, "e2b create+run+kill", "E2B SDK 2.63.0 (process)")?;
-            sdk(SDK_RUN_CODE, "e2b run_code warm", "e2b-code-interpreter 2.11.5 (wasm)")?;
+            sdk(SDK_LOOP, "base", "e2b create+run+kill", "E2B SDK 2.63.0 (process)")?;
+            // The same cell in a context's IPython kernel inside the sandbox, and in the wasm template's session.
+            let kernel = "e2b-code-interpreter 2.11.5 (IPython kernel, process)";
+            sdk(SDK_RUN_CODE, "code-interpreter-v1", "e2b run_code warm", kernel)?;
+            let wasm = "e2b-code-interpreter 2.11.5 (strata-wasm-python)";
+            sdk(SDK_RUN_CODE, "strata-wasm-python", "e2b run_code warm wasm", wasm)?;
         }
     }
     let _ = stop.send(());
