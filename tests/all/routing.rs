@@ -312,9 +312,8 @@ fn a_wasm_session_never_splits_and_refuses_what_it_cannot_run_as_native_code_wou
     // The refused cells did not run anywhere: the session's state is as it was.
     assert_eq!(exec("print(x)").expect("runs").stdout, b"41\n");
     session.close().expect("close");
-    let chosen = engine
-        .start(TierChoice::Tier(TierKind::Wasm), &Default::default(), engine.default_limits())
-        .expect("session");
+    let chosen =
+        engine.start(TierChoice::Tier(TierKind::Wasm), &Default::default(), engine.default_limits()).expect("session");
     let outcome = chosen.exec(&python_code("import numpy as np\nprint(np.arange(10**6).sum())"), Default::default());
     let outcome = outcome.expect("runs");
     assert_eq!(outcome.stdout, b"1783293664\n");
