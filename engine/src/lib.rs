@@ -1012,9 +1012,9 @@ impl Engine {
 
     /// Starts a sandbox on a tier (`Auto` starts on the cheapest, wasm). A sandbox lives on its tier for its whole
     /// life: a wasm sandbox `Auto` started refuses a Python job the router would send to a native tier
-    /// ([`TierError::SessionTier`](strata_core::TierError::SessionTier): numpy whose wasm32 integers could differ,
-    /// processes, sockets, native extensions), and numpy runs on wasm32 only where the user asked for it (`Tier(Wasm)`
-    /// or the policy's `python_wasm_numpy`), its outcome then saying `"platform":"wasm32"`.
+    /// ([`TierError::SessionTier`]: numpy whose wasm32 integers could differ, processes, sockets, native
+    /// extensions), and numpy runs on wasm32 only where the user asked for it (`Tier(Wasm)` or the policy's
+    /// `python_wasm_numpy`), its outcome then saying `"platform":"wasm32"`.
     pub fn start(
         &self,
         choice: TierChoice,

@@ -159,7 +159,7 @@ impl Sandbox for WasmSandbox {
         self.exec_turn(job, opts, false)
     }
 
-    /// Ends a Python job as a program ends (see [`PythonSession::last_turn`]): closing afterwards has nothing
+    /// Ends a Python job as a program ends (see `PythonSession::last_turn`): closing afterwards has nothing
     /// to finalise.
     fn exec_and_close(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
         let outcome = self.exec_turn(job, opts, true);
