@@ -38,6 +38,11 @@ pub struct Limits {
     pub files: u32,
 }
 
+/// The most of a job's stdin held in memory at once: a [`StdinStream`](crate::StdinStream) an escalating job's
+/// wasm attempt read, kept for its native rerun, or the stdin a recording holds. A job reading its stream as it
+/// arrives is not bounded by it.
+pub const MAX_BUFFERED_STDIN: usize = 64 << 20;
+
 /// WebAssembly fuel budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fuel {

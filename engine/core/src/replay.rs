@@ -34,8 +34,7 @@ use sha2::{Digest as _, Sha256};
 use crate::caps::{Capabilities, EnvVar, Grant};
 use crate::job::{Job, ModuleSource, PythonSource};
 use crate::limits::Limits;
-use crate::outcome::{Outcome, Status};
-use crate::tier::Stream;
+use crate::outcome::{Outcome, Status, Stream};
 
 /// The `format` field of every recording.
 pub const FORMAT: &str = "strata-recording";
@@ -714,7 +713,7 @@ impl Recording {
         bounded("monotonic clock readings", self.monotonic_clock_ns.len(), MAX_READINGS)?;
         bounded("random bytes", self.random.0.len(), MAX_RANDOM_BYTES)?;
         bounded("tool exchanges", self.tool_exchanges.len(), MAX_TOOL_EXCHANGES)?;
-        bounded("stdin bytes", self.stdin.0.len(), crate::tier::MAX_BUFFERED_STDIN)?;
+        bounded("stdin bytes", self.stdin.0.len(), crate::limits::MAX_BUFFERED_STDIN)?;
         if self.random_calls > self.random.0.len() as u64 + 1 {
             return Err(ReplayError::Invalid(format!(
                 "random_calls {} is more than there are random bytes ({})",

@@ -17,14 +17,7 @@ use crate::outcome::{Outcome, TierKind};
 use crate::replay::Determinism;
 use crate::snapshot::Snapshot;
 
-/// Which output stream a chunk came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Stream {
-    /// Standard output.
-    Stdout,
-    /// Standard error.
-    Stderr,
-}
+pub use crate::outcome::Stream;
 
 /// Receives guest output as it is produced, for callers that stream it (the CLI's terminal output, the
 /// server's WebSocket). It sees exactly the bytes the [`Outcome`] captures: secrets redacted, nothing past the
@@ -118,9 +111,7 @@ impl ExecOptions {
     }
 }
 
-/// The most of a [`StdinStream`] held in memory at once (what an escalating job's wasm attempt read, kept for its
-/// native rerun). A job reading its stream as it arrives is not bounded by it.
-pub const MAX_BUFFERED_STDIN: usize = 64 << 20;
+pub use crate::limits::MAX_BUFFERED_STDIN;
 
 /// A job's stdin as a stream: the read end of a pipe (any readable descriptor) whose writer the caller keeps while
 /// the job runs; closing the writer is the job's end of input. Clones share the descriptor.

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use axum::Json;
 use axum::body::Bytes;
@@ -15,16 +15,11 @@ use serde_json::{Value, json};
 use strata_core::{Capabilities, EnvVar, Grant, GrantMode, TierKind};
 use strata_engine::TierChoice;
 
-use super::{E2bError, E2bMeta, ENVD_VERSION, HOME};
+use super::{E2bError, E2bMeta, ENVD_VERSION, HOME, rfc3339};
 use crate::error::ApiError;
 use crate::registry::{SandboxEntry, new_id};
 use crate::service::start_sandbox;
 use crate::{AppState, Principal};
-
-/// RFC 3339 UTC time, as E2B's API prints it.
-pub(super) fn rfc3339(time: SystemTime) -> String {
-    strata_image_util::rfc3339_micros(time)
-}
 
 /// `POST /sandboxes`, `POST /v2/sandboxes`: the body the SDK sends (unknown fields are ignored: SDK versions add
 /// options this server does not have).

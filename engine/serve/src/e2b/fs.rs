@@ -24,7 +24,7 @@ use strata_core::{EntryInfo, FileType, GuestPath};
 
 use super::HOME;
 use super::connect::{ConnectRequest, EnvdSandbox};
-use super::control::rfc3339;
+use super::rfc3339;
 use super::{ConnectCode, E2bError};
 use crate::AppState;
 use crate::service;

@@ -28,9 +28,9 @@ use serde_json::{Value, json};
 use strata_core::{CancelToken, Capabilities, ExecOptions, Grant, GrantMode, Job, Limits, PythonSource, TierKind};
 use strata_engine::TierChoice;
 
-use super::control::rfc3339;
 use super::kernel::{Context, Language};
 use super::process::command_limits;
+use super::rfc3339;
 use super::{E2bError, E2bMeta, HOME};
 use crate::AppState;
 use crate::error::ApiError;

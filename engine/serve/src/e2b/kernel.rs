@@ -23,7 +23,7 @@ use serde_json::{Map, Value, json};
 use strata_core::{CancelToken, ExecOptions, Job, Limits, OutputSink, StdinStream, Stream};
 
 use super::E2bError;
-use super::control::rfc3339;
+use super::rfc3339;
 use crate::registry::{SandboxEntry, lock, new_id};
 
 /// The kernel's program (see its header for the protocol).

@@ -98,6 +98,11 @@ impl std::fmt::Debug for E2bMeta {
     }
 }
 
+/// RFC 3339 UTC time, as E2B's API prints it.
+pub(crate) fn rfc3339(time: std::time::SystemTime) -> String {
+    strata_image_util::rfc3339_micros(time)
+}
+
 /// Where an E2B sandbox's shared home directory is, in the sandbox and in its Python session.
 pub const HOME: &str = "/home/user";
 
