@@ -661,14 +661,14 @@ impl Recording {
             format: Option<String>,
             version: Option<u32>,
         }
-        let envelope: Envelope = serde_json::from_slice(bytes).map_err(|e| ReplayError::Malformed(e.to_string()))?;
+        let envelope: Envelope = serde_json::from_slice(bytes).map_err(malformed)?;
         if envelope.format.as_deref() != Some(FORMAT) {
             return Err(ReplayError::Format(envelope.format.unwrap_or_default()));
         }
         if envelope.version != Some(VERSION) {
             return Err(ReplayError::Version(envelope.version.unwrap_or_default()));
         }
-        let recording: Recording = serde_json::from_slice(bytes).map_err(|e| ReplayError::Malformed(e.to_string()))?;
+        let recording: Recording = serde_json::from_slice(bytes).map_err(malformed)?;
         recording.check()?;
         Ok(recording)
     }
@@ -1032,6 +1032,20 @@ fn stream_name(stream: Stream) -> &'static str {
     }
 }
 
+/// A parser's complaint as one line: what it quotes of the file (a field name, a string) is the file's, and may
+/// hold line breaks or other control characters, which are escaped.
+fn malformed(err: serde_json::Error) -> ReplayError {
+    let mut line = String::new();
+    for c in err.to_string().chars() {
+        if c.is_control() {
+            line.extend(c.escape_debug());
+        } else {
+            line.push(c);
+        }
+    }
+    ReplayError::Malformed(line)
+}
+
 /// A recording that cannot be made, read or replayed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -1221,6 +1235,10 @@ mod tests {
     #[test]
     fn malformed_and_oversized_recordings_are_typed_errors() {
         assert!(matches!(Recording::from_slice(b"{"), Err(ReplayError::Malformed(_))));
+        // What the parser quotes of the file stays on one line (a fuzzer's finding: a field name with a newline).
+        let bad = format!(r#"{{"format":"{FORMAT}","version":1,"a\nb":1}}"#);
+        let quoted = Recording::from_slice(bad.as_bytes()).expect_err("malformed").to_string();
+        assert!(!quoted.contains('\n') && quoted.contains("a\\nb"), "{quoted}");
         assert!(matches!(Recording::from_slice(br#"{"format":"x","version":1}"#), Err(ReplayError::Format(_))));
         let other = format!(r#"{{"format":"{FORMAT}","version":99}}"#);
         assert!(matches!(Recording::from_slice(other.as_bytes()), Err(ReplayError::Version(99))));
