@@ -756,7 +756,7 @@ impl Engine {
         let none = Capabilities::default();
         let caps = request.caps.unwrap_or(&none);
         let mut outcome = self.run_on(request.tier, request.job, caps, limits, request.opts)?;
-        outcome.platform = self.platform_of(request.job, outcome.tier);
+        outcome.platform = self.platform_of(request.tier, request.job, outcome.tier);
         Ok(outcome)
     }
 
@@ -827,9 +827,12 @@ impl Engine {
 
     /// `Some(Wasm32)` when `job` is Python that computes with numpy and ran on wasm (the user asked for it: a
     /// default route never sends it there), for the outcome's `platform`.
-    fn platform_of(&self, job: &Job, tier: TierKind) -> Option<strata_core::Platform> {
+    fn platform_of(&self, choice: TierChoice, job: &Job, tier: TierKind) -> Option<strata_core::Platform> {
         let Job::Python { source, .. } = job else { return None };
-        if tier != TierKind::Wasm {
+        // Only where the user asked for wasm32 numerics can they have run: the default route scanned the job already
+        // and never sends numerics to wasm, so it is not scanned twice.
+        let asked = choice == TierChoice::Tier(TierKind::Wasm) || self.config.policy.tiers.python_wasm_numpy;
+        if tier != TierKind::Wasm || !asked {
             return None;
         }
         let verdict = scan::judge_source(source, scan::Wasm32Numerics::Refused, || self.wasm_modules().ok());

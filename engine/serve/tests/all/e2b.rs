@@ -229,7 +229,7 @@ async fn e2b_protocol_by_hand() {
 
 /// A venv with the pinned E2B SDK under `$STRATA_HOME/e2b-sdk`, installed once; `None` (with a line saying why)
 /// when it cannot be made here.
-pub(crate) fn sdk_python() -> Option<PathBuf> {
+fn sdk_python() -> Option<PathBuf> {
     let home = strata_engine::strata_home()?;
     let venv = home.join("e2b-sdk-2.63.0");
     let python = venv.join("bin/python");
@@ -396,10 +396,16 @@ async fn e2b_sdk_runs_unmodified() {
     if !process_tier("e2b_sdk_runs_unmodified") {
         return;
     }
+    run_python_sdk_script(SDK_SCRIPT, "SDK OK").await;
+}
+
+/// Runs `script` with the pinned Python SDK against a new server and checks it printed `done`; returns at once
+/// (the SDK's setup said why) when the SDK cannot be installed here.
+pub(crate) async fn run_python_sdk_script(script: &str, done: &str) {
     let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") else { return };
     let server = TestServer::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    run_sdk_script(&server, &python, &["-c".as_ref(), SDK_SCRIPT.as_ref()], dir.path(), "SDK OK").await;
+    run_sdk_script(&server, &python, &["-c".as_ref(), script.as_ref()], dir.path(), done).await;
     server.stop().await;
 }
 

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use crate::e2b::{run_sdk_script, sdk_python};
+use crate::e2b::{run_python_sdk_script, run_sdk_script};
 use crate::util::{TestServer, process_tier};
 
 /// What the Python SDK gets from a Strata sandbox's code interpreter.
@@ -91,11 +91,7 @@ async fn code_interpreter_sdk_gets_rich_results_contexts_and_streams() {
     if !process_tier("code_interpreter_sdk_gets_rich_results_contexts_and_streams") {
         return;
     }
-    let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") else { return };
-    let server = TestServer::start().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    run_sdk_script(&server, &python, &["-c".as_ref(), PYTHON_SCRIPT.as_ref()], dir.path(), "CI OK").await;
-    server.stop().await;
+    run_python_sdk_script(PYTHON_SCRIPT, "CI OK").await;
 }
 
 /// The pinned code-interpreter JS SDK (and the E2B SDK it runs on) under `$STRATA_HOME`, installed once with npm;
