@@ -222,7 +222,7 @@ pub(super) async fn execute(
         None => meta.contexts.default_for(Language::parse(request.language.as_deref())?, HOME)?,
     };
     meta.executions.fetch_add(1, Ordering::Relaxed);
-    let (tx, rx) = tokio::sync::mpsc::channel::<Value>(16);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Value>(super::kernel::CELL_QUEUE);
     let env = request.env_vars.unwrap_or_default();
     let started = Instant::now();
     let task_state = state.clone();

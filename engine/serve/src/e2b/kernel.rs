@@ -6,7 +6,9 @@
 //! events come back on its stdout as JSON lines (its stderr is kept as a short tail for errors), read by a sink
 //! that takes the whole stream ([`OutputSink::takes_all`]). What the kernel says is the guest's word: each line is
 //! bounded ([`MAX_EVENT`]) and checked into a [`KernelEvent`] of known fields and types before anything is sent on;
-//! events queue in a bounded channel, so a kernel that writes faster than its client reads waits.
+//! events queue in a bounded channel, so a kernel that writes faster than its client reads waits. What a kernel
+//! can make the host hold is bounded by these: a partial line ([`MAX_EVENT`]), eight queued events, and the
+//! cell's response queue ([`CELL_QUEUE`] lines), at most about 100 MiB per context and [`MAX_CONTEXTS`] contexts.
 //!
 //! A cell runs on a thread of its own, one cell at a time per context. Its time limit is the sandbox's per-job
 //! wall limit: past it (or when the client goes away) the kernel is interrupted (`KeyboardInterrupt`, the context
@@ -30,14 +32,17 @@ use crate::registry::{SandboxEntry, lock, new_id};
 const KERNEL_PY: &str = include_str!("kernel.py");
 
 /// The most contexts a sandbox holds at once.
-pub const MAX_CONTEXTS: usize = 16;
+pub const MAX_CONTEXTS: usize = 8;
 
-/// The longest event line a kernel may send (a large figure as base64 fits); a longer one is dropped whole and
-/// reported as malformed.
-pub const MAX_EVENT: usize = 32 << 20;
+/// The longest event line a kernel may send (a large figure as base64 fits: a 1920×1080 PNG is well under it); a
+/// longer one is dropped whole and reported as malformed.
+pub const MAX_EVENT: usize = 8 << 20;
 
 /// Events queued between the kernel and its cell's client; past this the kernel waits.
-const EVENT_QUEUE: usize = 64;
+const EVENT_QUEUE: usize = 8;
+
+/// Lines of a cell's answer queued for its client before the cell waits.
+pub const CELL_QUEUE: usize = 4;
 
 /// How long a kernel may take to say it is ready (importing IPython, on a cold page cache).
 const START_TIMEOUT: Duration = Duration::from_secs(60);
