@@ -1,6 +1,6 @@
-//! System calls the jail and its host side make that nix does not wrap: one copy of each.
+//! System calls the jail and its host side make that nix does not wrap (or wraps as `unsafe`): one copy of each.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::errno::Errno;
 use nix::sys::signal::Signal;
@@ -30,6 +30,49 @@ pub fn cloexec_from(first: u32) -> Result<(), Errno> {
     // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only marks descriptors close-on-exec; nothing is closed here.
     let rc = unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
     if rc < 0 { Err(Errno::last()) } else { Ok(()) }
+}
+
+/// Accepts a connection on the listening socket `listener`, close-on-exec (`accept4(2)`).
+pub fn accept_cloexec(listener: BorrowedFd<'_>) -> Result<OwnedFd, Errno> {
+    let fd = nix::sys::socket::accept4(listener.as_raw_fd(), nix::sys::socket::SockFlag::SOCK_CLOEXEC)?;
+    // SAFETY: accept4 just returned this new descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Why [`fork_single_threaded`] did not fork.
+#[derive(Debug, thiserror::Error)]
+pub enum ForkError {
+    /// Other threads would be copied mid-flight (holding locks, half-way through allocations): not safe to fork.
+    #[error("this process has {0} threads; only a single-threaded process may fork and keep running Rust code")]
+    Threaded(usize),
+    /// `/proc/self/task` could not be read, so the thread count is unknown.
+    #[error("cannot count this process's threads: {0}")]
+    Count(std::io::Error),
+    /// `fork(2)` itself failed.
+    #[error("fork: {0}")]
+    Fork(Errno),
+}
+
+/// Forks this process, which must be single-threaded (checked first, from `/proc/self/task`), and runs `child`
+/// in the new process, which then ends with `_exit` and the code `child` returned (101 if it panicked), running
+/// no exit handlers of the parent's. Returns the child's PID in the parent.
+pub fn fork_single_threaded(child: impl FnOnce() -> i32) -> Result<i32, ForkError> {
+    let threads = std::fs::read_dir("/proc/self/task").map_err(ForkError::Count)?.count();
+    if threads != 1 {
+        return Err(ForkError::Threaded(threads));
+    }
+    // SAFETY: the process has exactly one thread (checked above; it cannot start another between the check and
+    // the fork, since this thread is the only one that could), so the child's copy of every lock and allocator is
+    // consistent and it may run any Rust code.
+    match unsafe { nix::unistd::fork() } {
+        Err(errno) => Err(ForkError::Fork(errno)),
+        Ok(nix::unistd::ForkResult::Parent { child }) => Ok(child.as_raw()),
+        Ok(nix::unistd::ForkResult::Child) => {
+            let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)).unwrap_or(101);
+            // SAFETY: _exit ends the child at once: the parent's atexit handlers and buffered state are not its own.
+            unsafe { libc::_exit(code) }
+        }
+    }
 }
 
 #[cfg(test)]
