@@ -33,6 +33,7 @@ pub mod request;
 pub mod router;
 pub mod scan;
 mod session;
+pub mod warm;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -616,6 +617,29 @@ impl Engine {
     /// refused as `snapshot_invalid`.
     pub fn open_snapshot(&self, dir: &Path) -> Result<Snapshot, EngineError> {
         Ok(self.snapshots.open(dir).map_err(TierError::Snapshot)?)
+    }
+
+    /// Loads what a one-shot job of the default limits would load first, without running one: the router's list of
+    /// what the wasm build of Python can import, the Python runtime's compiled code (the plain runtime one-shot
+    /// jobs run, and the snapshot-ready one sessions and forks run). Starts no thread once everything is cached
+    /// on disk (the first call may compile, which does), so a warmed engine may be forked ([`warm`]).
+    pub fn warm(&self) -> Result<(), EngineError> {
+        self.wasm_modules()?;
+        let limits = self.default_limits().clone();
+        self.wasm.prepare_python(&limits)?;
+        self.wasm.prepare_python_sessions(&limits)?;
+        Ok(())
+    }
+
+    /// Ends this engine in a process that exits next: the other tiers close as a drop closes them (the process
+    /// tier stops its zygotes), but the wasm tier's compiled code, instance pools and registered types (for the
+    /// Python runtime, ~300 MB of mappings and ~90,000 functions, which take milliseconds to unmap and unregister
+    /// one by one) are left to the exit, which releases a process's memory at once. The wasm tier holds nothing
+    /// else an exit would not release: its epoch thread ends with the process, and its jobs' scratch
+    /// directories went with the jobs.
+    pub fn close_for_exit(self) {
+        let Engine { wasm, .. } = self;
+        std::mem::forget(wasm);
     }
 
     /// The built-in wasm tier itself, for embedders that want its specific API (e.g. [`WasmTier::prepare`]).
