@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+mod daemon;
 mod docs;
 mod doctor;
 mod images;
@@ -52,6 +53,10 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Serve the sandbox API over HTTP and WebSocket (`/v1`, `/metrics`) until SIGTERM or SIGINT.
     Serve(Box<serve::ServeArgs>),
+    /// A warm daemon that later `strata run` commands hand their command lines to (start, stop, status): a one-shot
+    /// Python job then starts from an engine with the runtime loaded, in a few milliseconds. `STRATA_DAEMON=off`
+    /// makes `strata run` ignore it.
+    Daemon(daemon::DaemonArgs),
     /// Print a completion script for a shell: `strata completions bash > ~/.local/share/bash-completion/completions/strata`.
     Completions(docs::CompletionsArgs),
     /// Print the manual page (roff), or write one page per command into a directory (`--dir`).
@@ -102,6 +107,27 @@ fn main() -> ExitCode {
         log::set_max_level(log::LevelFilter::Info);
     }
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == "run")
+        && let Some(socket) = strata_engine::warm::socket_path(strata_engine::strata_home().as_deref())
+        && let Some(ended) = strata_engine::warm::run_through(&socket, &args)
+    {
+        return match ended {
+            Ok(strata_engine::warm::Ended::Exited(code)) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+            Ok(strata_engine::warm::Ended::Signaled(signal)) => {
+                ExitCode::from(u8::try_from(strata_engine::warm::end_like(signal)).unwrap_or(1))
+            }
+            Err(err) => {
+                let json = args.iter().take_while(|a| *a != "--").any(|a| a == "--json");
+                ExitCode::from(fail(json, &Failure::new("daemon", err.to_string())))
+            }
+        };
+    }
+    ExitCode::from(dispatch(args, None))
+}
+
+/// Runs the command line `args` (the program name first) and returns its exit status; `warm`: a warm daemon's
+/// engine, for `run`.
+pub(crate) fn dispatch(args: Vec<std::ffi::OsString>, warm: Option<strata_engine::Engine>) -> u8 {
     // `--json` before any `--` asks for JSON errors too, even when parsing fails.
     let json = args.iter().take_while(|a| *a != "--").any(|a| a == "--json");
     let cli = match Cli::try_parse_from(&args) {
@@ -110,11 +136,11 @@ fn main() -> ExitCode {
             use clap::error::ErrorKind;
             if matches!(err.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 let _ = err.print();
-                return ExitCode::SUCCESS;
+                return 0;
             }
             if err.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
                 let _ = err.print();
-                return ExitCode::from(USAGE_ERROR);
+                return USAGE_ERROR;
             }
             return fail(json, &Failure::new("usage", clap_message(&err)));
         }
@@ -122,7 +148,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => {
             let json = args.run.json;
-            run::run(*args).map_err(|failure| (json, failure))
+            run::run(*args, warm).map_err(|failure| (json, failure))
         }
         Command::Replay(args) => {
             let json = args.json;
@@ -135,12 +161,13 @@ fn main() -> ExitCode {
         Command::Images(args) => images::images(args).map_err(|failure| (false, failure)),
         Command::Doctor(args) => doctor::doctor(args).map_err(|failure| (false, failure)),
         Command::Serve(args) => serve::serve(*args).map_err(|failure| (false, failure)),
+        Command::Daemon(args) => daemon::daemon(args).map_err(|failure| (false, failure)),
         Command::Completions(args) => docs::completions::<Cli>(&args).map_err(|failure| (false, failure)),
         Command::Man(args) => docs::man::<Cli>(&args).map_err(|failure| (false, failure)),
     };
     match result {
         // Exit codes outside 0..=255 cannot be represented; WASI limits them to 0..126 anyway.
-        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Ok(code) => u8::try_from(code).unwrap_or(1),
         Err((json, failure)) => fail(json, &failure),
     }
 }
@@ -155,12 +182,12 @@ fn clap_message(err: &clap::Error) -> String {
     message.strip_prefix("error: ").unwrap_or(&message).to_owned()
 }
 
-fn fail(json: bool, failure: &Failure) -> ExitCode {
+fn fail(json: bool, failure: &Failure) -> u8 {
     if json {
         let object = serde_json::json!({"error": {"kind": failure.kind, "message": failure.message}});
         let _ = writeln!(std::io::stdout(), "{object}");
     } else {
         progress::plain(&format!("strata: {}", failure.message));
     }
-    ExitCode::from(USAGE_ERROR)
+    USAGE_ERROR
 }

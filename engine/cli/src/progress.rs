@@ -79,6 +79,12 @@ pub(crate) fn line(message: &str, warning: bool) {
     }
 }
 
+/// Forgets what is known of stderr (whether it is a terminal, an open step line): a warm daemon's job has the
+/// client's stderr, not the daemon's.
+pub(crate) fn reset() {
+    *STATE.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+}
+
 /// Prints `text` as it is on stderr, on a line of its own (after ending an overwritten step line).
 pub(crate) fn plain(text: &str) {
     let mut guard = STATE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

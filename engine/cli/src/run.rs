@@ -174,7 +174,7 @@ fn parse_image(s: &str) -> Result<VmImage, String> {
     s.parse().map_err(|e: strata_engine::EngineError| e.to_string())
 }
 
-fn parse_duration_arg(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration_arg(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| e.to_string())
 }
 
@@ -248,7 +248,14 @@ fn stdin_stream() -> Result<Option<StdinStream>, Failure> {
     }
 }
 
-pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
+/// The engine configuration of a `strata run` with this policy file and microVM image (none: the defaults).
+pub(crate) fn engine_config(policy: Policy, image: Option<VmImage>) -> Result<EngineConfig, Failure> {
+    Ok(EngineConfig { policy, max_wasm_instances: 4, vm_image: image.unwrap_or_default(), ..EngineConfig::from_env()? })
+}
+
+/// Prepares a run: its engine (`warm`, a warm daemon's engine of the default configuration, when the run has the
+/// default configuration: no `--policy` and no `--image`), job, capabilities and limits.
+pub(crate) fn prepare(args: RunArgs, warm: Option<Engine>) -> Result<Prepared, Failure> {
     let policy = match &args.policy {
         Some(path) => Policy::from_file(path).map_err(strata_engine::EngineError::from)?,
         None => Policy::default(),
@@ -296,13 +303,10 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
             format!("--image chooses the microVM's root filesystem; it does not apply to --tier {}", args.tier),
         ));
     }
-    let config = EngineConfig {
-        policy,
-        max_wasm_instances: 4,
-        vm_image: args.image.unwrap_or_default(),
-        ..EngineConfig::from_env()?
+    let engine = match warm {
+        Some(engine) if args.policy.is_none() && args.image.is_none() => engine,
+        _ => Engine::new(engine_config(policy, args.image)?)?,
     };
-    let engine = Engine::new(config)?;
     // Verified with the home's key before anything of it is used: its seal, then every file.
     let snapshot = match &args.snapshot {
         Some(dir) => Some(engine.open_snapshot(dir)?),
@@ -324,7 +328,7 @@ pub(crate) fn prepare(args: RunArgs) -> Result<Prepared, Failure> {
     Ok(Prepared { engine, job, caps, limits, tier: args.tier, snapshot, json: args.json, ungranted })
 }
 
-pub(crate) fn run(command: RunCommand) -> Result<i32, Failure> {
+pub(crate) fn run(command: RunCommand, warm: Option<Engine>) -> Result<i32, Failure> {
     let RunCommand { run: args, repro } = command;
     let reproducible = repro.seed.is_some() || repro.record.is_some();
     let flag = if repro.record.is_some() { "--record" } else { "--seed" };
@@ -336,7 +340,7 @@ pub(crate) fn run(command: RunCommand) -> Result<i32, Failure> {
             ),
         ));
     }
-    let mut prepared = prepare(args)?;
+    let mut prepared = prepare(args, warm)?;
     if reproducible {
         // Only the wasm tier makes a job reproducible: force it, and never let the job run elsewhere unseeded.
         prepared.tier = match prepared.tier {
@@ -373,7 +377,10 @@ pub(crate) fn run(command: RunCommand) -> Result<i32, Failure> {
     {
         crate::progress::plain(&hint);
     }
-    Ok(outcome.exit_code())
+    let code = outcome.exit_code();
+    // This process exits next: let the exit release the compiled code rather than unmapping it piece by piece.
+    prepared.engine.close_for_exit();
+    Ok(code)
 }
 
 /// The job's arguments that are relative paths of files or directories on the host which no grant covers.
@@ -430,6 +437,7 @@ fn execute_with<'a, T: AsOutcome>(
     stdin: StdinInput,
     job: impl FnOnce(RunRequest<'a>) -> Result<T, strata_engine::EngineError>,
 ) -> Result<T, Failure> {
+    let interrupts = Interrupts::catch()?;
     let request = match (stdin_stream()?, stdin) {
         (Some(stream), StdinInput::Stream) => request.stdin_stream(stream),
         (Some(stream), StdinInput::Whole) => {
@@ -440,16 +448,70 @@ fn execute_with<'a, T: AsOutcome>(
         }
         (None, _) => request,
     };
+    let request = request.cancel(interrupts.token.clone());
     if json {
-        return Ok(job(request)?);
+        let result = job(request);
+        interrupts.end();
+        return Ok(result?);
     }
     let (sink, writer) = spawn_writer()?;
     let result = job(request.on_output(sink));
     // The engine has dropped the sink with the job; the writer drains the queue and ends.
     let _ = writer.join();
+    interrupts.end();
     let result = result?;
     report(result.outcome(), limits);
     Ok(result)
+}
+
+/// `SIGINT`, `SIGTERM`, `SIGHUP` and `SIGQUIT` while a job runs: each cancels the job, which then ends as a
+/// cancelled job does (its jail torn down, its scratch directory removed), and this process ends by that signal
+/// afterwards, as it would have at once without this. Blocked in this thread before any other starts (so every
+/// thread has them blocked) and taken by one thread's `sigwait`.
+struct Interrupts {
+    token: strata_core::CancelToken,
+    caught: Arc<std::sync::atomic::AtomicI32>,
+}
+
+impl Interrupts {
+    fn signals() -> nix::sys::signal::SigSet {
+        use nix::sys::signal::Signal;
+        let mut set = nix::sys::signal::SigSet::empty();
+        for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT] {
+            set.add(signal);
+        }
+        set
+    }
+
+    fn catch() -> Result<Interrupts, Failure> {
+        let signals = Interrupts::signals();
+        signals.thread_block().map_err(|e| Failure::new("internal", format!("cannot block signals: {e}")))?;
+        let token = strata_core::CancelToken::new();
+        let caught = Arc::new(std::sync::atomic::AtomicI32::new(0));
+        let (cancel, record) = (token.clone(), caught.clone());
+        std::thread::Builder::new()
+            .name("strata-signals".into())
+            .spawn(move || {
+                if let Ok(signal) = signals.wait() {
+                    record.store(signal as i32, std::sync::atomic::Ordering::SeqCst);
+                    cancel.cancel();
+                }
+            })
+            .map_err(|e| Failure::new("internal", format!("cannot start the signal thread: {e}")))?;
+        Ok(Interrupts { token, caught })
+    }
+
+    /// After the job: ends this process by the signal that cancelled it, if one did.
+    fn end(&self) {
+        let caught = self.caught.load(std::sync::atomic::Ordering::SeqCst);
+        if let Ok(signal) = nix::sys::signal::Signal::try_from(caught) {
+            let _ = std::io::stdout().flush();
+            let mut set = nix::sys::signal::SigSet::empty();
+            set.add(signal);
+            let _ = set.thread_unblock();
+            let _ = nix::sys::signal::raise(signal);
+        }
+    }
 }
 
 /// What [`execute`] reports on.

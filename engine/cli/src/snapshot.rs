@@ -78,7 +78,7 @@ pub(crate) fn snapshot(args: SnapshotArgs) -> Result<i32, Failure> {
 
 fn create(args: CreateArgs) -> Result<i32, Failure> {
     let output = args.output;
-    let prepared = prepare(args.run)?;
+    let prepared = prepare(args.run, None)?;
     let Prepared { engine, limits, json, .. } = &prepared;
     let created = execute(*json, limits, prepared.request(), |request| {
         let (outcome, snapshot) = engine.snapshot(request, &output)?;

@@ -1,0 +1,307 @@
+//! `strata daemon`: a `strata run` handed to the warm daemon answers exactly as one run without it (output, exit
+//! status, stdin, files of its working directory, `--json`), a client the daemon should not serve runs the
+//! command itself, signals reach the job and a client's death ends it, and the daemon is private and leaves
+//! nothing behind.
+//!
+//! Each test runs its own daemon on a socket of its own (`STRATA_DAEMON`), with one fixed environment for every
+//! process it starts (the daemon serves only clients of its own environment), on the shared `$STRATA_HOME`
+//! where the Python runtime is compiled.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use strata_test_programs as programs;
+
+fn shared_home() -> PathBuf {
+    std::env::var_os("STRATA_HOME")
+        .map(Into::into)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/strata"))
+}
+
+/// A daemon of this test's own, stopped (and waited for) when dropped.
+struct Daemon {
+    dir: tempfile::TempDir,
+    env: Vec<(String, String)>,
+}
+
+impl Daemon {
+    fn start(idle: &str) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tmp = dir.path().join("tmp");
+        std::fs::create_dir(&tmp).expect("tmp");
+        let env = vec![
+            // The jobs' scratch directories go here, where a test can see that none is left behind.
+            ("TMPDIR".to_owned(), tmp.display().to_string()),
+            ("PATH".to_owned(), std::env::var("PATH").unwrap_or_default()),
+            ("HOME".to_owned(), std::env::var("HOME").unwrap_or_default()),
+            ("STRATA_HOME".to_owned(), shared_home().display().to_string()),
+            ("STRATA_DAEMON".to_owned(), dir.path().join("run/warm.sock").display().to_string()),
+        ];
+        let daemon = Daemon { dir, env };
+        let out = daemon.command(&["daemon", "start", "--idle", idle]).output().expect("daemon start");
+        assert!(out.status.success(), "daemon start: {}", String::from_utf8_lossy(&out.stderr));
+        daemon
+    }
+
+    /// What the jobs left in the temporary directory.
+    fn leftovers(&self) -> Vec<String> {
+        std::fs::read_dir(self.dir.path().join("tmp"))
+            .expect("tmp")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("run/warm.sock")
+    }
+
+    /// `strata ARGS` with exactly the daemon's environment.
+    fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
+        command.env_clear().envs(self.env.iter().map(|(k, v)| (k, v))).args(args);
+        command
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let out = self.command(&["daemon", "status", "--json"]).output().expect("daemon status");
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("status JSON ({e}): {:?}", out))
+    }
+
+    fn served(&self) -> u64 {
+        self.status()["served"].as_u64().unwrap_or(0)
+    }
+
+    /// Waits until the daemon reports no running job.
+    fn idle(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.status()["running"].as_u64() != Some(0) {
+            assert!(Instant::now() < deadline, "a job still runs: {}", self.status());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    /// Stops the daemon; one still alive after 10 s (a failed test left a job running) is killed. Never panics.
+    fn drop(&mut self) {
+        let Some(pid) = self.status()["pid"].as_i64() else { return };
+        let _ = self.command(&["daemon", "stop"]).output();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while alive(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if alive(pid) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+fn alive(pid: i64) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
+}
+
+fn wait_gone(pid: i64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while alive(pid) {
+        assert!(Instant::now() < deadline, "process {pid} is still alive");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+struct Ran {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+fn run(mut command: Command, cwd: &Path, stdin: &[u8]) -> Ran {
+    let mut child = command
+        .current_dir(cwd)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn strata");
+    child.stdin.take().expect("stdin").write_all(stdin).expect("write stdin");
+    let out = child.wait_with_output().expect("wait");
+    Ran {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// The outcome's fields that do not measure time or memory.
+fn stable(json: &str) -> serde_json::Value {
+    let value: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("JSON ({e}): {json}"));
+    let mut out = serde_json::Map::new();
+    for key in ["status", "tier", "stdout", "stderr", "exit_code", "error"] {
+        if let Some(v) = value.get(key) {
+            out.insert(key.into(), v.clone());
+        }
+    }
+    out.into()
+}
+
+#[test]
+fn a_run_through_the_daemon_answers_as_a_run_without_it() {
+    let daemon = Daemon::start("5m");
+    let cwd = tempfile::tempdir().expect("tempdir");
+    std::fs::write(cwd.path().join("input.txt"), "from the working directory\n").expect("write");
+    let cases: Vec<(Vec<&str>, &[u8])> = vec![
+        (vec!["run", "--python", "-c", "print(1)"], b""),
+        (vec!["run", "--python", "-c", "import sys; print(input()[::-1]); sys.exit(3)"], b"olleh\n"),
+        (vec!["run", "--python", "-c", "import sys; print('to stderr', file=sys.stderr); 1/0"], b""),
+        (vec!["run", "--dir", ".:/work", "--python", "-c", "print(open('/work/input.txt').read(), end='')"], b""),
+        (vec!["run", "--python", "-c", "import numpy as np; print(np.arange(10**6).sum())"], b""),
+        (vec!["run", programs::HELLO, "--", "daemon"], b""),
+        (vec!["run", "--timeout", "200ms", programs::SPIN], b""),
+        (vec!["run", "--python"], b""),
+        (vec!["run", "--memory", "lots", "--python", "-c", "1"], b""),
+    ];
+    for (args, stdin) in &cases {
+        let before = daemon.served();
+        let warm = run(daemon.command(args), cwd.path(), stdin);
+        assert_eq!(daemon.served(), before + 1, "{args:?} went through the daemon");
+        let mut cold = daemon.command(args);
+        cold.env("STRATA_DAEMON", "off");
+        let cold = run(cold, cwd.path(), stdin);
+        assert_eq!(
+            (warm.code, &warm.stdout, &warm.stderr),
+            (cold.code, &cold.stdout, &cold.stderr),
+            "{args:?}: through the daemon, then without it"
+        );
+    }
+    let json = ["run", "--json", "--python", "-c", "import sys; print('out'); sys.exit(4)"];
+    let warm = run(daemon.command(&json), cwd.path(), b"");
+    let mut cold = daemon.command(&json);
+    cold.env("STRATA_DAEMON", "off");
+    let cold = run(cold, cwd.path(), b"");
+    assert_eq!((warm.code, stable(&warm.stdout)), (cold.code, stable(&cold.stdout)));
+    assert_eq!(warm.code, Some(4));
+    // A grant of `.` is the client's working directory, not the daemon's.
+    let mut umask =
+        daemon.command(&["run", "--dir", ".:/work:rw", "--python", "-c", "open('/work/made.txt', 'w').write('x')"]);
+    umask.current_dir(cwd.path());
+    let out = umask.output().expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(cwd.path().join("made.txt").exists(), "the job wrote into the client's working directory");
+}
+
+#[test]
+fn without_the_daemon_a_signal_cancels_the_job_cleanly_too() {
+    let daemon = Daemon::start("5m");
+    let code = "import time; print('ready', flush=True); time.sleep(50)";
+    let mut command = daemon.command(&["run", "--tier", "wasm", "--python", "-c", code]);
+    let mut client =
+        command.env("STRATA_DAEMON", "off").stdin(Stdio::null()).stdout(Stdio::piped()).spawn().expect("spawn");
+    let mut line = String::new();
+    BufReader::new(client.stdout.as_mut().expect("stdout")).read_line(&mut line).expect("read");
+    assert_eq!(line, "ready\n");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(client.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .expect("SIGTERM");
+    assert_eq!(client.wait().expect("wait").signal(), Some(15), "strata ends by the signal that stopped its job");
+    assert_eq!(daemon.leftovers(), Vec::<String>::new(), "the cancelled job removed its scratch directory");
+    assert_eq!(daemon.served(), 0);
+}
+
+#[test]
+fn the_process_tier_runs_through_the_daemon_too() {
+    let daemon = Daemon::start("5m");
+    let cwd = tempfile::tempdir().expect("tempdir");
+    let probe = run(daemon.command(&["run", "--json", "--tier", "process", "--", "true"]), cwd.path(), b"");
+    if probe.code != Some(0) {
+        eprintln!("skip: the process tier cannot run on this host: {}", probe.stdout.trim());
+        return;
+    }
+    let before = daemon.served();
+    let warm = run(daemon.command(&["run", "--tier", "process", "--", "sh", "-c", "echo hi; exit 5"]), cwd.path(), b"");
+    assert_eq!((warm.code, warm.stdout.as_str()), (Some(5), "hi\n"), "{}", warm.stderr);
+    assert_eq!(daemon.served(), before + 1);
+}
+
+#[test]
+fn a_client_the_daemon_should_not_serve_runs_the_command_itself() {
+    let daemon = Daemon::start("5m");
+    let cwd = tempfile::tempdir().expect("tempdir");
+    let before = daemon.served();
+    let mut other = daemon.command(&["run", "--python", "-c", "print(2)"]);
+    other.env("SOME_SETTING", "1");
+    let ran = run(other, cwd.path(), b"");
+    assert_eq!((ran.code, ran.stdout.as_str()), (Some(0), "2\n"), "{}", ran.stderr);
+    let status = daemon.status();
+    assert_eq!(status["served"].as_u64(), Some(before), "{status}");
+    assert_eq!(status["refused"].as_u64(), Some(1), "{status}");
+    assert_eq!(status["last_refusal"], "another environment (differs in SOME_SETTING)", "{status}");
+    // And one that asks for no daemon never talks to it.
+    let mut off = daemon.command(&["run", "--python", "-c", "print(3)"]);
+    off.env("STRATA_DAEMON", "off");
+    assert_eq!(run(off, cwd.path(), b"").stdout, "3\n");
+    assert_eq!(daemon.status()["refused"].as_u64(), Some(1));
+}
+
+/// Starts a job that prints `ready` and sleeps, and returns its client once `ready` arrived (on the wasm tier
+/// named, since `auto` holds a Python job's output back until it knows the job will not escalate).
+fn sleeper(daemon: &Daemon) -> Child {
+    let code = "import time; print('ready', flush=True); time.sleep(50)";
+    let mut child = daemon
+        .command(&["run", "--tier", "wasm", "--timeout", "60s", "--python", "-c", code])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("stdout")).read_line(&mut line).expect("read");
+    assert_eq!(line, "ready\n");
+    child
+}
+
+#[test]
+fn a_signal_reaches_the_job_and_a_client_that_dies_takes_its_job_along() {
+    let daemon = Daemon::start("5m");
+    let mut client = sleeper(&daemon);
+    assert_eq!(daemon.status()["running"].as_u64(), Some(1));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(client.id() as i32), nix::sys::signal::Signal::SIGINT)
+        .expect("SIGINT");
+    let status = client.wait().expect("wait");
+    assert_eq!(status.signal(), Some(2), "the client ends as its job did: by SIGINT ({status:?})");
+    daemon.idle();
+    assert_eq!(daemon.leftovers(), Vec::<String>::new(), "the cancelled job removed its scratch directory");
+
+    let mut client = sleeper(&daemon);
+    client.kill().expect("SIGKILL the client");
+    let _ = client.wait();
+    daemon.idle();
+}
+
+#[test]
+fn the_daemon_is_private_stops_when_asked_or_idle_and_leaves_nothing() {
+    let daemon = Daemon::start("5m");
+    let socket = daemon.socket();
+    let dir_mode = std::fs::metadata(socket.parent().expect("dir")).expect("dir").permissions().mode() & 0o777;
+    let socket_mode = std::fs::metadata(&socket).expect("socket").permissions().mode() & 0o777;
+    assert_eq!((dir_mode, socket_mode), (0o700, 0o600));
+    let pid = daemon.status()["pid"].as_i64().expect("pid");
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task")).expect("tasks").count();
+    assert_eq!(threads, 1, "the daemon forks, so it keeps one thread");
+    // A second start finds it and starts nothing.
+    let again = daemon.command(&["daemon", "start"]).output().expect("start");
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already answers"), "{again:?}");
+    let out = daemon.command(&["daemon", "stop"]).output().expect("stop");
+    assert!(out.status.success());
+    wait_gone(pid);
+    assert!(!socket.exists(), "the socket file is removed");
+    let status = daemon.command(&["daemon", "status"]).output().expect("status");
+    assert_eq!(status.status.code(), Some(1), "no daemon: status 1");
+
+    let idle = Daemon::start("1s");
+    let pid = idle.status()["pid"].as_i64().expect("pid");
+    wait_gone(pid);
+    assert!(!idle.socket().exists(), "an idle daemon removes its socket");
+}
