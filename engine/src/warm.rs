@@ -230,6 +230,36 @@ fn receive_timeout(fd: &OwnedFd, timeout: Duration) {
     let _ = setsockopt(fd, sockopt::ReceiveTimeout, &value);
 }
 
+/// What confines process `pid` (`"self"` for this one), as `/proc` shows it: its namespaces, cgroups, resource
+/// limits, capability sets, `no_new_privs` and seccomp mode. A daemon runs a command only for a client confined
+/// exactly as it is, so that no client gets a command run with less confinement than its own (one in another
+/// mount namespace, under a tighter `ulimit`, in a seccomp sandbox or another cgroup would otherwise escape it).
+pub fn confinement(pid: &str) -> Result<Vec<(String, String)>, std::io::Error> {
+    let proc = PathBuf::from("/proc").join(pid);
+    let mut out = Vec::new();
+    for ns in ["mnt", "pid", "net", "ipc", "uts", "user", "cgroup"] {
+        let target = std::fs::read_link(proc.join("ns").join(ns))?;
+        out.push((format!("{ns} namespace"), target.display().to_string()));
+    }
+    out.push(("cgroup".into(), std::fs::read_to_string(proc.join("cgroup"))?));
+    out.push(("resource limits".into(), std::fs::read_to_string(proc.join("limits"))?));
+    let status = std::fs::read_to_string(proc.join("status"))?;
+    for field in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp", "Seccomp_filters"] {
+        let value = status
+            .lines()
+            .find_map(|line| line.strip_prefix(field).and_then(|rest| rest.strip_prefix(':')))
+            .map(str::trim)
+            .unwrap_or("");
+        out.push((field.into(), value.into()));
+    }
+    Ok(out)
+}
+
+/// The first way `theirs` is confined otherwise than `ours`, if any.
+fn confined_otherwise(ours: &[(String, String)], theirs: &[(String, String)]) -> Option<String> {
+    ours.iter().zip(theirs).find(|(a, b)| a != b).map(|((name, _), _)| name.clone())
+}
+
 fn seqpacket() -> Result<OwnedFd, WarmError> {
     socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)
         .map_err(|e| WarmError::io("cannot make a socket", e))
@@ -412,6 +442,8 @@ pub struct Daemon {
     inode: u64,
     identity: String,
     env: Vec<(String, String)>,
+    /// This process's [`confinement`].
+    confinement: Vec<(String, String)>,
     engine: Option<Engine>,
     handler: Handler,
     idle: Duration,
@@ -469,6 +501,7 @@ impl Daemon {
             inode,
             identity: exe_identity()?,
             env,
+            confinement: confinement("self").map_err(|e| WarmError::io("/proc/self", e))?,
             engine: Some(engine),
             handler,
             idle,
@@ -555,10 +588,10 @@ impl Daemon {
     fn accept(&mut self, jobs: &mut Vec<Job>) -> bool {
         let Some(Ok(connection)) = self.listener.as_ref().map(|l| accept_cloexec(l.as_fd())) else { return false };
         let own_uid = nix::unistd::geteuid().as_raw();
-        match getsockopt(&connection, sockopt::PeerCredentials) {
-            Ok(cred) if cred.uid() == own_uid => {}
+        let peer = match getsockopt(&connection, sockopt::PeerCredentials) {
+            Ok(cred) if cred.uid() == own_uid => cred.pid(),
             _ => return false,
-        }
+        };
         receive_timeout(&connection, REQUEST_TIMEOUT);
         let (request, fds) = match proto::recv::<Request>(connection.as_fd()) {
             Ok(Some(message)) => message,
@@ -580,6 +613,19 @@ impl Daemon {
         if let Err(reason) = check_request(&run, fds.len(), jobs.len(), &self.identity, &self.env) {
             self.refuse(connection.as_fd(), reason);
             return false;
+        }
+        // The client waits for the answer, so its PID is still its own while this reads it.
+        match confinement(&peer.to_string()) {
+            Ok(theirs) => {
+                if let Some(what) = confined_otherwise(&self.confinement, &theirs) {
+                    self.refuse(connection.as_fd(), format!("a client confined otherwise ({what})"));
+                    return false;
+                }
+            }
+            Err(err) => {
+                self.refuse(connection.as_fd(), format!("cannot see how the client is confined: {err}"));
+                return false;
+            }
         }
         let mut connection = Some(connection);
         let started = self.start(run, fds, &mut connection, jobs);
@@ -745,6 +791,18 @@ mod tests {
             assert_eq!(socket_path(Some(Path::new("/h"))), Some(PathBuf::from("/h/run/warm.sock")));
             assert_eq!(socket_path(None), None);
         }
+    }
+
+    #[test]
+    fn this_process_is_confined_as_itself_and_a_difference_is_named() {
+        let ours = confinement("self").expect("this process's confinement");
+        assert!(ours.iter().any(|(name, _)| name == "mnt namespace"), "{ours:?}");
+        assert_eq!(confined_otherwise(&ours, &confinement("self").expect("again")), None);
+        let mut theirs = ours.clone();
+        if let Some(limits) = theirs.iter_mut().find(|(name, _)| name == "resource limits") {
+            limits.1.push_str("Max open files 512 512 files\n");
+        }
+        assert_eq!(confined_otherwise(&ours, &theirs).as_deref(), Some("resource limits"));
     }
 
     #[test]

@@ -238,11 +238,39 @@ fn a_client_the_daemon_should_not_serve_runs_the_command_itself() {
     assert_eq!(status["served"].as_u64(), Some(before), "{status}");
     assert_eq!(status["refused"].as_u64(), Some(1), "{status}");
     assert_eq!(status["last_refusal"], "another environment (differs in SOME_SETTING)", "{status}");
+    // One confined more tightly than the daemon would escape its confinement through it: refused too.
+    let confined: [(&[&str], &str); 3] = [
+        (&["prlimit", "--nofile=512:512", "--"], "resource limits"),
+        (&["setpriv", "--no-new-privs", "--"], "NoNewPrivs"),
+        (&["unshare", "--mount", "--"], "mnt namespace"),
+    ];
+    let mut refused = 1;
+    for (wrapper, what) in confined {
+        let runs = Command::new(wrapper[0]).args(&wrapper[1..]).arg("true").status().is_ok_and(|s| s.success());
+        if !runs {
+            eprintln!("skip: {} cannot run here", wrapper.join(" "));
+            continue;
+        }
+        let mut command = Command::new(wrapper[0]);
+        command
+            .env_clear()
+            .envs(daemon.env.iter().map(|(k, v)| (k, v)))
+            .args(&wrapper[1..])
+            .arg(env!("CARGO_BIN_EXE_strata"))
+            .args(["run", "--python", "-c", "print(4)"]);
+        let ran = run(command, cwd.path(), b"");
+        assert_eq!((ran.code, ran.stdout.as_str()), (Some(0), "4\n"), "{wrapper:?}: {}", ran.stderr);
+        refused += 1;
+        let status = daemon.status();
+        assert_eq!(status["refused"].as_u64(), Some(refused), "{wrapper:?}: {status}");
+        assert_eq!(status["last_refusal"], format!("a client confined otherwise ({what})"), "{status}");
+    }
+    assert_eq!(daemon.served(), before);
     // And one that asks for no daemon never talks to it.
     let mut off = daemon.command(&["run", "--python", "-c", "print(3)"]);
     off.env("STRATA_DAEMON", "off");
     assert_eq!(run(off, cwd.path(), b"").stdout, "3\n");
-    assert_eq!(daemon.status()["refused"].as_u64(), Some(1));
+    assert_eq!(daemon.status()["refused"].as_u64(), Some(refused));
 }
 
 /// Starts a job that prints `ready` and sleeps, and returns its client once `ready` arrived (on the wasm tier
