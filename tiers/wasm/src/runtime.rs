@@ -352,9 +352,6 @@ impl<T: StoreData> Runtime<T> {
         };
         self.check_imports(name, &module)?;
         expect.check(name, &module)?;
-        // Its copy-on-write memory image is made now rather than by the first instance, so a prepared module (in a
-        // warm daemon's engine too) has nothing left to do before it runs.
-        module.initialize_copy_on_write_image().map_err(invalid)?;
         let pre = self.linker.instantiate_pre(&module).map_err(invalid)?;
         let prepared = Arc::new(Prepared { pre });
         let mut map = self.lock_prepared();
