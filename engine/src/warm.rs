@@ -56,7 +56,7 @@ const STARTED_TIMEOUT: Duration = Duration::from_secs(5);
 pub const MAX_RUNNING: usize = 64;
 
 /// Environment variables a shell changes between commands without meaning anything to Strata.
-const SHELL_NOISE: [&str; 4] = ["PWD", "OLDPWD", "SHLVL", "_"];
+pub const SHELL_NOISE: [&str; 4] = ["PWD", "OLDPWD", "SHLVL", "_"];
 
 /// What went wrong with the daemon or talking to it.
 #[derive(Debug, thiserror::Error)]
