@@ -29,7 +29,7 @@ use strata_core::{CancelToken, Capabilities, ExecOptions, Grant, GrantMode, Job,
 use strata_engine::TierChoice;
 
 use super::kernel::{Context, Language};
-use super::process::command_limits;
+use super::process::{cell_wall, command_limits};
 use super::rfc3339;
 use super::{E2bError, E2bMeta, HOME};
 use crate::AppState;
@@ -204,7 +204,8 @@ pub(super) async fn execute(
     if request.context_id.is_some() && request.language.is_some() {
         return Err(E2bError::invalid_argument("give a context or a language, not both"));
     }
-    let limits = command_limits(&entry, &headers);
+    let wall = cell_wall(&entry, &headers);
+    let limits = Limits { wall, cpu: wall, ..command_limits(&entry) };
     if meta.template == WASM_TEMPLATE {
         Language::parse(request.language.as_deref()).and_then(|language| match language {
             Language::Python => Ok(()),

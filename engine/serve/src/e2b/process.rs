@@ -96,20 +96,34 @@ pub(super) fn command_argv(config: ProcessConfig) -> Result<Vec<String>, E2bErro
     Ok(argv)
 }
 
-/// The wall limit of a command: the sandbox's, or the client's `connect-timeout-ms` when shorter.
-pub(super) fn command_limits(entry: &SandboxEntry, headers: &HeaderMap) -> Limits {
-    let mut limits = entry.limits.clone();
-    let asked = headers.get("connect-timeout-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if let Some(ms) = asked.filter(|ms| *ms > 0) {
-        limits.wall = limits.wall.min(Duration::from_millis(ms));
-    }
-    limits
+/// How long a command may live as a job: until it exits, is killed, or its sandbox ends (which this bounds), as in
+/// E2B. The request's timeout (`connect-timeout-ms`, the SDK's `timeout`, 60 s by default) bounds the client's
+/// stream, which the SDK ends itself; the command goes on without it (`Connect` attaches to it again), so a
+/// background server outlives the timeout its `run(..., background=True)` was given.
+pub(super) const COMMAND_LIFE: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// The limits of a command: the sandbox's, but for wall and CPU time, which are [`COMMAND_LIFE`].
+pub(super) fn command_limits(entry: &SandboxEntry) -> Limits {
+    Limits { wall: COMMAND_LIFE, cpu: COMMAND_LIFE, ..entry.limits.clone() }
 }
+
+/// The wall limit of a code cell: the request's timeout (`connect-timeout-ms`; the SDK's `run_code(timeout=300)`),
+/// [`COMMAND_LIFE`] when it is 0 (no limit), the sandbox's job wall limit when the request gives none.
+pub(super) fn cell_wall(entry: &SandboxEntry, headers: &HeaderMap) -> Duration {
+    let asked = headers.get("connect-timeout-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    match asked {
+        Some(0) => COMMAND_LIFE,
+        Some(ms) => Duration::from_millis(ms).min(COMMAND_LIFE),
+        None => entry.limits.wall,
+    }
+}
+
+/// How long `SendSignal` waits for the command to be gone before it answers anyway.
+const KILL_WAIT: Duration = Duration::from_secs(10);
 
 pub(super) async fn start(
     State(state): State<Arc<AppState>>,
     EnvdSandbox(entry, meta): EnvdSandbox,
-    headers: HeaderMap,
     ConnectRequest(request): ConnectRequest<StartRequest>,
 ) -> Result<Response, E2bError> {
     let (cmd, args, keep_stdin) = (request.process.cmd.clone(), request.process.args.clone(), request.stdin);
@@ -120,7 +134,7 @@ pub(super) async fn start(
     } else {
         (None, None)
     };
-    let limits = command_limits(&entry, &headers);
+    let limits = command_limits(&entry);
     let pid = state.e2b.pid();
     let token = CancelToken::new();
     let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
@@ -167,6 +181,13 @@ pub(super) async fn start(
                 sink.emit(envelope(0, &json!({"event": {"end": end}})));
                 json!({})
             }
+            // Killed (`SendSignal`, `commands.kill`): reported as envd reports a process a signal ended.
+            Err(err) if err.code == "cancelled" => {
+                let end =
+                    json!({"exitCode": -1, "exited": false, "status": "signal: killed", "error": "signal: killed"});
+                sink.emit(envelope(0, &json!({"event": {"end": end}})));
+                json!({})
+            }
             Err(err) => E2bError::from(err).end_of_stream(),
         };
         sink.emit(envelope(END_STREAM, &end));
@@ -202,12 +223,27 @@ pub(super) async fn connect(
     Ok(([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(stream)).into_response())
 }
 
+/// `process.Process/SendSignal`: ends the command and answers once it is gone (its job ended: its processes
+/// killed, its jail torn down), or after [`KILL_WAIT`].
 pub(super) async fn send_signal(
     EnvdSandbox(_, meta): EnvdSandbox,
     ConnectRequest(request): ConnectRequest<Value>,
 ) -> Result<Json<Value>, E2bError> {
     // Every signal ends the command: the engine cancels jobs, it does not deliver signals.
-    with_command(&meta, selected_pid(&request)?, |command| command.cancel.cancel())?;
+    let mut events = with_command(&meta, selected_pid(&request)?, |command| {
+        command.cancel.cancel();
+        command.events.subscribe()
+    })?;
+    // The command's frames end (the channel closes) when its task has ended the job and dropped its senders.
+    let _ = tokio::time::timeout(KILL_WAIT, async {
+        loop {
+            match events.recv().await {
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    })
+    .await;
     Ok(Json(json!({})))
 }
 

@@ -399,6 +399,44 @@ async fn e2b_sdk_runs_unmodified() {
     run_python_sdk_script(SDK_SCRIPT, "SDK OK").await;
 }
 
+/// Time as the client asks (issue 19 §4): a command lives until it exits, is killed or its sandbox ends; the
+/// request's timeout (the SDK's 60 s default) bounds the client's stream only. A 45 s command runs to its end while
+/// a background writer started with the default timeout outlives it by far; `kill` answers once the command is gone
+/// and `wait()` after a kill reports the kill.
+const TIME_SCRIPT: &str = r#"
+import time
+from e2b import Sandbox, CommandExitException
+sbx = Sandbox.create(timeout=300)
+started = int(sbx.commands.run("date +%s").stdout)
+bg = sbx.commands.run("while true; do date +%s >> /tmp/alive; sleep 2; done", background=True)
+t = time.time()
+r = sbx.commands.run("sleep 45; echo done")
+assert r.stdout == "done\n" and r.exit_code == 0 and time.time() - t >= 45, (r, time.time() - t)
+time.sleep(max(0, 68 - (time.time() - t)))
+last = int(sbx.files.read("/tmp/alive").split()[-1])
+assert last >= started + 64, ("the background command stopped writing", started, last)
+assert [p.pid for p in sbx.commands.list()] == [bg.pid]
+assert sbx.commands.kill(bg.pid) is True
+assert sbx.commands.list() == [], "kill answers once the command is gone"
+h = sbx.commands.run("sleep 30", background=True)
+assert sbx.commands.kill(h.pid) is True
+try:
+    h.wait()
+    raise SystemExit("no CommandExitException after a kill")
+except CommandExitException as e:
+    assert e.exit_code == -1 and "killed" in (e.error or ""), (e.exit_code, e.error)
+assert sbx.kill() is True
+print("TIME OK")
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_commands_live_as_long_as_the_client_asks() {
+    if !process_tier("e2b_commands_live_as_long_as_the_client_asks") {
+        return;
+    }
+    run_python_sdk_script(TIME_SCRIPT, "TIME OK").await;
+}
+
 /// Runs `script` with the pinned Python SDK against a new server and checks it printed `done`; returns at once
 /// (the SDK's setup said why) when the SDK cannot be installed here.
 pub(crate) async fn run_python_sdk_script(script: &str, done: &str) {
