@@ -643,6 +643,48 @@ await expect(TimeoutError, 'list in a killed sandbox', () => sbx.files.list('/')
 console.log('JS OK')
 "#;
 
+/// [`TIME_SCRIPT`] with the JS SDK (`timeoutMs` 60 000 by default).
+const JS_TIME_SCRIPT: &str = r#"
+import { Sandbox, CommandExitError } from 'e2b'
+const check = (ok, what) => { if (!ok) { console.error(what); process.exit(1) } }
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
+const sbx = await Sandbox.create({ timeoutMs: 300_000 })
+const started = Number((await sbx.commands.run('date +%s')).stdout)
+const bg = await sbx.commands.run('while true; do date +%s >> /tmp/alive; sleep 2; done', { background: true })
+const t = Date.now()
+const r = await sbx.commands.run('sleep 45; echo done')
+check(r.stdout === 'done\n' && r.exitCode === 0 && Date.now() - t >= 45_000, `45 s command: ${JSON.stringify(r)}`)
+await sleep(Math.max(0, 68_000 - (Date.now() - t)))
+const last = Number((await sbx.files.read('/tmp/alive')).trim().split('\n').pop())
+check(last >= started + 64, `the background command stopped writing: ${started} ${last}`)
+check(JSON.stringify((await sbx.commands.list()).map((p) => p.pid)) === JSON.stringify([bg.pid]), 'list')
+check((await sbx.commands.kill(bg.pid)) === true, 'kill')
+check((await sbx.commands.list()).length === 0, 'kill answers once the command is gone')
+const h = await sbx.commands.run('sleep 30', { background: true })
+check((await sbx.commands.kill(h.pid)) === true, 'kill the second')
+try {
+  await h.wait()
+  check(false, 'no CommandExitError after a kill')
+} catch (e) {
+  check(e instanceof CommandExitError && e.exitCode === -1 && /killed/.test(e.error ?? ''), `wait: ${e} ${e?.exitCode} ${e?.error}`)
+}
+await sbx.kill()
+console.log('JS TIME OK')
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_js_commands_live_as_long_as_the_client_asks() {
+    if !process_tier("e2b_js_commands_live_as_long_as_the_client_asks") {
+        return;
+    }
+    let Some(dir) = tokio::task::spawn_blocking(sdk_js).await.expect("setup") else { return };
+    let script = dir.join("time.mjs");
+    std::fs::write(&script, JS_TIME_SCRIPT).expect("script");
+    let server = keyed_server().await;
+    run_sdk_script(&server, "node".as_ref(), &[script.as_os_str()], &dir, "JS TIME OK").await;
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_js_sdk_raises_its_own_errors() {
     if !process_tier("e2b_js_sdk_raises_its_own_errors") {
