@@ -501,7 +501,9 @@ impl Interrupts {
         Ok(Interrupts { token, caught })
     }
 
-    /// After the job: ends this process by the signal that cancelled it, if one did.
+    /// After the job: ends this process by the signal that cancelled it, if one did; where that signal is ignored
+    /// (a process started in the background of a non-interactive shell ignores `SIGINT`), with 128 + its number,
+    /// as a shell reports a process a signal ended.
     fn end(&self) {
         let caught = self.caught.load(std::sync::atomic::Ordering::SeqCst);
         if let Ok(signal) = nix::sys::signal::Signal::try_from(caught) {
@@ -510,6 +512,7 @@ impl Interrupts {
             set.add(signal);
             let _ = set.thread_unblock();
             let _ = nix::sys::signal::raise(signal);
+            std::process::exit(128 + caught);
         }
     }
 }
