@@ -96,7 +96,9 @@ def _pump():
 threading.Thread(target=_pump, name="strata-output", daemon=True).start()
 
 _cells = queue.Queue()
-_state = {"running": False}
+# `pending`: cells received and not yet ended; `cancel_next`: an interrupt came for a cell not yet running (it is
+# received before it runs: the server interrupts the cell it sent last), so that cell ends at once when it starts.
+_state = {"running": False, "pending": 0, "cancel_next": False}
 _main = threading.main_thread().ident
 
 
@@ -112,7 +114,11 @@ def _read_requests():
             with _lock:
                 if _state["running"]:
                     signal.pthread_kill(_main, signal.SIGINT)
+                elif _state["pending"]:
+                    _state["cancel_next"] = True
         elif request.get("op") == "execute":
+            with _lock:
+                _state["pending"] += 1
             _cells.put(request)
     _cells.put(None)
 
@@ -248,11 +254,11 @@ def bash_kernel():
         pass_fds=(done_w,),
         start_new_session=True,
     )
-    os.close(done_w)
     # An interrupt stops the cell's commands, never the shell: a trap (not an ignore, which children would inherit).
-    bash.stdin.write(b"trap 'echo >&2 Interrupted' INT\n")
+    # Ready only once bash has set it (an interrupt before that would end the shell).
+    bash.stdin.write(b"trap 'echo >&2 Interrupted' INT; echo 0 >&%d\n" % done_w)
     bash.stdin.flush()
-    emit({"type": "ready"})
+    os.close(done_w)
 
     def status(deadline=None):
         got = b""
@@ -265,6 +271,9 @@ def bash_kernel():
                 raise EOFError("the bash of this context ended")
             got += chunk
         return int(got.strip() or b"1")
+
+    status()
+    emit({"type": "ready"})
 
     def run(code, env):
         with tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False) as script:
@@ -323,6 +332,9 @@ def main():
         try:
             with _lock:
                 _state["running"] = True
+                cancelled, _state["cancel_next"] = _state["cancel_next"], False
+            if cancelled:
+                raise KeyboardInterrupt
             run(code if isinstance(code, str) else "", request.get("env"))
         except KeyboardInterrupt:
             drain()
@@ -338,6 +350,7 @@ def main():
         finally:
             with _lock:
                 _state["running"] = False
+                _state["pending"] -= 1
         try:
             drain()
         except KeyboardInterrupt:

@@ -684,6 +684,63 @@ mod tests {
         assert_eq!(sink.stderr.lock().expect("lock").len(), STDERR_TAIL);
     }
 
+    /// The server interrupts the cell it sent last; under load that interrupt can reach the kernel before the cell
+    /// has started. It must still stop that cell (not be lost, leaving the cell to run out its time and the kernel
+    /// to be restarted), and the kernel must go on. The bash kernel, run by the host's own `python3`.
+    #[test]
+    fn an_interrupt_that_comes_before_its_cell_runs_stops_it_and_the_kernel_goes_on() {
+        use std::io::{BufRead, Write};
+        let python = std::path::Path::new("/usr/bin/python3");
+        if !python.exists() {
+            eprintln!("skip: no /usr/bin/python3 on this host to run the kernel with");
+            return;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let script = dir.path().join("kernel.py");
+        std::fs::write(&script, KERNEL_PY).expect("write the kernel");
+        let mut child = std::process::Command::new(python)
+            .arg(&script)
+            .arg("bash")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start the kernel");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(serde_json::from_str::<Value>(&line).unwrap_or(Value::Null));
+            }
+        });
+        // One write: the interrupt is read right behind its cell, usually before the cell runs.
+        let requests = concat!(
+            r#"{"op":"execute","code":"sleep 30; echo late"}"#,
+            "\n",
+            r#"{"op":"interrupt"}"#,
+            "\n",
+            r#"{"op":"execute","code":"echo ok"}"#,
+            "\n"
+        );
+        child.stdin.as_mut().expect("stdin").write_all(requests.as_bytes()).expect("requests");
+        let started = Instant::now();
+        let mut events = Vec::new();
+        while events.iter().filter(|e: &&Value| e["type"] == "end_of_execution").count() < 2 {
+            match rx.recv_timeout(Duration::from_secs(20)) {
+                Ok(event) => events.push(event),
+                Err(_) => break,
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(started.elapsed() < Duration::from_secs(20), "the interrupted cell ran on: {events:?}");
+        let cells: Vec<&[Value]> =
+            events.split_inclusive(|e| e["type"] == "end_of_execution").filter(|c| !c.is_empty()).collect();
+        assert_eq!(cells.len(), 2, "{events:?}");
+        assert!(cells[0].iter().any(|e| e["name"] == "KeyboardInterrupt"), "{:?}", cells[0]);
+        assert!(cells[1].iter().any(|e| e["type"] == "stdout" && e["text"] == "ok\n"), "{:?}", cells[1]);
+    }
+
     #[test]
     fn languages_the_sandbox_cannot_run_are_refused() {
         assert_eq!(Language::parse(None).ok(), Some(Language::Python));

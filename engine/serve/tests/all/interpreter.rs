@@ -53,7 +53,8 @@ try:
     raise SystemExit("no TimeoutException")
 except TimeoutException:
     pass
-assert sbx.run_code("x").text == "41"
+after = sbx.run_code("x")
+assert after.text == "41", ("the context lost its state after a timeout", after.text, after.error, after.logs)
 # Contexts.
 ctx = sbx.create_code_context(cwd="/tmp")
 assert ctx.cwd == "/tmp" and ctx.language == "python"
