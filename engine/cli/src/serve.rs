@@ -34,6 +34,11 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
     max_ttl: Duration,
 
+    /// A domain whose names `{port}-{sandboxId}.DOMAIN` reach a sandbox's port (behind a wildcard DNS name for
+    /// `*.DOMAIN` pointing at this server), as E2B's `get_host(port)` names them.
+    #[arg(long, value_name = "DOMAIN")]
+    domain: Option<String>,
+
     /// Kill a sandbox idle (no job, no request) this long, before its TTL, e.g. 60s.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     idle_timeout: Option<Duration>,
@@ -139,6 +144,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
         max_ttl: args.max_ttl,
         max_sandboxes: args.max_sandboxes,
         idle_timeout: args.idle_timeout,
+        domain: args.domain.clone(),
         memory_budget: args.memory_budget.map(|m| m.0),
         cpu_budget: args.cpu_budget,
         cpu_overcommit: args.cpu_overcommit,

@@ -80,6 +80,14 @@ pub enum TierError {
     /// The job was cancelled through its [`CancelToken`](crate::CancelToken) before it finished.
     #[error("job cancelled")]
     Cancelled,
+    /// Nothing in the sandbox accepts connections on this port of its loopback.
+    #[error("nothing in the sandbox accepts connections on port {port}: {reason}")]
+    PortClosed {
+        /// The port.
+        port: u16,
+        /// What connecting said.
+        reason: String,
+    },
     /// Every slot of the tier is busy; retry later or raise its capacity.
     #[error("the {tier} tier is at capacity: {reason}")]
     Capacity {
@@ -195,6 +203,7 @@ impl TierError {
             TierError::WrongJob { .. } => "wrong_job",
             TierError::SessionTier { .. } => "session_tier",
             TierError::Cancelled => "cancelled",
+            TierError::PortClosed { .. } => "port_closed",
             TierError::Capacity { .. } => "capacity",
             TierError::Storage { .. } => "storage",
             TierError::GuestPath { .. } => "guest_path",

@@ -332,6 +332,17 @@ pub trait Sandbox: Send + Sync {
     /// happen, however short-lived the file. Dropping the watcher ends the watch.
     fn watch(&self, path: &GuestPath, recursive: bool) -> Result<Watcher, TierError>;
 
+    /// Opens a TCP connection to `port` on the sandbox's own loopback (`127.0.0.1`), where its jobs listen: how a
+    /// server reaches a port a sandbox serves. [`TierError::PortClosed`] when nothing accepts there; tiers without
+    /// a network of their own answer [`TierError::Unsupported`].
+    fn connect_port(&self, port: u16) -> Result<std::net::TcpStream, TierError> {
+        let _ = port;
+        Err(TierError::Unsupported {
+            tier: self.tier(),
+            what: "ports (connections to a port the sandbox serves)".into(),
+        })
+    }
+
     /// Shuts the sandbox down and releases its resources; idempotent. Jobs still running are stopped (cancel
     /// them through their [`CancelToken`]s first to have them end as cancelled); every later call answers
     /// [`TierError::SessionEnded`].

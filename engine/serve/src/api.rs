@@ -13,7 +13,7 @@ use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use strata_core::{
@@ -50,6 +50,9 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/v1/sandboxes/{id}/fork", post(fork_live))
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshot))
+        .route("/v1/sandboxes/{id}/ports/{port}", any(port))
+        .route("/v1/sandboxes/{id}/ports/{port}/", any(port))
+        .route("/v1/sandboxes/{id}/ports/{port}/{*path}", any(port))
         .route("/v1/snapshots", get(list_snapshots))
         .route("/v1/snapshots/{id}", axum::routing::delete(delete_snapshot))
         .route("/v1/snapshots/{id}/fork", post(fork))
@@ -252,7 +255,7 @@ pub struct OutcomeDoc {
         client accepts no byte of a response for `--write-timeout` is cut off."),
     paths(
         create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout,
-        snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files
+        snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files, port
     ),
     components(schemas(
         CapabilitiesRequest, CreateSandboxRequest, JobRequest, RunRequest, SandboxInfo, SandboxList, TimeoutRequest,
@@ -693,3 +696,31 @@ async fn fork_sandboxes(
 /// Entry points of the fuzz targets (`fuzz/`): the parsers a client feeds, reachable without a server.
 #[doc(hidden)]
 pub mod fuzzing;
+
+/// Any method and path under it, forwarded to `127.0.0.1:{port}` inside the sandbox as `/{path}?{query}` with
+/// `Host: 127.0.0.1:{port}`, its answer streamed back; a WebSocket upgrade is joined through. The server's
+/// credentials are not passed on. 502 `port_closed` when nothing accepts there, 501 on a tier without a network
+/// of its own (wasm), 503 `too_many_connections` past 64 open connections of the sandbox.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/ports/{port}/{path}", tag = "ports",
+    params(("id" = String, Path), ("port" = u16, Path), ("path" = String, Path, description = "the path inside the sandbox")),
+    responses((status = 200, description = "the sandbox's server's answer"), (status = 101, description = "a WebSocket joined through"),
+        (status = 502, body = ErrorBody), (status = 501, body = ErrorBody)))]
+async fn port(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(params): Path<Vec<(String, String)>>,
+    request: axum::http::Request<axum::body::Body>,
+) -> Result<Response, ApiError> {
+    let param = |name: &str| params.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str()).unwrap_or("");
+    let (id, port) = (param("id"), crate::ports::parse_port(param("port"))?);
+    let entry = sandbox(&state, &principal, id)?;
+    // The raw path after `/ports/{port}` (still percent-encoded, as the client sent it), and the query.
+    let prefix = format!("/v1/sandboxes/{id}/ports/{}", param("port"));
+    let rest = request.uri().path().strip_prefix(prefix.as_str()).unwrap_or("/");
+    let rest = if rest.is_empty() { "/" } else { rest };
+    let target = match request.uri().query() {
+        Some(query) => format!("{rest}?{query}"),
+        None => rest.to_owned(),
+    };
+    crate::ports::proxy(entry, port, &target, crate::ports::HostHeader::Local, request).await
+}

@@ -157,6 +157,7 @@ impl From<TierError> for ApiError {
             }
             TierError::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
             TierError::Capacity { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            TierError::PortClosed { .. } => StatusCode::BAD_GATEWAY,
             TierError::Snapshot(_) => StatusCode::BAD_REQUEST,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };

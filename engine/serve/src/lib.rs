@@ -44,6 +44,7 @@ pub mod connections;
 pub mod e2b;
 pub mod error;
 pub mod metrics;
+pub mod ports;
 pub mod registry;
 mod service;
 pub mod ws;
@@ -110,6 +111,9 @@ pub struct ServeConfig {
     pub state_dir: Option<PathBuf>,
     /// How connections are capped and timed out, before any request reaches authentication ([`connections`]).
     pub connections: ConnectionLimits,
+    /// The domain whose names `{port}-{sandboxId}.{domain}` reach a sandbox's port ([`ports`]), behind a wildcard
+    /// DNS name pointing at this server; `None`: ports only through the `/v1/…/ports/` route and E2B's headers.
+    pub domain: Option<String>,
 }
 
 impl ServeConfig {
@@ -132,6 +136,7 @@ impl ServeConfig {
             min_free_memory: None,
             state_dir: None,
             connections: ConnectionLimits::default(),
+            domain: None,
         }
     }
 }
@@ -196,6 +201,8 @@ pub struct AppState {
     pub e2b: Arc<e2b::E2bState>,
     /// Open connections and their limits.
     pub connections: Arc<Connections>,
+    /// See [`ServeConfig::domain`].
+    pub domain: Option<String>,
     draining: AtomicBool,
 }
 
@@ -297,6 +304,7 @@ impl Server {
             snapshot_dir,
             e2b: Arc::default(),
             connections: Arc::new(Connections::new(config.connections)),
+            domain: config.domain.clone(),
             draining: AtomicBool::new(false),
         });
         spawn_reaper(&state, config.reap_interval, config.idle_timeout);
@@ -438,6 +446,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(unknown_route)
         .layer(axum::extract::DefaultBodyLimit::max(state.connections.limits().max_body))
         .layer(axum::middleware::from_fn(e2b_errors))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), e2b::ports::route))
         .layer(axum::middleware::from_fn_with_state(state.clone(), request_log))
         .with_state(state)
 }

@@ -182,6 +182,8 @@ pub struct SandboxEntry {
     last_used: Mutex<Instant>,
     /// What runs when it is killed (the state other layers keep about it).
     on_kill: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
+    /// Its ports' proxied connections open now ([`crate::ports`]).
+    pub port_connections: crate::ports::PortConnections,
 }
 
 impl std::fmt::Debug for SandboxEntry {
@@ -213,6 +215,7 @@ impl SandboxEntry {
             killed: AtomicBool::new(false),
             last_used: Mutex::new(Instant::now()),
             on_kill: Mutex::new(Vec::new()),
+            port_connections: crate::ports::PortConnections::default(),
         }
     }
 

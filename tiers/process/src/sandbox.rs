@@ -26,6 +26,9 @@ use crate::fs::{self, file_error, file_target};
 use crate::jail::{Jail, Lanes};
 use crate::{PreparedJob, Runner, jail_error, run_in};
 
+/// How long connecting to a port of the jail's loopback may take (a listener's full backlog holds it).
+const PORT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The most `read_file` returns.
 const MAX_READ: u64 = 256 * 1024 * 1024;
 
@@ -121,6 +124,32 @@ impl Sandbox for ProcessSandbox {
             Some(_) => Err(ended()),
             None => run_in(Runner::Lane(lanes), prepared, &self.caps, &limits, &stdin, &opts),
         }
+    }
+
+    /// From a thread of its own that enters the jail's network namespace (through the pidfd of its PID 1) and
+    /// connects there: the socket stays in that namespace after the thread has ended, so it reaches the jail's
+    /// loopback and nothing else; the calling thread's namespace never changes.
+    fn connect_port(&self, port: u16) -> Result<std::net::TcpStream, TierError> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(ended());
+        }
+        let pid1 = self.pid1.as_ref().ok_or_else(ended)?;
+        let connect = || -> Result<std::net::TcpStream, TierError> {
+            nix::sched::setns(pid1, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|errno| {
+                TierError::internal_from(TierKind::Process, "entering the jail's network namespace", errno)
+            })?;
+            let address = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
+            std::net::TcpStream::connect_timeout(&address, PORT_CONNECT_TIMEOUT)
+                .map_err(|err| TierError::PortClosed { port, reason: err.to_string() })
+        };
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("strata-port".into())
+                .spawn_scoped(scope, connect)
+                .map_err(|e| TierError::internal_from(TierKind::Process, "starting the port thread", e))?
+                .join()
+                .unwrap_or_else(|_| Err(TierError::internal(TierKind::Process, "the port thread panicked")))
+        })
     }
 
     fn write_file(&self, path: &str, contents: &[u8]) -> Result<(), TierError> {

@@ -48,6 +48,7 @@ pub mod error;
 mod fs;
 mod interpreter;
 pub mod kernel;
+pub(crate) mod ports;
 mod process;
 mod watch;
 

@@ -6,5 +6,6 @@ mod interpreter;
 mod lifecycle;
 mod limits;
 mod load;
+mod ports;
 mod util;
 mod ws;
