@@ -1,7 +1,9 @@
 //! `strata serve` end to end: create → exec `echo hi` → delete through the API, beside the same three steps as
 //! direct `Engine` calls in the same process (the API's overhead), on the process and wasm tiers; sandbox creates
 //! per second with 8 concurrent clients; and the E2B SDK's `create` + `commands.run` + `kill` when its venv exists
-//! (`$STRATA_HOME/e2b-sdk-2.63.0`, made by the tests). Figures for reading, not asserted.
+//! (`$STRATA_HOME/e2b-sdk-2.63.0`, made by the tests); a GET through the port proxy to `python3 -m http.server` in a
+//! process sandbox, beside the same GET straight to the same server program on the host's loopback. Figures for
+//! reading, not asserted.
 //!
 //! `cargo bench -p strata-serve --bench api [-- --quick]`
 
@@ -110,6 +112,64 @@ for i in range(int(sys.argv[1])):
 s.kill()
 "#;
 
+/// GETs of `url` with one client (keep-alive on the client's side), each checked to answer 200.
+async fn gets(client: &reqwest::Client, name: &'static str, url: &str, iters: usize) -> anyhow::Result<Figures> {
+    let mut figures = Figures::new(name);
+    for i in 0..iters + iters / 10 {
+        let started = Instant::now();
+        let response = client.get(url).send().await?;
+        anyhow::ensure!(response.status() == 200, "{url}: {}", response.status());
+        response.bytes().await?;
+        if i >= iters / 10 {
+            figures.record(started.elapsed());
+        }
+    }
+    Ok(figures)
+}
+
+/// A GET through `/v1/sandboxes/{id}/ports/8000/` to `python3 -m http.server` in a process sandbox, beside a GET
+/// straight to the same program on the host's loopback.
+async fn port_proxy(base: &str, iters: usize) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let created: serde_json::Value =
+        client.post(format!("{base}/v1/sandboxes")).json(&json!({"tier": "process"})).send().await?.json().await?;
+    let id = created["id"].as_str().ok_or_else(|| anyhow::anyhow!("create: {created}"))?.to_owned();
+    let exec = format!("{base}/v1/sandboxes/{id}/exec");
+    let server = json!({"command": ["python3", "-m", "http.server", "8000", "--bind", "127.0.0.1"]});
+    let background = client.clone();
+    tokio::spawn(async move { background.post(exec).json(&server).send().await });
+    let proxied = format!("{base}/v1/sandboxes/{id}/ports/8000/");
+    for _ in 0..200 {
+        if client.get(&proxied).send().await.is_ok_and(|r| r.status() == 200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let ours = gets(&client, "port GET", &proxied, iters).await?;
+    ours.print("through the port proxy (process)");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut host = tokio::process::Command::new("python3")
+        .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1"])
+        .current_dir(std::env::temp_dir())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let direct = format!("http://127.0.0.1:{port}/");
+    for _ in 0..200 {
+        if client.get(&direct).send().await.is_ok_and(|r| r.status() == 200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let peer = gets(&client, "port GET", &direct, iters).await?;
+    peer.print("straight to the host's loopback");
+    ratio("port GET", &ours, &peer, "direct loopback");
+    let _ = host.kill().await;
+    client.delete(format!("{base}/v1/sandboxes/{id}")).send().await?;
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let iters = if quick { 30 } else { 200 };
@@ -136,6 +196,10 @@ fn main() -> anyhow::Result<()> {
         let total = if quick { 40 } else { 200 };
         let rate = runtime.block_on(creates_per_second(&base, tier, total))?;
         println!("{:<26} {total} creates, 8 concurrent clients: {rate:.0} sandboxes/s", "creates/s");
+    }
+
+    if engine.process().is_ok() {
+        runtime.block_on(port_proxy(&base, iters * 5))?;
     }
 
     if let Some(home) = strata_engine::strata_home() {

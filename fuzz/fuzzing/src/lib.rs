@@ -52,6 +52,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "replay_recording", run: targets::replay_recording::run },
     Target { name: "kernel_events", run: targets::kernel_events::run },
     Target { name: "warm_requests", run: targets::warm_requests::run },
+    Target { name: "port_routes", run: targets::port_routes::run },
 ];
 
 /// The target called `name`.

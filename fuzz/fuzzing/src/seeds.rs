@@ -36,6 +36,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "replay_recording" => replay_recording(),
         "kernel_events" => kernel_events(),
         "warm_requests" => warm_requests(),
+        "port_routes" => port_routes(),
         _ => Vec::new(),
     }
 }
@@ -506,6 +507,18 @@ fn kernel_events() -> Vec<Seed> {
     let cell = [head.as_bytes(), &[0xff], tail.as_bytes()].concat();
     let forged = b"{\"type\": \"result\", \"png\": 7, \"evil\": 1}\nnot json\n[1]\n{\"type\": \"exited\"}\n".to_vec();
     named(vec![("cell", cell), ("forged", forged)])
+}
+
+fn port_routes() -> Vec<Seed> {
+    let with = |domain: &str, text: &str| [&[domain.len() as u8][..], domain.as_bytes(), text.as_bytes()].concat();
+    named(vec![
+        ("host", with("strata.test", "8000-sb_abc.strata.test")),
+        ("host-with-port", with("strata.test", "8000-sb_abc.strata.test:3000")),
+        ("other-domain", with("strata.test", "8000-sb_abc.evil.test")),
+        ("nested", with("strata.test", "8000-a.b.strata.test")),
+        ("port", with("", "65535")),
+        ("port-zero", with("", "0")),
+    ])
 }
 
 fn warm_requests() -> Vec<Seed> {

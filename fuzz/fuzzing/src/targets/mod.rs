@@ -11,6 +11,7 @@ pub mod egress_sni;
 pub mod jail_frames;
 pub mod kernel_events;
 pub mod policy_toml;
+pub mod port_routes;
 pub mod replay_recording;
 pub mod snapshot_open;
 pub mod snapshot_upper_tree;
