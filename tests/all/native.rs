@@ -92,6 +92,13 @@ fn cases() -> Vec<Case> {
     vec![
         case("echo", Job::Command { argv: vec!["echo".into(), "hello".into()] }, Expect::Prints(0, "hello\n")),
         case("exit code", sh("exit 7"), Expect::Prints(7, "")),
+        // A job starts with no signal ignored or blocked, as from a fresh shell (not with what the server's process
+        // had: Rust ignores SIGPIPE, so `yes | head -1` said "Broken pipe"; a background start ignores SIGINT).
+        case(
+            "signals at their defaults",
+            sh("yes 2>/tmp/yes.err | head -1 >/dev/null; cat /tmp/yes.err; grep -E '^Sig(Blk|Ign)' /proc/self/status"),
+            Expect::Prints(0, "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n"),
+        ),
         case("exit code 0 with output", sh("echo out; echo err >&2"), Expect::Prints(0, "out\n")),
         case(
             "argv passes words intact",

@@ -28,7 +28,7 @@ use nix::mount::{MntFlags, MsFlags, mount, umount2};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sched::{CloneFlags, unshare};
 use nix::sys::resource::{Resource, setrlimit};
-use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
+use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, SigmaskHow, Signal, kill, sigaction, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, chdir, execve, fork, pivot_root, sethostname, setsid};
@@ -812,6 +812,22 @@ impl Init {
         // Everything else but the CLOEXEC report pipe goes; the pipe closes itself on exec.
         check!("close fds", crate::sys::cloexec_from(fds.len() as u32));
         check!("signals", sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None));
+        // Every signal's default action, as a program a fresh shell starts has: an ignored disposition survives
+        // `execve`, and this process has some a job must not get (`SIGPIPE`, which Rust ignores: `yes | head -1`
+        // would print "Broken pipe"; `SIGINT`, ignored where the server was started in the background).
+        for signal in Signal::iterator().filter(|s| !matches!(s, Signal::SIGKILL | Signal::SIGSTOP)) {
+            let default = SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty());
+            // SAFETY: SIG_DFL installs no handler; this child is single-threaded and about to execve.
+            check!("signals", unsafe { sigaction(signal, &default) });
+        }
+        // And the real-time ones, 32 to 64, glibc's own two included (which its `sigaction` refuses): through the
+        // system call, with an all-zero `struct sigaction` (`SIG_DFL`, no flags, an empty mask) whatever its layout.
+        let zero = [0u64; 4];
+        for number in 32..=64 {
+            // SAFETY: rt_sigaction reads a sigaction of at most 32 bytes from `zero` (all zeros: SIG_DFL) and writes
+            // nothing back (a null old action); the set size is the kernel's 8 bytes.
+            unsafe { libc::syscall(libc::SYS_rt_sigaction, number, zero.as_ptr(), std::ptr::null::<u8>(), 8) };
+        }
         check!("chdir", chdir(exec.cwd.as_str()));
         check!("capabilities", drop_capabilities());
         if let Some(filter) = filter
