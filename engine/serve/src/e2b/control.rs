@@ -35,8 +35,11 @@ pub(super) struct CreateRequest {
     env_vars: Option<BTreeMap<String, String>>,
 }
 
-fn sandbox_json(entry: &SandboxEntry, meta: &E2bMeta) -> Value {
+/// A sandbox as create and connect answer it; `domain`: the server's (`--domain`), from which the SDKs' `get_host(port)`
+/// makes `{port}-{sandboxID}.{domain}` (null: the SDK's own default).
+fn sandbox_json(entry: &SandboxEntry, meta: &E2bMeta, domain: Option<&str>) -> Value {
     json!({
+        "domain": domain,
         "templateID": meta.template,
         "sandboxID": entry.id,
         "alias": meta.template,
@@ -123,7 +126,7 @@ pub(super) async fn create(
     };
     let meta = state.e2b.adopt(&entry, meta);
     super::interpreter::prestart(&entry, &meta);
-    Ok((StatusCode::CREATED, Json(sandbox_json(&entry, &meta))).into_response())
+    Ok((StatusCode::CREATED, Json(sandbox_json(&entry, &meta, state.domain.as_deref()))).into_response())
 }
 
 pub(super) async fn list(
@@ -191,7 +194,7 @@ pub(super) async fn connect(
     if let Ok(req) = serde_json::from_slice::<TimeoutRequest>(&body) {
         entry.set_ttl(crate::service::ttl(&state, Some(req.timeout))?);
     }
-    Ok(Json(sandbox_json(&entry, &meta)))
+    Ok(Json(sandbox_json(&entry, &meta, state.domain.as_deref())))
 }
 
 pub(super) async fn refresh(

@@ -643,6 +643,94 @@ await expect(TimeoutError, 'list in a killed sandbox', () => sbx.files.list('/')
 console.log('JS OK')
 "#;
 
+/// `get_host(port)` and a fetch of it (issue 19 §2): the server runs with keys and `--domain strata.test`, so the SDK
+/// names the port `8000-{id}.strata.test`; without a wildcard DNS name here, the fetch goes to the server's address
+/// with that Host name, and carries the sandbox's traffic token (a server with keys asks for it).
+const PORTS_SCRIPT: &str = r#"
+import os, time, urllib.error, urllib.request
+from e2b import Sandbox
+sbx = Sandbox.create()
+sbx.files.write("/tmp/www/hello.txt", "hi from the sandbox")
+sbx.commands.run("cd /tmp/www && python3 -m http.server 8000 --bind 127.0.0.1", background=True)
+host = sbx.get_host(8000)
+assert host == f"8000-{sbx.sandbox_id}.strata.test", host
+def fetch(token):
+    headers = {"Host": host}
+    if token:
+        headers["E2B-Traffic-Access-Token"] = token
+    request = urllib.request.Request(os.environ["E2B_API_URL"] + "/hello.txt", headers=headers)
+    return urllib.request.urlopen(request, timeout=10).read()
+body = None
+for _ in range(200):
+    try:
+        body = fetch(sbx.traffic_access_token)
+        break
+    except urllib.error.HTTPError as e:
+        if e.code != 502:
+            raise
+        time.sleep(0.05)
+assert body == b"hi from the sandbox", body
+try:
+    fetch(None)
+    raise SystemExit("a port answered without the sandbox's token")
+except urllib.error.HTTPError as e:
+    assert e.code == 403, e.code
+sbx.kill()
+print("PORTS OK")
+"#;
+
+const JS_PORTS_SCRIPT: &str = r#"
+import { Sandbox } from 'e2b'
+import http from 'node:http'
+const check = (ok, what) => { if (!ok) { console.error(what); process.exit(1) } }
+const sbx = await Sandbox.create()
+await sbx.files.write('/tmp/www/hello.txt', 'hi from the sandbox')
+await sbx.commands.run('cd /tmp/www && python3 -m http.server 8000 --bind 127.0.0.1', { background: true })
+const host = sbx.getHost(8000)
+check(host === `8000-${sbx.sandboxId}.strata.test`, `getHost: ${host}`)
+const fetch = (token) => new Promise((resolve, reject) => {
+  const headers = { Host: host }
+  if (token) headers['E2B-Traffic-Access-Token'] = token
+  http.get(process.env.E2B_API_URL + '/hello.txt', { headers }, (res) => {
+    let body = ''
+    res.on('data', (c) => { body += c })
+    res.on('end', () => resolve({ status: res.statusCode, body }))
+  }).on('error', reject)
+})
+let got
+for (let i = 0; i < 200; i++) {
+  got = await fetch(sbx.trafficAccessToken)
+  if (got.status !== 502) break
+  await new Promise((r) => setTimeout(r, 50))
+}
+check(got.status === 200 && got.body === 'hi from the sandbox', `fetch: ${JSON.stringify(got)}`)
+check((await fetch(undefined)).status === 403, 'a port answered without the token')
+await sbx.kill()
+console.log('JS PORTS OK')
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdks_reach_a_port_by_get_host() {
+    if !process_tier("e2b_sdks_reach_a_port_by_get_host") {
+        return;
+    }
+    let server = TestServer::with(|config| {
+        config.keys = Some(strata_serve::KeyStore::from_keys([("sdk", SDK_KEY, None)]));
+        config.domain = Some("strata.test".into());
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    if let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") {
+        run_sdk_script(&server, &python, &["-c".as_ref(), PORTS_SCRIPT.as_ref()], dir.path(), "PORTS OK").await;
+    }
+    if let Some(js) = tokio::task::spawn_blocking(sdk_js).await.expect("setup") {
+        let script = js.join("ports.mjs");
+        std::fs::write(&script, JS_PORTS_SCRIPT).expect("script");
+        run_sdk_script(&server, "node".as_ref(), &[script.as_os_str()], &js, "JS PORTS OK").await;
+    }
+    server.stop().await;
+}
+
 /// [`TIME_SCRIPT`] with the JS SDK (`timeoutMs` 60 000 by default).
 const JS_TIME_SCRIPT: &str = r#"
 import { Sandbox, CommandExitError } from 'e2b'
