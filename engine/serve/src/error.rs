@@ -238,6 +238,9 @@ impl From<RegistryError> for ApiError {
             RegistryError::SnapshotNotFound(id) => ApiError::snapshot_not_found(&id),
             RegistryError::Busy { id, doing } => ApiError::busy(&id, doing),
             RegistryError::TooManyJobs { id, max } => ApiError::too_many_jobs(&id, max),
+            err @ RegistryError::TooManyPortConnections { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "too_many_connections", err.to_string())
+            }
             RegistryError::Tier(err) => err.into(),
         }
     }

@@ -14,7 +14,6 @@
 //! are never passed into the sandbox.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
@@ -22,43 +21,13 @@ use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
 
 use crate::error::ApiError;
+pub use crate::registry::MAX_PORT_CONNECTIONS as MAX_CONNECTIONS;
 use crate::registry::SandboxEntry;
 use crate::service::blocking;
-
-/// The most proxied connections one sandbox has open at once; more are refused with 503.
-pub const MAX_CONNECTIONS: usize = 64;
 
 /// Headers that carry the server's or the sandbox's credentials, never passed into the sandbox.
 const CREDENTIALS: [&str; 6] =
     ["authorization", "x-api-key", "x-access-token", "e2b-traffic-access-token", "e2b-sandbox-id", "e2b-sandbox-port"];
-
-/// Counts a sandbox's open proxied connections; one slot is held for each connection's life.
-#[derive(Debug, Default)]
-pub struct PortConnections(Arc<AtomicUsize>);
-
-/// One counted connection; dropping it frees the slot.
-struct Slot(Arc<AtomicUsize>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl PortConnections {
-    fn take(&self, id: &str) -> Result<Slot, ApiError> {
-        let taken = self.0.fetch_add(1, Ordering::SeqCst);
-        let slot = Slot(self.0.clone());
-        if taken >= MAX_CONNECTIONS {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "too_many_connections",
-                format!("sandbox {id} has {MAX_CONNECTIONS} port connections open, the most it may"),
-            ));
-        }
-        Ok(slot)
-    }
-}
 
 /// A port number from a path segment or header: 1–65535.
 pub fn parse_port(text: &str) -> Result<u16, ApiError> {

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -54,6 +54,14 @@ pub enum RegistryError {
         /// The sandbox.
         id: String,
         /// The most it runs at once.
+        max: usize,
+    },
+    /// The sandbox has as many proxied port connections open as it may ([`MAX_PORT_CONNECTIONS`]).
+    #[error("sandbox {id} has {max} port connections open, the most it may")]
+    TooManyPortConnections {
+        /// The sandbox.
+        id: String,
+        /// The most it has open at once.
         max: usize,
     },
     /// The tier failed the call.
@@ -183,7 +191,7 @@ pub struct SandboxEntry {
     /// What runs when it is killed (the state other layers keep about it).
     on_kill: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
     /// Its ports' proxied connections open now ([`crate::ports`]).
-    pub port_connections: crate::ports::PortConnections,
+    pub port_connections: PortConnections,
 }
 
 impl std::fmt::Debug for SandboxEntry {
@@ -215,7 +223,7 @@ impl SandboxEntry {
             killed: AtomicBool::new(false),
             last_used: Mutex::new(Instant::now()),
             on_kill: Mutex::new(Vec::new()),
-            port_connections: crate::ports::PortConnections::default(),
+            port_connections: PortConnections::default(),
         }
     }
 
@@ -674,6 +682,33 @@ impl Registry {
             _ => return Err(RegistryError::SnapshotNotFound(id.to_owned())),
         }
         inner.snapshots.remove(id).ok_or_else(|| RegistryError::SnapshotNotFound(id.to_owned()))
+    }
+}
+
+/// The most proxied connections one sandbox has open at once; more are refused with 503.
+pub const MAX_PORT_CONNECTIONS: usize = 64;
+
+/// Counts a sandbox's open proxied connections; one slot is held for each connection's life.
+#[derive(Debug, Default)]
+pub struct PortConnections(Arc<AtomicUsize>);
+
+/// One counted connection; dropping it frees the slot.
+pub(crate) struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl PortConnections {
+    pub(crate) fn take(&self, id: &str) -> Result<Slot, RegistryError> {
+        let taken = self.0.fetch_add(1, Ordering::SeqCst);
+        let slot = Slot(self.0.clone());
+        if taken >= MAX_PORT_CONNECTIONS {
+            return Err(RegistryError::TooManyPortConnections { id: id.to_owned(), max: MAX_PORT_CONNECTIONS });
+        }
+        Ok(slot)
     }
 }
 
