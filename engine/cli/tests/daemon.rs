@@ -196,21 +196,8 @@ fn a_run_through_the_daemon_answers_as_a_run_without_it() {
 #[test]
 fn without_the_daemon_a_signal_cancels_the_job_cleanly_too() {
     let daemon = Daemon::start("5m");
-    let code = "import time; print('ready', flush=True); time.sleep(50)";
-    let mut command = daemon.command(&["run", "--tier", "wasm", "--python", "-c", code]);
-    let mut client =
-        command.env("STRATA_DAEMON", "off").stdin(Stdio::null()).stdout(Stdio::piped()).spawn().expect("spawn");
-    let mut line = String::new();
-    BufReader::new(client.stdout.as_mut().expect("stdout")).read_line(&mut line).expect("read");
-    assert_eq!(line, "ready\n");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(client.id() as i32), nix::sys::signal::Signal::SIGTERM)
-        .expect("SIGTERM");
-    let status = client.wait().expect("wait");
-    if ignored(15) {
-        assert_eq!(status.code(), Some(143), "strata reports the signal that stopped its job ({status:?})");
-    } else {
-        assert_eq!(status.signal(), Some(15), "strata ends by the signal that stopped its job ({status:?})");
-    }
+    let client = sleeper(&daemon, false);
+    signal_and_wait(client, nix::sys::signal::Signal::SIGTERM);
     assert_eq!(daemon.leftovers(), Vec::<String>::new(), "the cancelled job removed its scratch directory");
     assert_eq!(daemon.served(), 0);
 }
@@ -285,17 +272,30 @@ fn ignored(number: u32) -> bool {
     u64::from_str_radix(mask, 16).is_ok_and(|mask| mask & (1 << (number - 1)) != 0)
 }
 
+/// Sends `signal` to `client` and checks it ended as its job did: by that signal, or, where this process ignores
+/// it (started in the background of a non-interactive shell, which ignores SIGINT), with 128 + its number as a
+/// shell reports it (the job still gets it and ends).
+fn signal_and_wait(mut client: Child, signal: nix::sys::signal::Signal) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(client.id() as i32), signal).expect("signal the client");
+    let status = client.wait().expect("wait");
+    let number = signal as i32;
+    if ignored(number as u32) {
+        assert_eq!(status.code(), Some(128 + number), "strata reports its job's {signal} ({status:?})");
+    } else {
+        assert_eq!(status.signal(), Some(number), "strata ends as its job did: by {signal} ({status:?})");
+    }
+}
+
 /// Starts a job that prints `ready` and sleeps, and returns its client once `ready` arrived (on the wasm tier
-/// named, since `auto` holds a Python job's output back until it knows the job will not escalate).
-fn sleeper(daemon: &Daemon) -> Child {
+/// named, since `auto` holds a Python job's output back until it knows the job will not escalate);
+/// `through_daemon`: whether the client may hand it to the daemon.
+fn sleeper(daemon: &Daemon, through_daemon: bool) -> Child {
     let code = "import time; print('ready', flush=True); time.sleep(50)";
-    let mut child = daemon
-        .command(&["run", "--tier", "wasm", "--timeout", "60s", "--python", "-c", code])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
+    let mut command = daemon.command(&["run", "--tier", "wasm", "--timeout", "60s", "--python", "-c", code]);
+    if !through_daemon {
+        command.env("STRATA_DAEMON", "off");
+    }
+    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn");
     let mut line = String::new();
     BufReader::new(child.stdout.as_mut().expect("stdout")).read_line(&mut line).expect("read");
     assert_eq!(line, "ready\n");
@@ -305,22 +305,13 @@ fn sleeper(daemon: &Daemon) -> Child {
 #[test]
 fn a_signal_reaches_the_job_and_a_client_that_dies_takes_its_job_along() {
     let daemon = Daemon::start("5m");
-    let mut client = sleeper(&daemon);
+    let client = sleeper(&daemon, true);
     assert_eq!(daemon.status()["running"].as_u64(), Some(1));
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(client.id() as i32), nix::sys::signal::Signal::SIGINT)
-        .expect("SIGINT");
-    let status = client.wait().expect("wait");
-    if ignored(2) {
-        // Started in the background of a non-interactive shell, this process (and so the client) ignores SIGINT:
-        // the job still gets it and ends, and the client reports it as a shell would.
-        assert_eq!(status.code(), Some(130), "the client reports its job's SIGINT ({status:?})");
-    } else {
-        assert_eq!(status.signal(), Some(2), "the client ends as its job did: by SIGINT ({status:?})");
-    }
+    signal_and_wait(client, nix::sys::signal::Signal::SIGINT);
     daemon.idle();
     assert_eq!(daemon.leftovers(), Vec::<String>::new(), "the cancelled job removed its scratch directory");
 
-    let mut client = sleeper(&daemon);
+    let mut client = sleeper(&daemon, true);
     client.kill().expect("SIGKILL the client");
     let _ = client.wait();
     daemon.idle();

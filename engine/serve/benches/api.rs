@@ -127,6 +127,16 @@ async fn gets(client: &reqwest::Client, name: &'static str, url: &str, iters: us
     Ok(figures)
 }
 
+/// Waits (at most 10 s) until `url` answers 200.
+async fn answering(client: &reqwest::Client, url: &str) {
+    for _ in 0..200 {
+        if client.get(url).send().await.is_ok_and(|r| r.status() == 200) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A GET through `/v1/sandboxes/{id}/ports/8000/` to `python3 -m http.server` in a process sandbox, beside a GET
 /// straight to the same program on the host's loopback.
 async fn port_proxy(base: &str, iters: usize) -> anyhow::Result<()> {
@@ -139,12 +149,7 @@ async fn port_proxy(base: &str, iters: usize) -> anyhow::Result<()> {
     let background = client.clone();
     tokio::spawn(async move { background.post(exec).json(&server).send().await });
     let proxied = format!("{base}/v1/sandboxes/{id}/ports/8000/");
-    for _ in 0..200 {
-        if client.get(&proxied).send().await.is_ok_and(|r| r.status() == 200) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    answering(&client, &proxied).await;
     let ours = gets(&client, "port GET", &proxied, iters).await?;
     ours.print("through the port proxy (process)");
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
@@ -156,12 +161,7 @@ async fn port_proxy(base: &str, iters: usize) -> anyhow::Result<()> {
         .kill_on_drop(true)
         .spawn()?;
     let direct = format!("http://127.0.0.1:{port}/");
-    for _ in 0..200 {
-        if client.get(&direct).send().await.is_ok_and(|r| r.status() == 200) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    answering(&client, &direct).await;
     let peer = gets(&client, "port GET", &direct, iters).await?;
     peer.print("straight to the host's loopback");
     ratio("port GET", &ours, &peer, "direct loopback");

@@ -205,3 +205,12 @@ pub fn frame(body: &[u8]) -> Vec<u8> {
     out.extend_from_slice(body);
     out
 }
+
+/// A connected `SOCK_SEQPACKET` pair, for targets that feed a protocol's messages through a real socket (made once
+/// per process by each such target: a fresh pair per input would spend the input's time in the kernel).
+pub fn seqpacket_pair() -> std::sync::Mutex<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+    let pair = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+        .expect("a seqpacket socket pair");
+    std::sync::Mutex::new(pair)
+}

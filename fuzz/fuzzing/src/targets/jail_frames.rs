@@ -14,7 +14,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
 use nix::sys::memfd::{MFdFlags, memfd_create};
-use nix::sys::socket::{AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, sendmsg, socketpair};
+use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use strata_jail::proto::{HostFrame, JailFrame, MAX_INLINE, ProtoError, SPILL, recv, send};
@@ -24,11 +24,7 @@ use crate::generate::Cursor;
 /// A connected pair, made once per process (a fresh pair per input would spend the input's time in the kernel).
 fn pair() -> &'static Mutex<(OwnedFd, OwnedFd)> {
     static PAIR: OnceLock<Mutex<(OwnedFd, OwnedFd)>> = OnceLock::new();
-    PAIR.get_or_init(|| {
-        let pair = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
-            .expect("a seqpacket socket pair");
-        Mutex::new(pair)
-    })
+    PAIR.get_or_init(crate::generate::seqpacket_pair)
 }
 
 /// Feeds one control message.

@@ -13,7 +13,7 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
-use nix::sys::socket::{AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, sendmsg, socketpair};
+use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
 use strata_engine::warm::{PROTOCOL, Request, check_request};
 use strata_jail::proto::{ProtoError, recv, send};
 
@@ -29,11 +29,7 @@ pub fn environment() -> Vec<(String, String)> {
 
 fn pair() -> &'static Mutex<(OwnedFd, OwnedFd)> {
     static PAIR: OnceLock<Mutex<(OwnedFd, OwnedFd)>> = OnceLock::new();
-    PAIR.get_or_init(|| {
-        let pair = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
-            .expect("a seqpacket socket pair");
-        Mutex::new(pair)
-    })
+    PAIR.get_or_init(crate::generate::seqpacket_pair)
 }
 
 /// Feeds one request.
