@@ -260,6 +260,7 @@ fn jail_frames() -> Vec<Seed> {
         nofile: 1024,
         cpu_seconds: 10,
         cgroup_files: 1,
+        tty: None,
     };
     let setup = Setup {
         version: strata_jail::proto::PROTOCOL_VERSION,

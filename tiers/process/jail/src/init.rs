@@ -39,6 +39,7 @@ use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_
 use crate::seccomp;
 use crate::steps::{OLD_ROOT, StepError, bind_onto, confine_proc, loopback_up, mount_dev_at, scratch_options, step};
 use crate::tree;
+use crate::tty;
 use crate::userns::UserNamespace;
 use crate::watch::{self, Watches};
 use crate::zygote;
@@ -552,9 +553,15 @@ impl Init {
                     exec_failed("busy", libc::EBUSY, "a job is already running".into())
                 } else {
                     match self.spawn(&exec, fds, None) {
-                        Ok(pid) => {
+                        Ok((pid, master)) => {
                             *self.conn_job(conn) = Some(pid);
-                            JailFrame::Started { pid: pid.as_raw() }
+                            let started = JailFrame::Started { pid: pid.as_raw() };
+                            let _ = proto::send(
+                                self.conn_fd(conn),
+                                &started,
+                                &master.as_ref().map(AsFd::as_fd).into_iter().collect::<Vec<_>>(),
+                            );
+                            return;
                         }
                         Err(failed) => failed,
                     }
@@ -657,7 +664,7 @@ impl Init {
                     let filter = self.zygote.as_ref().map(zygote::Zygote::filter);
                     self.spawn(&exec, fds, filter)
                 }) {
-                    Ok(pid) => {
+                    Ok((pid, _)) => {
                         self.job = Some(pid);
                         if let Some(zygote) = &mut self.zygote {
                             zygote.started(pid);
@@ -692,10 +699,32 @@ impl Init {
     }
 
     /// Spawns a job with `fds` as its descriptors 0, 1, 2 (and 3, 4 for a zygote), plus the program to copy in
-    /// last when the job has one; `filter` is stacked on the jail's before `execve`.
-    fn spawn(&self, exec: &Exec, mut fds: Vec<OwnedFd>, filter: Option<&BpfProgram>) -> Result<Pid, JailFrame> {
+    /// last when the job has one; `filter` is stacked on the jail's before `execve`. A job with a tty gets a
+    /// terminal of the jail's as 0, 1 and 2 instead (`fds` start with the cgroup files), whose master is returned
+    /// beside its PID.
+    fn spawn(
+        &self,
+        exec: &Exec,
+        mut fds: Vec<OwnedFd>,
+        filter: Option<&BpfProgram>,
+    ) -> Result<(Pid, Option<OwnedFd>), JailFrame> {
         if exec.argv.is_empty() {
             return Err(exec_failed("argv", libc::EINVAL, "empty argument vector".into()));
+        }
+        let mut master = None;
+        if let Some(size) = exec.tty {
+            if filter.is_some() {
+                return Err(exec_failed("tty", libc::EINVAL, "a zygote has no terminal".into()));
+            }
+            let owner = self.userns.as_ref().map(|userns| userns.map().base);
+            let pty = tty::Pty::open("/dev/pts/ptmx", size, owner)
+                .map_err(|errno| exec_failed("tty", errno as i32, format!("opening a terminal: {}", errno.desc())))?;
+            let copies = (0..2)
+                .map(|_| pty.slave.try_clone())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| io_failed("tty", &e))?;
+            fds.splice(0..0, std::iter::once(pty.slave).chain(copies));
+            master = Some(pty.master);
         }
         let stdio = if filter.is_some() { zygote::ZYGOTE_FDS } else { 3 };
         let cgroup_files = exec.cgroup_files as usize;
@@ -749,7 +778,7 @@ impl Init {
                 let mut text = String::new();
                 let _ = fs::File::from(report_r).read_to_string(&mut text);
                 if text.is_empty() {
-                    return Ok(child);
+                    return Ok((child, master));
                 }
                 let _ = waitpid(child, None);
                 let (stage, errno) = text.split_once('\0').unwrap_or((text.as_str(), "0"));
@@ -811,6 +840,10 @@ impl Init {
         }
         // Everything else but the CLOEXEC report pipe goes; the pipe closes itself on exec.
         check!("close fds", crate::sys::cloexec_from(fds.len() as u32));
+        // A terminal on 0, 1 and 2 becomes the controlling terminal of the session `setsid` made above.
+        if exec.tty.is_some() {
+            check!("tty", tty::make_controlling());
+        }
         check!("signals", sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None));
         // Every signal's default action, as a program a fresh shell starts has: an ignored disposition survives
         // `execve`, and this process has some a job must not get (`SIGPIPE`, which Rust ignores: `yes | head -1`

@@ -16,6 +16,7 @@ pub mod seccomp;
 mod steps;
 pub mod sys;
 pub mod tree;
+pub mod tty;
 pub mod userns;
 pub mod watch;
 pub mod zygote;

@@ -19,7 +19,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// The protocol version; [`Setup::version`] must equal it.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The control socket's descriptor number when the jail process starts: its standard input.
 pub const CONTROL_FD: RawFd = 0;
@@ -42,9 +42,11 @@ pub const MAX_FDS: usize = 10;
 pub enum HostFrame {
     /// Build the jail. The first frame, exactly once.
     Setup(Setup),
-    /// Run a job. Descriptors: stdin, stdout, stderr, then [`Exec::cgroup_files`] cgroup files (the job writes
-    /// `0` into each before it runs), then the program when [`Exec::program_copy`] is set. Answered by `Started`
-    /// or `ExecFailed`; `Exited` follows when the job's main process ends. One job at a time per connection.
+    /// Run a job. Descriptors: stdin, stdout, stderr (none with [`Exec::tty`]: a terminal of the jail's is all
+    /// three), then [`Exec::cgroup_files`] cgroup files (the job writes `0` into each before it runs), then the
+    /// program when [`Exec::program_copy`] is set. Answered by `Started` (with the terminal's master attached,
+    /// with a tty) or `ExecFailed`; `Exited` follows when the job's main process ends. One job at a time per
+    /// connection.
     Exec(Exec),
     /// On the first connection: kill every process in the jail but PID 1 (the running job and anything it left
     /// behind), except, once a lane was opened, the lanes' jobs (each in a child cgroup of the jail's). On a lane:
@@ -221,6 +223,20 @@ pub struct Exec {
     /// How many cgroup files follow the standard streams (the job's own cgroup; at most one per hierarchy).
     #[serde(default)]
     pub cgroup_files: u32,
+    /// Run the job on a pseudo-terminal of this window size from the jail's `devpts` ([`crate::tty`]): its
+    /// standard streams and controlling terminal. The host gets the terminal's master with `Started`.
+    #[serde(default)]
+    pub tty: Option<TtySize>,
+}
+
+/// A terminal's window size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TtySize {
+    /// Rows.
+    pub rows: u16,
+    /// Columns.
+    pub cols: u16,
 }
 
 /// What the jail tells the host.
@@ -243,7 +259,7 @@ pub enum JailFrame {
         /// The error.
         message: String,
     },
-    /// The job's program is running.
+    /// The job's program is running. A job with [`Exec::tty`] has its terminal's master attached.
     Started {
         /// Its PID inside the jail.
         pid: i32,
@@ -570,6 +586,7 @@ mod tests {
             nofile: 64,
             cpu_seconds: 1,
             cgroup_files: 0,
+            tty: None,
         };
         let (r, w) = nix::unistd::pipe().expect("pipe");
         send(a.as_fd(), &HostFrame::Exec(exec), &[r.as_fd(), w.as_fd()]).expect("send");

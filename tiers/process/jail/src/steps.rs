@@ -62,7 +62,7 @@ pub(crate) fn confine_proc(proc: &str, null: &str) -> Result<(), StepError> {
 }
 
 /// Mounts a minimal `/dev` at `dev`: a tmpfs with [`DEVICES`] bound from the directory `devices`, the usual
-/// links and a private `/dev/shm`.
+/// links, a private `devpts` at `/dev/pts` (with `/dev/ptmx`) and a private `/dev/shm`.
 pub(crate) fn mount_dev_at(dev: &str, devices: &str) -> Result<(), StepError> {
     let flags = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
     step("/dev", fs::DirBuilder::new().recursive(true).mode(0o755).create(dev))?;
@@ -84,6 +84,12 @@ pub(crate) fn mount_dev_at(dev: &str, devices: &str) -> Result<(), StepError> {
     ] {
         step(format!("/dev/{link}"), std::os::unix::fs::symlink(target, format!("{dev}/{link}")))?;
     }
+    // A devpts of the jail's own: its terminals are numbered here and nowhere else ([`crate::tty`]).
+    let pts = format!("{dev}/pts");
+    step("/dev/pts", fs::DirBuilder::new().mode(0o755).create(&pts))?;
+    let options = crate::tty::devpts_options();
+    step("/dev/pts", mount(Some("devpts"), pts.as_str(), Some("devpts"), flags, Some(options.as_str())))?;
+    step("/dev/ptmx", std::os::unix::fs::symlink("pts/ptmx", format!("{dev}/ptmx")))?;
     let shm = format!("{dev}/shm");
     step("/dev/shm", fs::DirBuilder::new().mode(0o1777).create(&shm))?;
     step("/dev/shm", mount(Some("shm"), shm.as_str(), Some("tmpfs"), flags | MsFlags::MS_NODEV, Some("mode=1777")))?;
