@@ -666,8 +666,24 @@ impl Engine {
         caps: &Capabilities,
         limits: &Limits,
     ) -> Result<Route, EngineError> {
+        self.route_job(choice, job, caps, limits, false)
+    }
+
+    /// [`Engine::route_with_limits`] for a job that runs on a terminal when `terminal` (which wasm has not: such
+    /// Python goes native).
+    fn route_job(
+        &self,
+        choice: TierChoice,
+        job: &Job,
+        caps: &Capabilities,
+        limits: &Limits,
+        terminal: bool,
+    ) -> Result<Route, EngineError> {
         self.check_key_not_granted(caps)?;
         let python = || match job {
+            Job::Python { .. } if terminal => {
+                scan::PythonVerdict::Native("python: a terminal (--tty), which the wasm tier does not have".into())
+            }
             Job::Python { source, .. } => self.python_verdict(source, caps, limits),
             _ => scan::PythonVerdict::Wasm(String::new()),
         };
@@ -837,7 +853,7 @@ impl Engine {
         limits: &Limits,
         opts: ExecOptions,
     ) -> Result<Outcome, EngineError> {
-        let route = self.route_with_limits(choice, job, caps, limits)?;
+        let route = self.route_job(choice, job, caps, limits, opts.terminal.is_some())?;
         if self.may_escalate(choice, job, &route) {
             return self.run_escalating(route, job, caps, limits, opts);
         }

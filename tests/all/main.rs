@@ -15,6 +15,7 @@ mod routing;
 mod snapshot_process;
 mod snapshot_wasm;
 mod stdin_stream;
+mod terminal;
 mod util;
 mod wasm_basics;
 mod wasm_cache;

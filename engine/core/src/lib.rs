@@ -24,6 +24,7 @@ pub mod replay;
 pub mod snapshot;
 pub mod snapshot_key;
 pub mod sync;
+pub mod terminal;
 pub mod tier;
 pub mod tools;
 pub mod units;
@@ -46,6 +47,7 @@ pub use snapshot::{
     Manifest, Persisted, Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, SnapshotWriter,
 };
 pub use snapshot_key::SnapshotKeyError;
+pub use terminal::{Terminal, WindowSize};
 pub use tier::{
     CancelToken, ExecOptions, MAX_BUFFERED_STDIN, OutputSink, PumpStop, Pumped, Sandbox, StdinStream, Stream, Tier,
 };

@@ -16,6 +16,7 @@ use crate::limits::Limits;
 use crate::outcome::{Outcome, TierKind};
 use crate::replay::Determinism;
 use crate::snapshot::Snapshot;
+use crate::terminal::Terminal;
 
 pub use crate::outcome::Stream;
 
@@ -82,6 +83,10 @@ pub struct ExecOptions {
     /// wasm tier's one-shot jobs take it; every other tier and a session's turn refuse it
     /// ([`TierError::Unsupported`]) rather than run the job as if it were not asked for.
     pub determinism: Option<Determinism>,
+    /// Run the job on a pseudo-terminal ([`Terminal`]): its stdin, stdout and stderr are one terminal, its output
+    /// comes as [`Stream::Stdout`], its input from `stdin_stream` (or `stdin`), and its window follows the
+    /// handle's size. The process and microVM tiers make one; the wasm tier answers [`TierError::Unsupported`].
+    pub terminal: Option<Terminal>,
 }
 
 impl fmt::Debug for ExecOptions {
@@ -93,11 +98,23 @@ impl fmt::Debug for ExecOptions {
             .field("sink", &self.sink.is_some())
             .field("cancel", &self.cancel)
             .field("determinism", &self.determinism)
+            .field("terminal", &self.terminal)
             .finish()
     }
 }
 
 impl ExecOptions {
+    /// Refuses [`ExecOptions::terminal`] on a tier that has no terminals.
+    pub fn refuse_terminal(&self, tier: TierKind) -> Result<(), TierError> {
+        match &self.terminal {
+            None => Ok(()),
+            Some(_) => Err(TierError::Unsupported {
+                tier,
+                what: "terminals (a job on a pseudo-terminal runs on the process or microVM tier)".into(),
+            }),
+        }
+    }
+
     /// Refuses [`ExecOptions::determinism`] on a tier that cannot honour it: `tier` cannot make `what`
     /// reproducible.
     pub fn refuse_determinism(&self, tier: TierKind, what: &str) -> Result<(), TierError> {

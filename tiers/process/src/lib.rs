@@ -385,6 +385,7 @@ impl PreparedJob {
             // The cgroup's CPU accounting stops the job; RLIMIT_CPU is a per-process backstop a second later.
             cpu_seconds: cpu_seconds.saturating_add(1),
             cgroup_files: 0,
+            tty: None,
         };
         Ok(PreparedJob { exec, program })
     }
@@ -410,7 +411,7 @@ fn run_in(
     let stderr = OutputCapture::new(Stream::Stderr, limits.output.0, secrets, opts.sink.clone());
     // A stream is the job's stdin itself: the jail gets its descriptor, and the caller writes while the job runs.
     let stdin_stream = opts.stdin_stream.as_ref().map(StdinStream::as_fd);
-    let io = JobIo { stdin, stdin_stream, stdout: &stdout, stderr: &stderr };
+    let io = JobIo { stdin, stdin_stream, stdout: &stdout, stderr: &stderr, terminal: opts.terminal.as_ref() };
     let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
     let (report, egress) = match runner {
         Runner::Jail(jail) => {

@@ -122,7 +122,7 @@ impl ProcessTier {
         let secrets = caps.secret_values();
         let stdout = OutputCapture::new(strata_core::Stream::Stdout, limits.output.0, secrets.clone(), None);
         let stderr = OutputCapture::new(strata_core::Stream::Stderr, limits.output.0, secrets, None);
-        let io = JobIo { stdin: &[], stdin_stream: None, stdout: &stdout, stderr: &stderr };
+        let io = JobIo { stdin: &[], stdin_stream: None, stdout: &stdout, stderr: &stderr, terminal: None };
         let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: None };
         let report = jail.start_zygote(&prepared.exec, &io, &watch).map_err(jail_error)?;
         let ready = report.end == crate::jail::JobEnd::ZygoteReady;
@@ -202,6 +202,7 @@ impl ProcessZygote {
     /// `opts.stdin_stream`, as it arrives);
     /// waits for the fork to end. Limits are `opts.limits` or the zygote's, enforced on the fork's own cgroup.
     pub fn fork(&self, input: &[u8], opts: &ExecOptions) -> Result<Outcome, TierError> {
+        opts.refuse_terminal(TierKind::Process)?;
         let limits = opts.limits.as_ref().unwrap_or(&self.limits);
         let cgroup = self.cgroups.create(&cgroup_limits(limits)).map_err(|e| jail_error(e.into()))?;
         let cgroup_files = cgroup
@@ -269,7 +270,7 @@ impl ProcessZygote {
         let stdout =
             OutputCapture::new(strata_core::Stream::Stdout, limits.output.0, secrets.clone(), opts.sink.clone());
         let stderr = OutputCapture::new(strata_core::Stream::Stderr, limits.output.0, secrets, opts.sink.clone());
-        let io = JobIo { stdin: &stdin, stdin_stream: None, stdout: &stdout, stderr: &stderr };
+        let io = JobIo { stdin: &stdin, stdin_stream: None, stdout: &stdout, stderr: &stderr, terminal: None };
         let watch = JobWatch { wall: limits.wall, cpu: limits.cpu, cancel: opts.cancel.clone() };
         let handle = ForkHandle { stdin: stdin_w, stdout: stdout_r, stderr: stderr_r, status: status_r, pidfd, cgroup };
         let report = run_fork(handle, &io, &watch);

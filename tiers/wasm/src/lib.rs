@@ -322,6 +322,7 @@ impl TierInner {
     }
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
+        opts.refuse_terminal(TierKind::Wasm)?;
         if tokio::runtime::Handle::try_current().is_err() {
             return self.run_here(job, caps, limits, opts);
         }

@@ -14,7 +14,6 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
-use nix::fcntl::OFlag;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use strata_core::LimitKind;
 use strata_egress::{Drained, EgressHandle};
@@ -23,7 +22,7 @@ use strata_jail::proto::{self, Exec, HostFrame, JailFrame, WatchEvent};
 use super::files::request_on;
 use super::{
     Baseline, Cgroup, CgroupLimits, Counters, DRAIN_TIMEOUT, DiskWatch, FileAnswer, JAMMED, JailError, JailWatch,
-    JobEnd, JobIo, JobReport, JobWatch, MEMORY_HEADROOM, Pump, Scratch, WATCH_INTERVAL, read_file_on, set_nonblocking,
+    JobEnd, JobIo, JobReport, JobWatch, MEMORY_HEADROOM, Pump, Scratch, WATCH_INTERVAL, job_pipes, read_file_on, tty,
     write_file_on,
 };
 
@@ -82,8 +81,8 @@ impl Lanes {
         let lane = open(self.root.as_fd())?;
         let cgroup = self.cgroup.child(limits)?;
         let started = self.start(&lane, &cgroup, exec, program, io);
-        let (stdin_w, stdout_r, stderr_r) = match started {
-            Ok(pipes) => pipes,
+        let (_tty, (stdin_w, stdout_r, stderr_r)) = match started {
+            Ok(started) => started,
             Err(err) => {
                 cgroup.kill_all();
                 self.retire(cgroup);
@@ -103,7 +102,8 @@ impl Lanes {
         report
     }
 
-    /// Sends the job on `lane`, with its pipes and its cgroup's files; returns the host's ends of the pipes.
+    /// Sends the job on `lane`, with its pipes (or on a terminal, [`tty`]) and its cgroup's files; returns the
+    /// host's ends of its streams, and its terminal while it has one.
     fn start(
         &self,
         lane: &OwnedFd,
@@ -111,27 +111,26 @@ impl Lanes {
         exec: &Exec,
         program: Option<File>,
         io: &JobIo<'_>,
-    ) -> Result<(OwnedFd, OwnedFd, OwnedFd), JailError> {
+    ) -> Result<(Option<tty::TtyLink>, tty::Ends), JailError> {
         let files = cgroup
             .self_join_files()
             .iter()
             .map(|path| File::options().write(true).open(path))
             .collect::<Result<Vec<File>, _>>()
             .map_err(JailError::Spawn)?;
-        let pipe = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| JailError::Spawn(e.into()));
-        let ((stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)) = (pipe()?, pipe()?, pipe()?);
-        for fd in [&stdin_w, &stdout_r, &stderr_r] {
-            set_nonblocking(fd.as_fd()).map_err(|e| JailError::Spawn(e.into()))?;
-        }
         let mut exec = exec.clone();
         exec.cgroup_files = files.len() as u32;
-        let mut fds = vec![io.stdin_stream.unwrap_or(stdin_r.as_fd()), stdout_w.as_fd(), stderr_w.as_fd()];
-        fds.extend(files.iter().map(AsFd::as_fd));
-        if let Some(program) = &program {
-            fds.push(program.as_fd());
+        let mut extra: Vec<BorrowedFd<'_>> = files.iter().map(AsFd::as_fd).collect();
+        extra.extend(program.as_ref().map(AsFd::as_fd));
+        if let Some(terminal) = io.terminal {
+            let (link, ends) = tty::start(lane.as_fd(), &exec, &extra, terminal, io.stdin_stream)?;
+            return Ok((Some(link), ends));
         }
+        let (pipes, theirs) = job_pipes()?;
+        let mut fds = vec![io.stdin_stream.unwrap_or(theirs.0.as_fd()), theirs.1.as_fd(), theirs.2.as_fd()];
+        fds.extend(extra);
         proto::send(lane.as_fd(), &HostFrame::Exec(exec), &fds)?;
-        Ok((stdin_w, stdout_r, stderr_r))
+        Ok((None, pipes))
     }
 
     /// Pumps the job's streams and enforces `watch` until it ends.

@@ -19,6 +19,7 @@
 pub mod cgroup;
 mod files;
 mod lane;
+mod tty;
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -173,6 +174,9 @@ pub struct JobIo<'a> {
     pub stdout: &'a OutputCapture,
     /// Where stderr goes.
     pub stderr: &'a OutputCapture,
+    /// Run the job on a terminal of the jail's (from its `devpts`, [`strata_jail::tty`]): its output goes to
+    /// `stdout`, its input comes from `stdin` and `stdin_stream`.
+    pub terminal: Option<&'a strata_core::Terminal>,
 }
 
 /// The limits watched from the host while a job runs.
@@ -565,13 +569,6 @@ impl Jail {
                 .map_err(JailError::Spawn)?,
             None => Vec::new(),
         };
-        let cloexec = OFlag::O_CLOEXEC;
-        let (stdin_r, stdin_w) = nix::unistd::pipe2(cloexec).map_err(|e| JailError::Spawn(e.into()))?;
-        let (stdout_r, stdout_w) = nix::unistd::pipe2(cloexec).map_err(|e| JailError::Spawn(e.into()))?;
-        let (stderr_r, stderr_w) = nix::unistd::pipe2(cloexec).map_err(|e| JailError::Spawn(e.into()))?;
-        for fd in [&stdin_w, &stdout_r, &stderr_r] {
-            set_nonblocking(fd.as_fd()).map_err(|e| JailError::Spawn(e.into()))?;
-        }
         let cgroup = self.cgroup.clone();
         let job_cgroup = own.as_ref().unwrap_or(&cgroup);
         job_cgroup.reset_peak();
@@ -582,22 +579,29 @@ impl Jail {
             disk: DiskWatch::take(scratch.as_deref()),
         };
         let start = Instant::now();
-        {
-            if zygote {
-                proto::send(self.ctl.as_fd(), &HostFrame::Zygote(exec.clone()), &[stdout_w.as_fd(), stderr_w.as_fd()])?;
-            } else {
-                let stdin = io.stdin_stream.unwrap_or(stdin_r.as_fd());
-                let mut fds = vec![stdin, stdout_w.as_fd(), stderr_w.as_fd()];
-                fds.extend(join.iter().map(AsFd::as_fd));
-                if let Some(program) = &program {
-                    fds.push(program.as_fd());
-                }
-                let mut exec = exec.clone();
-                exec.cgroup_files = join.len() as u32;
-                proto::send(self.ctl.as_fd(), &HostFrame::Exec(exec), &fds)?;
+        let mut exec = exec.clone();
+        exec.cgroup_files = join.len() as u32;
+        let mut extra: Vec<BorrowedFd<'_>> = join.iter().map(AsFd::as_fd).collect();
+        extra.extend(program.as_ref().map(AsFd::as_fd));
+        let (_tty, (stdin_w, stdout_r, stderr_r)) = match io.terminal {
+            Some(terminal) if !zygote => {
+                let (link, ends) = tty::start(self.ctl.as_fd(), &exec, &extra, terminal, io.stdin_stream)?;
+                (Some(link), ends)
             }
-        }
-        drop((stdin_r, stdout_w, stderr_w, program, join));
+            _ => {
+                let (pipes, theirs) = job_pipes()?;
+                if zygote {
+                    proto::send(self.ctl.as_fd(), &HostFrame::Zygote(exec), &[theirs.1.as_fd(), theirs.2.as_fd()])?;
+                } else {
+                    let mut fds = vec![io.stdin_stream.unwrap_or(theirs.0.as_fd()), theirs.1.as_fd(), theirs.2.as_fd()];
+                    fds.extend(extra.iter().copied());
+                    proto::send(self.ctl.as_fd(), &HostFrame::Exec(exec), &fds)?;
+                }
+                (None, pipes)
+            }
+        };
+        drop(extra);
+        drop((program, join));
 
         let mut pump = Pump::new(stdin_w, stdout_r, stderr_r, io, !zygote);
         let mut exit: Option<JobEnd> = None;
@@ -1035,6 +1039,17 @@ fn reply_on(ctl: BorrowedFd<'_>) -> Result<(JailFrame, Vec<OwnedFd>), JailError>
 fn process_state(pid: i32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// A job's three pipes: the host's ends (stdin's writer, stdout's and stderr's readers, non-blocking), and the
+/// job's (stdin's reader, stdout's and stderr's writers).
+fn job_pipes() -> Result<(tty::Ends, tty::Ends), JailError> {
+    let pipe = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| JailError::Spawn(e.into()));
+    let ((stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)) = (pipe()?, pipe()?, pipe()?);
+    for fd in [&stdin_w, &stdout_r, &stderr_r] {
+        set_nonblocking(fd.as_fd()).map_err(|e| JailError::Spawn(e.into()))?;
+    }
+    Ok(((stdin_w, stdout_r, stderr_r), (stdin_r, stdout_w, stderr_w)))
 }
 
 fn set_nonblocking(fd: BorrowedFd<'_>) -> Result<(), Errno> {
