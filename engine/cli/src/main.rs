@@ -14,6 +14,7 @@ mod replay;
 mod run;
 mod serve;
 mod snapshot;
+mod tty;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -102,12 +103,17 @@ impl log::Log for StderrLogger {
 }
 
 fn main() -> ExitCode {
+    // Before any thread starts (see `tty::block_resizes`).
+    tty::block_resizes();
     static LOGGER: StderrLogger = StderrLogger;
     if log::set_logger(&LOGGER).is_ok() {
         log::set_max_level(log::LevelFilter::Info);
     }
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // A run on a terminal (`-t`) is this process's: its window changes and raw mode are this terminal's.
+    let tty = args.iter().skip(2).take_while(|a| *a != "--").any(|a| a == "-t" || a == "--tty");
     if args.get(1).is_some_and(|a| a == "run")
+        && !tty
         && let Some(socket) = strata_engine::warm::socket_path(strata_engine::strata_home().as_deref())
         && let Some(ended) = strata_engine::warm::run_through(&socket, &args)
     {

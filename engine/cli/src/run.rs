@@ -115,6 +115,11 @@ pub(crate) struct RunArgs {
     /// Print exactly one JSON object, the outcome (or {"error":…}), instead of the guest's output.
     #[arg(long)]
     pub(crate) json: bool,
+
+    /// Run the job on a pseudo-terminal driven from this terminal, as `docker run -it` does: raw mode (every key
+    /// goes to the job), window-size changes forwarded (process and microVM tiers; Python goes native).
+    #[arg(short = 't', long, conflicts_with = "json")]
+    pub(crate) tty: bool,
 }
 
 /// `strata run`: the job's options, and how to make the run reproducible.
@@ -248,6 +253,12 @@ fn stdin_stream() -> Result<Option<StdinStream>, Failure> {
     }
 }
 
+/// This process's stdin, a terminal, as the stream of a job on a terminal (`--tty`): what is typed, as it is.
+fn terminal_stream() -> Result<StdinStream, Failure> {
+    let fd = std::io::stdin().as_fd().try_clone_to_owned();
+    fd.map(StdinStream::new).map_err(|e| Failure::new("input_unreadable", format!("cannot read the terminal: {e}")))
+}
+
 /// The engine configuration of a `strata run` with this policy file and microVM image (none: the defaults).
 pub(crate) fn engine_config(policy: Policy, image: Option<VmImage>) -> Result<EngineConfig, Failure> {
     Ok(EngineConfig { policy, max_wasm_instances: 4, vm_image: image.unwrap_or_default(), ..EngineConfig::from_env()? })
@@ -340,6 +351,10 @@ pub(crate) fn run(command: RunCommand, warm: Option<Engine>) -> Result<i32, Fail
             ),
         ));
     }
+    let tty = args.tty;
+    if tty && reproducible {
+        return Err(Failure::new("usage", format!("{flag} runs a wasm job, which has no terminal (--tty)")));
+    }
     let mut prepared = prepare(args, warm)?;
     if reproducible {
         // Only the wasm tier makes a job reproducible: force it, and never let the job run elsewhere unseeded.
@@ -359,10 +374,17 @@ pub(crate) fn run(command: RunCommand, warm: Option<Engine>) -> Result<i32, Fail
         (None, Some(seed)) => Some(Determinism::Seed(seed)),
         (None, None) => None,
     };
-    let stdin = if recorder.is_some() { StdinInput::Whole } else { StdinInput::Stream };
+    let (stdin, raw, terminal) = match (tty, &recorder) {
+        (true, _) => {
+            let (raw, terminal) = crate::tty::RawTerminal::enter()?;
+            (StdinInput::Terminal, Some(raw), Some(terminal))
+        }
+        (false, Some(_)) => (StdinInput::Whole, None, None),
+        (false, None) => (StdinInput::Stream, None, None),
+    };
     let Prepared { engine, limits, json, ungranted, .. } = &prepared;
-    let request = prepared.request().options(ExecOptions { determinism, ..ExecOptions::default() });
-    let outcome = execute_with(*json, limits, request, stdin, |request| engine.execute(request))?;
+    let request = prepared.request().options(ExecOptions { determinism, terminal, ..ExecOptions::default() });
+    let outcome = execute_with(*json, limits, request, (stdin, raw), |request| engine.execute(request))?;
     if let (Some(recorder), Some(path)) = (&recorder, &repro.record) {
         let recording = recorder.finish(&outcome).map_err(|e| Failure::new(e.code(), e.to_string()))?;
         recording.write(path).map_err(|e| Failure::new(e.code(), e.to_string()))?;
@@ -417,7 +439,7 @@ pub(crate) fn execute<'a, T: AsOutcome>(
     request: RunRequest<'a>,
     job: impl FnOnce(RunRequest<'a>) -> Result<T, strata_engine::EngineError>,
 ) -> Result<T, Failure> {
-    execute_with(json, limits, request, StdinInput::Stream, job)
+    execute_with(json, limits, request, (StdinInput::Stream, None), job)
 }
 
 /// How a job gets this process's stdin.
@@ -427,6 +449,8 @@ enum StdinInput {
     Stream,
     /// Read to its end before the job starts (a recorded job's stdin is part of its recording).
     Whole,
+    /// This process's terminal, in raw mode, streamed in as typed (`--tty`).
+    Terminal,
 }
 
 /// [`execute`], with stdin given as `stdin` says.
@@ -434,12 +458,16 @@ fn execute_with<'a, T: AsOutcome>(
     json: bool,
     limits: &Limits,
     request: RunRequest<'a>,
-    stdin: StdinInput,
+    (stdin, raw): (StdinInput, Option<crate::tty::RawTerminal>),
     job: impl FnOnce(RunRequest<'a>) -> Result<T, strata_engine::EngineError>,
 ) -> Result<T, Failure> {
     let interrupts = Interrupts::catch()?;
-    let request = match (stdin_stream()?, stdin) {
-        (Some(stream), StdinInput::Stream) => request.stdin_stream(stream),
+    let stream = match stdin {
+        StdinInput::Terminal => Some(terminal_stream()?),
+        _ => stdin_stream()?,
+    };
+    let request = match (stream, stdin) {
+        (Some(stream), StdinInput::Stream | StdinInput::Terminal) => request.stdin_stream(stream),
         (Some(stream), StdinInput::Whole) => {
             let bytes = stream
                 .read_to_end(strata_core::MAX_BUFFERED_STDIN)
@@ -458,6 +486,8 @@ fn execute_with<'a, T: AsOutcome>(
     let result = job(request.on_output(sink));
     // The engine has dropped the sink with the job; the writer drains the queue and ends.
     let _ = writer.join();
+    // The terminal as it was, before anything else is printed.
+    drop(raw);
     interrupts.end();
     let result = result?;
     report(result.outcome(), limits);
