@@ -255,12 +255,14 @@ pub struct OutcomeDoc {
         client accepts no byte of a response for `--write-timeout` is cut off."),
     paths(
         create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout,
-        snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files, port
+        snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files, port, crate::pty::create,
+        crate::pty::list, crate::pty::resize, crate::pty::kill, crate::pty::attach
     ),
     components(schemas(
         CapabilitiesRequest, CreateSandboxRequest, JobRequest, RunRequest, SandboxInfo, SandboxList, TimeoutRequest,
         SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail,
-        LiveForkResponse, FileEntry, FileList
+        LiveForkResponse, FileEntry, FileList, crate::pty::PtyRequest, crate::pty::PtyInfo, crate::pty::PtyList,
+        crate::pty::ResizeRequest
     )),
     modifiers(&BearerAuth, &BodyLimits),
     security(("api_key" = []))

@@ -45,6 +45,7 @@ pub mod e2b;
 pub mod error;
 pub mod metrics;
 pub mod ports;
+pub mod pty;
 pub mod registry;
 mod service;
 pub mod ws;
@@ -203,6 +204,8 @@ pub struct AppState {
     pub connections: Arc<Connections>,
     /// See [`ServeConfig::domain`].
     pub domain: Option<String>,
+    /// The sandboxes' terminals ([`pty`]).
+    pub ptys: Arc<pty::Ptys>,
     draining: AtomicBool,
 }
 
@@ -305,6 +308,7 @@ impl Server {
             e2b: Arc::default(),
             connections: Arc::new(Connections::new(config.connections)),
             domain: config.domain.clone(),
+            ptys: Arc::default(),
             draining: AtomicBool::new(false),
         });
         spawn_reaper(&state, config.reap_interval, config.idle_timeout);
@@ -435,6 +439,7 @@ pub fn serve(config: ServeConfig) -> Result<(), ServeError> {
 pub fn router(state: Arc<AppState>) -> Router {
     let authed = api::routes()
         .merge(ws::routes())
+        .merge(pty::routes())
         .merge(e2b::control_routes())
         .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()

@@ -319,6 +319,10 @@ pub(crate) async fn close(entry: Arc<SandboxEntry>) -> Result<(), ApiError> {
 
 /// A pipe for a job's stdin and a channel into its writer: a blocking thread that writes each chunk, closing the
 /// pipe when the channel closes or the job is gone (`EPIPE`).
+/// The wall and CPU limit of a job that lives until it exits, is killed, or its sandbox ends (an E2B command, a
+/// terminal): its sandbox's TTL bounds it.
+pub(crate) const JOB_LIFE: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
+
 pub(crate) fn stdin_writer() -> Result<(StdinStream, mpsc::Sender<Vec<u8>>), ApiError> {
     let (stream, mut pipe) =
         StdinStream::pipe().map_err(|e| ApiError::internal(format!("cannot make the stdin pipe: {e}")))?;

@@ -7,5 +7,6 @@ mod lifecycle;
 mod limits;
 mod load;
 mod ports;
+mod pty;
 mod util;
 mod ws;
