@@ -28,6 +28,11 @@ import threading
 
 LANGUAGE = sys.argv[1] if len(sys.argv) > 1 else "python"
 
+# An interrupt is how the server stops a cell: SIGINT must raise KeyboardInterrupt here, and reach bash as its
+# default action, even when the process that started this one ignored it (Python keeps an inherited SIG_IGN, and so
+# would every program it starts).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # The protocol's own descriptors, kept from the user's code and its children (non-inheritable): requests come
 # on a copy of stdin, events go to a copy of stdout. The cell's fd 0 is /dev/null, fds 1 and 2 are pipes read
 # here, so that `!cmd`, os.system and C extensions' output are the cell's output too.

@@ -166,6 +166,8 @@ struct RunningCommand {
     stdin: Option<mpsc::Sender<Vec<u8>>>,
     /// Its frames from now on, for `process.Process/Connect`.
     events: broadcast::Sender<Bytes>,
+    /// Its terminal, when it runs on one (`Update` resizes it).
+    terminal: Option<strata_core::Terminal>,
 }
 
 /// The E2B layer's own state, by sandbox id: what it knows of each E2B sandbox ([`E2bMeta`]: its token, its
@@ -236,6 +238,8 @@ pub fn envd_routes() -> Router<Arc<AppState>> {
         .route("/process.Process/Connect", post(process::connect))
         .route("/process.Process/SendInput", post(process::send_input))
         .route("/process.Process/CloseStdin", post(process::close_stdin))
+        .route("/process.Process/StreamInput", post(process::stream_input))
+        .route("/process.Process/Update", post(process::update))
         .route("/process.Process/List", post(process::list))
         .route("/filesystem.Filesystem/Stat", post(fs::stat))
         .route("/filesystem.Filesystem/ListDir", post(fs::list_dir))

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Json;
@@ -15,7 +16,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use strata_core::{CancelToken, ExecOptions, Job, Limits, OutputSink, Status, Stream};
+use strata_core::{CancelToken, ExecOptions, Job, Limits, OutputSink, Status, Stream, Terminal, WindowSize};
 use tokio::sync::{broadcast, mpsc};
 
 use super::connect::{ConnectRequest, END_STREAM, EnvdSandbox, envelope};
@@ -30,6 +31,35 @@ pub(super) struct StartRequest {
     /// Keep stdin open for `SendInput` (the SDK's `commands.run(..., stdin=True)`); closed at once otherwise.
     #[serde(default)]
     pub(super) stdin: bool,
+    /// Run the command on a terminal of this size (the SDK's `pty.create`): its input comes from `SendInput` and
+    /// `StreamInput` as `input.pty`, its output goes out as `data.pty`, `Update` resizes it.
+    #[serde(default)]
+    pty: Option<PtyConfig>,
+}
+
+/// envd's `PTY` message.
+#[derive(Debug, Default, Deserialize)]
+struct PtyConfig {
+    #[serde(default)]
+    size: PtySize,
+}
+
+/// envd's `PTY.Size`.
+#[derive(Debug, Default, Deserialize)]
+struct PtySize {
+    #[serde(default)]
+    cols: u32,
+    #[serde(default)]
+    rows: u32,
+}
+
+impl PtySize {
+    /// The window size; a dimension left out is the traditional one, a huge one the largest a terminal has.
+    fn window(&self) -> WindowSize {
+        let fit = |n: u32, default: u16| if n == 0 { default } else { u16::try_from(n).unwrap_or(u16::MAX) };
+        let default = WindowSize::default();
+        WindowSize { rows: fit(self.rows, default.rows), cols: fit(self.cols, default.cols) }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -48,23 +78,41 @@ pub(super) struct ProcessConfig {
 struct EventSink {
     start: mpsc::UnboundedSender<Bytes>,
     connected: broadcast::Sender<Bytes>,
+    /// The command runs on a terminal: its output is `data.pty`, and all of it passes (a terminal lives as long
+    /// as its program, past any output limit); the `Start` stream then holds at most [`PTY_QUEUED`] bytes its
+    /// client has not read, dropping what comes beyond.
+    pty: Option<Arc<AtomicUsize>>,
 }
+
+/// The most bytes of a terminal's output queued for a `Start` stream whose client does not read.
+const PTY_QUEUED: usize = 8 << 20;
 
 impl EventSink {
     fn emit(&self, frame: Bytes) {
         // No receiver attached is not an error.
         let _ = self.connected.send(frame.clone());
+        if let Some(queued) = &self.pty {
+            let room = |q: usize| q.checked_add(frame.len()).filter(|after| *after <= PTY_QUEUED);
+            if queued.fetch_update(Ordering::SeqCst, Ordering::SeqCst, room).is_err() {
+                return;
+            }
+        }
         let _ = self.start.send(frame);
     }
 }
 
 impl OutputSink for EventSink {
     fn output(&self, stream: Stream, chunk: &[u8]) {
-        let key = match stream {
-            Stream::Stdout => "stdout",
-            Stream::Stderr => "stderr",
+        let key = match (stream, &self.pty) {
+            (_, Some(_)) => "pty",
+            (Stream::Stdout, None) => "stdout",
+            (Stream::Stderr, None) => "stderr",
         };
         self.emit(envelope(0, &json!({"event": {"data": {key: BASE64.encode(chunk)}}})));
+    }
+
+    fn takes_all(&self) -> bool {
+        self.pty.is_some()
     }
 }
 
@@ -100,7 +148,7 @@ pub(super) fn command_argv(config: ProcessConfig) -> Result<Vec<String>, E2bErro
 /// E2B. The request's timeout (`connect-timeout-ms`, the SDK's `timeout`, 60 s by default) bounds the client's
 /// stream, which the SDK ends itself; the command goes on without it (`Connect` attaches to it again), so a
 /// background server outlives the timeout its `run(..., background=True)` was given.
-pub(super) const COMMAND_LIFE: Duration = Duration::from_secs(30 * 24 * 3600);
+pub(super) const COMMAND_LIFE: Duration = crate::service::JOB_LIFE;
 
 /// The limits of a command: the sandbox's, but for wall and CPU time, which are [`COMMAND_LIFE`].
 pub(super) fn command_limits(entry: &SandboxEntry) -> Limits {
@@ -127,8 +175,10 @@ pub(super) async fn start(
     ConnectRequest(request): ConnectRequest<StartRequest>,
 ) -> Result<Response, E2bError> {
     let (cmd, args, keep_stdin) = (request.process.cmd.clone(), request.process.args.clone(), request.stdin);
+    let terminal = request.pty.as_ref().map(|pty| Terminal::new(pty.size.window()));
     let argv = command_argv(request.process)?;
-    let (stdin_stream, stdin) = if keep_stdin {
+    // A terminal's input is always open: what is typed comes through `SendInput`.
+    let (stdin_stream, stdin) = if keep_stdin || terminal.is_some() {
         let (stream, tx) = crate::service::stdin_writer()?;
         (Some(stream), Some(tx))
     } else {
@@ -139,8 +189,10 @@ pub(super) async fn start(
     let token = CancelToken::new();
     let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
     let (connected, _) = broadcast::channel(CONNECT_BACKLOG);
-    let sink = EventSink { start: tx.clone(), connected: connected.clone() };
-    let command = RunningCommand { cancel: token.clone(), cmd, args, stdin, events: connected };
+    let queued = terminal.as_ref().map(|_| Arc::new(AtomicUsize::new(0)));
+    let sink = EventSink { start: tx.clone(), connected: connected.clone(), pty: queued.clone() };
+    let command =
+        RunningCommand { cancel: token.clone(), cmd, args, stdin, events: connected, terminal: terminal.clone() };
     lock(&meta.commands).insert(pid, command);
     let _ = tx.send(envelope(0, &json!({"event": {"start": {"pid": pid}}})));
     let task_state = state.clone();
@@ -153,6 +205,7 @@ pub(super) async fn start(
             sink: Some(Arc::new(sink.clone())),
             cancel: Some(token.clone()),
             determinism: None,
+            terminal,
         };
         let started = Instant::now();
         let tier = entry.tier;
@@ -192,8 +245,13 @@ pub(super) async fn start(
         };
         sink.emit(envelope(END_STREAM, &end));
     });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|frame| (Ok::<Bytes, Infallible>(frame), rx))
+    let stream = futures_util::stream::unfold((rx, queued), |(mut rx, queued)| async move {
+        let frame = rx.recv().await?;
+        if let Some(queued) = &queued {
+            // Frames sent past the count (the start and end events) take nothing off it.
+            let _ = queued.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| Some(q.saturating_sub(frame.len())));
+        }
+        Some((Ok::<Bytes, Infallible>(frame), (rx, queued)))
     });
     Ok(([(header::CONTENT_TYPE, "application/connect+json")], Body::from_stream(stream)).into_response())
 }
@@ -268,14 +326,29 @@ pub(super) async fn send_input(
     ConnectRequest(request): ConnectRequest<Value>,
 ) -> Result<Json<Value>, E2bError> {
     let pid = selected_pid(&request)?;
-    let data = match request["input"]["stdin"].as_str() {
-        Some(text) => BASE64.decode(text).map_err(|e| E2bError::invalid_argument(format!("input.stdin: {e}")))?,
-        None if request["input"]["pty"].is_string() => {
-            return Err(E2bError::new(ConnectCode::Unimplemented, "commands have no terminal here"));
-        }
-        None => return Err(E2bError::invalid_argument("input.stdin is required")),
+    give_input(&meta, pid, &request["input"]).await?;
+    Ok(Json(json!({})))
+}
+
+/// Gives a `ProcessInput` (`stdin` or `pty`, base64 as protobuf JSON writes bytes) to command `pid`: `pty` to a
+/// command on a terminal, `stdin` to one started with `stdin: true`. It waits while the command is not reading
+/// (at most [`crate::ws`]'s queue of chunks ahead).
+async fn give_input(meta: &E2bMeta, pid: u32, input: &Value) -> Result<(), E2bError> {
+    let (data, pty) = match (input["stdin"].as_str(), input["pty"].as_str()) {
+        (Some(text), None) => (text, false),
+        (None, Some(text)) => (text, true),
+        _ => return Err(E2bError::invalid_argument("input needs one of stdin and pty")),
     };
-    let stdin = with_command(&meta, pid, |command| command.stdin.clone())?.ok_or_else(|| {
+    let data = BASE64.decode(data).map_err(|e| E2bError::invalid_argument(format!("input: {e}")))?;
+    let (stdin, terminal) = with_command(meta, pid, |command| (command.stdin.clone(), command.terminal.is_some()))?;
+    if pty != terminal {
+        let message = match pty {
+            true => format!("process {pid} has no terminal (send input.stdin)"),
+            false => format!("process {pid} runs on a terminal (send input.pty)"),
+        };
+        return Err(E2bError::new(ConnectCode::FailedPrecondition, message));
+    }
+    let stdin = stdin.ok_or_else(|| {
         E2bError::new(
             ConnectCode::FailedPrecondition,
             format!("process {pid} has no open stdin (start it with stdin, and do not close it)"),
@@ -284,6 +357,76 @@ pub(super) async fn send_input(
     if !data.is_empty() && stdin.send(data).await.is_err() {
         return Err(E2bError::not_found(format!("process with pid {pid} has ended")));
     }
+    Ok(())
+}
+
+/// The most bytes of one `StreamInput` message.
+const MAX_INPUT_MESSAGE: usize = 1 << 20;
+
+/// `process.Process/StreamInput`: a client stream of `ProcessInput`s, the first message naming the command
+/// (`start.process`), then `data.input` messages (and `keepalive`s), each given to it as `SendInput` would.
+/// Answered with one empty message once the client's stream ends.
+pub(super) async fn stream_input(
+    EnvdSandbox(_, meta): EnvdSandbox,
+    request: axum::extract::Request,
+) -> Result<Response, E2bError> {
+    use futures_util::StreamExt;
+    let mut body = request.into_body().into_data_stream();
+    let mut buffer = Vec::new();
+    let mut pid = None;
+    loop {
+        // Every whole envelope buffered, then more bytes.
+        while let Some((flags, len)) =
+            buffer.first_chunk::<5>().map(|h| (h[0], u32::from_be_bytes([h[1], h[2], h[3], h[4]])))
+        {
+            let len = len as usize;
+            if len > MAX_INPUT_MESSAGE {
+                return Err(E2bError::invalid_argument(format!(
+                    "a message of {len} bytes (at most {MAX_INPUT_MESSAGE})"
+                )));
+            }
+            if buffer.len() < 5 + len {
+                break;
+            }
+            let message: Vec<u8> = buffer.drain(..5 + len).skip(5).collect();
+            if flags & 1 != 0 {
+                return Err(E2bError::invalid_argument("compressed envelopes are not supported"));
+            }
+            if flags & END_STREAM != 0 {
+                continue;
+            }
+            let message: Value = serde_json::from_slice(&message)
+                .map_err(|e| E2bError::invalid_argument(format!("invalid message: {e}")))?;
+            if let Some(start) = message.get("start") {
+                pid = Some(selected_pid(start)?);
+            } else if let Some(data) = message.get("data") {
+                let pid = pid.ok_or_else(|| E2bError::invalid_argument("the first message must be start"))?;
+                give_input(&meta, pid, &data["input"]).await?;
+            }
+        }
+        match body.next().await {
+            Some(Ok(chunk)) => buffer.extend_from_slice(&chunk),
+            Some(Err(err)) => return Err(E2bError::invalid_argument(format!("reading the stream: {err}"))),
+            None => break,
+        }
+    }
+    let frames = [envelope(0, &json!({})), envelope(END_STREAM, &json!({}))].concat();
+    Ok(([(header::CONTENT_TYPE, "application/connect+json")], frames).into_response())
+}
+
+/// `process.Process/Update`: resizes the terminal of command `process` to `pty.size`.
+pub(super) async fn update(
+    EnvdSandbox(_, meta): EnvdSandbox,
+    ConnectRequest(request): ConnectRequest<Value>,
+) -> Result<Json<Value>, E2bError> {
+    let pid = selected_pid(&request)?;
+    let size: PtySize = serde_json::from_value(request["pty"]["size"].clone())
+        .map_err(|e| E2bError::invalid_argument(format!("pty.size: {e}")))?;
+    let terminal = with_command(&meta, pid, |command| command.terminal.clone())?;
+    let terminal = terminal.ok_or_else(|| {
+        E2bError::new(ConnectCode::FailedPrecondition, format!("process {pid} has no terminal to resize"))
+    })?;
+    terminal.resize(size.window());
     Ok(Json(json!({})))
 }
 

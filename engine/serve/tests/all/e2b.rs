@@ -828,3 +828,95 @@ async fn e2b_bodies_over_the_limit_are_refused_in_e2b_shapes() {
     assert_eq!(response.json::<Value>().await.expect("json")["error"]["code"], "body_too_large");
     server.stop().await;
 }
+
+/// A terminal through the Python SDK: `pty.create` starts `bash -i -l` with `TERM=xterm-256color` on a terminal of
+/// the asked size, `send_stdin` types, `resize` resizes (the shell sees it), `exit 3` ends it with its code, and
+/// `kill` ends one at once, reported as killed.
+const PTY_SCRIPT: &str = r#"
+import threading, time
+from e2b import Sandbox, CommandExitException
+from e2b.sandbox.commands.command_handle import PtySize
+sbx = Sandbox.create()
+screen, ended = bytearray(), []
+h = sbx.pty.create(PtySize(rows=24, cols=80))
+def follow():
+    try:
+        ended.append(h.wait(on_pty=lambda data: screen.extend(data)).exit_code)
+    except CommandExitException as e:
+        ended.append(e.exit_code)
+t = threading.Thread(target=follow)
+t.start()
+def until(text):
+    deadline = time.time() + 30
+    while text not in screen:
+        assert time.time() < deadline, (text, bytes(screen))
+        time.sleep(0.02)
+sbx.pty.send_stdin(h.pid, b"echo $TERM; stty size; tty\n")
+until(b"xterm-256color\r\n24 80\r\n/dev/pts/")
+sbx.pty.resize(h.pid, PtySize(rows=40, cols=120))
+sbx.pty.send_stdin(h.pid, b"stty size\n")
+until(b"40 120\r\n")
+sbx.pty.send_stdin(h.pid, b"exit 3\n")
+t.join(30)
+assert ended == [3], (ended, bytes(screen))
+k = sbx.pty.create(PtySize(rows=24, cols=80))
+assert sbx.pty.kill(k.pid) is True
+try:
+    k.wait()
+    raise SystemExit("no CommandExitException after a kill")
+except CommandExitException as e:
+    assert e.exit_code == -1, e
+assert sbx.pty.kill(k.pid) is False
+sbx.kill()
+print("PTY OK")
+"#;
+
+/// [`PTY_SCRIPT`] with the JS SDK (`sendInput`).
+const JS_PTY_SCRIPT: &str = r#"
+import { Sandbox } from 'e2b'
+const check = (ok, what) => { if (!ok) { console.error(what); process.exit(1) } }
+const sbx = await Sandbox.create()
+let screen = ''
+const decoder = new TextDecoder()
+const keys = (text) => new TextEncoder().encode(text)
+const until = async (text) => {
+  const deadline = Date.now() + 30_000
+  while (!screen.includes(text)) {
+    check(Date.now() < deadline, `no ${JSON.stringify(text)} in ${JSON.stringify(screen)}`)
+    await new Promise((r) => setTimeout(r, 20))
+  }
+}
+const h = await sbx.pty.create({ cols: 80, rows: 24, onData: (data) => { screen += decoder.decode(data) } })
+await sbx.pty.sendInput(h.pid, keys('echo $TERM; stty size; tty\n'))
+await until('xterm-256color\r\n24 80\r\n/dev/pts/')
+await sbx.pty.resize(h.pid, { cols: 120, rows: 40 })
+await sbx.pty.sendInput(h.pid, keys('stty size\n'))
+await until('40 120\r\n')
+await sbx.pty.sendInput(h.pid, keys('exit 3\n'))
+const ended = await h.wait().catch((e) => e)
+check(ended.exitCode === 3, `exit: ${ended} ${ended?.exitCode}`)
+const k = await sbx.pty.create({ cols: 80, rows: 24, onData: () => {} })
+check((await sbx.pty.kill(k.pid)) === true, 'kill')
+const killed = await k.wait().catch((e) => e)
+check(killed.exitCode === -1, `killed: ${killed} ${killed?.exitCode}`)
+await sbx.kill()
+console.log('JS PTY OK')
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdks_drive_a_terminal() {
+    if !process_tier("e2b_sdks_drive_a_terminal") {
+        return;
+    }
+    let server = keyed_server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    if let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") {
+        run_sdk_script(&server, &python, &["-c".as_ref(), PTY_SCRIPT.as_ref()], dir.path(), "PTY OK").await;
+    }
+    if let Some(js) = tokio::task::spawn_blocking(sdk_js).await.expect("setup") {
+        let script = js.join("pty.mjs");
+        std::fs::write(&script, JS_PTY_SCRIPT).expect("script");
+        run_sdk_script(&server, "node".as_ref(), &[script.as_os_str()], &js, "JS PTY OK").await;
+    }
+    server.stop().await;
+}
