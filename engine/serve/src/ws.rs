@@ -147,6 +147,7 @@ async fn session(state: Arc<AppState>, entry: Arc<SandboxEntry>, mut socket: Web
         sink: Some(Arc::new(ChannelSink(tx))),
         cancel: Some(token.clone()),
         determinism: None,
+        terminal: None,
     };
     let started = Instant::now();
     let tier = entry.tier;
