@@ -120,6 +120,7 @@ fn agent_frames() -> Vec<Seed> {
                 cwd: "/".into(),
                 stdin: true,
                 limits: ExecLimits { output: Some(1 << 20), open_files: Some(256), cpu_seconds: Some(10) },
+                tty: None,
             },
         },
         HostMessage::StdinData { id, data: Bytes(b"input".to_vec()) },

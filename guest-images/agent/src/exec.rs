@@ -24,7 +24,7 @@ use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::unistd::pipe2;
-use strata_guest_proto::{ExecLimits, ExecRequest, ExitStatus, MAX_CHUNK, OutputStream};
+use strata_guest_proto::{ExecLimits, ExecRequest, ExitStatus, MAX_CHUNK, OutputStream, TtySize};
 
 use crate::reap::{Exit, ExitSlot, Reaper};
 
@@ -130,6 +130,48 @@ pub struct Spawned {
     stderr: File,
     stdin: Option<File>,
     exit: Arc<ExitSlot>,
+    /// Its terminal's master, when it runs on one ([`ExecRequest::tty`]), for resizes.
+    terminal: Option<Arc<OwnedFd>>,
+}
+
+/// A terminal of the guest's `devpts` for an exec: the master the agent keeps, the slave the exec gets.
+struct Pty {
+    master: OwnedFd,
+    slave: OwnedFd,
+}
+
+impl Pty {
+    fn open(size: TtySize) -> Result<Pty, SpawnError> {
+        let failed = |what: &str, errno: Errno| SpawnError::new(errno, format!("terminal: {what}: {}", errno.desc()));
+        let master = nix::fcntl::open(
+            "/dev/ptmx",
+            OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| failed("/dev/ptmx", e))?;
+        let unlock: libc::c_int = 0;
+        // SAFETY: TIOCSPTLCK reads one int from a pointer that outlives the call.
+        if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSPTLCK, &unlock) } < 0 {
+            return Err(failed("unlock", Errno::last()));
+        }
+        resize(&master, size).map_err(|e| failed("size", e))?;
+        let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
+        // SAFETY: TIOCGPTPEER takes open flags by value and returns a new descriptor of the slave, or -1.
+        let slave = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, flags) };
+        if slave < 0 {
+            return Err(failed("slave", Errno::last()));
+        }
+        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+        let slave = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(slave) };
+        Ok(Pty { master, slave })
+    }
+}
+
+/// Sets the window size of the terminal whose master `fd` is (its foreground process group gets `SIGWINCH`).
+pub fn resize(fd: &OwnedFd, size: TtySize) -> Result<(), Errno> {
+    let winsize = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
+    // SAFETY: TIOCSWINSZ reads a winsize from a pointer that outlives the call.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &winsize) } < 0 { Err(Errno::last()) } else { Ok(()) }
 }
 
 /// Starts `request`'s program.
@@ -139,15 +181,29 @@ pub fn spawn(request: &ExecRequest, reaper: &Reaper) -> Result<Spawned, SpawnErr
     let env = pointers(&plan.env);
     let pipe =
         |what: &str| pipe2(OFlag::O_CLOEXEC).map_err(|e| SpawnError::new(e, format!("{what} pipe: {}", e.desc())));
-    let (stdout_r, stdout_w) = pipe("stdout")?;
-    let (stderr_r, stderr_w) = pipe("stderr")?;
-    let (stdin_child, stdin_parent): (OwnedFd, Option<OwnedFd>) = if request.stdin {
-        let (r, w) = pipe("stdin")?;
-        (r, Some(w))
-    } else {
-        let null = File::open("/dev/null").map_err(|e| SpawnError::new(io_errno(&e), format!("/dev/null: {e}")))?;
-        (null.into(), None)
+    let copy = |fd: &OwnedFd| fd.try_clone().map_err(|e| SpawnError::new(io_errno(&e), format!("dup: {e}")));
+    // On a terminal: the slave is all three streams, the master is read for output and written with input, and
+    // stderr's reader is a pipe already at its end.
+    let (terminal, stdin_child, stdin_parent, (stdout_r, stdout_w), (stderr_r, stderr_w)) = match request.tty {
+        Some(size) => {
+            let Pty { master, slave } = Pty::open(size)?;
+            let (stderr_r, _) = pipe("stderr")?;
+            let streams = (copy(&slave)?, copy(&slave)?);
+            (Some(Arc::new(copy(&master)?)), slave, Some(copy(&master)?), (master, streams.0), (stderr_r, streams.1))
+        }
+        None => {
+            let (stdin_child, stdin_parent): (OwnedFd, Option<OwnedFd>) = if request.stdin {
+                let (r, w) = pipe("stdin")?;
+                (r, Some(w))
+            } else {
+                let null =
+                    File::open("/dev/null").map_err(|e| SpawnError::new(io_errno(&e), format!("/dev/null: {e}")))?;
+                (null.into(), None)
+            };
+            (None, stdin_child, stdin_parent, pipe("stdout")?, pipe("stderr")?)
+        }
     };
+    let tty = terminal.is_some();
     let (report_r, report_w) = pipe("report")?;
     let stdio = [stdin_child.as_raw_fd(), stdout_w.as_raw_fd(), stderr_w.as_raw_fd()];
 
@@ -157,7 +213,7 @@ pub fn spawn(request: &ExecRequest, reaper: &Reaper) -> Result<Spawned, SpawnErr
             // functions on memory prepared before the fork and never returns.
             match unsafe { libc::fork() } {
                 -1 => Err(Errno::last()),
-                0 => child(&plan, &argv, &env, stdio, report_w.as_raw_fd()),
+                0 => child(&plan, &argv, &env, stdio, tty, report_w.as_raw_fd()),
                 pid => Ok(pid),
             }
         })
@@ -189,6 +245,7 @@ pub fn spawn(request: &ExecRequest, reaper: &Reaper) -> Result<Spawned, SpawnErr
         stderr: nonblocking(stderr_r),
         stdin: stdin_parent.map(nonblocking),
         exit,
+        terminal,
     })
 }
 
@@ -239,6 +296,7 @@ fn child(
     argv: &[*const libc::c_char],
     env: &[*const libc::c_char],
     stdio: [RawFd; 3],
+    tty: bool,
     report: RawFd,
 ) -> ! {
     let fail = |stage: u8| -> ! {
@@ -262,6 +320,10 @@ fn child(
             if libc::dup2(*fd, target as RawFd) < 0 {
                 fail(1);
             }
+        }
+        // The terminal on 0..=2 becomes the controlling terminal of the session made above.
+        if tty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+            fail(1);
         }
         // Through the system call: the C library refuses the signals it reserves (32..=34), which the agent
         // may have inherited ignored.
@@ -376,6 +438,11 @@ impl Running {
         self.spawned.pid
     }
 
+    /// The exec's terminal's master, for [`strata_guest_proto::HostMessage::Resize`].
+    pub fn terminal(&self) -> Option<Arc<OwnedFd>> {
+        self.spawned.terminal.clone()
+    }
+
     /// The queue for [`strata_guest_proto::HostMessage::StdinData`].
     pub fn stdin_queue(&self) -> Option<Arc<StdinQueue>> {
         self.stdin.clone()
@@ -385,7 +452,9 @@ impl Running {
     /// (before its exit is collected), then the exit is returned.
     pub fn run(self, sink: &dyn ExecSink, exited: impl FnOnce()) -> Finished {
         let Running { spawned, stdin: queue, output_cap } = self;
-        let Spawned { stdout, stderr, stdin, exit, .. } = spawned;
+        let Spawned { stdout, stderr, stdin, exit, terminal, .. } = spawned;
+        // Held until the output is drained: the master's copy in the exec table may go first.
+        let _terminal = terminal;
         let mut streams = [Some(stdout), Some(stderr)];
         let mut stdin = stdin;
         let mut bytes = [0u64; 2];

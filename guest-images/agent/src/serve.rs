@@ -214,6 +214,8 @@ struct ExecEntry {
     /// Its process group (the main process's PID).
     pgid: i32,
     stdin: Option<Arc<StdinQueue>>,
+    /// Its terminal's master, when it runs on one.
+    terminal: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
 type ExecTable = Arc<Mutex<HashMap<RequestId, ExecEntry>>>;
@@ -305,6 +307,11 @@ impl<T: Transport> Session<'_, T> {
                     // SAFETY: kill() takes no pointers. The group is that of an exec whose thread has not yet
                     // seen its main process exit; an out-of-range signal fails with EINVAL.
                     unsafe { libc::kill(-entry.pgid, signal) };
+                }
+            }
+            HostMessage::Resize { id, size } => {
+                if let Some(terminal) = lock(&self.execs).get(&id).and_then(|entry| entry.terminal.clone()) {
+                    let _ = exec::resize(&terminal, size);
                 }
             }
             HostMessage::WriteFile { id, path, mode, data, last } => {
@@ -455,7 +462,8 @@ impl<T: Transport> Session<'_, T> {
             Err(err) => return self.send(GuestMessage::ExecFailed { id, errno: err.errno, message: err.message }),
         };
         let pid = running.pid();
-        lock(&self.execs).insert(id, ExecEntry { pgid: pid, stdin: running.stdin_queue() });
+        let entry = ExecEntry { pgid: pid, stdin: running.stdin_queue(), terminal: running.terminal() };
+        lock(&self.execs).insert(id, entry);
         self.send(GuestMessage::Started { id, pid })?;
         let out = Arc::clone(&self.out);
         let execs = Arc::clone(&self.execs);

@@ -29,7 +29,7 @@ use std::time::Duration;
 use crate::frame::{FrameError, FrameReader, FrameWriter, decode, peek_hello_version};
 use crate::message::{
     Bytes, Entropy, EntryInfo, ExecRequest, ExitStatus, GuestMessage, HostMessage, OutputStream, RequestId, Rusage,
-    TreeEntry, WatchEvent,
+    TreeEntry, TtySize, WatchEvent,
 };
 use crate::transport::Transport;
 use crate::{MAX_CHUNK, MAX_FRAME, MAX_TREE_BATCH, MAX_WATCH_BATCH, PROTOCOL_VERSION};
@@ -709,6 +709,11 @@ impl ExecControl {
     /// Sends `signal` to the exec's process group.
     pub fn signal(&self, signal: i32) -> Result<(), ClientError> {
         self.shared.send(&HostMessage::Signal { id: self.id, signal })
+    }
+
+    /// Resizes the exec's terminal (one started with [`ExecRequest::tty`]).
+    pub fn resize(&self, size: TtySize) -> Result<(), ClientError> {
+        self.shared.send(&HostMessage::Resize { id: self.id, size })
     }
 }
 

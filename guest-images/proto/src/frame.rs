@@ -232,6 +232,7 @@ mod tests {
                     cwd: "/".into(),
                     stdin: true,
                     limits: ExecLimits { output: Some(10), open_files: Some(64), cpu_seconds: None },
+                    tty: None,
                 },
             },
             HostMessage::StdinData { id: RequestId(1), data: Bytes(vec![0, 1, 2, 255]) },

@@ -23,7 +23,7 @@ pub use client::{
 pub use frame::{FrameError, FrameReader, FrameWriter, MAX_FRAME};
 pub use message::{
     Bytes, Entropy, EntryInfo, EntryKind, ExecLimits, ExecRequest, ExitStatus, FileType, GuestMessage, HostMessage,
-    OutputStream, RequestId, Rusage, TreeEntry, WatchEvent, WatchKind,
+    OutputStream, RequestId, Rusage, TreeEntry, TtySize, WatchEvent, WatchKind,
 };
 pub use transport::{Transport, VsockListener, VsockStream};
 
@@ -33,7 +33,7 @@ pub use transport::{Transport, VsockListener, VsockStream};
 /// 3: `StartEgress`, the network egress tunnel.
 /// 4: `Stat`, `ListDir`, `CreateDir`, `Rename`, `Remove`, `Watch` and `Unwatch` (answered by `Entry`,
 ///    `DirEntries` and `DirDone`, `DirCreated`, `WatchEvents` and `WatchEnded`), the sandbox's file methods.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The largest piece of output, stdin or file data in one message.
 pub const MAX_CHUNK: usize = 64 * 1024;

@@ -223,6 +223,23 @@ pub enum HostMessage {
         /// The watch.
         id: RequestId,
     },
+    /// Change the window size of a running exec's terminal ([`ExecRequest::tty`]); its foreground process group
+    /// gets `SIGWINCH`. No answer; an exec that has ended or has no terminal is ignored.
+    Resize {
+        /// The exec.
+        id: RequestId,
+        /// The new size.
+        size: TtySize,
+    },
+}
+
+/// A terminal's window size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TtySize {
+    /// Rows.
+    pub rows: u16,
+    /// Columns.
+    pub cols: u16,
 }
 
 /// A program to run.
@@ -238,6 +255,10 @@ pub struct ExecRequest {
     pub stdin: bool,
     /// Limits the agent applies to the exec.
     pub limits: ExecLimits,
+    /// Run it on a pseudo-terminal of the guest's of this size: the terminal is its standard input, output and
+    /// error and its controlling terminal; its output comes as [`OutputStream::Stdout`], [`HostMessage::StdinData`]
+    /// is typed into it (always taken, whatever `stdin` says) and [`HostMessage::Resize`] resizes it.
+    pub tty: Option<TtySize>,
 }
 
 /// Limits the agent applies to one exec. Wall time and memory are the host's business (it kills the VM; the
@@ -699,6 +720,7 @@ impl HostMessage {
             HostMessage::Remove { .. } => "Remove",
             HostMessage::Watch { .. } => "Watch",
             HostMessage::Unwatch { .. } => "Unwatch",
+            HostMessage::Resize { .. } => "Resize",
         }
     }
 }

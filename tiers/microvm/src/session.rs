@@ -321,6 +321,7 @@ impl<H: AgentHost> Session<H> {
                 open_files: Some(u64::from(limits.files)),
                 cpu_seconds: Some(limits.cpu.as_secs().saturating_add(1)),
             },
+            tty: opts.terminal.as_ref().map(|terminal| tty_size(terminal.size())),
         };
         let mut handle = client.start(&request).map_err(|err| match err {
             ClientError::ExecFailed { errno, message } if errno == libc::ENOENT => {
@@ -330,6 +331,20 @@ impl<H: AgentHost> Session<H> {
             other => internal(other),
         })?;
         let control = handle.control();
+        // A terminal's window follows its handle while the job runs (the agent resizes the guest's terminal).
+        let _terminal = opts.terminal.as_ref().map(|terminal| {
+            let resizer = control.clone();
+            let now = terminal.attach(move |size| {
+                let _ = resizer.resize(tty_size(size));
+            });
+            if Some(tty_size(now)) != request.tty {
+                let _ = control.resize(tty_size(now));
+            }
+            Detach(terminal)
+        });
+        // On a terminal, the end of the input stream is not the terminal's end: the job reads end of file after a
+        // Ctrl-D the writer types.
+        let on_terminal = opts.terminal.is_some();
         // A stream goes to the agent chunk by chunk as it arrives (the agent queues it for the job), and stops being
         // read when the job ends: the pump is stopped with this function's return.
         let _pump = match stream {
@@ -338,7 +353,9 @@ impl<H: AgentHost> Session<H> {
                 let pump = stream.pump(MAX_CHUNK, move |pumped| match pumped {
                     Pumped::Data(data) => control.write_stdin(data).is_ok(),
                     Pumped::End | Pumped::Failed(_) => {
-                        let _ = control.close_stdin();
+                        if !on_terminal {
+                            let _ = control.close_stdin();
+                        }
                         false
                     }
                 });
@@ -347,7 +364,9 @@ impl<H: AgentHost> Session<H> {
             None => {
                 if !stdin.is_empty() {
                     control.write_stdin(stdin).map_err(internal)?;
-                    control.close_stdin().map_err(internal)?;
+                    if !on_terminal {
+                        control.close_stdin().map_err(internal)?;
+                    }
                 }
                 None
             }
@@ -528,7 +547,6 @@ impl<H: AgentHost> Sandbox for Session<H> {
 
     fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_determinism(TierKind::Microvm, "microVM jobs")?;
-        opts.refuse_terminal(TierKind::Microvm)?;
         self.exec_job(job, &opts, Instant::now())
     }
 
@@ -683,6 +701,20 @@ impl PreparedJob {
             None => None,
         };
         Ok(PreparedJob { argv, upload })
+    }
+}
+
+/// A terminal's size as the agent protocol has it.
+fn tty_size(size: strata_core::WindowSize) -> strata_guest_proto::TtySize {
+    strata_guest_proto::TtySize { rows: size.rows, cols: size.cols }
+}
+
+/// Detaches a job's terminal handle when the job is over (later sizes are only kept).
+struct Detach<'a>(&'a strata_core::Terminal);
+
+impl Drop for Detach<'_> {
+    fn drop(&mut self) {
+        self.0.detach();
     }
 }
 

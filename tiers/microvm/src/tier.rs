@@ -360,7 +360,6 @@ impl Tier for MicrovmTier {
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_determinism(TierKind::Microvm, "microVM jobs")?;
-        opts.refuse_terminal(TierKind::Microvm)?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let started = Instant::now();
         let prepared = PreparedJob::new(job)?;

@@ -44,6 +44,7 @@ impl RealAgent {
             cwd: "/".into(),
             stdin: false,
             limits: ExecLimits::default(),
+            tty: None,
         };
         let mut handle = self.client().start(&request).expect("start");
         loop {

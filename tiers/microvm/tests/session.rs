@@ -311,6 +311,7 @@ fn the_agent_refuses_to_quiesce_while_a_job_runs_and_acks_a_restore() {
         cwd: "/".into(),
         stdin: false,
         limits: ExecLimits::default(),
+        tty: None,
     };
     let handle = client.start(&request).expect("start");
     assert!(matches!(client.prepare_snapshot(), Err(ClientError::Refused { .. })));
@@ -479,5 +480,61 @@ fn a_stdin_stream_reaches_the_job_as_written_and_one_held_open_is_stopped() {
         }
         drop(writer);
     }
+    session.close().expect("close");
+}
+
+/// What a terminal printed, as it comes.
+#[derive(Default)]
+struct Screen(std::sync::Mutex<Vec<u8>>);
+
+impl strata_core::OutputSink for Screen {
+    fn output(&self, stream: strata_core::Stream, chunk: &[u8]) {
+        assert_eq!(stream, strata_core::Stream::Stdout, "a terminal's output is one stream");
+        self.0.lock().expect("lock").extend_from_slice(chunk);
+    }
+}
+
+impl Screen {
+    fn wait_for(&self, text: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let now = String::from_utf8_lossy(&self.0.lock().expect("lock")).into_owned();
+            if now.contains(text) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "no {text:?} on the terminal: {now:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+#[test]
+fn a_job_on_a_terminal_gets_the_agents_terminal_typed_input_and_resizes() {
+    use std::io::Write;
+    use strata_core::{StdinStream, Terminal, WindowSize};
+    let fixture = Fixture::new();
+    let Some((session, _)) = fixture.session(&limits()) else { return };
+    let screen = std::sync::Arc::new(Screen::default());
+    let terminal = Terminal::new(WindowSize { rows: 33, cols: 101 });
+    let (stream, mut keys) = StdinStream::pipe().expect("pipe");
+    let opts = ExecOptions {
+        terminal: Some(terminal.clone()),
+        stdin_stream: Some(stream),
+        sink: Some(screen.clone()),
+        ..ExecOptions::default()
+    };
+    let script = "trap 'stty size' WINCH; stty size; echo ready; \
+                  while :; do read -t 0.1 line && break; done; echo \"got:$line\"; exit 6";
+    let job = Job::Command { argv: vec!["/bin/bash".into(), "-c".into(), script.into()] };
+    std::thread::scope(|scope| {
+        let running = scope.spawn(|| session.exec(&job, opts));
+        screen.wait_for("33 101\r\nready\r\n");
+        terminal.resize(WindowSize { rows: 40, cols: 120 });
+        screen.wait_for("40 120\r\n");
+        keys.write_all(b"hi\n").expect("type");
+        let outcome = running.join().expect("job").expect("exec");
+        assert_eq!(outcome.status, Status::Exited { code: 6 });
+        screen.wait_for("hi\r\ngot:hi\r\n");
+    });
     session.close().expect("close");
 }

@@ -1,6 +1,6 @@
 use std::time::{Duration, Instant};
 
-use strata_guest_proto::{ClientError, ExecEvent, ExecLimits, ExitStatus, MAX_CHUNK, OutputStream};
+use strata_guest_proto::{ClientError, ExecEvent, ExecLimits, ExitStatus, MAX_CHUNK, OutputStream, TtySize};
 
 use crate::{argv, noise, run, sh, start};
 
@@ -238,4 +238,40 @@ fn the_job_gets_default_signal_handling_and_no_stray_descriptors() {
     assert_eq!(String::from_utf8_lossy(&ran.stdout).trim(), "4");
     let ran = run(agent.client(), &sh("grep -E '^Sig(Ign|Blk)' /proc/self/status"), b"");
     assert_eq!(String::from_utf8_lossy(&ran.stdout), "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n");
+}
+
+#[test]
+fn an_exec_on_a_terminal_is_typed_into_resized_and_reports_its_exit() {
+    let agent = start();
+    let script = "trap 'stty size' WINCH; tty; stty size; echo ready; \
+                  while :; do read -t 0.1 line && break; done; echo \"got:$line\"; exit 4";
+    let mut request = argv(&["/bin/bash", "-c", script]);
+    request.tty = Some(TtySize { rows: 33, cols: 101 });
+    let mut handle = agent.client().start(&request).expect("start");
+    let control = handle.control();
+    let mut screen = String::new();
+    let mut until = |handle: &mut strata_guest_proto::ExecHandle, text: &str| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !screen.contains(text) {
+            assert!(Instant::now() < deadline, "no {text:?} in {screen:?}");
+            match handle.next_event(Some(Duration::from_secs(30))).expect("event") {
+                ExecEvent::Output { stream, data } => {
+                    assert_eq!(stream, OutputStream::Stdout, "a terminal is one stream");
+                    screen.push_str(&String::from_utf8_lossy(&data));
+                }
+                other => panic!("{other:?} before {text:?}: {screen:?}"),
+            }
+        }
+        screen.clone()
+    };
+    let first = until(&mut handle, "ready\r\n");
+    assert!(first.starts_with("/dev/pts/") && first.contains("\r\n33 101\r\n"), "{first:?}");
+    control.resize(TtySize { rows: 40, cols: 120 }).expect("resize");
+    until(&mut handle, "40 120\r\n");
+    control.write_stdin(b"hi\n").expect("type");
+    let mut rest = Vec::new();
+    let report = handle.wait(|_, data| rest.extend_from_slice(data)).expect("wait");
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(format!("{screen}{rest}").contains("hi\r\ngot:hi\r\n"), "{screen:?} {rest:?}");
+    assert_eq!(report.status, ExitStatus::Code(4));
 }
