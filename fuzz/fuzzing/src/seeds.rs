@@ -139,6 +139,7 @@ fn agent_frames() -> Vec<Seed> {
         HostMessage::Remove { id: RequestId(10), path: "/data/y".into() },
         HostMessage::Watch { id: RequestId(8), path: "/data".into(), recursive: true },
         HostMessage::Unwatch { id: RequestId(8) },
+        HostMessage::Resize { id, size: strata_guest_proto::TtySize { rows: 40, cols: 120 } },
     ];
     named(vec![("agent-session", wire(&guest)), ("host-session", wire(&host))])
 }
