@@ -41,6 +41,65 @@ pub fn parse_envelope(body: &[u8]) -> Result<Value, String> {
     serde_json::from_slice(payload).map_err(|e| format!("invalid message: {e}"))
 }
 
+/// A client's stream of Connect envelopes (a client-streaming call's body, `StreamInput`), read as its bytes
+/// arrive: whole messages come out in order however the bytes were split, and a message announced larger than the
+/// reader's bound, or compressed, is refused as soon as its header is in, before its bytes are kept.
+#[derive(Debug)]
+pub struct EnvelopeReader {
+    buffer: Vec<u8>,
+    max: usize,
+}
+
+/// One message of a client stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamMessage {
+    /// The envelope's end-of-stream flag.
+    pub end: bool,
+    /// Its JSON message.
+    pub message: Value,
+}
+
+impl EnvelopeReader {
+    /// A reader of messages of at most `max` bytes.
+    pub fn new(max: usize) -> EnvelopeReader {
+        EnvelopeReader { buffer: Vec::new(), max }
+    }
+
+    /// Bytes that arrived.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buffer.extend_from_slice(bytes);
+    }
+
+    /// The next whole message, `None` until more bytes arrive.
+    pub fn next_message(&mut self) -> Result<Option<StreamMessage>, String> {
+        let Some(&[flags, a, b, c, d]) = self.buffer.first_chunk::<5>() else { return Ok(None) };
+        let len = usize::try_from(u32::from_be_bytes([a, b, c, d])).unwrap_or(usize::MAX);
+        if flags & 1 != 0 {
+            return Err("compressed envelopes are not supported".to_owned());
+        }
+        if len > self.max {
+            return Err(format!("a message of {len} bytes (at most {})", self.max));
+        }
+        if self.buffer.len() < 5 + len {
+            return Ok(None);
+        }
+        let payload: Vec<u8> = self.buffer.drain(..5 + len).skip(5).collect();
+        let end = flags & END_STREAM != 0;
+        // An end-of-stream envelope may be empty (no error): nothing to parse.
+        let message = if end && payload.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&payload).map_err(|e| format!("invalid message: {e}"))?
+        };
+        Ok(Some(StreamMessage { end, message }))
+    }
+
+    /// Whether bytes of an unfinished message are held.
+    pub fn is_partial(&self) -> bool {
+        !self.buffer.is_empty()
+    }
+}
+
 /// A Connect call's request message: the JSON body of a unary call, or the one envelope of a server-streaming
 /// call's request (sent as `application/connect+json`). A message that does not parse is `invalid_argument`.
 #[derive(Debug)]
@@ -110,6 +169,31 @@ pub fn same_secret(presented: &str, secret: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_client_stream_gives_whole_messages_however_it_is_split_and_refuses_big_ones() {
+        let body = [
+            envelope(0, &serde_json::json!({"start": {"process": {"pid": 7}}})),
+            envelope(END_STREAM, &serde_json::json!({})),
+        ]
+        .concat();
+        for split in 0..body.len() {
+            let mut reader = EnvelopeReader::new(1024);
+            let mut got = Vec::new();
+            for part in [&body[..split], &body[split..]] {
+                reader.push(part);
+                while let Some(message) = reader.next_message().expect("message") {
+                    got.push(message);
+                }
+            }
+            assert_eq!(got.len(), 2, "split at {split}");
+            assert_eq!(got[0].message["start"]["process"]["pid"], 7);
+            assert!(!got[0].end && got[1].end && !reader.is_partial());
+        }
+        let mut reader = EnvelopeReader::new(8);
+        reader.push(&[0, 0, 0, 1, 0]);
+        assert!(reader.next_message().expect_err("too big").contains("256 bytes"));
+    }
 
     #[test]
     fn envelopes_round_trip_and_bad_ones_are_refused() {

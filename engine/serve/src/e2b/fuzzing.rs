@@ -6,12 +6,30 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::Value;
 
 use super::E2bError;
-use super::connect::parse_envelope;
+pub use super::connect::StreamMessage;
+use super::connect::{EnvelopeReader, parse_envelope};
 use super::control::{CreateRequest, TimeoutRequest};
 use super::fs::{MoveRequest, PathRequest};
 use super::interpreter::ExecuteRequest;
 pub use super::kernel::{KernelEvent, MAX_EVENT, parse_event};
 use super::process::{StartRequest, command_argv, selected_pid};
+
+/// A client stream of envelopes (`StreamInput`'s body) read with its bytes split at `splits` (offsets into
+/// `body`), as they may arrive: the messages, or the refusal.
+pub fn envelope_stream(body: &[u8], splits: &[usize], max: usize) -> Result<Vec<StreamMessage>, String> {
+    let mut reader = EnvelopeReader::new(max);
+    let mut messages = Vec::new();
+    let mut start = 0;
+    for end in splits.iter().copied().chain([body.len()]) {
+        let end = end.clamp(start, body.len());
+        reader.push(&body[start..end]);
+        start = end;
+        while let Some(message) = reader.next_message()? {
+            messages.push(message);
+        }
+    }
+    Ok(messages)
+}
 
 /// A Connect-RPC request body: one envelope, its JSON message.
 pub fn connect_envelope(body: &[u8]) -> Result<Value, String> {

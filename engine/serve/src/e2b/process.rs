@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use strata_core::{CancelToken, ExecOptions, Job, Limits, OutputSink, Status, Stream, Terminal, WindowSize};
 use tokio::sync::{broadcast, mpsc};
 
-use super::connect::{ConnectRequest, END_STREAM, EnvdSandbox, envelope};
+use super::connect::{ConnectRequest, END_STREAM, EnvdSandbox, EnvelopeReader, StreamMessage, envelope};
 use super::{ConnectCode, E2bError, E2bMeta, RunningCommand};
 use crate::AppState;
 use crate::registry::{SandboxEntry, lock};
@@ -372,31 +372,13 @@ pub(super) async fn stream_input(
 ) -> Result<Response, E2bError> {
     use futures_util::StreamExt;
     let mut body = request.into_body().into_data_stream();
-    let mut buffer = Vec::new();
+    let mut reader = EnvelopeReader::new(MAX_INPUT_MESSAGE);
     let mut pid = None;
     loop {
-        // Every whole envelope buffered, then more bytes.
-        while let Some((flags, len)) =
-            buffer.first_chunk::<5>().map(|h| (h[0], u32::from_be_bytes([h[1], h[2], h[3], h[4]])))
-        {
-            let len = len as usize;
-            if len > MAX_INPUT_MESSAGE {
-                return Err(E2bError::invalid_argument(format!(
-                    "a message of {len} bytes (at most {MAX_INPUT_MESSAGE})"
-                )));
-            }
-            if buffer.len() < 5 + len {
-                break;
-            }
-            let message: Vec<u8> = buffer.drain(..5 + len).skip(5).collect();
-            if flags & 1 != 0 {
-                return Err(E2bError::invalid_argument("compressed envelopes are not supported"));
-            }
-            if flags & END_STREAM != 0 {
+        while let Some(StreamMessage { end, message }) = reader.next_message().map_err(E2bError::invalid_argument)? {
+            if end {
                 continue;
             }
-            let message: Value = serde_json::from_slice(&message)
-                .map_err(|e| E2bError::invalid_argument(format!("invalid message: {e}")))?;
             if let Some(start) = message.get("start") {
                 pid = Some(selected_pid(start)?);
             } else if let Some(data) = message.get("data") {
@@ -405,8 +387,9 @@ pub(super) async fn stream_input(
             }
         }
         match body.next().await {
-            Some(Ok(chunk)) => buffer.extend_from_slice(&chunk),
+            Some(Ok(chunk)) => reader.push(&chunk),
             Some(Err(err)) => return Err(E2bError::invalid_argument(format!("reading the stream: {err}"))),
+            None if reader.is_partial() => return Err(E2bError::invalid_argument("the stream ends inside a message")),
             None => break,
         }
     }

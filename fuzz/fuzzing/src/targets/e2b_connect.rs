@@ -2,13 +2,16 @@
 //! and the unary process calls' messages, the filesystem calls, and the control plane's and code interpreter's
 //! JSON bodies, as the official SDK (or anyone holding a sandbox's token) sends them.
 //!
-//! Input: a selector byte, then the body.
+//! Input: a selector byte, then the body (for a client stream, `StreamInput`'s, read whole and split at points the
+//! body's first bytes choose).
 //!
-//! Oracles: nothing panics; a refusal is a 4xx, never a server error; a command's argv is non-empty and free of
+//! Oracles: nothing panics; a client stream gives the same messages (or the same refusal) however it is split; a refusal is a 4xx, never a server error; a command's argv is non-empty and free of
 //! NUL, and when it goes through `env` a command follows the options; a filesystem call's
 //! argv names the operation asked for, with non-empty, NUL-free paths.
 
-use strata_serve::e2b::fuzzing::{connect_envelope, control_bodies, filesystem_call, process_start, process_unary};
+use strata_serve::e2b::fuzzing::{
+    connect_envelope, control_bodies, envelope_stream, filesystem_call, process_start, process_unary,
+};
 
 const CALLS: [&str; 6] = ["stat", "list", "mkdir", "move", "remove", "other"];
 
@@ -41,8 +44,32 @@ pub fn run(data: &[u8]) {
                 Err(err) => assert!(err.status.is_client_error(), "{}: {}", err.status, err.message),
             }
         }
+        _ if (selector / 4) % 2 == 1 => stream(selector, body),
         _ => {
             let _ = control_bodies(body);
+        }
+    }
+}
+
+/// The most bytes of one message of a client stream here (small, so that the bound is reached).
+const STREAM_MAX: usize = 256;
+
+/// A client stream read whole and read split at points the input's first bytes choose: the same messages or the
+/// same refusal either way, none over the bound.
+fn stream(selector: u8, body: &[u8]) {
+    let whole = envelope_stream(body, &[], STREAM_MAX);
+    let splits: Vec<usize> = body.iter().take(usize::from(selector / 8) % 8).map(|b| usize::from(*b)).collect();
+    let mut sorted = splits.clone();
+    sorted.sort_unstable();
+    let split = envelope_stream(body, &sorted, STREAM_MAX);
+    match (&whole, &split) {
+        (Ok(a), Ok(b)) => assert_eq!(a, b, "split at {sorted:?}"),
+        (Err(_), Err(_)) => {}
+        _ => panic!("whole: {whole:?}, split at {sorted:?}: {split:?}"),
+    }
+    if let Ok(messages) = whole {
+        for message in messages {
+            assert!(message.message.to_string().len() <= STREAM_MAX * 6 + 2, "{message:?}");
         }
     }
 }
