@@ -2,8 +2,9 @@
 //! direct `Engine` calls in the same process (the API's overhead), on the process and wasm tiers; sandbox creates
 //! per second with 8 concurrent clients; and the E2B SDK's `create` + `commands.run` + `kill` when its venv exists
 //! (`$STRATA_HOME/e2b-sdk-2.63.0`, made by the tests); a GET through the port proxy to `python3 -m http.server` in a
-//! process sandbox, beside the same GET straight to the same server program on the host's loopback. Figures for
-//! reading, not asserted.
+//! process sandbox, beside the same GET straight to the same server program on the host's loopback; a key typed
+//! into a sandbox's terminal over its WebSocket until its echo comes back, beside the same echo of a host terminal.
+//! Figures for reading, not asserted.
 //!
 //! `cargo bench -p strata-serve --bench api [-- --quick]`
 
@@ -170,6 +171,79 @@ async fn port_proxy(base: &str, iters: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A key typed into a terminal and its echo back: through a `strata serve` terminal's WebSocket (a process
+/// sandbox's `cat` on the jail's own terminal), beside the same echo of a terminal on the host (the kernel's line
+/// discipline alone: the floor).
+async fn pty_round_trip(base: &str, iters: usize) -> anyhow::Result<()> {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let client = reqwest::Client::new();
+    let created: serde_json::Value =
+        client.post(format!("{base}/v1/sandboxes")).json(&json!({"tier": "process"})).send().await?.json().await?;
+    let id = created["id"].as_str().ok_or_else(|| anyhow::anyhow!("create: {created}"))?.to_owned();
+    let pty: serde_json::Value = client
+        .post(format!("{base}/v1/sandboxes/{id}/ptys"))
+        .json(&json!({"command": ["/bin/cat"]}))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let pty = pty["id"].as_str().ok_or_else(|| anyhow::anyhow!("pty: {pty}"))?.to_owned();
+    let ws = format!("{}/v1/sandboxes/{id}/ptys/{pty}/ws", base.replacen("http", "ws", 1));
+    let (mut socket, _) = tokio_tungstenite::connect_async(ws).await?;
+    let mut figures = Figures::new("key echo");
+    for i in 0..iters + iters / 10 {
+        let started = Instant::now();
+        socket.send(Message::Binary(vec![b'x'].into())).await?;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(10), socket.next()).await? {
+                Some(Ok(Message::Binary(bytes))) if bytes.contains(&b'x') => break,
+                Some(Ok(_)) => continue,
+                other => anyhow::bail!("the terminal went away: {other:?}"),
+            }
+        }
+        if i >= iters / 10 {
+            figures.record(started.elapsed());
+        }
+        if i % 64 == 63 {
+            // A line now and then, so `cat`'s line stays short.
+            socket.send(Message::Binary(vec![b'\n'].into())).await?;
+        }
+    }
+    figures.print("a strata serve terminal (process)");
+    drop(socket);
+    client.delete(format!("{base}/v1/sandboxes/{id}")).send().await?;
+
+    let host = tokio::task::spawn_blocking(move || -> anyhow::Result<Figures> {
+        let nix::pty::OpenptyResult { master, slave } = nix::pty::openpty(None, None)?;
+        let mut figures = Figures::new("key echo");
+        let mut buf = [0u8; 64];
+        for i in 0..iters + iters / 10 {
+            let started = Instant::now();
+            nix::unistd::write(&master, b"x")?;
+            loop {
+                let n = nix::unistd::read(&master, &mut buf)?;
+                if buf[..n].contains(&b'x') {
+                    break;
+                }
+            }
+            if i >= iters / 10 {
+                figures.record(started.elapsed());
+            }
+            if i % 64 == 63 {
+                nix::unistd::write(&master, b"\n")?;
+                // The line is echoed and queued for the slave, which nothing reads: drop it.
+                nix::sys::termios::tcflush(&slave, nix::sys::termios::FlushArg::TCIFLUSH)?;
+            }
+        }
+        Ok(figures)
+    })
+    .await??;
+    host.print("a terminal on the host");
+    ratio("key echo", &figures, &host, "host terminal");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let iters = if quick { 30 } else { 200 };
@@ -200,6 +274,7 @@ fn main() -> anyhow::Result<()> {
 
     if engine.process().is_ok() {
         runtime.block_on(port_proxy(&base, iters * 5))?;
+        runtime.block_on(pty_round_trip(&base, iters * 5))?;
     }
 
     if let Some(home) = strata_engine::strata_home() {
