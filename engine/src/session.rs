@@ -97,6 +97,10 @@ impl Sandbox for WasmSession {
         self.inner.snapshot(destination)
     }
 
+    fn usage(&self) -> Result<strata_core::SandboxUsage, TierError> {
+        self.inner.usage()
+    }
+
     fn list_dir(&self, path: &GuestPath, depth: u32) -> Result<Vec<EntryInfo>, TierError> {
         self.inner.list_dir(path, depth)
     }

@@ -16,6 +16,7 @@ mod snapshot_process;
 mod snapshot_wasm;
 mod stdin_stream;
 mod terminal;
+mod usage;
 mod util;
 mod wasm_basics;
 mod wasm_cache;

@@ -268,6 +268,26 @@ fn wait_readable(fd: BorrowedFd<'_>, stop: BorrowedFd<'_>) -> std::io::Result<bo
     }
 }
 
+/// What a live sandbox uses now ([`Sandbox::usage`]): the numbers a dashboard samples over time (the rate of CPU
+/// use is the difference of two samples' `cpu_time`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct SandboxUsage {
+    /// CPUs its jobs may use at once.
+    pub cpu_count: u32,
+    /// CPU time all its processes have used since it started.
+    pub cpu_time: std::time::Duration,
+    /// Memory charged to it now, in bytes (the page cache of its files included).
+    pub memory_used: u64,
+    /// Of that, page cache.
+    pub memory_cache: u64,
+    /// Its memory limit.
+    pub memory_total: u64,
+    /// Bytes its writable filesystem holds.
+    pub disk_used: u64,
+    /// The size of its writable filesystem.
+    pub disk_total: u64,
+}
+
 /// A way to run jobs: wasm, process or microVM.
 pub trait Tier: Send + Sync {
     /// Which tier this is.
@@ -358,6 +378,12 @@ pub trait Sandbox: Send + Sync {
             tier: self.tier(),
             what: "ports (connections to a port the sandbox serves)".into(),
         })
+    }
+
+    /// What the sandbox uses now: CPU time, memory and disk ([`SandboxUsage`]). Tiers that cannot measure it
+    /// answer [`TierError::Unsupported`].
+    fn usage(&self) -> Result<SandboxUsage, TierError> {
+        Err(TierError::Unsupported { tier: self.tier(), what: "usage metrics".into() })
     }
 
     /// Shuts the sandbox down and releases its resources; idempotent. Jobs still running are stopped (cancel

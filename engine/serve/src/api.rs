@@ -49,6 +49,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/v1/sandboxes/{id}/files/list", get(list_files))
         .route("/v1/sandboxes/{id}/fork", post(fork_live))
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/v1/sandboxes/{id}/metrics", get(metrics))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshot))
         .route("/v1/sandboxes/{id}/ports/{port}", any(port))
         .route("/v1/sandboxes/{id}/ports/{port}/", any(port))
@@ -255,13 +256,13 @@ pub struct OutcomeDoc {
         client accepts no byte of a response for `--write-timeout` is cut off."),
     paths(
         create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout,
-        snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files, port, crate::pty::create,
+        snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files, port, metrics, crate::pty::create,
         crate::pty::list, crate::pty::resize, crate::pty::kill, crate::pty::attach
     ),
     components(schemas(
         CapabilitiesRequest, CreateSandboxRequest, JobRequest, RunRequest, SandboxInfo, SandboxList, TimeoutRequest,
         SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail,
-        LiveForkResponse, FileEntry, FileList, crate::pty::PtyRequest, crate::pty::PtyInfo, crate::pty::PtyList,
+        LiveForkResponse, FileEntry, FileList, MetricsList, crate::usage::UsageSample, crate::pty::PtyRequest, crate::pty::PtyInfo, crate::pty::PtyList,
         crate::pty::ResizeRequest
     )),
     modifiers(&BearerAuth, &BodyLimits),
@@ -380,6 +381,39 @@ async fn create_sandbox(
         }
     };
     Ok((StatusCode::CREATED, Json(SandboxInfo::of(&entry))))
+}
+
+/// `?start=&end=` of a metrics request: Unix seconds, either open.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+struct MetricsQuery {
+    /// The earliest sample, in seconds since the Unix epoch.
+    start: Option<f64>,
+    /// The latest sample, in seconds since the Unix epoch.
+    end: Option<f64>,
+}
+
+/// A sandbox's resource use over time.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MetricsList {
+    /// Samples, oldest first: one every 5 s for the last hour, and one taken for this request.
+    pub samples: Vec<crate::usage::UsageSample>,
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/metrics", tag = "sandboxes", params(MetricsQuery),
+    responses((status = 200, body = MetricsList), (status = 404, body = ErrorBody),
+        (status = 501, body = ErrorBody, description = "the sandbox's tier does not measure its use (wasm, microVM)")))]
+async fn metrics(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    query: Result<Query<MetricsQuery>, QueryRejection>,
+) -> Result<Json<MetricsList>, ApiError> {
+    let Query(query) = query?;
+    let entry = sandbox(&state, &principal, &id)?;
+    let sampled = entry.clone();
+    blocking(move || sampled.sample_usage()).await?;
+    Ok(Json(MetricsList { samples: entry.usage.between(query.start, query.end) }))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes", tag = "sandboxes", responses((status = 200, body = SandboxList)))]

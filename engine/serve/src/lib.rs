@@ -48,6 +48,7 @@ pub mod ports;
 pub mod pty;
 pub mod registry;
 mod service;
+pub mod usage;
 pub mod ws;
 
 use std::future::Future;
@@ -312,6 +313,7 @@ impl Server {
             draining: AtomicBool::new(false),
         });
         spawn_reaper(&state, config.reap_interval, config.idle_timeout);
+        spawn_sampler(&state);
         Ok(Server { listener, state })
     }
 
@@ -396,6 +398,31 @@ fn spawn_reaper(state: &Arc<AppState>, interval: Duration, idle: Option<Duration
                     state.metrics.latency(entry.tier.as_str(), "expire", started.elapsed());
                 });
             }
+        }
+    });
+}
+
+/// Samples every sandbox's resource use each [`usage::SAMPLE_INTERVAL`] ([`SandboxEntry::sample_usage`]), from
+/// one blocking thread at a time.
+fn spawn_sampler(state: &Arc<AppState>) {
+    let weak = Arc::downgrade(state);
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(usage::SAMPLE_INTERVAL);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let Some(state) = weak.upgrade() else { return };
+            if state.draining() {
+                return;
+            }
+            let entries = state.registry.list(None);
+            drop(state);
+            let _ = tokio::task::spawn_blocking(move || {
+                for entry in entries.iter().filter(|entry| entry.tier != strata_core::TierKind::Wasm) {
+                    let _ = entry.sample_usage();
+                }
+            })
+            .await;
         }
     });
 }

@@ -192,6 +192,8 @@ pub struct SandboxEntry {
     on_kill: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
     /// Its ports' proxied connections open now ([`crate::ports`]).
     pub port_connections: PortConnections,
+    /// Its resource use over time ([`crate::usage`]).
+    pub usage: crate::usage::UsageLog,
 }
 
 impl std::fmt::Debug for SandboxEntry {
@@ -224,7 +226,19 @@ impl SandboxEntry {
             last_used: Mutex::new(Instant::now()),
             on_kill: Mutex::new(Vec::new()),
             port_connections: PortConnections::default(),
+            usage: crate::usage::UsageLog::default(),
         }
+    }
+
+    /// Samples what the sandbox uses now into its log ([`crate::usage`]); `Unsupported` on a tier that cannot tell.
+    /// Looking is not using: the sandbox's idle time goes on.
+    pub fn sample_usage(&self) -> Result<(), RegistryError> {
+        if self.killed.load(Ordering::SeqCst) {
+            return Err(RegistryError::SandboxNotFound(self.id.clone()));
+        }
+        let usage = self.sandbox.usage()?;
+        self.usage.record(std::time::SystemTime::now(), usage);
+        Ok(())
     }
 
     /// Runs `f` (blocking) when the sandbox is killed, after it is closed; at once if it already was.

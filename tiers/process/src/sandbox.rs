@@ -18,8 +18,8 @@ use strata_jail::sys::signal_pidfd;
 
 use strata_core::sync::lock;
 use strata_core::{
-    Capabilities, EntryInfo, ExecOptions, GuestPath, Job, Limits, Outcome, Sandbox, Snapshot, TierError, TierKind,
-    Watcher,
+    Capabilities, EntryInfo, ExecOptions, GuestPath, Job, Limits, Outcome, Sandbox, SandboxUsage, Snapshot, TierError,
+    TierKind, Watcher,
 };
 
 use crate::fs::{self, file_error, file_target};
@@ -149,6 +149,21 @@ impl Sandbox for ProcessSandbox {
                 .map_err(|e| TierError::internal_from(TierKind::Process, "starting the port thread", e))?
                 .join()
                 .unwrap_or_else(|_| Err(TierError::internal(TierKind::Process, "the port thread panicked")))
+        })
+    }
+
+    /// The jail's cgroup (every job and what it left running) and its writable layer.
+    fn usage(&self) -> Result<SandboxUsage, TierError> {
+        let (_gate, lanes) = self.lanes()?;
+        let (cpu_time, (memory_used, memory_cache, limit), (disk_used, disk_total)) = lanes.usage();
+        Ok(SandboxUsage {
+            cpu_count: self.limits.vcpus,
+            cpu_time,
+            memory_used,
+            memory_cache,
+            memory_total: limit.min(self.limits.memory.0),
+            disk_used,
+            disk_total,
         })
     }
 

@@ -154,6 +154,43 @@ pub(super) async fn detail(
     Ok(Json(detail))
 }
 
+/// `?start=&end=` of a metrics request: Unix seconds.
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct MetricsQuery {
+    start: Option<f64>,
+    end: Option<f64>,
+}
+
+/// `GET /sandboxes/{id}/metrics`: the sandbox's samples ([`crate::usage`]) between `start` and `end`, a fresh one
+/// taken now among them, in E2B's `SandboxMetric` shape.
+pub(super) async fn metrics(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    query: Result<axum::extract::Query<MetricsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, E2bError> {
+    let axum::extract::Query(query) = query.map_err(crate::error::ApiError::from)?;
+    let (entry, _) = e2b_sandbox(&state, &id, &principal)?;
+    let sampled = entry.clone();
+    crate::service::blocking(move || sampled.sample_usage()).await?;
+    let samples = entry.usage.between(query.start, query.end);
+    let samples = samples.iter().map(|s| {
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs_f64(s.timestamp);
+        json!({
+            "timestamp": super::rfc3339(at),
+            "timestampUnix": s.timestamp as u64,
+            "cpuCount": s.cpu_count,
+            "cpuUsedPct": s.cpu_used_pct,
+            "memUsed": s.memory_used,
+            "memTotal": s.memory_total,
+            "memCache": s.memory_cache,
+            "diskUsed": s.disk_used,
+            "diskTotal": s.disk_total,
+        })
+    });
+    Ok(Json(Value::Array(samples.collect())))
+}
+
 pub(super) async fn kill(
     State(state): State<Arc<AppState>>,
     Extension(principal): Extension<Principal>,

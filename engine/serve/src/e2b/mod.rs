@@ -225,6 +225,7 @@ pub fn control_routes() -> Router<Arc<AppState>> {
         .route("/v2/sandboxes", post(control::create).get(control::list))
         .route("/sandboxes/{id}", get(control::detail).delete(control::kill))
         .route("/sandboxes/{id}/timeout", post(control::set_timeout))
+        .route("/sandboxes/{id}/metrics", get(control::metrics))
         .route("/sandboxes/{id}/connect", post(control::connect))
         .route("/v2/sandboxes/{id}/connect", post(control::connect))
         .route("/sandboxes/{id}/refreshes", post(control::refresh))

@@ -368,3 +368,35 @@ async fn a_sandbox_runs_at_most_max_jobs_at_once() {
     }
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_sample_a_sandboxs_cpu_memory_and_disk_over_time() {
+    if !crate::util::process_tier("metrics_sample_a_sandboxs_cpu_memory_and_disk_over_time") {
+        return;
+    }
+    let server = TestServer::start().await;
+    let id = server.create(json!({"tier": "process"})).await;
+    let (status, first) = server.get(&format!("/v1/sandboxes/{id}/metrics")).await;
+    assert_eq!(status, 200, "{first}");
+    let script = "end=$(( $(date +%s%N) + 400000000 )); while [ $(date +%s%N) -lt $end ]; do :; done; \
+                  dd if=/dev/zero of=/tmp/big bs=1M count=16 2>/dev/null";
+    let (status, _) =
+        server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"command": ["/bin/sh", "-c", script]})).await;
+    assert_eq!(status, 200);
+    let (_, metrics) = server.get(&format!("/v1/sandboxes/{id}/metrics")).await;
+    let samples = metrics["samples"].as_array().expect("samples");
+    assert!(samples.len() >= 2, "one sample per request at least: {metrics}");
+    let (before, after) = (&first["samples"][0], &samples[samples.len() - 1]);
+    let number = |v: &serde_json::Value, key: &str| v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"));
+    assert!(number(after, "cpu_time_ms") >= number(before, "cpu_time_ms") + 300.0, "{before} {after}");
+    assert!(number(after, "cpu_used_pct") > 0.0 && number(after, "cpu_used_pct") <= 100.0, "{after}");
+    assert!(number(after, "disk_used") >= number(before, "disk_used") + 15.0 * 1048576.0, "{before} {after}");
+    assert!(number(after, "memory_used") <= number(after, "memory_total"), "{after}");
+    let later = number(after, "timestamp") + 1.0;
+    let (_, none) = server.get(&format!("/v1/sandboxes/{id}/metrics?start={later}")).await;
+    assert_eq!(none["samples"].as_array().map(Vec::len), Some(0), "{none}");
+    let wasm = server.create(json!({"tier": "wasm"})).await;
+    let (status, answer) = server.get(&format!("/v1/sandboxes/{wasm}/metrics")).await;
+    assert_eq!((status, crate::util::code(&answer)), (501, "unsupported"), "{answer}");
+    server.stop().await;
+}

@@ -476,7 +476,7 @@ async fn e2b_errors_have_e2b_shapes() {
         (call(reqwest::Method::POST, "/sandboxes/sb_nope/timeout").body("[]"), 400),
         (client.post(server.url("/v2/sandboxes")).header("X-API-KEY", "e2b_1111").json(&json!({})), 401),
         (call(reqwest::Method::POST, "/sandboxes/sb_nope/pause"), 501),
-        (call(reqwest::Method::GET, "/sandboxes/sb_nope/metrics"), 501),
+        (call(reqwest::Method::GET, "/sandboxes/sb_nope/metrics"), 404),
         (call(reqwest::Method::PUT, "/v2/sandboxes"), 405),
         (client.get(server.url("/files?path=%2Ftmp%2Fa")).header("E2b-Sandbox-Id", "sb_nope"), 502),
         (client.get(server.url("/health")).header("E2b-Sandbox-Id", "sb_nope"), 502),
@@ -540,7 +540,6 @@ expect(AuthenticationException, "a bad API key", lambda: Sandbox.create(api_key=
 sbx = Sandbox.create()
 expect(FileNotFoundException, "read a missing file", lambda: sbx.files.read("/tmp/missing"))
 expect(SandboxException, "pause (not implemented)", lambda: sbx.pause())
-expect(SandboxException, "metrics (not implemented)", lambda: sbx.get_metrics())
 assert sbx.kill() is True
 expect(SandboxNotRunningException, "run in a killed sandbox", lambda: sbx.commands.run("true"))
 expect(SandboxNotRunningException, "read in a killed sandbox", lambda: sbx.files.read("/tmp/a"))
@@ -635,7 +634,6 @@ if ((await sbx.files.read('/tmp/a.txt')) !== 'x') throw new Error('read back')
 await expect(FileNotFoundError, 'read a missing file', () => sbx.files.read('/tmp/missing'))
 await expect(FileNotFoundError, 'stat a missing file', () => sbx.files.getInfo('/tmp/missing'))
 await expect(SandboxError, 'pause (not implemented)', () => sbx.pause())
-await expect(SandboxError, 'metrics (not implemented)', () => sbx.getMetrics())
 await sbx.kill()
 await expect(SandboxNotFoundError, 'run in a killed sandbox', () => sbx.commands.run('true'))
 await expect(TimeoutError, 'read in a killed sandbox', () => sbx.files.read('/tmp/a.txt'))
@@ -917,6 +915,55 @@ async fn e2b_sdks_drive_a_terminal() {
         let script = js.join("pty.mjs");
         std::fs::write(&script, JS_PTY_SCRIPT).expect("script");
         run_sdk_script(&server, "node".as_ref(), &[script.as_os_str()], &js, "JS PTY OK").await;
+    }
+    server.stop().await;
+}
+
+/// `get_metrics()` through the Python SDK: samples of the sandbox's CPU, memory and disk, in E2B's shape.
+const METRICS_SCRIPT: &str = r#"
+from e2b import Sandbox
+sbx = Sandbox.create()
+sbx.commands.run("end=$(( $(date +%s%N) + 400000000 )); while [ $(date +%s%N) -lt $end ]; do :; done; "
+                 "dd if=/dev/zero of=/tmp/big bs=1M count=16 2>/dev/null")
+metrics = sbx.get_metrics()
+assert metrics, metrics
+last = metrics[-1]
+assert last.cpu_count >= 1 and 0 <= last.cpu_used_pct <= 100, last
+assert last.disk_used >= 16 << 20 and last.disk_used <= last.disk_total, last
+assert 0 < last.mem_used <= last.mem_total and last.mem_cache <= last.mem_used, last
+assert last.timestamp.year >= 2024, last
+sbx.kill()
+print("METRICS OK")
+"#;
+
+/// [`METRICS_SCRIPT`] with the JS SDK (`getMetrics`).
+const JS_METRICS_SCRIPT: &str = r#"
+import { Sandbox } from 'e2b'
+const check = (ok, what) => { if (!ok) { console.error(what); process.exit(1) } }
+const sbx = await Sandbox.create()
+await sbx.commands.run('dd if=/dev/zero of=/tmp/big bs=1M count=16 2>/dev/null')
+const metrics = await sbx.getMetrics()
+const last = metrics[metrics.length - 1]
+check(last && last.cpuCount >= 1 && last.diskUsed >= 16 * 1048576 && last.memUsed <= last.memTotal, JSON.stringify(metrics))
+check(last.timestamp instanceof Date && !isNaN(last.timestamp), `timestamp ${last.timestamp}`)
+await sbx.kill()
+console.log('JS METRICS OK')
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdks_read_a_sandboxs_metrics() {
+    if !process_tier("e2b_sdks_read_a_sandboxs_metrics") {
+        return;
+    }
+    let server = keyed_server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    if let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") {
+        run_sdk_script(&server, &python, &["-c".as_ref(), METRICS_SCRIPT.as_ref()], dir.path(), "METRICS OK").await;
+    }
+    if let Some(js) = tokio::task::spawn_blocking(sdk_js).await.expect("setup") {
+        let script = js.join("metrics.mjs");
+        std::fs::write(&script, JS_METRICS_SCRIPT).expect("script");
+        run_sdk_script(&server, "node".as_ref(), &[script.as_os_str()], &js, "JS METRICS OK").await;
     }
     server.stop().await;
 }

@@ -377,6 +377,27 @@ impl Cgroup {
         }
     }
 
+    /// The memory charged to the cgroup now, the page cache in it, and its limit (`u64::MAX` without one), in bytes.
+    pub fn memory_now(&self) -> (u64, u64, u64) {
+        let number = |controller: &str, file: &str| self.read(controller, file).map(|s| s.trim().to_owned());
+        let (used, stat, limit) = match self.version {
+            CgroupVersion::V1 => (
+                number("memory", "memory.usage_in_bytes"),
+                self.read("memory", "memory.stat")
+                    .and_then(|s| keyed(&s, "total_cache").or_else(|| keyed(&s, "cache"))),
+                number("memory", "memory.limit_in_bytes"),
+            ),
+            CgroupVersion::V2 => (
+                number("", "memory.current"),
+                self.read("", "memory.stat").and_then(|s| keyed(&s, "file")),
+                number("", "memory.max"),
+            ),
+        };
+        let used = used.and_then(|s| s.parse().ok()).unwrap_or(0);
+        let limit = limit.and_then(|s| s.parse().ok()).unwrap_or(u64::MAX);
+        (used, stat.unwrap_or(0).min(used), limit)
+    }
+
     /// The most memory the cgroup has used since it was created or since [`reset_peak`](Cgroup::reset_peak).
     pub fn peak_memory(&self) -> u64 {
         let (controller, file) = match self.version {

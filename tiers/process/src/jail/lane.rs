@@ -253,6 +253,13 @@ impl Lanes {
         JailWatch::start(open(self.root.as_fd())?, path, recursive, on_events)
     }
 
+    /// What the whole jail uses now: its CPU time, its memory (used, of which page cache, limit) and its writable
+    /// layer (used, size).
+    pub fn usage(&self) -> (std::time::Duration, (u64, u64, u64), (u64, u64)) {
+        let disk = self.scratch.as_deref().map(Scratch::usage).unwrap_or_default();
+        (self.cgroup.cpu_time(), self.cgroup.memory_now(), disk)
+    }
+
     /// The egress records of connections that ended since the last drain (of any job in the jail), first
     /// waiting up to `settle` for those still open.
     pub fn drain_egress(&self, settle: std::time::Duration) -> Drained {

@@ -273,6 +273,17 @@ struct JobsCgroup {
 pub(crate) struct Scratch(OwnedFd);
 
 impl Scratch {
+    /// Bytes the layer holds, and its size.
+    pub(crate) fn usage(&self) -> (u64, u64) {
+        match nix::sys::statvfs::fstatvfs(&self.0) {
+            Ok(s) => {
+                let block = s.fragment_size();
+                (s.blocks().saturating_sub(s.blocks_free()).saturating_mul(block), s.blocks().saturating_mul(block))
+            }
+            Err(_) => (0, 0),
+        }
+    }
+
     /// Whether the layer has no block or no inode left, so that a write or a new file fails with `ENOSPC`.
     fn is_full(&self) -> bool {
         nix::sys::statvfs::fstatvfs(&self.0).is_ok_and(|s| s.blocks_available() == 0 || s.files_available() == 0)

@@ -1,0 +1,41 @@
+//! What a live sandbox uses (`Sandbox::usage`): the process tier reads its jail's cgroup and writable layer, so
+//! CPU burnt, memory held and files written show in it, bounded by the sandbox's limits; wasm does not measure.
+
+use strata_core::{ByteSize, Capabilities, ExecOptions, Job, Limits, Status, Tier, TierError};
+
+use crate::util::{process_tier, python_engine};
+
+fn sh(script: &str) -> Job {
+    Job::Command { argv: vec!["/bin/sh".into(), "-c".into(), script.into()] }
+}
+
+#[test]
+fn a_process_sandbox_reports_its_cpu_memory_and_disk() {
+    let Some(tier) = process_tier("a_process_sandbox_reports_its_cpu_memory_and_disk") else { return };
+    let limits = Limits { memory: ByteSize(512 << 20), disk: ByteSize(256 << 20), ..Limits::default() };
+    let sandbox = tier.start(&Capabilities::default(), &limits).expect("start");
+    let before = sandbox.usage().expect("usage");
+    assert_eq!(before.cpu_count, limits.vcpus);
+    assert_eq!(before.memory_total, 512 << 20);
+    assert!(before.disk_total > 0 && before.disk_total <= 256 << 20, "{before:?}");
+    // Half a second of CPU, and 16 MiB written to the sandbox's own filesystem.
+    let job = sh("end=$(( $(date +%s%N) + 500000000 )); while [ $(date +%s%N) -lt $end ]; do :; done; \
+                  dd if=/dev/zero of=/tmp/big bs=1M count=16 2>/dev/null");
+    let outcome = sandbox.exec(&job, ExecOptions::default()).expect("exec");
+    assert_eq!(outcome.status, Status::Exited { code: 0 });
+    let after = sandbox.usage().expect("usage");
+    assert!(after.cpu_time >= before.cpu_time + std::time::Duration::from_millis(300), "{before:?} {after:?}");
+    assert!(after.disk_used >= before.disk_used + (15 << 20), "{before:?} {after:?}");
+    // The file's pages are the jail's tmpfs, charged to its memory.
+    assert!(after.memory_used >= 16 << 20 && after.memory_used <= after.memory_total, "{after:?}");
+    sandbox.close().expect("close");
+    assert!(matches!(sandbox.usage(), Err(TierError::SessionEnded { .. })));
+}
+
+#[test]
+fn a_wasm_sandbox_does_not_measure_its_use() {
+    let engine = python_engine();
+    let sandbox = engine.wasm().start(&Capabilities::default(), &Limits::default()).expect("start");
+    assert!(matches!(sandbox.usage(), Err(TierError::Unsupported { .. })));
+    sandbox.close().expect("close");
+}
