@@ -97,8 +97,11 @@ impl SnapshotKey {
     /// The key in `path`, created (with its directory, mode 0700) when there is none.
     pub fn load_or_create(path: &Path) -> Result<SnapshotKey, SnapshotKeyError> {
         match SnapshotKey::load(path) {
+            Ok(key) => return Ok(key),
             Err(_) if !exists(path) => {}
-            other => return other,
+            // Missing when read and there now: another process (or thread) put its key in place meanwhile (a key
+            // appears whole, by rename), so read again; a key that is there but wrong fails the same way again.
+            Err(_) => return SnapshotKey::load(path),
         }
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         if !exists(dir) {
