@@ -376,8 +376,12 @@ fn remove_stale_state(base: &std::path::Path) {
     }
 }
 
-/// Kills sandboxes past their TTL or idle for `idle`, every `interval`.
-fn spawn_reaper(state: &Arc<AppState>, interval: Duration, idle: Option<Duration>) {
+/// Runs `each` every `interval` while the server is up (not draining), on the runtime; it stops with the server.
+fn every<F, Fut>(state: &Arc<AppState>, interval: Duration, mut each: F)
+where
+    F: FnMut(Arc<AppState>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let weak = Arc::downgrade(state);
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(interval);
@@ -388,16 +392,22 @@ fn spawn_reaper(state: &Arc<AppState>, interval: Duration, idle: Option<Duration
             if state.draining() {
                 return;
             }
-            let expired = state.registry.take_expired(Instant::now(), idle);
-            for entry in expired {
-                tracing::info!(sandbox = %entry.id, owner = %entry.owner, "sandbox expired; killing it");
-                let state = state.clone();
-                let _ = std::thread::Builder::new().name("strata-serve-reap".into()).spawn(move || {
-                    let started = Instant::now();
-                    entry.kill();
-                    state.metrics.latency(entry.tier.as_str(), "expire", started.elapsed());
-                });
-            }
+            each(state).await;
+        }
+    });
+}
+
+/// Kills sandboxes past their TTL or idle for `idle`, every `interval`.
+fn spawn_reaper(state: &Arc<AppState>, interval: Duration, idle: Option<Duration>) {
+    every(state, interval, move |state| async move {
+        for entry in state.registry.take_expired(Instant::now(), idle) {
+            tracing::info!(sandbox = %entry.id, owner = %entry.owner, "sandbox expired; killing it");
+            let state = state.clone();
+            let _ = std::thread::Builder::new().name("strata-serve-reap".into()).spawn(move || {
+                let started = Instant::now();
+                entry.kill();
+                state.metrics.latency(entry.tier.as_str(), "expire", started.elapsed());
+            });
         }
     });
 }
@@ -405,25 +415,15 @@ fn spawn_reaper(state: &Arc<AppState>, interval: Duration, idle: Option<Duration
 /// Samples every sandbox's resource use each [`usage::SAMPLE_INTERVAL`] ([`SandboxEntry::sample_usage`]), from
 /// one blocking thread at a time.
 fn spawn_sampler(state: &Arc<AppState>) {
-    let weak = Arc::downgrade(state);
-    tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(usage::SAMPLE_INTERVAL);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticker.tick().await;
-            let Some(state) = weak.upgrade() else { return };
-            if state.draining() {
-                return;
+    every(state, usage::SAMPLE_INTERVAL, |state| async move {
+        let entries = state.registry.list(None);
+        drop(state);
+        let _ = tokio::task::spawn_blocking(move || {
+            for entry in entries.iter().filter(|entry| entry.tier != strata_core::TierKind::Wasm) {
+                let _ = entry.sample_usage();
             }
-            let entries = state.registry.list(None);
-            drop(state);
-            let _ = tokio::task::spawn_blocking(move || {
-                for entry in entries.iter().filter(|entry| entry.tier != strata_core::TierKind::Wasm) {
-                    let _ = entry.sample_usage();
-                }
-            })
-            .await;
-        }
+        })
+        .await;
     });
 }
 

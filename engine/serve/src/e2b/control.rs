@@ -161,6 +161,22 @@ pub(super) struct MetricsQuery {
     end: Option<f64>,
 }
 
+/// One sample in E2B's `SandboxMetric` shape.
+fn metric_json(sample: &crate::usage::UsageSample) -> Value {
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs_f64(sample.timestamp);
+    json!({
+        "timestamp": super::rfc3339(at),
+        "timestampUnix": sample.timestamp as u64,
+        "cpuCount": sample.cpu_count,
+        "cpuUsedPct": sample.cpu_used_pct,
+        "memUsed": sample.memory_used,
+        "memTotal": sample.memory_total,
+        "memCache": sample.memory_cache,
+        "diskUsed": sample.disk_used,
+        "diskTotal": sample.disk_total,
+    })
+}
+
 /// `GET /sandboxes/{id}/metrics`: the sandbox's samples ([`crate::usage`]) between `start` and `end`, a fresh one
 /// taken now among them, in E2B's `SandboxMetric` shape.
 pub(super) async fn metrics(
@@ -174,21 +190,43 @@ pub(super) async fn metrics(
     let sampled = entry.clone();
     crate::service::blocking(move || sampled.sample_usage()).await?;
     let samples = entry.usage.between(query.start, query.end);
-    let samples = samples.iter().map(|s| {
-        let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs_f64(s.timestamp);
-        json!({
-            "timestamp": super::rfc3339(at),
-            "timestampUnix": s.timestamp as u64,
-            "cpuCount": s.cpu_count,
-            "cpuUsedPct": s.cpu_used_pct,
-            "memUsed": s.memory_used,
-            "memTotal": s.memory_total,
-            "memCache": s.memory_cache,
-            "diskUsed": s.disk_used,
-            "diskTotal": s.disk_total,
-        })
-    });
-    Ok(Json(Value::Array(samples.collect())))
+    Ok(Json(Value::Array(samples.iter().map(metric_json).collect())))
+}
+
+/// `?sandbox_ids=a,b` of a batch metrics request.
+#[derive(Debug, Deserialize)]
+pub(super) struct BatchQuery {
+    sandbox_ids: String,
+}
+
+/// The most sandboxes one batch metrics request names.
+const MAX_BATCH: usize = 100;
+
+/// `GET /sandboxes/metrics?sandbox_ids=a,b`: the latest sample of each of the key's E2B sandboxes named, taken now,
+/// as `{"sandboxes": {id: SandboxMetric}}`; ids that name no such sandbox are left out.
+pub(super) async fn batch_metrics(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    query: Result<axum::extract::Query<BatchQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, E2bError> {
+    let axum::extract::Query(query) = query.map_err(crate::error::ApiError::from)?;
+    let ids: Vec<&str> = query.sandbox_ids.split(',').filter(|id| !id.is_empty()).collect();
+    if ids.len() > MAX_BATCH {
+        return Err(E2bError::invalid_argument(format!("{} sandbox ids (at most {MAX_BATCH})", ids.len())));
+    }
+    let entries: Vec<_> =
+        ids.iter().filter_map(|id| e2b_sandbox(&state, id, &principal).ok().map(|(e, _)| e)).collect();
+    let sampled = crate::service::blocking(move || {
+        Ok::<_, crate::error::ApiError>(
+            entries
+                .into_iter()
+                .filter(|entry| entry.sample_usage().is_ok())
+                .filter_map(|entry| entry.usage.between(None, None).last().map(|s| (entry.id.clone(), metric_json(s))))
+                .collect::<serde_json::Map<String, Value>>(),
+        )
+    })
+    .await?;
+    Ok(Json(json!({ "sandboxes": sampled })))
 }
 
 pub(super) async fn kill(

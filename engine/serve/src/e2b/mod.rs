@@ -226,6 +226,7 @@ pub fn control_routes() -> Router<Arc<AppState>> {
         .route("/sandboxes/{id}", get(control::detail).delete(control::kill))
         .route("/sandboxes/{id}/timeout", post(control::set_timeout))
         .route("/sandboxes/{id}/metrics", get(control::metrics))
+        .route("/sandboxes/metrics", get(control::batch_metrics))
         .route("/sandboxes/{id}/connect", post(control::connect))
         .route("/v2/sandboxes/{id}/connect", post(control::connect))
         .route("/sandboxes/{id}/refreshes", post(control::refresh))

@@ -577,6 +577,20 @@ pub(crate) async fn run_sdk_script(server: &TestServer, program: &Path, args: &[
     assert!(server.state.registry.list(None).is_empty(), "the SDK killed its sandboxes");
 }
 
+/// Runs `python` (a script for the pinned Python SDK, printing `python_done`) and `js` (an ES module for the pinned
+/// JS SDK, written as `js_name`, printing `js_done`) against `server`, each SDK that can be installed here.
+async fn both_sdks(server: &TestServer, python: &str, python_done: &str, js: &str, js_name: &str, js_done: &str) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    if let Some(interpreter) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") {
+        run_sdk_script(server, &interpreter, &["-c".as_ref(), python.as_ref()], dir.path(), python_done).await;
+    }
+    if let Some(sdk) = tokio::task::spawn_blocking(sdk_js).await.expect("setup") {
+        let script = sdk.join(js_name);
+        std::fs::write(&script, js).expect("script");
+        run_sdk_script(server, "node".as_ref(), &[script.as_os_str()], &sdk, js_done).await;
+    }
+}
+
 /// The pinned E2B JavaScript SDK under `$STRATA_HOME/e2b-js-2.51.0`, installed once with npm; `None` (with a line
 /// saying why) when it cannot be installed here.
 fn sdk_js() -> Option<PathBuf> {
@@ -717,15 +731,7 @@ async fn e2b_sdks_reach_a_port_by_get_host() {
         config.domain = Some("strata.test".into());
     })
     .await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    if let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") {
-        run_sdk_script(&server, &python, &["-c".as_ref(), PORTS_SCRIPT.as_ref()], dir.path(), "PORTS OK").await;
-    }
-    if let Some(js) = tokio::task::spawn_blocking(sdk_js).await.expect("setup") {
-        let script = js.join("ports.mjs");
-        std::fs::write(&script, JS_PORTS_SCRIPT).expect("script");
-        run_sdk_script(&server, "node".as_ref(), &[script.as_os_str()], &js, "JS PORTS OK").await;
-    }
+    both_sdks(&server, PORTS_SCRIPT, "PORTS OK", JS_PORTS_SCRIPT, "ports.mjs", "JS PORTS OK").await;
     server.stop().await;
 }
 
@@ -907,15 +913,7 @@ async fn e2b_sdks_drive_a_terminal() {
         return;
     }
     let server = keyed_server().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    if let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") {
-        run_sdk_script(&server, &python, &["-c".as_ref(), PTY_SCRIPT.as_ref()], dir.path(), "PTY OK").await;
-    }
-    if let Some(js) = tokio::task::spawn_blocking(sdk_js).await.expect("setup") {
-        let script = js.join("pty.mjs");
-        std::fs::write(&script, JS_PTY_SCRIPT).expect("script");
-        run_sdk_script(&server, "node".as_ref(), &[script.as_os_str()], &js, "JS PTY OK").await;
-    }
+    both_sdks(&server, PTY_SCRIPT, "PTY OK", JS_PTY_SCRIPT, "pty.mjs", "JS PTY OK").await;
     server.stop().await;
 }
 
@@ -951,19 +949,45 @@ console.log('JS METRICS OK')
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_batch_metrics_answer_the_keys_sandboxes_only() {
+    if !process_tier("e2b_batch_metrics_answer_the_keys_sandboxes_only") {
+        return;
+    }
+    let server = keyed_server().await;
+    let call = |method: reqwest::Method, path: &str| {
+        server.client.request(method, server.url(path)).header("X-API-KEY", SDK_KEY)
+    };
+    let created: Value = call(reqwest::Method::POST, "/v2/sandboxes")
+        .json(&serde_json::json!({"templateID": "base"}))
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
+    let response = call(reqwest::Method::GET, &format!("/sandboxes/metrics?sandbox_ids={id},sb_nope"))
+        .send()
+        .await
+        .expect("metrics");
+    assert_eq!(response.status(), 200);
+    let batch: Value = response.json().await.expect("json");
+    let sandboxes = batch["sandboxes"].as_object().expect("sandboxes");
+    assert_eq!(sandboxes.keys().collect::<Vec<_>>(), [&id], "{batch}");
+    assert!(sandboxes[&id]["memTotal"].as_u64().is_some_and(|m| m > 0), "{batch}");
+    let many = vec!["sb_x"; 101].join(",");
+    let response = call(reqwest::Method::GET, &format!("/sandboxes/metrics?sandbox_ids={many}")).send().await;
+    assert_eq!(response.expect("metrics").status(), 400);
+    assert_eq!(call(reqwest::Method::DELETE, &format!("/sandboxes/{id}")).send().await.expect("kill").status(), 204);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_sdks_read_a_sandboxs_metrics() {
     if !process_tier("e2b_sdks_read_a_sandboxs_metrics") {
         return;
     }
     let server = keyed_server().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    if let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") {
-        run_sdk_script(&server, &python, &["-c".as_ref(), METRICS_SCRIPT.as_ref()], dir.path(), "METRICS OK").await;
-    }
-    if let Some(js) = tokio::task::spawn_blocking(sdk_js).await.expect("setup") {
-        let script = js.join("metrics.mjs");
-        std::fs::write(&script, JS_METRICS_SCRIPT).expect("script");
-        run_sdk_script(&server, "node".as_ref(), &[script.as_os_str()], &js, "JS METRICS OK").await;
-    }
+    both_sdks(&server, METRICS_SCRIPT, "METRICS OK", JS_METRICS_SCRIPT, "metrics.mjs", "JS METRICS OK").await;
     server.stop().await;
 }
