@@ -259,9 +259,10 @@ def bash_kernel():
         pass_fds=(done_w,),
         start_new_session=True,
     )
-    # An interrupt stops the cell's commands, never the shell: a trap (not an ignore, which children would inherit).
-    # Ready only once bash has set it (an interrupt before that would end the shell).
-    bash.stdin.write(b"trap 'echo >&2 Interrupted' INT; echo 0 >&%d\n" % done_w)
+    # An interrupt stops the cell, never the shell: a trap (not an ignore, which children would inherit) that returns
+    # from the sourced cell (its foreground command got the signal too); between cells it does nothing. Ready only
+    # once bash has set it (an interrupt before that would end the shell).
+    bash.stdin.write(b"trap 'return 130 2>/dev/null' INT; echo 0 >&%d\n" % done_w)
     bash.stdin.flush()
     os.close(done_w)
 
@@ -291,10 +292,13 @@ def bash_kernel():
             try:
                 code = status()
             except KeyboardInterrupt:
-                os.killpg(bash.pid, signal.SIGINT)
-                if status(5.0) is None:
-                    raise EOFError("the bash of this context did not stop on interrupt")
-                raise
+                # The interrupt can reach bash before it runs the cell (while it reads the cell's line), when the
+                # trap has nothing to return from: interrupt again until the cell's status comes.
+                for _ in range(50):
+                    os.killpg(bash.pid, signal.SIGINT)
+                    if status(0.1) is not None:
+                        raise
+                raise EOFError("the bash of this context did not stop on interrupt")
         finally:
             os.unlink(path)
         if code != 0:
