@@ -213,6 +213,19 @@ pub(crate) async fn remove(
 #[derive(Debug, Deserialize)]
 pub(super) struct FileQuery {
     path: Option<String>,
+    /// The user the call is made as (the SDK's `user=`); a relative path is relative to their home.
+    username: Option<String>,
+}
+
+impl FileQuery {
+    /// `path` (or, for an upload's part, its own name) made absolute: relative to the user's home, as envd does.
+    fn absolute(&self, path: &str) -> String {
+        if path.starts_with('/') {
+            return path.to_owned();
+        }
+        let home = super::process::home_of(self.username.as_deref().unwrap_or("user"));
+        format!("{home}/{path}")
+    }
 }
 
 pub(super) async fn read_file(
@@ -220,8 +233,8 @@ pub(super) async fn read_file(
     EnvdSandbox(entry, _): EnvdSandbox,
     Query(query): Query<FileQuery>,
 ) -> Result<Response, E2bError> {
-    let path = query.path.ok_or_else(|| E2bError::invalid_argument("path is required"))?;
-    let bytes = service::read_file(&state, entry, path).await?;
+    let path = query.path.as_deref().ok_or_else(|| E2bError::invalid_argument("path is required"))?;
+    let bytes = service::read_file(&state, entry, query.absolute(path)).await?;
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
 }
 
@@ -250,9 +263,9 @@ pub(super) async fn write_file(
                         .unwrap_or_else(|| E2bError::invalid_argument(e.body_text()))
                 })?;
                 let path = match (&query.path, name) {
-                    (Some(path), _) if files.is_empty() => path.clone(),
-                    (_, Some(name)) if name.starts_with('/') => name,
-                    _ => return Err(E2bError::invalid_argument("a file part needs an absolute path")),
+                    (Some(path), _) if files.is_empty() => query.absolute(path),
+                    (_, Some(name)) if !name.is_empty() => query.absolute(&name),
+                    _ => return Err(E2bError::invalid_argument("a file part needs a path")),
                 };
                 files.push((path, data));
             }
@@ -260,7 +273,8 @@ pub(super) async fn write_file(
             if headers.get(header::CONTENT_ENCODING).is_some_and(|v| v != "identity") {
                 return Err(E2bError::invalid_argument("compressed uploads are not supported"));
             }
-            let path = query.path.clone().ok_or_else(|| E2bError::invalid_argument("path is required"))?;
+            let path = query.path.as_deref().ok_or_else(|| E2bError::invalid_argument("path is required"))?;
+            let path = query.absolute(path);
             let max = state.connections.limits().max_body;
             let body = axum::body::to_bytes(request.into_body(), max).await.map_err(|e| {
                 crate::error::ApiError::of_body(&e, Some(max))

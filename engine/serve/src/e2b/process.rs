@@ -169,11 +169,31 @@ pub(super) fn cell_wall(entry: &SandboxEntry, headers: &HeaderMap) -> Duration {
 /// How long `SendSignal` waits for the command to be gone before it answers anyway.
 const KILL_WAIT: Duration = Duration::from_secs(10);
 
+/// The Linux user an envd call names (`Authorization: Basic base64("<user>:")`, the SDK's `user=`), `user` when it
+/// names none.
+pub(super) fn envd_user(headers: &HeaderMap) -> String {
+    let basic = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Basic "));
+    let decoded = basic.and_then(|b| BASE64.decode(b.trim()).ok()).and_then(|b| String::from_utf8(b).ok());
+    match decoded.as_deref().and_then(|d| d.split(':').next()).filter(|name| !name.is_empty()) {
+        Some(name) => name.to_owned(),
+        None => "user".to_owned(),
+    }
+}
+
+/// Where a command of `user` starts when its request names no directory: its home, as envd does.
+pub(super) fn home_of(user: &str) -> &'static str {
+    if user == "root" { "/root" } else { super::HOME }
+}
+
 pub(super) async fn start(
     State(state): State<Arc<AppState>>,
     EnvdSandbox(entry, meta): EnvdSandbox,
-    ConnectRequest(request): ConnectRequest<StartRequest>,
+    headers: HeaderMap,
+    ConnectRequest(mut request): ConnectRequest<StartRequest>,
 ) -> Result<Response, E2bError> {
+    if request.process.cwd.is_none() {
+        request.process.cwd = Some(home_of(&envd_user(&headers)).to_owned());
+    }
     let (cmd, args, keep_stdin) = (request.process.cmd.clone(), request.process.args.clone(), request.stdin);
     let terminal = request.pty.as_ref().map(|pty| Terminal::new(pty.size.window()));
     let argv = command_argv(request.process)?;
@@ -433,6 +453,20 @@ pub(super) async fn list(EnvdSandbox(_, meta): EnvdSandbox) -> Json<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_user_comes_from_basic_auth_and_chooses_the_home() {
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::AUTHORIZATION, value.parse().expect("header"));
+            envd_user(&headers)
+        };
+        assert_eq!(envd_user(&HeaderMap::new()), "user");
+        assert_eq!(with(&format!("Basic {}", BASE64.encode("root:"))), "root");
+        assert_eq!(with("Basic !!!"), "user");
+        assert_eq!(with(&format!("Basic {}", BASE64.encode(":"))), "user");
+        assert_eq!((home_of("root"), home_of("user"), home_of("other")), ("/root", "/home/user", "/home/user"));
+    }
 
     #[test]
     fn cwd_and_envs_become_an_env_prefix() {

@@ -265,6 +265,12 @@ except CommandExitException as e:
 sbx.files.write("/tmp/a.txt", "x")
 assert sbx.files.read("/tmp/a.txt") == "x"
 assert sbx.commands.run("cat /tmp/a.txt").stdout == "x"
+# Commands start in the user's home, as files' relative paths resolve there; root's is /root.
+assert sbx.commands.run("pwd").stdout == "/home/user\n"
+assert sbx.commands.run("pwd", user="root").stdout == "/root\n"
+assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+sbx.commands.run("echo rel > rel.txt")
+assert sbx.files.read("rel.txt") == "rel\n"
 try:
     sbx.files.read("/tmp/missing")
     raise SystemExit("no FileNotFoundException")
@@ -855,8 +861,9 @@ def until(text):
     while text not in screen:
         assert time.time() < deadline, (text, bytes(screen))
         time.sleep(0.02)
-sbx.pty.send_stdin(h.pid, b"echo $TERM; stty size; tty\n")
+sbx.pty.send_stdin(h.pid, b"echo $TERM; stty size; tty; pwd | tr / _\n")
 until(b"xterm-256color\r\n24 80\r\n/dev/pts/")
+until(b"_home_user\r\n")
 sbx.pty.resize(h.pid, PtySize(rows=40, cols=120))
 sbx.pty.send_stdin(h.pid, b"stty size\n")
 until(b"40 120\r\n")
