@@ -998,3 +998,119 @@ async fn e2b_sdks_read_a_sandboxs_metrics() {
     both_sdks(&server, METRICS_SCRIPT, "METRICS OK", JS_METRICS_SCRIPT, "metrics.mjs", "JS METRICS OK").await;
     server.stop().await;
 }
+
+/// One Connect envelope of `message`, with `flags`.
+fn envelope(flags: u8, message: &Value) -> Vec<u8> {
+    let payload = message.to_string().into_bytes();
+    let mut body = vec![flags];
+    body.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    body.extend_from_slice(&payload);
+    body
+}
+
+/// A command on a terminal, typed into through `StreamInput` (a client stream: the process named first, then input
+/// messages, then its end) and resized through `Update`, as envd's protocol has it, spoken by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_stream_input_and_update_reach_a_terminal() {
+    use base64::Engine as _;
+    if !process_tier("e2b_stream_input_and_update_reach_a_terminal") {
+        return;
+    }
+    let server = TestServer::start().await;
+    let created: Value = server
+        .client
+        .post(server.url("/v2/sandboxes"))
+        .json(&json!({"templateID": "base"}))
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let (id, token) = (created["sandboxID"].as_str().expect("id"), created["envdAccessToken"].as_str().expect("token"));
+    let envd =
+        |path: &str| server.client.post(server.url(path)).header("E2b-Sandbox-Id", id).header("X-Access-Token", token);
+    let script = "trap 'stty size' WINCH; echo ready; while :; do read -t 0.1 line && break; done; echo \"got:$line\"";
+    let start =
+        json!({"process": {"cmd": "/bin/bash", "args": ["-c", script]}, "pty": {"size": {"cols": 80, "rows": 24}}});
+    let mut response = envd("/process.Process/Start")
+        .header("content-type", "application/connect+json")
+        .body(envelope(0, &start))
+        .send()
+        .await
+        .expect("start");
+    assert_eq!(response.status().as_u16(), 200);
+    let (mut raw, mut screen, mut pid) = (Vec::new(), String::new(), None);
+    let mut read_until = async |text: &str, raw: &mut Vec<u8>, screen: &mut String, pid: &mut Option<u64>| {
+        while !screen.contains(text) {
+            let chunk = tokio::time::timeout(std::time::Duration::from_secs(30), response.chunk()).await;
+            let chunk =
+                chunk.expect("output within 30 s").expect("the stream").unwrap_or_else(|| panic!("ended: {screen:?}"));
+            raw.extend_from_slice(&chunk);
+            // Whole envelopes only; a partial one waits for the next chunk.
+            while raw.len() >= 5 {
+                let len = u32::from_be_bytes([raw[1], raw[2], raw[3], raw[4]]) as usize;
+                if raw.len() < 5 + len {
+                    break;
+                }
+                let message: Value = serde_json::from_slice(&raw[5..5 + len]).expect("json");
+                raw.drain(..5 + len);
+                if let Some(started) = message["event"]["start"]["pid"].as_u64() {
+                    *pid = Some(started);
+                }
+                if let Some(b64) = message["event"]["data"]["pty"].as_str() {
+                    let bytes = base64::engine::general_purpose::STANDARD.decode(b64).expect("base64");
+                    screen.push_str(&String::from_utf8_lossy(&bytes));
+                }
+            }
+        }
+    };
+    read_until("ready\r\n", &mut raw, &mut screen, &mut pid).await;
+    let mut started = pid;
+    let pid = pid.expect("a start event");
+    let resized = envd("/process.Process/Update")
+        .json(&json!({"process": {"pid": pid}, "pty": {"size": {"cols": 120, "rows": 40}}}))
+        .send()
+        .await
+        .expect("update");
+    assert_eq!(resized.status().as_u16(), 200);
+    read_until("40 120\r\n", &mut raw, &mut screen, &mut started).await;
+    // Input for a terminal sent as stdin is refused, naming why.
+    let wrong = envd("/process.Process/SendInput")
+        .json(&json!({"process": {"pid": pid}, "input": {"stdin": "eA=="}}))
+        .send()
+        .await
+        .expect("send input");
+    let refusal: Value = wrong.json().await.expect("json");
+    assert_eq!(refusal["code"], "failed_precondition", "{refusal}");
+    let typed =
+        |text: &str| json!({"data": {"input": {"pty": base64::engine::general_purpose::STANDARD.encode(text)}}});
+    let stream = [
+        envelope(0, &json!({"start": {"process": {"pid": pid}}})),
+        envelope(0, &json!({"keepalive": {}})),
+        envelope(0, &typed("h")),
+        envelope(0, &typed("i\n")),
+        envelope(2, &json!({})),
+    ]
+    .concat();
+    let answer = envd("/process.Process/StreamInput")
+        .header("content-type", "application/connect+json")
+        .body(stream)
+        .send()
+        .await
+        .expect("stream input");
+    assert_eq!(answer.status().as_u16(), 200);
+    read_until("hi\r\ngot:hi\r\n", &mut raw, &mut screen, &mut started).await;
+    // A message before `start` is refused.
+    let early = envd("/process.Process/StreamInput")
+        .header("content-type", "application/connect+json")
+        .body(envelope(0, &typed("x")))
+        .send()
+        .await
+        .expect("stream input");
+    // A streaming call's error is its end-of-stream message.
+    let frames = envelopes(&early.bytes().await.expect("body"));
+    let last = frames.last().expect("an end message");
+    assert_eq!((last.0, &last.1["error"]["code"]), (2, &json!("invalid_argument")), "{frames:?}");
+    server.stop().await;
+}
