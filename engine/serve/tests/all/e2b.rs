@@ -21,13 +21,33 @@ fn envelopes(mut body: &[u8]) -> Vec<(u8, Value)> {
     frames
 }
 
-fn start_request(command: &str) -> Vec<u8> {
-    let message = json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", command]}, "stdin": false});
+/// One Connect envelope of `message`, with `flags`.
+fn envelope(flags: u8, message: &Value) -> Vec<u8> {
     let payload = message.to_string().into_bytes();
-    let mut body = vec![0];
+    let mut body = vec![flags];
     body.extend_from_slice(&(payload.len() as u32).to_be_bytes());
     body.extend_from_slice(&payload);
     body
+}
+
+fn start_request(command: &str) -> Vec<u8> {
+    envelope(0, &json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", command]}, "stdin": false}))
+}
+
+/// A new E2B sandbox of `server` (which takes anonymous calls): its id and envd access token.
+pub(crate) async fn create_e2b(server: &TestServer) -> (String, String) {
+    let created: Value = server
+        .client
+        .post(server.url("/v2/sandboxes"))
+        .json(&json!({"templateID": "base"}))
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
+    (id, created["envdAccessToken"].as_str().expect("token").to_owned())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -999,15 +1019,6 @@ async fn e2b_sdks_read_a_sandboxs_metrics() {
     server.stop().await;
 }
 
-/// One Connect envelope of `message`, with `flags`.
-fn envelope(flags: u8, message: &Value) -> Vec<u8> {
-    let payload = message.to_string().into_bytes();
-    let mut body = vec![flags];
-    body.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    body.extend_from_slice(&payload);
-    body
-}
-
 /// A command on a terminal, typed into through `StreamInput` (a client stream: the process named first, then input
 /// messages, then its end) and resized through `Update`, as envd's protocol has it, spoken by hand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1017,19 +1028,10 @@ async fn e2b_stream_input_and_update_reach_a_terminal() {
         return;
     }
     let server = TestServer::start().await;
-    let created: Value = server
-        .client
-        .post(server.url("/v2/sandboxes"))
-        .json(&json!({"templateID": "base"}))
-        .send()
-        .await
-        .expect("create")
-        .json()
-        .await
-        .expect("json");
-    let (id, token) = (created["sandboxID"].as_str().expect("id"), created["envdAccessToken"].as_str().expect("token"));
-    let envd =
-        |path: &str| server.client.post(server.url(path)).header("E2b-Sandbox-Id", id).header("X-Access-Token", token);
+    let (id, token) = create_e2b(&server).await;
+    let envd = |path: &str| {
+        server.client.post(server.url(path)).header("E2b-Sandbox-Id", &id).header("X-Access-Token", &token)
+    };
     let script = "trap 'stty size' WINCH; echo ready; while :; do read -t 0.1 line && break; done; echo \"got:$line\"";
     let start =
         json!({"process": {"cmd": "/bin/bash", "args": ["-c", script]}, "pty": {"size": {"cols": 80, "rows": 24}}});

@@ -452,18 +452,7 @@ async fn requests_in_flight_and_streams_outlive_the_keep_alive_timeout() {
     if !process_tier("requests_in_flight_and_streams_outlive_the_keep_alive_timeout (its WatchDir part)") {
         return;
     }
-    let created: Value = server
-        .client
-        .post(server.url("/v2/sandboxes"))
-        .json(&json!({"templateID": "base"}))
-        .send()
-        .await
-        .expect("create")
-        .json()
-        .await
-        .expect("json");
-    let sandbox = created["sandboxID"].as_str().expect("id").to_owned();
-    let token = created["envdAccessToken"].as_str().expect("token").to_owned();
+    let (sandbox, token) = crate::e2b::create_e2b(&server).await;
     let payload = json!({"path": "/home/user"}).to_string().into_bytes();
     let mut body = vec![0];
     body.extend_from_slice(&u32::try_from(payload.len()).expect("small").to_be_bytes());
