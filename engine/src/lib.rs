@@ -666,24 +666,29 @@ impl Engine {
         caps: &Capabilities,
         limits: &Limits,
     ) -> Result<Route, EngineError> {
-        self.route_job(choice, job, caps, limits, false)
+        self.route_job(choice, job, caps, limits, &ExecOptions::default())
     }
 
-    /// [`Engine::route_with_limits`] for a job that runs on a terminal when `terminal` (which wasm has not: such
-    /// Python goes native).
+    /// [`Engine::route_with_limits`] for a job run with `opts`: on a terminal, or as a user other than root (which
+    /// wasm has not: such Python goes native).
     fn route_job(
         &self,
         choice: TierChoice,
         job: &Job,
         caps: &Capabilities,
         limits: &Limits,
-        terminal: bool,
+        opts: &ExecOptions,
     ) -> Result<Route, EngineError> {
         self.check_key_not_granted(caps)?;
+        let user = opts.user.as_ref().or(caps.user.as_ref()).filter(|user| !user.is_root());
         let python = || match job {
-            Job::Python { .. } if terminal => {
+            Job::Python { .. } if opts.terminal.is_some() => {
                 scan::PythonVerdict::Native("python: a terminal (--tty), which the wasm tier does not have".into())
             }
+            Job::Python { .. } if user.is_some() => scan::PythonVerdict::Native(format!(
+                "python: running as the user {:?}, an account the wasm tier does not have",
+                user.map(|u| u.as_str()).unwrap_or_default()
+            )),
             Job::Python { source, .. } => self.python_verdict(source, caps, limits),
             _ => scan::PythonVerdict::Wasm(String::new()),
         };
@@ -853,7 +858,7 @@ impl Engine {
         limits: &Limits,
         opts: ExecOptions,
     ) -> Result<Outcome, EngineError> {
-        let route = self.route_job(choice, job, caps, limits, opts.terminal.is_some())?;
+        let route = self.route_job(choice, job, caps, limits, &opts)?;
         if self.may_escalate(choice, job, &route) {
             return self.run_escalating(route, job, caps, limits, opts);
         }

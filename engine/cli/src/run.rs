@@ -90,6 +90,11 @@ pub(crate) struct RunArgs {
     #[arg(long = "env", value_name = "K=V", value_parser = parse_env)]
     env: Vec<EnvVar>,
 
+    /// Run as this account of the sandbox's image (the process tier's Debian image has `user`, uid 1000, with
+    /// passwordless `sudo`); the sandbox's root by default. Python goes native for it.
+    #[arg(long, value_name = "USER")]
+    user: Option<strata_core::UserName>,
+
     /// Like --env, and the value is redacted from captured output (repeatable).
     #[arg(long = "secret", value_name = "K=V", value_parser = parse_env)]
     secrets: Vec<EnvVar>,
@@ -307,6 +312,7 @@ pub(crate) fn prepare(args: RunArgs, warm: Option<Engine>) -> Result<Prepared, F
         secrets: args.secrets,
         net: policy.network.net_with(&args.allow_net.iter().fold(Allowlist::default(), |all, one| all.union(one))),
         tools: Vec::new(),
+        user: args.user,
     };
     if args.image.is_some() && matches!(args.tier, TierChoice::Tier(tier) if tier != strata_core::TierKind::Microvm) {
         return Err(Failure::new(

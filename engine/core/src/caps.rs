@@ -207,6 +207,11 @@ pub struct Capabilities {
     pub net: Net,
     /// Host functions the guest may call, by name.
     pub tools: Vec<String>,
+    /// The account of the sandbox's image its jobs run as, unless a job names another
+    /// ([`crate::ExecOptions::user`]), and who owns what the file calls create; `None` (or `root`): the
+    /// sandbox's root. Only the process tier has accounts; the others refuse any but root
+    /// ([`Capabilities::refuse_user`]).
+    pub user: Option<crate::UserName>,
 }
 
 impl Capabilities {
@@ -223,6 +228,11 @@ impl Capabilities {
         Ok(())
     }
 
+    /// Refuses [`Capabilities::user`] (other than root) on a tier whose guests have no accounts.
+    pub fn refuse_user(&self, tier: crate::TierKind) -> Result<(), crate::TierError> {
+        refuse_user(self.user.as_ref(), tier)
+    }
+
     /// Environment the guest sees: `env` then `secrets` (a later definition of a name wins).
     pub fn guest_env(&self) -> impl Iterator<Item = &EnvVar> {
         self.env.iter().chain(&self.secrets)
@@ -236,6 +246,17 @@ impl Capabilities {
             .filter(|s| !s.value.is_empty())
             .map(|s| crate::redact::Secret { name: s.name.clone(), value: s.value.clone().into_bytes() })
             .collect()
+    }
+}
+
+/// Refuses running as `user` (other than root) on `tier`, which has no accounts.
+pub(crate) fn refuse_user(user: Option<&crate::UserName>, tier: crate::TierKind) -> Result<(), crate::TierError> {
+    match user {
+        Some(user) if !user.is_root() => Err(crate::TierError::Unsupported {
+            tier,
+            what: format!("running as the user {user:?} (only the process tier's sandboxes have accounts)"),
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -28,6 +28,7 @@ pub mod terminal;
 pub mod tier;
 pub mod tools;
 pub mod units;
+pub mod user;
 
 pub use allow::{Allowlist, AllowlistError};
 pub use caps::{Capabilities, CapsError, EnvVar, Grant, GrantMode, Net};
@@ -54,3 +55,4 @@ pub use tier::{
 };
 pub use tools::{Tool, ToolCall, ToolDefinitionError, ToolFailure, ToolRegistry};
 pub use units::{ByteSize, UnitsError, format_duration, parse_duration};
+pub use user::{UserName, UserNameError};

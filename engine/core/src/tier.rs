@@ -87,6 +87,10 @@ pub struct ExecOptions {
     /// comes as [`Stream::Stdout`], its input from `stdin_stream` (or `stdin`), and its window follows the
     /// handle's size. The process and microVM tiers make one; the wasm tier answers [`TierError::Unsupported`].
     pub terminal: Option<Terminal>,
+    /// Run the job as this account of the sandbox's image instead of the sandbox's user
+    /// ([`crate::Capabilities::user`]); `root` is the sandbox's root. Tiers without accounts refuse any other
+    /// ([`ExecOptions::refuse_user`]).
+    pub user: Option<crate::UserName>,
 }
 
 impl fmt::Debug for ExecOptions {
@@ -99,6 +103,7 @@ impl fmt::Debug for ExecOptions {
             .field("cancel", &self.cancel)
             .field("determinism", &self.determinism)
             .field("terminal", &self.terminal)
+            .field("user", &self.user)
             .finish()
     }
 }
@@ -113,6 +118,11 @@ impl ExecOptions {
                 what: "terminals (a job on a pseudo-terminal runs on the process or microVM tier)".into(),
             }),
         }
+    }
+
+    /// Refuses [`ExecOptions::user`] (other than root) on a tier whose guests have no accounts.
+    pub fn refuse_user(&self, tier: TierKind) -> Result<(), TierError> {
+        crate::caps::refuse_user(self.user.as_ref(), tier)
     }
 
     /// Refuses [`ExecOptions::determinism`] on a tier that cannot honour it: `tier` cannot make `what`

@@ -72,6 +72,9 @@ pub struct CapabilitiesRequest {
     pub grants: Vec<String>,
     /// Network egress allowed to these `HOST[:PORT]` patterns (added to the policy's).
     pub allow_net: Vec<String>,
+    /// The account of the sandbox's image its jobs run as (and who owns what the file calls create); the
+    /// sandbox's root when absent. Process tier only (the image's `user`, uid 1000, has passwordless `sudo`).
+    pub user: Option<String>,
 }
 
 /// `POST /v1/sandboxes`.
@@ -346,11 +349,13 @@ pub(crate) fn capabilities(state: &AppState, req: &CapabilitiesRequest) -> Resul
         .map(|spec| spec.parse::<Grant>().map_err(|e| invalid(e.to_string())))
         .collect::<Result<Vec<_>, _>>()?;
     let allow_net = strata_core::Allowlist::parse(&req.allow_net).map_err(|e| invalid(e.to_string()))?;
+    let user = req.user.as_deref().map(crate::service::parse_user).transpose()?;
     let caps = Capabilities {
         grants,
         env,
         secrets,
         net: state.policy.network.net_with(&allow_net),
+        user,
         ..Capabilities::default()
     };
     caps.validate().map_err(|e| invalid(e.to_string()))?;
@@ -458,7 +463,9 @@ async fn exec(
     let entry = sandbox(&state, &principal, &id)?;
     let job = req.to_job()?;
     let limits = limits(&state, &entry.limits, &req.limits)?;
-    let opts = ExecOptions { limits: Some(limits), stdin: req.stdin.map(String::into_bytes), ..ExecOptions::default() };
+    let user = req.user()?;
+    let opts =
+        ExecOptions { limits: Some(limits), stdin: req.stdin.map(String::into_bytes), user, ..ExecOptions::default() };
     Ok(Json(exec_in(&state, entry, job, opts).await?))
 }
 
@@ -478,8 +485,13 @@ async fn run(
     let _reservation = reserve(&state, &principal, 1, &limits)?;
     let token = CancelToken::new();
     let mut guard = CancelOnDrop(Some(token.clone()));
-    let opts =
-        ExecOptions { stdin: req.job.stdin.map(String::into_bytes), cancel: Some(token), ..ExecOptions::default() };
+    let user = req.job.user()?;
+    let opts = ExecOptions {
+        stdin: req.job.stdin.map(String::into_bytes),
+        cancel: Some(token),
+        user,
+        ..ExecOptions::default()
+    };
     let engine = state.engine.clone();
     let started = Instant::now();
     let result = blocking(move || {

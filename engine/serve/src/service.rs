@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use strata_core::{
     CancelToken, Capabilities, EntryInfo, ExecOptions, Fuel, GuestPath, Job, Limits, LimitsOverride, Outcome,
-    PythonSource, Sandbox, StdinStream, TierError, TierKind, Watcher,
+    PythonSource, Sandbox, StdinStream, TierError, TierKind, UserName, Watcher,
 };
 use strata_engine::TierChoice;
 use tokio::sync::mpsc;
@@ -38,9 +38,17 @@ pub struct JobRequest {
     /// WebSocket only: the client's messages after this one are the job's stdin as it runs, up to an empty message
     /// (EOF). The job reads each as it arrives, on every tier.
     pub stdin_stream: bool,
+    /// Run it as this account of the sandbox's image (`root`: the sandbox's root) instead of the sandbox's user;
+    /// process tier only.
+    pub user: Option<String>,
 }
 
 impl JobRequest {
+    /// The account it asks to run as, checked.
+    pub fn user(&self) -> Result<Option<UserName>, ApiError> {
+        self.user.as_deref().map(parse_user).transpose()
+    }
+
     /// The engine's job.
     pub fn to_job(&self) -> Result<Job, ApiError> {
         let invalid = |message: &str| ApiError::bad_request("invalid_job", message);
@@ -62,6 +70,11 @@ impl JobRequest {
             (None, None) => Err(invalid("a job needs command or python")),
         }
     }
+}
+
+/// An account name of a request.
+pub(crate) fn parse_user(name: &str) -> Result<UserName, ApiError> {
+    UserName::new(name).map_err(|e| ApiError::bad_request("invalid_user", e.to_string()))
 }
 
 /// Runs `f` on a thread of its own and waits for it without blocking the runtime. Not tokio's blocking pool: its

@@ -121,9 +121,10 @@ async fn session(state: Arc<AppState>, entry: Arc<SandboxEntry>, mut socket: Web
         .and_then(|req| {
             let job = req.to_job()?;
             let limits = limits(&state, &entry.limits, &req.limits)?;
-            Ok((req, job, limits))
+            let user = req.user()?;
+            Ok((req, job, limits, user))
         });
-    let (req, job, limits) = match prepared {
+    let (req, job, limits, user) = match prepared {
         Ok(prepared) => prepared,
         Err(err) => return finish(socket, error_message(&err)).await,
     };
@@ -148,6 +149,7 @@ async fn session(state: Arc<AppState>, entry: Arc<SandboxEntry>, mut socket: Web
         cancel: Some(token.clone()),
         determinism: None,
         terminal: None,
+        user,
     };
     let started = Instant::now();
     let tier = entry.tier;

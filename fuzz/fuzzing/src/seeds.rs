@@ -263,6 +263,7 @@ fn jail_frames() -> Vec<Seed> {
         cpu_seconds: 10,
         cgroup_files: 1,
         tty: None,
+        user: Some("user".into()),
     };
     let setup = Setup {
         version: strata_jail::proto::PROTOCOL_VERSION,
@@ -277,6 +278,7 @@ fn jail_frames() -> Vec<Seed> {
         restore_upper: false,
         egress_socket: None,
         zygote: false,
+        files_owner: Some("user".into()),
     };
     let entry = jail::Entry {
         path: "/work/link".into(),

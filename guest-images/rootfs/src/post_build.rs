@@ -13,7 +13,7 @@ use std::path::{Component, Path, PathBuf};
 use crate::{RootfsError, io_err, mounts};
 
 /// The version of the steps below: part of the recipe hash. Bump it whenever a step changes.
-pub const POST_BUILD_VERSION: u32 = 1;
+pub const POST_BUILD_VERSION: u32 = 2;
 
 /// One post-build step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,7 +39,19 @@ pub enum PostBuildStep {
     RunStrata,
     /// `/tmp` and `/var/tmp` are world-writable and sticky (mode 1777).
     StickyTmp,
+    /// The account `user` (uid and gid [`USER_ID`], home `/home/user` from `/etc/skel`, shell bash, no password),
+    /// a member of the `sudo` group: what E2B's commands run as.
+    UserAccount,
+    /// `/usr/bin/sudo` is Strata's client ([`SUDO`]): it asks the jail's PID 1 to run the command as the jail's
+    /// root (a set-user-ID `sudo` cannot work where every job runs with `no_new_privs`).
+    Sudo,
 }
+
+/// The ID of the image's unprivileged account `user`.
+pub const USER_ID: u32 = 1000;
+
+/// The image's `sudo` (a Python script: the image has `python3`).
+pub const SUDO: &str = include_str!("sudo.py");
 
 /// The steps, in the order they run.
 pub const POST_BUILD_STEPS: &[PostBuildStep] = &[
@@ -52,6 +64,8 @@ pub const POST_BUILD_STEPS: &[PostBuildStep] = &[
     PostBuildStep::RemoveSshHostKeys,
     PostBuildStep::RunStrata,
     PostBuildStep::StickyTmp,
+    PostBuildStep::UserAccount,
+    PostBuildStep::Sudo,
 ];
 
 const HOSTS: &str = "127.0.0.1\tlocalhost strata\n::1\tlocalhost ip6-localhost ip6-loopback\n";
@@ -69,6 +83,8 @@ impl PostBuildStep {
             PostBuildStep::RemoveSshHostKeys => "removing ssh host keys",
             PostBuildStep::RunStrata => "creating /run/strata",
             PostBuildStep::StickyTmp => "making /tmp and /var/tmp 1777",
+            PostBuildStep::UserAccount => "adding the account user (uid 1000, /home/user, group sudo)",
+            PostBuildStep::Sudo => "installing Strata's sudo client as /usr/bin/sudo",
         }
     }
 
@@ -92,6 +108,8 @@ impl PostBuildStep {
                 ensure_dir(rootfs, "tmp", 0o1777)?;
                 ensure_dir(rootfs, "var/tmp", 0o1777)
             }
+            PostBuildStep::UserAccount => add_user(rootfs),
+            PostBuildStep::Sudo => replace_file(rootfs, "usr/bin/sudo", SUDO.as_bytes(), 0o755),
         }
     }
 }
@@ -178,6 +196,80 @@ fn ensure_dir(rootfs: &Path, relative: &str, mode: u32) -> Result<(), RootfsErro
     Ok(())
 }
 
+/// Adds the account `user` ([`PostBuildStep::UserAccount`]); a tree that has it already is left as it is.
+fn add_user(rootfs: &Path) -> Result<(), RootfsError> {
+    let id = USER_ID;
+    let passwd_path = inside(rootfs, "etc/passwd")?;
+    let passwd = fs::read_to_string(&passwd_path).map_err(io_err("cannot read", &passwd_path))?;
+    if passwd.lines().any(|line| line.starts_with("user:")) {
+        return Ok(());
+    }
+    append_line(rootfs, "etc/passwd", &format!("user:x:{id}:{id}::/home/user:/bin/bash"))?;
+    append_line(rootfs, "etc/shadow", "user:*:20000:0:99999:7:::")?;
+    append_line(rootfs, "etc/gshadow", "user:!::")?;
+    // The group file: `user`'s own group, and `user` among the `sudo` group's members.
+    let group_path = inside(rootfs, "etc/group")?;
+    let group = fs::read_to_string(&group_path).map_err(io_err("cannot read", &group_path))?;
+    let mut lines: Vec<String> = Vec::new();
+    let mut in_sudo = false;
+    for line in group.lines() {
+        let fields: Vec<&str> = line.split(':').collect();
+        if fields.len() == 4 && fields[0] == "sudo" {
+            in_sudo = true;
+            let members: Vec<&str> = fields[3].split(',').filter(|m| !m.is_empty()).chain(["user"]).collect();
+            lines.push(format!("sudo:{}:{}:{}", fields[1], fields[2], members.join(",")));
+        } else {
+            lines.push(line.to_owned());
+        }
+    }
+    if !in_sudo {
+        lines.push("sudo:x:27:user".to_owned());
+    }
+    lines.push(format!("user:x:{id}:"));
+    replace_file(rootfs, "etc/group", (lines.join("\n") + "\n").as_bytes(), 0o644)?;
+    // The home, from /etc/skel (its plain files), all the user's.
+    ensure_dir(rootfs, "home", 0o755)?;
+    ensure_dir(rootfs, "home/user", 0o755)?;
+    let home = inside(rootfs, "home/user")?;
+    let skel = inside(rootfs, "etc/skel")?;
+    if let Ok(entries) = fs::read_dir(&skel) {
+        for entry in entries {
+            let entry = entry.map_err(io_err("cannot read", &skel))?;
+            if !entry.file_type().map_err(io_err("cannot stat", &entry.path()))?.is_file() {
+                continue;
+            }
+            let contents = fs::read(entry.path()).map_err(io_err("cannot read", &entry.path()))?;
+            let relative = format!("home/user/{}", entry.file_name().to_string_lossy());
+            replace_file(rootfs, &relative, &contents, 0o644)?;
+            give_to_user(&inside(rootfs, &relative)?)?;
+        }
+    }
+    give_to_user(&home)
+}
+
+/// Makes `path` (not following a link) belong to `user`, when the build runs as root.
+fn give_to_user(path: &Path) -> Result<(), RootfsError> {
+    if nix::unistd::geteuid().is_root() {
+        std::os::unix::fs::lchown(path, Some(USER_ID), Some(USER_ID)).map_err(io_err("cannot chown", path))?;
+    }
+    Ok(())
+}
+
+/// Appends `line` to the regular file `rootfs/relative`, keeping its owner and mode (a link is not followed).
+fn append_line(rootfs: &Path, relative: &str, line: &str) -> Result<(), RootfsError> {
+    use std::io::Write;
+    let path = inside(rootfs, relative)?;
+    let mut file = fs::OpenOptions::new()
+        .append(true)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(&path)
+        .map_err(io_err("cannot open", &path))?;
+    if !file.metadata().map_err(io_err("cannot stat", &path))?.is_file() {
+        return Err(RootfsError::Io { what: "cannot append to", path, source: io::Error::other("not a regular file") });
+    }
+    writeln!(file, "{line}").map_err(io_err("cannot write", &path))
+}
+
 /// Removes the entries of `rootfs/relative` whose name matches (directories with their contents); nothing when
 /// the directory does not exist.
 fn remove_matching(rootfs: &Path, relative: &str, matches: impl Fn(&str) -> bool) -> Result<(), RootfsError> {
@@ -244,6 +336,8 @@ mod tests {
             "var/cache/ldconfig",
             "tmp",
             "run",
+            "etc/skel",
+            "usr/bin",
         ] {
             fs::create_dir_all(root.join(dir)).expect("mkdir");
         }
@@ -260,6 +354,11 @@ mod tests {
         fs::write(outside, "host resolver\n").expect("write");
         std::os::unix::fs::symlink(outside, root.join("etc/resolv.conf")).expect("symlink");
         fs::set_permissions(root.join("tmp"), fs::Permissions::from_mode(0o755)).expect("chmod");
+        fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/bash\n").expect("write");
+        fs::write(root.join("etc/shadow"), "root:*:20000:0:99999:7:::\n").expect("write");
+        fs::write(root.join("etc/gshadow"), "root:*::\n").expect("write");
+        fs::write(root.join("etc/group"), "root:x:0:\nsudo:x:27:admin\n").expect("write");
+        fs::write(root.join("etc/skel/.bashrc"), "# bashrc\n").expect("write");
     }
 
     #[test]
@@ -288,6 +387,20 @@ mod tests {
         assert_eq!(fs::metadata(root.join("tmp")).expect("stat").mode() & 0o7777, 0o1777);
         assert_eq!(fs::metadata(root.join("var/tmp")).expect("stat").mode() & 0o7777, 0o1777);
         assert_eq!(fs::metadata(root.join("run/strata")).expect("stat").mode() & 0o7777, 0o755);
+        let passwd = fs::read_to_string(root.join("etc/passwd")).expect("read");
+        assert!(passwd.ends_with("root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n"), "{passwd}");
+        let group = fs::read_to_string(root.join("etc/group")).expect("read");
+        assert_eq!(group, "root:x:0:\nsudo:x:27:admin,user\nuser:x:1000:\n");
+        assert_eq!(fs::read_to_string(root.join("home/user/.bashrc")).expect("read"), "# bashrc\n");
+        let sudo = fs::metadata(root.join("usr/bin/sudo")).expect("stat");
+        assert_eq!(sudo.mode() & 0o7777, 0o755, "executable, never set-user-ID");
+        if nix::unistd::geteuid().is_root() {
+            let home = fs::metadata(root.join("home/user")).expect("stat");
+            assert_eq!((home.uid(), home.gid(), home.mode() & 0o7777), (USER_ID, USER_ID, 0o755));
+        }
+        // Applied again (a rebuilt tree), nothing is added twice.
+        apply_all(&root, &|_| {}).expect("post-build again");
+        assert_eq!(fs::read_to_string(root.join("etc/passwd")).expect("read"), passwd);
     }
 
     #[test]

@@ -547,6 +547,7 @@ impl<H: AgentHost> Sandbox for Session<H> {
 
     fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_determinism(TierKind::Microvm, "microVM jobs")?;
+        opts.refuse_user(TierKind::Microvm)?;
         self.exec_job(job, &opts, Instant::now())
     }
 

@@ -360,6 +360,8 @@ impl Tier for MicrovmTier {
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_determinism(TierKind::Microvm, "microVM jobs")?;
+        opts.refuse_user(TierKind::Microvm)?;
+        caps.refuse_user(TierKind::Microvm)?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let started = Instant::now();
         let prepared = PreparedJob::new(job)?;
@@ -373,6 +375,7 @@ impl Tier for MicrovmTier {
     }
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
+        caps.refuse_user(TierKind::Microvm)?;
         match self.boot_session(caps, limits, BOOT_TIMEOUT, Instant::now())? {
             Ok(session) => Ok(Box::new(session)),
             Err(outcome) => Err(match outcome.status {

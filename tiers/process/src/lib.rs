@@ -173,6 +173,11 @@ impl ProcessTier {
             return Err(unsupported("host tools"));
         }
         caps.validate()?;
+        let files_owner = caps.user.as_ref().filter(|user| !user.is_root()).map(|user| user.as_str().to_owned());
+        let id_map = self.user_namespaces.load(Ordering::Relaxed).then_some(JAIL_IDS);
+        if id_map.is_none() && files_owner.is_some() {
+            return Err(unsupported("running as a user other than root without user namespaces on this host"));
+        }
         let mut binds = Vec::new();
         for grant in &caps.grants {
             let host =
@@ -193,10 +198,11 @@ impl ProcessTier {
             hostname: "strata".into(),
             one_shot,
             limits: cgroup_limits(limits),
-            id_map: self.user_namespaces.load(Ordering::Relaxed).then_some(JAIL_IDS),
+            id_map,
             restore_upper: None,
             egress_socket: None,
             zygote: false,
+            files_owner,
         })
     }
 
@@ -336,7 +342,7 @@ impl Tier for ProcessTier {
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_determinism(TierKind::Process, "process-tier jobs")?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
-        let prepared = PreparedJob::new(job, caps, limits)?;
+        let prepared = PreparedJob::new(job, caps, limits, &opts)?;
         let mut jail = self.start_jail(caps, limits, true, None)?;
         let stdin = opts.stdin.as_deref().unwrap_or_default();
         let outcome = run_in(Runner::Jail(&mut jail), prepared, caps, limits, stdin, &opts);
@@ -364,7 +370,10 @@ struct PreparedJob {
 }
 
 impl PreparedJob {
-    fn new(job: &Job, caps: &Capabilities, limits: &Limits) -> Result<PreparedJob, TierError> {
+    /// `job` for the jail, as the user `opts` or `caps` name (the jail's root when neither does; that user's home
+    /// is then its directory).
+    fn new(job: &Job, caps: &Capabilities, limits: &Limits, opts: &ExecOptions) -> Result<PreparedJob, TierError> {
+        let user = opts.user.as_ref().or(caps.user.as_ref()).filter(|user| !user.is_root());
         let GuestCommand { argv, copy_in } = GuestCommand::new(job, TierKind::Process)?;
         let (program_copy, program) = copy_in.map(|copy| (copy.guest, copy.file)).unzip();
         let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
@@ -379,13 +388,15 @@ impl PreparedJob {
         let exec = Exec {
             argv,
             env,
-            cwd: WORKDIR.into(),
+            // Empty: the user's home.
+            cwd: if user.is_some() { String::new() } else { WORKDIR.into() },
             program_copy,
             nofile: u64::from(limits.files).max(16),
             // The cgroup's CPU accounting stops the job; RLIMIT_CPU is a per-process backstop a second later.
             cpu_seconds: cpu_seconds.saturating_add(1),
             cgroup_files: 0,
             tty: None,
+            user: user.map(|user| user.as_str().to_owned()),
         };
         Ok(PreparedJob { exec, program })
     }

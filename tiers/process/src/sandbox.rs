@@ -109,7 +109,7 @@ impl Sandbox for ProcessSandbox {
     fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_determinism(TierKind::Process, "process-tier jobs")?;
         let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
-        let prepared = PreparedJob::new(job, &self.caps, &limits)?;
+        let prepared = PreparedJob::new(job, &self.caps, &limits, &opts)?;
         let stdin = opts.stdin.clone().unwrap_or_default();
         let (_gate, lanes) = self.lanes()?;
         let mut first = match self.jail.try_lock() {

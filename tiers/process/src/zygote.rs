@@ -108,7 +108,7 @@ impl ProcessTier {
                 });
             }
         };
-        let mut prepared = PreparedJob::new(&job, caps, limits)?;
+        let mut prepared = PreparedJob::new(&job, caps, limits, &ExecOptions::default())?;
         if python {
             for (name, value) in SINGLE_THREADED {
                 if !prepared.exec.env.iter().any(|(k, _)| k == name) {

@@ -323,6 +323,8 @@ impl TierInner {
 
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_terminal(TierKind::Wasm)?;
+        opts.refuse_user(TierKind::Wasm)?;
+        caps.refuse_user(TierKind::Wasm)?;
         if tokio::runtime::Handle::try_current().is_err() {
             return self.run_here(job, caps, limits, opts);
         }
@@ -530,6 +532,7 @@ impl Tier for WasmTier {
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         exec::check_caps(caps, &self.inner.config.tools)?;
+        caps.refuse_user(TierKind::Wasm)?;
         Ok(Box::new(WasmSandbox::new(self.inner.clone(), caps.clone(), limits.clone())))
     }
 

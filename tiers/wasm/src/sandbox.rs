@@ -157,13 +157,17 @@ impl Sandbox for WasmSandbox {
 
     fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_terminal(TierKind::Wasm)?;
+        opts.refuse_user(TierKind::Wasm)?;
         self.exec_turn(job, opts, false)
     }
 
     /// Ends a Python job as a program ends (see `PythonSession::last_turn`): closing afterwards has nothing
     /// to finalise.
     fn exec_and_close(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
-        let outcome = opts.refuse_terminal(TierKind::Wasm).and_then(|()| self.exec_turn(job, opts, true));
+        let outcome = opts
+            .refuse_terminal(TierKind::Wasm)
+            .and_then(|()| opts.refuse_user(TierKind::Wasm))
+            .and_then(|()| self.exec_turn(job, opts, true));
         let closed = self.close();
         let outcome = outcome?;
         closed?;

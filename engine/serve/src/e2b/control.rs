@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use strata_core::{Capabilities, EnvVar, Grant, GrantMode, TierKind};
+use strata_core::{Capabilities, EnvVar, Grant, GrantMode, TierKind, UserName};
 use strata_engine::TierChoice;
 
 use super::{E2bError, E2bMeta, ENVD_VERSION, HOME, rfc3339};
@@ -98,18 +98,28 @@ pub(super) async fn create(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let ttl = crate::service::ttl(&state, req.timeout)?;
-    // /home/user is a host directory shared with the code interpreter's wasm session.
-    let home = state.snapshot_dir.join("e2b").join(new_id("home_"));
-    std::fs::create_dir_all(&home).map_err(|e| ApiError::internal(format!("cannot create {}: {e}", home.display())))?;
-    let grant = Grant::new(&home, HOME, GrantMode::Rw).map_err(|e| ApiError::internal(e.to_string()))?;
+    let template = req.template_id.unwrap_or_else(|| "base".to_owned());
+    // Commands run as the image's `user` (uid 1000, passwordless sudo), in its home, which is part of the sandbox's
+    // own filesystem (so its snapshots and forks hold it). The wasm-Python template instead shares `/home/user`
+    // with its wasm Python session as a host directory, and runs commands as the sandbox's root.
+    let (home, grants, user) = if template == super::interpreter::WASM_TEMPLATE {
+        let home = state.snapshot_dir.join("e2b").join(new_id("home_"));
+        std::fs::create_dir_all(&home)
+            .map_err(|e| ApiError::internal(format!("cannot create {}: {e}", home.display())))?;
+        let grant = Grant::new(&home, HOME, GrantMode::Rw).map_err(|e| ApiError::internal(e.to_string()))?;
+        (Some(home), vec![grant], None)
+    } else {
+        (None, Vec::new(), Some(UserName::new(super::USER).map_err(|e| ApiError::internal(e.to_string()))?))
+    };
     let caps = Capabilities {
         env: env.clone(),
-        grants: vec![grant],
+        grants,
         net: state.policy.network.net_with(&strata_core::Allowlist::default()),
+        user,
         ..Capabilities::default()
     };
     let meta = E2bMeta::new(
-        req.template_id.unwrap_or_else(|| "base".to_owned()),
+        template,
         new_id("tok_") + &new_id(""),
         req.metadata.unwrap_or_else(|| json!({})),
         home.clone(),
@@ -120,7 +130,9 @@ pub(super) async fn create(
     let entry = match start_sandbox(&state, &principal, choice, caps, limits, ttl).await {
         Ok(entry) => entry,
         Err(err) => {
-            let _ = std::fs::remove_dir_all(&home);
+            if let Some(home) = &home {
+                let _ = std::fs::remove_dir_all(home);
+            }
             return Err(err.into());
         }
     };

@@ -71,7 +71,8 @@ pub struct E2bMeta {
     pub metadata: Value,
     /// Cells run by `/execute`.
     pub executions: AtomicU64,
-    /// The host directory shared by the sandbox and its Python session at [`HOME`] (removed with the sandbox).
+    /// The host directory shared by a `strata-wasm-python` sandbox and its Python session at [`HOME`] (removed
+    /// with the sandbox); `None` for the other templates, whose home is in the sandbox's own filesystem.
     pub home: Option<PathBuf>,
     /// The sandbox's environment, for its Python session.
     pub env: Vec<EnvVar>,
@@ -104,12 +105,22 @@ pub(crate) fn rfc3339(time: std::time::SystemTime) -> String {
     strata_image_util::rfc3339_micros(time)
 }
 
-/// Where an E2B sandbox's shared home directory is, in the sandbox and in its Python session.
+/// The home of the account E2B's commands run as by default ([`USER`]).
 pub const HOME: &str = "/home/user";
+
+/// The account E2B's commands run as unless a call names another (`user="root"`): the image's uid 1000, with
+/// passwordless `sudo` to the sandbox's root.
+pub const USER: &str = "user";
 
 impl E2bMeta {
     /// What the layer knows of a new sandbox: its template, token, metadata, home directory and environment.
-    fn new(template: String, access_token: String, metadata: Value, home: PathBuf, env: Vec<EnvVar>) -> E2bMeta {
+    fn new(
+        template: String,
+        access_token: String,
+        metadata: Value,
+        home: Option<PathBuf>,
+        env: Vec<EnvVar>,
+    ) -> E2bMeta {
         E2bMeta {
             template,
             access_token,
@@ -117,7 +128,7 @@ impl E2bMeta {
             contexts: kernel::Contexts::default(),
             metadata,
             executions: AtomicU64::new(0),
-            home: Some(home),
+            home,
             env,
             python: std::sync::Mutex::new(None),
             cell: std::sync::Mutex::new(None),

@@ -16,7 +16,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use strata_core::{CancelToken, ExecOptions, Job, Limits, OutputSink, Status, Stream, Terminal, WindowSize};
+use strata_core::{CancelToken, ExecOptions, Job, Limits, OutputSink, Status, Stream, Terminal, UserName, WindowSize};
 use tokio::sync::{broadcast, mpsc};
 
 use super::connect::{ConnectRequest, END_STREAM, EnvdSandbox, EnvelopeReader, StreamMessage, envelope};
@@ -180,6 +180,16 @@ pub(super) fn envd_user(headers: &HeaderMap) -> String {
     }
 }
 
+/// The account a command of the call runs as: the one it names (`user=`, [`super::USER`] when none), or, in a
+/// sandbox whose home is shared with a wasm Python session (owned by the sandbox's root), the sandbox's root.
+pub(super) fn job_user(meta: &E2bMeta, headers: &HeaderMap) -> Result<Option<UserName>, E2bError> {
+    if meta.home.is_some() {
+        return Ok(None);
+    }
+    let name = envd_user(headers);
+    UserName::new(name).map(Some).map_err(|e| E2bError::invalid_argument(e.to_string()))
+}
+
 /// Where a command of `user` starts when its request names no directory: its home, as envd does.
 pub(super) fn home_of(user: &str) -> &'static str {
     if user == "root" { "/root" } else { super::HOME }
@@ -194,6 +204,7 @@ pub(super) async fn start(
     if request.process.cwd.is_none() {
         request.process.cwd = Some(home_of(&envd_user(&headers)).to_owned());
     }
+    let user = job_user(&meta, &headers)?;
     let (cmd, args, keep_stdin) = (request.process.cmd.clone(), request.process.args.clone(), request.stdin);
     let terminal = request.pty.as_ref().map(|pty| Terminal::new(pty.size.window()));
     let argv = command_argv(request.process)?;
@@ -226,6 +237,7 @@ pub(super) async fn start(
             cancel: Some(token.clone()),
             determinism: None,
             terminal,
+            user,
         };
         let started = Instant::now();
         let tier = entry.tier;

@@ -41,6 +41,8 @@ pub struct Files {
     kernel_devs: Vec<u64>,
     /// The jobs' ID mapping (IDs are reported as jobs see them).
     id_map: Option<IdMap>,
+    /// The jail's user and group that own what is created ([`Files::set_owner`]); the jail's root when `None`.
+    owner: Option<(u32, u32)>,
 }
 
 /// Why a file method failed: an errno and a message naming the path.
@@ -79,6 +81,12 @@ impl FileFailure {
     }
 }
 
+impl std::fmt::Display for FileFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 /// The result of a file method.
 pub type FileResult<T> = Result<T, FileFailure>;
 
@@ -108,7 +116,20 @@ impl Files {
             .filter(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR && st.st_dev != root_dev)
             .map(|st| st.st_dev)
             .collect();
-        Ok(Files { root, kernel_devs, id_map })
+        Ok(Files { root, kernel_devs, id_map, owner: None })
+    }
+
+    /// Makes what the file methods create (and the files they write) belong to the jail's user `uid`, group
+    /// `gid`, instead of the jail's root. Only in a user namespace: without one, the IDs would be the host's.
+    pub fn set_owner(&mut self, uid: u32, gid: u32) {
+        self.owner = Some((uid, gid));
+    }
+
+    /// The host IDs the file methods give what they create, in a user namespace.
+    fn owner_ids(&self) -> Option<(u32, u32)> {
+        let map = self.id_map?;
+        let (uid, gid) = self.owner.unwrap_or((0, 0));
+        Some((map.base.saturating_add(uid), map.base.saturating_add(gid)))
     }
 
     fn is_kernel(&self, st: &FileStat) -> bool {
@@ -145,13 +166,12 @@ impl Files {
                     if let Some(created) = make.as_deref_mut() {
                         *created = true;
                     }
-                    if let Some(map) = self.id_map {
-                        let id = Some(map.base);
+                    if let Some((uid, gid)) = self.owner_ids() {
                         nix::unistd::fchownat(
                             &current,
                             name.as_os_str(),
-                            id.map(nix::unistd::Uid::from_raw),
-                            id.map(nix::unistd::Gid::from_raw),
+                            Some(nix::unistd::Uid::from_raw(uid)),
+                            Some(nix::unistd::Gid::from_raw(gid)),
                             AtFlags::AT_SYMLINK_NOFOLLOW,
                         )
                         .map_err(fail)?;
@@ -246,9 +266,8 @@ impl Files {
         file.set_len(0).map_err(io)?;
         std::io::copy(contents, &mut file).map_err(io)?;
         nix::sys::stat::fchmod(&file, mode).map_err(FileFailure::new)?;
-        if let Some(map) = self.id_map {
-            let id = Some(map.base);
-            nix::unistd::fchown(&file, id.map(nix::unistd::Uid::from_raw), id.map(nix::unistd::Gid::from_raw))
+        if let Some((uid, gid)) = self.owner_ids() {
+            nix::unistd::fchown(&file, Some(nix::unistd::Uid::from_raw(uid)), Some(nix::unistd::Gid::from_raw(gid)))
                 .map_err(FileFailure::new)?;
         }
         Ok(())

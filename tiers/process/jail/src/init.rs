@@ -38,9 +38,11 @@ use crate::forward::{self, Forwarder};
 use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
 use crate::seccomp;
 use crate::steps::{OLD_ROOT, StepError, bind_onto, confine_proc, loopback_up, mount_dev_at, scratch_options, step};
+use crate::sudo::{self, Incoming, Reply, Sudo};
 use crate::tree;
 use crate::tty;
 use crate::userns::UserNamespace;
+use crate::users::{self, Account};
 use crate::watch::{self, Watches};
 use crate::zygote;
 use seccompiler::BpfProgram;
@@ -167,6 +169,32 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
     if let Err(err) = seccomp::install(&filters) {
         return fail(&ctl, "seccomp", err.to_string());
     }
+    let mut files = match Files::open(userns.as_ref().map(UserNamespace::map)) {
+        Ok(files) => files,
+        Err(errno) => return fail(&ctl, "root", errno.desc().to_owned()),
+    };
+    if let Some(owner) = &setup.files_owner {
+        match (&userns, users::lookup(&files, owner)) {
+            (Some(userns), Ok(account)) if account.uid < userns.map().count && account.gid < userns.map().count => {
+                files.set_owner(account.uid, account.gid);
+            }
+            (None, _) => return fail(&ctl, "files owner", "an owner other than root needs a user namespace".into()),
+            (_, Err(err)) => return fail(&ctl, "files owner", err.to_string()),
+            (Some(_), Ok(account)) => {
+                return fail(&ctl, "files owner", format!("user {owner}'s IDs ({}) are not mapped", account.uid));
+            }
+        }
+    }
+    // A snapshot's upper layer may hold an old socket there (or whatever a job put there): without a listener,
+    // `sudo` says it cannot reach PID 1, and the jail runs on.
+    let _ = fs::remove_file(sudo::SOCKET);
+    let sudo = match Sudo::bind(userns.as_ref().map_or(0, |userns| userns.map().base)) {
+        Ok(sudo) => Some(sudo),
+        Err(errno) => {
+            notes.push(format!("sudo: cannot listen on {}: {}", sudo::SOCKET, errno.desc()));
+            None
+        }
+    };
     if proto::send(ctl.as_fd(), &JailFrame::Ready { host_pid, notes }, &[upper.as_fd()]).is_err() {
         return 1;
     }
@@ -174,16 +202,14 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
         Ok(filter) => filter.map(|filter| zygote::Zygote::new(filter, setup.binds.clone(), setup.scratch_bytes)),
         Err(err) => return fail(&ctl, "seccomp", err.to_string()),
     };
-    let files = match Files::open(userns.as_ref().map(UserNamespace::map)) {
-        Ok(files) => files,
-        Err(errno) => return fail(&ctl, "root", errno.desc().to_owned()),
-    };
     Init {
         ctl,
         userns,
         upper,
         one_shot: setup.one_shot,
         job: None,
+        job_cgroup: Vec::new(),
+        sudo,
         forwarder,
         zygote,
         lanes: Vec::new(),
@@ -353,6 +379,10 @@ struct Init {
     upper: OwnedFd,
     one_shot: bool,
     job: Option<Pid>,
+    /// The first connection's job's cgroup files, while it runs (a `sudo` command it starts joins them).
+    job_cgroup: Vec<OwnedFd>,
+    /// The `sudo` listener and its clients ([`sudo`]); `None` when it could not listen.
+    sudo: Option<Sudo>,
     /// The egress forwarder, when the jail has network.
     forwarder: Option<Forwarder>,
     /// The zygote and its forks, in a jail set up for one.
@@ -373,6 +403,8 @@ struct Init {
 struct Lane {
     ctl: OwnedFd,
     job: Option<Pid>,
+    /// Its job's cgroup files, while it runs (a `sudo` command it starts joins them).
+    cgroup: Vec<OwnedFd>,
     serial: u64,
 }
 
@@ -408,6 +440,10 @@ impl Init {
             if let Some(forwarder) = &self.forwarder {
                 forwarder.poll_fds(&mut fds);
             }
+            let sudo_from = fds.len();
+            if let Some(sudo) = &self.sudo {
+                sudo.poll_fds(&mut fds);
+            }
             // With forks to make ahead, only look: one is made after whatever is ready now was handled.
             let refill = self.zygote.as_ref().is_some_and(zygote::Zygote::wants_refill);
             let timeout = match self.watches.next_wake() {
@@ -425,7 +461,9 @@ impl Init {
             let child_ready = fds[1].revents().is_some_and(|r| !r.is_empty());
             let zygote_ready = zygote_fd.is_some() && fds[2].revents().is_some_and(|r| !r.is_empty());
             let net: Vec<PollFlags> =
-                fds[net_from..].iter().map(|fd| fd.revents().unwrap_or(PollFlags::empty())).collect();
+                fds[net_from..sudo_from].iter().map(|fd| fd.revents().unwrap_or(PollFlags::empty())).collect();
+            let sudo_ready: Vec<bool> =
+                fds[sudo_from..].iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect();
             let lanes_ready: Vec<bool> =
                 fds[lanes_from..watches_from].iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect();
             let watches_ready: Vec<usize> = fds[watches_from..net_from]
@@ -456,6 +494,9 @@ impl Init {
                 if self.reap() {
                     return 0;
                 }
+            }
+            if sudo_ready.iter().any(|ready| *ready) {
+                self.serve_sudo(&sudo_ready);
             }
             if ctl_ready {
                 match proto::recv::<HostFrame>(self.ctl.as_fd()) {
@@ -512,14 +553,23 @@ impl Init {
             if let Some(zygote) = &mut self.zygote {
                 zygote.reaped(pid, code, signal);
             }
+            if let Some(sudo) = &mut self.sudo
+                && let Some(index) = sudo.clients.iter().position(|client| client.command == Some(pid))
+            {
+                let client = sudo.clients.swap_remove(index);
+                sudo::reply_on(client.socket.as_fd(), &Reply::Exited { code, signal });
+                continue;
+            }
             if self.job == Some(pid) {
                 self.job = None;
+                self.job_cgroup.clear();
                 let _ = proto::send(self.ctl.as_fd(), &JailFrame::Exited { code, signal }, &[]);
                 if self.one_shot {
                     return true;
                 }
             } else if let Some(lane) = self.lanes.iter_mut().find(|lane| lane.job == Some(pid)) {
                 lane.job = None;
+                lane.cgroup.clear();
                 let _ = proto::send(lane.ctl.as_fd(), &JailFrame::Exited { code, signal }, &[]);
             }
         }
@@ -553,8 +603,12 @@ impl Init {
                     exec_failed("busy", libc::EBUSY, "a job is already running".into())
                 } else {
                     match self.spawn(&exec, fds, None) {
-                        Ok((pid, master)) => {
+                        Ok(Spawned { pid, master, cgroup }) => {
                             *self.conn_job(conn) = Some(pid);
+                            match conn {
+                                None => self.job_cgroup = cgroup,
+                                Some(index) => self.lanes[index].cgroup = cgroup,
+                            }
                             let started = JailFrame::Started { pid: pid.as_raw() };
                             let _ = proto::send(
                                 self.conn_fd(conn),
@@ -577,7 +631,7 @@ impl Init {
             HostFrame::Lane => {
                 let mut fds = fds;
                 if let (Some(ctl), true, true) = (fds.pop(), fds.is_empty(), self.lanes.len() < MAX_LANES) {
-                    self.lanes.push(Lane { ctl, job: None, serial: self.next_lane });
+                    self.lanes.push(Lane { ctl, job: None, cgroup: Vec::new(), serial: self.next_lane });
                     self.next_lane += 1;
                     self.lanes_opened = true;
                 }
@@ -664,7 +718,7 @@ impl Init {
                     let filter = self.zygote.as_ref().map(zygote::Zygote::filter);
                     self.spawn(&exec, fds, filter)
                 }) {
-                    Ok((pid, _)) => {
+                    Ok(Spawned { pid, .. }) => {
                         self.job = Some(pid);
                         if let Some(zygote) = &mut self.zygote {
                             zygote.started(pid);
@@ -702,21 +756,38 @@ impl Init {
     /// last when the job has one; `filter` is stacked on the jail's before `execve`. A job with a tty gets a
     /// terminal of the jail's as 0, 1 and 2 instead (`fds` start with the cgroup files), whose master is returned
     /// beside its PID.
-    fn spawn(
-        &self,
-        exec: &Exec,
-        mut fds: Vec<OwnedFd>,
-        filter: Option<&BpfProgram>,
-    ) -> Result<(Pid, Option<OwnedFd>), JailFrame> {
+    fn spawn(&self, exec: &Exec, mut fds: Vec<OwnedFd>, filter: Option<&BpfProgram>) -> Result<Spawned, JailFrame> {
         if exec.argv.is_empty() {
             return Err(exec_failed("argv", libc::EINVAL, "empty argument vector".into()));
         }
+        let account = match &exec.user {
+            None => None,
+            Some(_) if self.userns.is_none() => {
+                return Err(exec_failed(
+                    "user",
+                    libc::EPERM,
+                    "running as a user needs the jail's user namespace".into(),
+                ));
+            }
+            Some(name) => Some(
+                users::lookup(&self.files, name).map_err(|e| exec_failed("user", e.errno() as i32, e.to_string()))?,
+            ),
+        };
+        let as_user;
+        let exec = match &account {
+            None => exec,
+            Some(account) => {
+                as_user = for_account(exec, account);
+                &as_user
+            }
+        };
         let mut master = None;
         if let Some(size) = exec.tty {
             if filter.is_some() {
                 return Err(exec_failed("tty", libc::EINVAL, "a zygote has no terminal".into()));
             }
-            let owner = self.userns.as_ref().map(|userns| userns.map().base);
+            let uid = account.as_ref().map_or(0, |account| account.uid);
+            let owner = self.userns.as_ref().map(|userns| userns.map().base.saturating_add(uid));
             let pty = tty::Pty::open("/dev/pts/ptmx", size, owner)
                 .map_err(|errno| exec_failed("tty", errno as i32, format!("opening a terminal: {}", errno.desc())))?;
             let copies = (0..2)
@@ -744,6 +815,8 @@ impl Init {
             copy_in(program, target, 0o755, self.userns.as_ref()).map_err(|e| io_failed("copy", &e))?;
         }
         let cgroup = fds.split_off(stdio);
+        // Kept while the job runs, for the `sudo` commands it starts (a copy that fails leaves them in the jail's).
+        let kept: Vec<OwnedFd> = cgroup.iter().filter_map(|fd| fd.try_clone().ok()).collect();
         let path = resolve(&exec.argv[0], &exec.env)
             .ok_or_else(|| exec_failed("lookup", libc::ENOENT, format!("{}: command not found", exec.argv[0])))?;
         let argv = cstrings(exec.argv.iter().map(String::as_str))?;
@@ -764,7 +837,7 @@ impl Init {
                     Err(_) => report_w,
                 };
                 let (stage, errno) = match join_cgroup(&cgroup) {
-                    Ok(()) => self.become_job(exec, &fds, &path, &argv, &env, filter),
+                    Ok(()) => self.become_job(exec, account.as_ref(), &fds, &path, &argv, &env, filter),
                     Err(errno) => ("cgroup", errno),
                 };
                 let mut report = fs::File::from(report_w);
@@ -778,7 +851,7 @@ impl Init {
                 let mut text = String::new();
                 let _ = fs::File::from(report_r).read_to_string(&mut text);
                 if text.is_empty() {
-                    return Ok((child, master));
+                    return Ok(Spawned { pid: child, master, cgroup: kept });
                 }
                 let _ = waitpid(child, None);
                 let (stage, errno) = text.split_once('\0').unwrap_or((text.as_str(), "0"));
@@ -790,9 +863,11 @@ impl Init {
     }
 
     /// Turns the forked child into the job. Returns only on failure, with the step and the error.
+    #[allow(clippy::too_many_arguments)]
     fn become_job(
         &self,
         exec: &Exec,
+        account: Option<&Account>,
         fds: &[OwnedFd],
         path: &CString,
         argv: &[CString],
@@ -861,8 +936,14 @@ impl Init {
             // nothing back (a null old action); the set size is the kernel's 8 bytes.
             unsafe { libc::syscall(libc::SYS_rt_sigaction, number, zero.as_ptr(), std::ptr::null::<u8>(), 8) };
         }
-        check!("chdir", chdir(exec.cwd.as_str()));
-        check!("capabilities", drop_capabilities());
+        // A user's job enters its directory as the user (a directory the user may not enter is an error).
+        if account.is_none() {
+            check!("chdir", chdir(exec.cwd.as_str()));
+        }
+        check!("capabilities", drop_capabilities(account));
+        if account.is_some() {
+            check!("chdir", chdir(exec.cwd.as_str()));
+        }
         if let Some(filter) = filter
             && seccomp::install_one(filter).is_err()
         {
@@ -874,6 +955,136 @@ impl Init {
         }
     }
 }
+
+/// A job started: its PID, its terminal's master (with a tty) and copies of its cgroup files.
+struct Spawned {
+    pid: Pid,
+    master: Option<OwnedFd>,
+    cgroup: Vec<OwnedFd>,
+}
+
+/// `exec` for `account`: its `HOME`, `USER` and `LOGNAME`, and its home as the directory when none is given.
+fn for_account(exec: &Exec, account: &Account) -> Exec {
+    let mut exec = exec.clone();
+    exec.env.retain(|(name, _)| !matches!(name.as_str(), "HOME" | "USER" | "LOGNAME"));
+    exec.env.push(("HOME".into(), account.home.clone()));
+    exec.env.push(("USER".into(), account.name.clone()));
+    exec.env.push(("LOGNAME".into(), account.name.clone()));
+    if exec.cwd.is_empty() {
+        exec.cwd = account.home.clone();
+    }
+    exec
+}
+
+/// How deep a `sudo` client may be below the job whose cgroup its command joins.
+const MAX_ANCESTRY: usize = 256;
+
+impl Init {
+    /// Serves the `sudo` listener and clients that `ready` (in [`Sudo::poll_fds`] order) says have something.
+    fn serve_sudo(&mut self, ready: &[bool]) {
+        let Some(sudo) = &mut self.sudo else { return };
+        if ready.first() == Some(&true) {
+            sudo.accept();
+        }
+        // Last first: a client that is done is removed.
+        let clients = ready.len().saturating_sub(1).min(sudo.clients.len());
+        for index in (0..clients).rev() {
+            if !ready[index + 1] {
+                continue;
+            }
+            let Some(sudo) = &self.sudo else { return };
+            match sudo.read(index) {
+                Incoming::Nothing => {}
+                Incoming::Gone => {
+                    let Some(sudo) = &mut self.sudo else { return };
+                    let client = sudo.clients.swap_remove(index);
+                    // The client went away (killed, or its job was): its command goes with it.
+                    if let Some(pid) = client.command {
+                        let _ = kill(Pid::from_raw(-pid.as_raw()), Signal::SIGKILL);
+                    }
+                }
+                Incoming::Frame(sudo::ClientFrame::Signal(number)) => {
+                    if let (Some(pid), Ok(signal)) = (sudo.clients[index].command, Signal::try_from(number)) {
+                        let _ = kill(Pid::from_raw(-pid.as_raw()), signal);
+                    }
+                }
+                Incoming::Request(request, fds) => self.start_sudo(index, request, fds),
+            }
+        }
+    }
+
+    /// Starts client `index`'s command as the jail's root, if it may.
+    fn start_sudo(&mut self, index: usize, request: sudo::Request, fds: Vec<OwnedFd>) {
+        let Some(sudo) = &self.sudo else { return };
+        let (peer_pid, peer_uid) = sudo.clients[index].peer;
+        let refused = |sudo: &mut Sudo, message: String| {
+            sudo.reply(index, &Reply::Refused(message));
+            sudo.clients.swap_remove(index);
+        };
+        if !users::may_sudo(&self.files, peer_uid) {
+            let message = format!("user {peer_uid} is not in the sudoers (the {} group)", users::SUDO_GROUP);
+            if let Some(sudo) = &mut self.sudo {
+                refused(sudo, message);
+            }
+            return;
+        }
+        if fds.len() != 3 {
+            if let Some(sudo) = &mut self.sudo {
+                refused(sudo, format!("{} descriptors, expected 3 (stdin, stdout, stderr)", fds.len()));
+            }
+            return;
+        }
+        let mut fds = fds;
+        let cgroup = self.cgroup_of(peer_pid);
+        let cgroup_files = cgroup.len() as u32;
+        fds.extend(cgroup);
+        let exec = Exec {
+            argv: request.argv,
+            env: request.env,
+            cwd: request.cwd,
+            program_copy: None,
+            nofile: SUDO_NOFILE,
+            cpu_seconds: libc::RLIM_INFINITY,
+            cgroup_files,
+            tty: None,
+            user: None,
+        };
+        let started = self.spawn(&exec, fds, None);
+        let Some(sudo) = &mut self.sudo else { return };
+        match started {
+            Ok(Spawned { pid, .. }) => {
+                sudo.clients[index].command = Some(pid);
+                sudo.reply(index, &Reply::Started(pid.as_raw()));
+            }
+            Err(JailFrame::ExecFailed { message, .. }) => refused(sudo, message),
+            Err(other) => refused(sudo, format!("{other:?}")),
+        }
+    }
+
+    /// Copies of the cgroup files of the job `pid` descends from (none when it descends from none: a daemon).
+    fn cgroup_of(&self, pid: i32) -> Vec<OwnedFd> {
+        let mut current = pid;
+        for _ in 0..MAX_ANCESTRY {
+            let files = if self.job.is_some_and(|job| job.as_raw() == current) {
+                Some(&self.job_cgroup)
+            } else {
+                self.lanes.iter().find(|lane| lane.job.is_some_and(|job| job.as_raw() == current)).map(|l| &l.cgroup)
+            };
+            if let Some(files) = files {
+                return files.iter().filter_map(|fd| fd.try_clone().ok()).collect();
+            }
+            match sudo::parent_of(current) {
+                Some(parent) if parent > 1 => current = parent,
+                _ => return Vec::new(),
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// Open files of a `sudo` command (the jail's `RLIMIT_NOFILE` for its jobs is the host's request; a command
+/// started this way gets Debian's default).
+const SUDO_NOFILE: u64 = 1024;
 
 /// Kills every process of the jail but PID 1 that is in the jail's own cgroup: the first connection's jobs and
 /// what they left behind, not the lanes' jobs (each in a child cgroup, which its `/proc/<pid>/cgroup` shows as a
@@ -950,8 +1161,10 @@ fn set_limits(exec: &Exec) -> Result<(), Errno> {
 }
 
 /// Drops every capability for good: the bounding and ambient sets, then effective/permitted/inheritable, with
-/// the securebits that stop a root `execve` from regaining them, all locked.
-fn drop_capabilities() -> Result<(), Errno> {
+/// the securebits that stop a root `execve` from regaining them, all locked. With an `account`, the process
+/// becomes it (groups, then group, then user: in the jail's user namespace, while `CAP_SETUID` and
+/// `CAP_SETGID` are still held) between the two.
+fn drop_capabilities(account: Option<&Account>) -> Result<(), Errno> {
     const SECBIT_NOROOT: libc::c_ulong = 1 << 0;
     const SECBIT_NOROOT_LOCKED: libc::c_ulong = 1 << 1;
     const SECBIT_NO_SETUID_FIXUP: libc::c_ulong = 1 << 2;
@@ -981,6 +1194,13 @@ fn drop_capabilities() -> Result<(), Errno> {
     // SAFETY: PR_CAP_AMBIENT_CLEAR_ALL takes no pointers.
     if unsafe { libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) } < 0 {
         return Err(Errno::last());
+    }
+    if let Some(account) = account {
+        let groups: Vec<nix::unistd::Gid> = account.groups.iter().map(|g| nix::unistd::Gid::from_raw(*g)).collect();
+        nix::unistd::setgroups(&groups)?;
+        let (gid, uid) = (nix::unistd::Gid::from_raw(account.gid), nix::unistd::Uid::from_raw(account.uid));
+        nix::unistd::setresgid(gid, gid, gid)?;
+        nix::unistd::setresuid(uid, uid, uid)?;
     }
     #[repr(C)]
     struct CapHeader {

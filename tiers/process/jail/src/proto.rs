@@ -19,7 +19,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// The protocol version; [`Setup::version`] must equal it.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The control socket's descriptor number when the jail process starts: its standard input.
 pub const CONTROL_FD: RawFd = 0;
@@ -172,6 +172,10 @@ pub struct Setup {
     /// calls (it builds each fork), and the zygote gets a filter of its own that takes them away again.
     #[serde(default)]
     pub zygote: bool,
+    /// The account of the jail (looked up in its `/etc/passwd` once it is built) that owns what the file frames
+    /// create; the jail's root when `None`. Needs [`Setup::id_map`].
+    #[serde(default)]
+    pub files_owner: Option<String>,
 }
 
 /// One fork of the zygote.
@@ -227,6 +231,11 @@ pub struct Exec {
     /// standard streams and controlling terminal. The host gets the terminal's master with `Started`.
     #[serde(default)]
     pub tty: Option<TtySize>,
+    /// Run the job as this account of the jail ([`crate::users`]: its IDs and groups from the jail's
+    /// `/etc/passwd` and `/etc/group`; `HOME`, `USER` and `LOGNAME` set from it; an empty [`Exec::cwd`] is its
+    /// home) instead of the jail's root. Needs [`Setup::id_map`].
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// A terminal's window size in character cells.
@@ -587,6 +596,7 @@ mod tests {
             cpu_seconds: 1,
             cgroup_files: 0,
             tty: None,
+            user: None,
         };
         let (r, w) = nix::unistd::pipe().expect("pipe");
         send(a.as_fd(), &HostFrame::Exec(exec), &[r.as_fd(), w.as_fd()]).expect("send");

@@ -95,6 +95,8 @@ pub struct JailConfig {
     pub egress_socket: Option<PathBuf>,
     /// The jail holds a zygote and forks it ([`Jail::start_zygote`], [`Jail::fork`]).
     pub zygote: bool,
+    /// The jail's account that owns what the file calls create (needs `id_map`); the jail's root when `None`.
+    pub files_owner: Option<String>,
 }
 
 /// Why a jail could not be started or used.
@@ -385,6 +387,7 @@ impl Jail {
             restore_upper: config.restore_upper.is_some(),
             egress_socket: config.egress_socket.clone(),
             zygote: config.zygote,
+            files_owner: config.files_owner.clone(),
         };
         let tree = config.restore_upper.clone();
         if let Some(tree) = &tree {
