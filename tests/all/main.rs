@@ -17,6 +17,7 @@ mod snapshot_wasm;
 mod stdin_stream;
 mod terminal;
 mod usage;
+mod users;
 mod util;
 mod wasm_basics;
 mod wasm_cache;

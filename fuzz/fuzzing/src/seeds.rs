@@ -325,6 +325,15 @@ fn jail_frames() -> Vec<Seed> {
     spilled.extend_from_slice(&json(&JailFrame::Started { pid: 2 }));
     let mut out: Vec<(&str, Vec<u8>)> = seeds.drain(..).map(|(n, doc)| (n, [&[0u8][..], &doc].concat())).collect();
     out.push(("spilled", spilled));
+    // The `sudo` client's messages: its request with its three streams beside it (bit 1 attaches one descriptor),
+    // and a signal it forwards while the command runs (bit 3).
+    let request = strata_jail::sudo::Request {
+        argv: vec!["id".into(), "-u".into()],
+        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+        cwd: "/home/user".into(),
+    };
+    out.push(("sudo-request", [&[2u8][..], &json(&request)].concat()));
+    out.push(("sudo-signal", [&[8u8][..], &json(&strata_jail::sudo::ClientFrame::Signal(2))].concat()));
     named(out)
 }
 

@@ -822,11 +822,17 @@ async fn e2b_state_goes_with_its_sandbox() {
         return;
     }
     let server = TestServer::start().await;
-    let (status, created) = server.post("/v2/sandboxes", json!({"templateID": "base"})).await;
-    assert_eq!(status, 201, "{created}");
-    let id = created["sandboxID"].as_str().expect("id").to_owned();
     let homes = server.state.snapshot_dir.join("e2b");
     let count = || std::fs::read_dir(&homes).map(|dir| dir.count()).unwrap_or(0);
+    // A sandbox's home is in its own filesystem; only the wasm-Python template shares one from the host.
+    let (status, created) = server.post("/v2/sandboxes", json!({"templateID": "base"})).await;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(count(), 0, "a base sandbox's home is its own");
+    let base = created["sandboxID"].as_str().expect("id").to_owned();
+    assert_eq!(server.delete(&format!("/v1/sandboxes/{base}")).await, 204);
+    let (status, created) = server.post("/v2/sandboxes", json!({"templateID": "strata-wasm-python"})).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
     assert_eq!(count(), 1, "the sandbox's home directory");
     // Killed by the native API, not the E2B one: the E2B layer's state of it goes all the same.
     assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 204);
@@ -1115,3 +1121,53 @@ async fn e2b_stream_input_and_update_reach_a_terminal() {
     assert_eq!((last.0, &last.1["error"]["code"]), (2, &json!("invalid_argument")), "{frames:?}");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdks_run_commands_as_user_with_sudo() {
+    if !process_tier("e2b_sdks_run_commands_as_user_with_sudo") {
+        return;
+    }
+    let server = keyed_server().await;
+    both_sdks(&server, USERS_SCRIPT, "USERS OK", JS_USERS_SCRIPT, "users.mjs", "JS USERS OK").await;
+    server.stop().await;
+}
+
+/// Commands run as `user` (uid 1000) in `/home/user` unless `user="root"`, `sudo` reaches root, relative paths are
+/// the user's home for commands and files alike, and files written through the SDK belong to the user.
+const USERS_SCRIPT: &str = r#"
+from e2b import Sandbox, CommandExitException
+sbx = Sandbox.create()
+r = sbx.commands.run("whoami; id -u; pwd; echo $HOME; sudo whoami; sudo -i pwd")
+assert r.stdout == "user\n1000\n/home/user\n/home/user\nroot\n/root\n", repr(r.stdout)
+r = sbx.commands.run("whoami; pwd", user="root")
+assert r.stdout == "root\n/root\n", repr(r.stdout)
+sbx.files.write("notes.txt", "a\n")
+r = sbx.commands.run("echo b >> notes.txt && stat -c %U notes.txt")
+assert r.stdout == "user\n", repr(r.stdout)
+assert sbx.files.read("notes.txt") == "a\nb\n"
+try:
+    sbx.commands.run("touch /etc/nope")
+    raise SystemExit("a user wrote /etc")
+except CommandExitException as e:
+    assert e.exit_code == 1 and "Permission denied" in e.stderr, (e.exit_code, e.stderr)
+r = sbx.commands.run("sudo apt-get --version | head -1")
+assert r.stdout.startswith("apt "), repr(r.stdout)
+sbx.kill()
+print("USERS OK")
+"#;
+
+/// [`USERS_SCRIPT`] with the JS SDK.
+const JS_USERS_SCRIPT: &str = r#"
+import { Sandbox } from 'e2b'
+const check = (ok, what) => { if (!ok) { console.error(what); process.exit(1) } }
+const sbx = await Sandbox.create()
+let r = await sbx.commands.run('whoami; pwd; sudo id -u')
+check(r.stdout === 'user\n/home/user\n0\n', JSON.stringify(r.stdout))
+r = await sbx.commands.run('id -u', { user: 'root' })
+check(r.stdout === '0\n', JSON.stringify(r.stdout))
+await sbx.files.write('js.txt', 'x')
+r = await sbx.commands.run('stat -c %U /home/user/js.txt')
+check(r.stdout === 'user\n', JSON.stringify(r.stdout))
+await sbx.kill()
+console.log('JS USERS OK')
+"#;

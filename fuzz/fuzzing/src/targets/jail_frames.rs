@@ -6,6 +6,8 @@
 //! documents over `MAX_INLINE` travel); bit 1 attaches a spare descriptor as well; bit 2 sends the spill marker
 //! with no memfd. The message is received both as a [`JailFrame`] (what the host reads) and as a [`HostFrame`].
 //!
+//! The same bytes also go to the jail's `sudo` listener's decoder (mode bit 3: its command runs).
+//!
 //! Oracles: `recv` fails only with a typed [`ProtoError`], never panics; a frame it accepts survives a `send` and
 //! `recv` round trip unchanged; documents over the inline limit are refused unless spilled.
 
@@ -39,6 +41,29 @@ pub fn run(data: &[u8]) {
     let (host, jail) = (&pair.0, &pair.1);
     deliver::<JailFrame>(jail, host, doc, mode);
     deliver::<HostFrame>(host, jail, doc, mode);
+    drop(pair);
+    sudo_message(doc, mode);
+}
+
+/// The same bytes as a message of a jail process to PID 1's `sudo` listener (`strata_jail::sudo`), which trusts
+/// nothing of it: a request is taken only before the command runs, a signal frame only while it does and with no
+/// descriptors, anything else ends the client; an accepted request survives a JSON round trip.
+fn sudo_message(doc: &[u8], mode: u8) {
+    use strata_jail::sudo::{Incoming, Request, decode};
+    let fds = if mode & 2 != 0 { vec![memfd_create("fuzz-fd", MFdFlags::MFD_CLOEXEC).expect("memfd")] } else { vec![] };
+    let with_fds = !fds.is_empty();
+    match decode(doc, fds, mode & 8 != 0) {
+        Incoming::Request(request, fds) => {
+            assert!(mode & 8 == 0, "a request while the command runs");
+            assert_eq!(fds.len(), usize::from(with_fds), "descriptors handed over beside the request");
+            let json = serde_json::to_vec(&request).expect("serializes");
+            let again: Request = serde_json::from_slice(&json).expect("an accepted request parses again");
+            assert_eq!(again, request);
+        }
+        Incoming::Frame(_) => assert!(mode & 8 != 0 && !with_fds, "a signal frame before the command or with fds"),
+        Incoming::Gone => {}
+        Incoming::Nothing => panic!("decoding a message never waits"),
+    }
 }
 
 fn deliver<T: Serialize + DeserializeOwned>(from: &OwnedFd, to: &OwnedFd, doc: &[u8], mode: u8) {

@@ -175,22 +175,27 @@ impl Sudo {
         if len == 0 || truncated || len > MAX_REQUEST {
             return Incoming::Gone;
         }
-        let body = &buf[..len];
-        if self.clients[index].command.is_some() {
-            return match serde_json::from_slice(body) {
-                Ok(frame) if fds.is_empty() => Incoming::Frame(frame),
-                _ => Incoming::Gone,
-            };
-        }
-        match serde_json::from_slice(body) {
-            Ok(request) => Incoming::Request(request, fds),
-            Err(_) => Incoming::Gone,
-        }
+        decode(&buf[..len], fds, self.clients[index].command.is_some())
     }
 
     /// Sends `reply` to client `index` without waiting (a client that does not read loses it).
     pub fn reply(&self, index: usize, reply: &Reply) {
         reply_on(self.clients[index].socket.as_fd(), reply);
+    }
+}
+
+/// What a client's message `body` (with `fds` beside it) says: a [`Request`] before its command runs, a
+/// [`ClientFrame`] (with no descriptors) while it does (`running`); anything else ends the client.
+pub fn decode(body: &[u8], fds: Vec<OwnedFd>, running: bool) -> Incoming {
+    if running {
+        return match serde_json::from_slice(body) {
+            Ok(frame) if fds.is_empty() => Incoming::Frame(frame),
+            _ => Incoming::Gone,
+        };
+    }
+    match serde_json::from_slice(body) {
+        Ok(request) => Incoming::Request(request, fds),
+        Err(_) => Incoming::Gone,
     }
 }
 
