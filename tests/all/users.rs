@@ -67,7 +67,9 @@ fn sudo_runs_as_the_jails_root_with_the_callers_streams_and_status() {
 fn only_root_and_the_sudo_group_may_use_sudo() {
     let Some(tier) = process_tier("only_root_and_the_sudo_group_may_use_sudo") else { return };
     let sandbox = tier.start(&Capabilities::default(), &Limits::default()).expect("start");
-    let made = sandbox.exec(&sh("echo 'bob:x:1001:1001::/tmp:/bin/sh' >> /etc/passwd && echo made"), ExecOptions::default()).expect("useradd");
+    let made = sandbox
+        .exec(&sh("echo 'bob:x:1001:1001::/tmp:/bin/sh' >> /etc/passwd && echo made"), ExecOptions::default())
+        .expect("useradd");
     assert_eq!(text(&made.stdout), "made\n", "{}", text(&made.stderr));
     let bob = ExecOptions { user: user("bob"), ..ExecOptions::default() };
     let outcome = sandbox.exec(&sh("sudo id -u; echo status=$?"), bob).expect("exec");

@@ -37,7 +37,7 @@ pub(super) struct CreateRequest {
 
 /// A sandbox as create and connect answer it; `domain`: the server's (`--domain`), from which the SDKs' `get_host(port)`
 /// makes `{port}-{sandboxID}.{domain}` (null: the SDK's own default).
-fn sandbox_json(entry: &SandboxEntry, meta: &E2bMeta, domain: Option<&str>) -> Value {
+pub(super) fn sandbox_json(entry: &SandboxEntry, meta: &E2bMeta, domain: Option<&str>) -> Value {
     json!({
         "domain": domain,
         "templateID": meta.template,
@@ -69,7 +69,7 @@ fn listed_json(entry: &SandboxEntry, meta: &E2bMeta) -> Value {
 }
 
 /// The sandbox `id` of `principal` if it is an E2B sandbox.
-fn e2b_sandbox(
+pub(super) fn e2b_sandbox(
     state: &AppState,
     id: &str,
     principal: &Principal,
@@ -99,6 +99,13 @@ pub(super) async fn create(
         .collect::<Result<Vec<_>, _>>()?;
     let ttl = crate::service::ttl(&state, req.timeout)?;
     let template = req.template_id.unwrap_or_else(|| "base".to_owned());
+    // `Sandbox.create(snapshot_id)`: a fork of one of the key's snapshots.
+    let metadata = req.metadata.clone().unwrap_or_else(|| json!({}));
+    if let Some((entry, meta)) =
+        super::lifecycle::create_from_snapshot(&state, &principal, &template, metadata, ttl).await?
+    {
+        return Ok((StatusCode::CREATED, Json(sandbox_json(&entry, &meta, state.domain.as_deref()))).into_response());
+    }
     // Commands run as the image's `user` (uid 1000, passwordless sudo), in its home, which is part of the sandbox's
     // own filesystem (so its snapshots and forks hold it). The wasm-Python template instead shares `/home/user`
     // with its wasm Python session as a host directory, and runs commands as the sandbox's root.
@@ -150,6 +157,7 @@ pub(super) async fn list(
         .list(Some(&principal.name))
         .iter()
         .filter_map(|entry| state.e2b.sandbox(&entry.id).map(|meta| listed_json(entry, &meta)))
+        .chain(state.e2b.lifecycle.listed(&principal.name))
         .collect();
     Json(Value::Array(list))
 }
@@ -159,6 +167,9 @@ pub(super) async fn detail(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, E2bError> {
+    if let Some(paused) = state.e2b.lifecycle.detail(&id, &principal.name) {
+        return Ok(Json(paused));
+    }
     let (entry, meta) = e2b_sandbox(&state, &id, &principal)?;
     let mut detail = listed_json(&entry, &meta);
     detail["envdAccessToken"] = json!(meta.access_token);
@@ -246,6 +257,9 @@ pub(super) async fn kill(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, E2bError> {
+    if state.e2b.lifecycle.kill(&id, &principal.name) {
+        return Ok(StatusCode::NO_CONTENT);
+    }
     let (_, meta) = e2b_sandbox(&state, &id, &principal)?;
     // Its commands and watchers stop first, so that killing it does not wait on them; the rest goes with it.
     meta.stop_jobs();
@@ -276,12 +290,19 @@ pub(super) async fn connect(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     body: Bytes,
-) -> Result<Json<Value>, E2bError> {
-    let (entry, meta) = e2b_sandbox(&state, &id, &principal)?;
-    if let Ok(req) = serde_json::from_slice::<TimeoutRequest>(&body) {
-        entry.set_ttl(crate::service::ttl(&state, Some(req.timeout))?);
+) -> Result<Response, E2bError> {
+    let timeout = serde_json::from_slice::<TimeoutRequest>(&body).ok().map(|req| req.timeout);
+    // A paused sandbox is resumed (201), a running one only given its new timeout (200), as E2B answers.
+    if state.e2b.lifecycle.is_paused(&id, &principal.name) {
+        let ttl = crate::service::ttl(&state, timeout)?;
+        let (entry, meta) = super::lifecycle::resume(&state, &principal, &id, ttl).await?;
+        return Ok((StatusCode::CREATED, Json(sandbox_json(&entry, &meta, state.domain.as_deref()))).into_response());
     }
-    Ok(Json(sandbox_json(&entry, &meta, state.domain.as_deref())))
+    let (entry, meta) = e2b_sandbox(&state, &id, &principal)?;
+    if let Some(timeout) = timeout {
+        entry.set_ttl(crate::service::ttl(&state, Some(timeout))?);
+    }
+    Ok(Json(sandbox_json(&entry, &meta, state.domain.as_deref())).into_response())
 }
 
 pub(super) async fn refresh(

@@ -48,6 +48,7 @@ pub mod error;
 mod fs;
 mod interpreter;
 pub mod kernel;
+mod lifecycle;
 pub(crate) mod ports;
 mod process;
 mod watch;
@@ -138,6 +139,20 @@ impl E2bMeta {
         }
     }
 
+    /// The same sandbox's identity (template, tokens, metadata, environment) with nothing running: what a resumed
+    /// sandbox starts with.
+    fn renewed(&self) -> E2bMeta {
+        let mut meta = E2bMeta::new(
+            self.template.clone(),
+            self.access_token.clone(),
+            self.metadata.clone(),
+            None,
+            self.env.clone(),
+        );
+        meta.traffic_token = self.traffic_token.clone();
+        meta
+    }
+
     /// Cancels every command and watcher still running in the sandbox.
     fn stop_jobs(&self) {
         for command in lock(&self.commands).values() {
@@ -188,6 +203,8 @@ struct RunningCommand {
 pub struct E2bState {
     sandboxes: std::sync::Mutex<HashMap<String, Arc<E2bMeta>>>,
     next_pid: AtomicU32,
+    /// Paused sandboxes and the E2B snapshots' templates.
+    lifecycle: lifecycle::Lifecycle,
 }
 
 impl E2bState {
@@ -241,6 +258,12 @@ pub fn control_routes() -> Router<Arc<AppState>> {
         .route("/sandboxes/{id}/connect", post(control::connect))
         .route("/v2/sandboxes/{id}/connect", post(control::connect))
         .route("/sandboxes/{id}/refreshes", post(control::refresh))
+        .route("/sandboxes/{id}/pause", post(lifecycle::pause))
+        .route("/sandboxes/{id}/resume", post(control::connect))
+        .route("/sandboxes/{id}/snapshots", post(lifecycle::create_snapshot))
+        .route("/sandboxes/{id}/fork", post(lifecycle::fork))
+        .route("/snapshots", get(lifecycle::list_snapshots))
+        .route("/templates/{id}", axum::routing::delete(lifecycle::delete_snapshot))
 }
 
 /// The envd and code-interpreter routes (authorised by each sandbox's access token).

@@ -1171,3 +1171,73 @@ check(r.stdout === 'user\n', JSON.stringify(r.stdout))
 await sbx.kill()
 console.log('JS USERS OK')
 "#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdks_pause_resume_snapshot_and_fork() {
+    if !process_tier("e2b_sdks_pause_resume_snapshot_and_fork") {
+        return;
+    }
+    let server = keyed_server().await;
+    both_sdks(&server, LIFECYCLE_SCRIPT, "LIFECYCLE OK", JS_LIFECYCLE_SCRIPT, "lifecycle.mjs", "JS LIFECYCLE OK").await;
+    assert!(server.state.registry.snapshots("sdk").is_empty(), "the SDKs deleted their snapshots");
+    server.stop().await;
+}
+
+/// `pause()` keeps the filesystem (home and `/tmp`) under the same id and tokens, `connect` resumes it;
+/// `create_snapshot` + `Sandbox.create(snapshot_id)`, `list_snapshots`, `delete_snapshot`; `fork(count=2)`: forks
+/// independent of each other and of their source.
+const LIFECYCLE_SCRIPT: &str = r#"
+from e2b import Sandbox
+sbx = Sandbox.create(metadata={"who": "lifecycle"})
+sbx.files.write("state.txt", "before")
+sbx.commands.run("echo tmp > /tmp/t")
+assert sbx.pause() is True
+assert sbx.pause() is False, "a second pause finds it paused"
+assert not sbx.is_running()
+listed = {s.sandbox_id: s.state for s in Sandbox.list().next_items()}
+assert str(listed.get(sbx.sandbox_id)).endswith("paused"), listed
+same = Sandbox.connect(sbx.sandbox_id)
+assert same.sandbox_id == sbx.sandbox_id and same.is_running()
+assert sbx.files.read("state.txt") == "before", "the old object works again: same tokens"
+assert same.commands.run("cat /tmp/t; whoami").stdout == "tmp\nuser\n"
+snap = same.create_snapshot(name="mine")
+assert snap.snapshot_id and "mine" in snap.names, snap
+listed = [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=same.sandbox_id).next_items()]
+assert listed == [snap.snapshot_id], listed
+started = Sandbox.create(snap.snapshot_id)
+assert started.sandbox_id != same.sandbox_id
+assert started.files.read("state.txt") == "before"
+started.files.write("state.txt", "changed")
+assert same.files.read("state.txt") == "before"
+forks = same.fork(count=2)
+assert len(forks) == 2 and not any(isinstance(f, Exception) for f in forks), forks
+forks[0].files.write("state.txt", "fork0")
+assert forks[1].files.read("state.txt") == "before" and same.files.read("state.txt") == "before"
+assert forks[0].commands.run("whoami").stdout == "user\n"
+assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+for s in [same, started, *forks]:
+    s.kill()
+print("LIFECYCLE OK")
+"#;
+
+/// [`LIFECYCLE_SCRIPT`] with the JS SDK.
+const JS_LIFECYCLE_SCRIPT: &str = r#"
+import { Sandbox } from 'e2b'
+const check = (ok, what) => { if (!ok) { console.error(what); process.exit(1) } }
+const sbx = await Sandbox.create()
+await sbx.files.write('state.txt', 'before')
+check(await sbx.pause() === true, 'paused')
+check(!(await sbx.isRunning()), 'not running while paused')
+const same = await Sandbox.connect(sbx.sandboxId)
+check(await same.files.read('state.txt') === 'before', 'resumed with its files')
+const snap = await same.createSnapshot()
+const started = await Sandbox.create(snap.snapshotId)
+check(await started.files.read('state.txt') === 'before', 'created from the snapshot')
+const forks = await same.fork({ count: 2 })
+check(forks.length === 2 && forks.every(f => !(f instanceof Error)), String(forks))
+check(await forks[1].files.read('state.txt') === 'before', 'a fork has the files')
+await Sandbox.deleteSnapshot(snap.snapshotId)
+for (const s of [same, started, ...forks]) await s.kill()
+console.log('JS LIFECYCLE OK')
+"#;
