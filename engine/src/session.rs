@@ -101,6 +101,10 @@ impl Sandbox for WasmSession {
         self.inner.usage()
     }
 
+    fn set_network(&self, net: &strata_core::Net) -> Result<(), TierError> {
+        self.inner.set_network(net)
+    }
+
     fn list_dir(&self, path: &GuestPath, depth: u32) -> Result<Vec<EntryInfo>, TierError> {
         self.inner.list_dir(path, depth)
     }

@@ -390,6 +390,14 @@ pub trait Sandbox: Send + Sync {
         })
     }
 
+    /// Puts `net` in force for the connections the sandbox's jobs make from now on (connections already made go
+    /// on): the process tier replaces its egress proxy's allowlist. Tiers that cannot answer
+    /// [`TierError::Unsupported`].
+    fn set_network(&self, net: &crate::Net) -> Result<(), TierError> {
+        let _ = net;
+        Err(TierError::Unsupported { tier: self.tier(), what: "changing the network of a running sandbox".into() })
+    }
+
     /// What the sandbox uses now: CPU time, memory and disk ([`SandboxUsage`]). Tiers that cannot measure it
     /// answer [`TierError::Unsupported`].
     fn usage(&self) -> Result<SandboxUsage, TierError> {

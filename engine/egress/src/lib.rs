@@ -54,5 +54,5 @@ pub mod sni;
 
 pub use allow::{AllowRule, Allowlist, AllowlistError, Host, HostPattern};
 pub use env::proxy_env;
-pub use proxy::{Drained, EgressConfig, EgressError, EgressHandle, EgressProxy};
+pub use proxy::{AllowlistSwitch, Drained, EgressConfig, EgressError, EgressHandle, EgressProxy};
 pub use record::{EgressKind, EgressRecord, EgressVerdict};

@@ -149,7 +149,8 @@ pub struct EgressProxy;
 /// State every connection task shares.
 #[derive(Debug)]
 struct Shared {
-    allowlist: Allowlist,
+    /// Replaced while the proxy runs ([`AllowlistSwitch`]); each connection checks the one in force when it comes.
+    allowlist: std::sync::RwLock<Arc<Allowlist>>,
     max_header_bytes: usize,
     idle_timeout: Duration,
     connect_timeout: Duration,
@@ -162,6 +163,10 @@ impl Shared {
     fn log(&self) -> MutexGuard<'_, EgressLog> {
         // A panic while holding the lock leaves a Vec that is still valid.
         self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn allowlist(&self) -> Arc<Allowlist> {
+        self.allowlist.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     fn in_flight(&self) -> usize {
@@ -237,7 +242,7 @@ impl EgressProxy {
         };
 
         let shared = Arc::new(Shared {
-            allowlist: config.allowlist,
+            allowlist: std::sync::RwLock::new(Arc::new(config.allowlist)),
             max_header_bytes: config.max_header_bytes,
             idle_timeout: config.idle_timeout,
             connect_timeout: config.connect_timeout,
@@ -271,6 +276,29 @@ impl EgressProxy {
     }
 }
 
+/// Replaces a running proxy's allowlist: connections accepted afterwards are checked against the new one;
+/// connections already relayed go on (a connection is allowed once, when it is made).
+#[derive(Debug, Clone)]
+pub struct AllowlistSwitch(std::sync::Weak<Shared>);
+
+impl AllowlistSwitch {
+    /// Puts `allowlist` in force; `false` when the proxy has stopped.
+    pub fn set(&self, allowlist: Allowlist) -> bool {
+        match self.0.upgrade() {
+            Some(shared) => {
+                *shared.allowlist.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(allowlist);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The allowlist in force, while the proxy runs.
+    pub fn get(&self) -> Option<Arc<Allowlist>> {
+        self.0.upgrade().map(|shared| shared.allowlist())
+    }
+}
+
 /// A running proxy. Dropping it stops the proxy (see [`EgressProxy::start`]).
 #[derive(Debug)]
 pub struct EgressHandle {
@@ -293,8 +321,14 @@ impl EgressHandle {
     }
 
     /// The allowlist in force.
-    pub fn allowlist(&self) -> &Allowlist {
-        &self.shared.allowlist
+    pub fn allowlist(&self) -> Arc<Allowlist> {
+        self.shared.allowlist()
+    }
+
+    /// A handle that replaces the allowlist while the proxy runs (it outlives nothing: once the proxy stops, a
+    /// change is a no-op).
+    pub fn switch(&self) -> AllowlistSwitch {
+        AllowlistSwitch(Arc::downgrade(&self.shared))
     }
 
     /// A copy of the records of finished connections, oldest first.
@@ -578,7 +612,7 @@ impl Connection {
         self.host = head.host.to_string();
         self.port = head.port;
         self.kind = if head.is_connect() { EgressKind::Connect } else { EgressKind::Http };
-        if !self.shared.allowlist.allows(&head.host, head.port) {
+        if !self.shared.allowlist().allows(&head.host, head.port) {
             let reason = format!("{}:{} is not in the allowlist", head.host.to_authority(), head.port);
             respond(&mut client, "403 Forbidden", &reason).await;
             self.deny(reason);
@@ -806,8 +840,10 @@ async fn connect_origin(shared: &Shared, host: &Host, port: u16) -> Result<TcpSt
                 .map_err(|_| Unreachable::Failed(format!("resolving {name} timed out")))?
                 .map_err(|e| Unreachable::Failed(format!("cannot resolve {name}: {e}")))?;
             let all: Vec<SocketAddr> = found.collect();
-            let permitted: Vec<SocketAddr> =
-                all.iter().copied().filter(|a| shared.allowlist.permits_resolved(host, a.ip(), port)).collect();
+            let permitted: Vec<SocketAddr> = {
+                let allowlist = shared.allowlist();
+                all.iter().copied().filter(|a| allowlist.permits_resolved(host, a.ip(), port)).collect()
+            };
             match (all.first(), permitted.is_empty()) {
                 (None, _) => return Err(Unreachable::Failed(format!("{name} resolves to no address"))),
                 (Some(a), true) => {

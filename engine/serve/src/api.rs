@@ -49,6 +49,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/v1/sandboxes/{id}/files/list", get(list_files))
         .route("/v1/sandboxes/{id}/fork", post(fork_live))
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/v1/sandboxes/{id}/network", axum::routing::put(set_network))
         .route("/v1/sandboxes/{id}/metrics", get(metrics))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshot))
         .route("/v1/sandboxes/{id}/ports/{port}", any(port))
@@ -258,7 +259,7 @@ pub struct OutcomeDoc {
         `body_too_large`); a connection with no request in flight closes after `--keep-alive-timeout`, and one whose \
         client accepts no byte of a response for `--write-timeout` is cut off."),
     paths(
-        create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout,
+        create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout, set_network,
         snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files, port, metrics, crate::pty::create,
         crate::pty::list, crate::pty::resize, crate::pty::kill, crate::pty::attach
     ),
@@ -266,7 +267,7 @@ pub struct OutcomeDoc {
         CapabilitiesRequest, CreateSandboxRequest, JobRequest, RunRequest, SandboxInfo, SandboxList, TimeoutRequest,
         SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail,
         LiveForkResponse, FileEntry, FileList, MetricsList, crate::usage::UsageSample, crate::pty::PtyRequest, crate::pty::PtyInfo, crate::pty::PtyList,
-        crate::pty::ResizeRequest
+        crate::pty::ResizeRequest, NetworkRequest
     )),
     modifiers(&BearerAuth, &BodyLimits),
     security(("api_key" = []))
@@ -552,6 +553,34 @@ async fn set_timeout(
     let req = json(body)?;
     let entry = sandbox(&state, &principal, &id)?;
     entry.set_ttl(ttl(&state, Some(req.timeout))?);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `PUT /v1/sandboxes/{id}/network`: the egress allowlist from now on.
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkRequest {
+    /// `HOST[:PORT]` patterns the sandbox's jobs may reach, over the policy's (empty: the policy's only). Replaces
+    /// what the sandbox was created or last updated with; connections already made go on.
+    pub allow_net: Vec<String>,
+}
+
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/network", tag = "sandboxes", request_body = NetworkRequest,
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 501, body = ErrorBody, description = "the sandbox was created without a network, or its tier \
+            cannot change it")))]
+async fn set_network(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Result<Json<NetworkRequest>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    let req = json(body)?;
+    let allow = strata_core::Allowlist::parse(&req.allow_net)
+        .map_err(|e| ApiError::bad_request("invalid_capability", e.to_string()))?;
+    let net = state.policy.network.net_with(&allow);
+    let entry = sandbox(&state, &principal, &id)?;
+    blocking(move || entry.call(|sandbox| sandbox.set_network(&net))).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

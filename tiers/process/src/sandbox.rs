@@ -18,8 +18,8 @@ use strata_jail::sys::signal_pidfd;
 
 use strata_core::sync::lock;
 use strata_core::{
-    Capabilities, EntryInfo, ExecOptions, GuestPath, Job, Limits, Outcome, Sandbox, SandboxUsage, Snapshot, TierError,
-    TierKind, Watcher,
+    Capabilities, EntryInfo, ExecOptions, GuestPath, Job, Limits, Net, Outcome, Sandbox, SandboxUsage, Snapshot,
+    TierError, TierKind, Watcher,
 };
 
 use crate::fs::{self, file_error, file_target};
@@ -44,7 +44,10 @@ pub struct ProcessSandbox {
     /// Read by every job and file call while it runs, written by a snapshot: one excludes the other.
     gate: RwLock<()>,
     closed: AtomicBool,
-    caps: Capabilities,
+    /// Its capabilities; the network changes at run time ([`Sandbox::set_network`]).
+    caps: RwLock<Capabilities>,
+    /// Replaces its egress proxy's allowlist, when it has a proxy.
+    egress: Option<strata_egress::AllowlistSwitch>,
     limits: Limits,
     /// What its snapshots record and are sealed with.
     origin: crate::snapshot::Origin,
@@ -60,12 +63,13 @@ impl ProcessSandbox {
     ) -> Result<ProcessSandbox, TierError> {
         let lanes = jail.lanes().map_err(jail_error)?;
         Ok(ProcessSandbox {
+            egress: jail.egress_switch(),
             pid1: jail.pidfd(),
             jail: Mutex::new(Some(jail)),
             lanes,
             gate: RwLock::new(()),
             closed: AtomicBool::new(false),
-            caps,
+            caps: RwLock::new(caps),
             limits,
             origin,
         })
@@ -109,7 +113,8 @@ impl Sandbox for ProcessSandbox {
     fn exec(&self, job: &Job, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_determinism(TierKind::Process, "process-tier jobs")?;
         let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
-        let prepared = PreparedJob::new(job, &self.caps, &limits, &opts)?;
+        let caps = self.caps.read().unwrap_or_else(PoisonError::into_inner).clone();
+        let prepared = PreparedJob::new(job, &caps, &limits, &opts)?;
         let stdin = opts.stdin.clone().unwrap_or_default();
         let (_gate, lanes) = self.lanes()?;
         let mut first = match self.jail.try_lock() {
@@ -119,10 +124,10 @@ impl Sandbox for ProcessSandbox {
         };
         match first.as_deref_mut() {
             Some(Some(jail)) if !jail.has_ended() => {
-                run_in(Runner::Jail(jail), prepared, &self.caps, &limits, &stdin, &opts)
+                run_in(Runner::Jail(jail), prepared, &caps, &limits, &stdin, &opts)
             }
             Some(_) => Err(ended()),
-            None => run_in(Runner::Lane(lanes), prepared, &self.caps, &limits, &stdin, &opts),
+            None => run_in(Runner::Lane(lanes), prepared, &caps, &limits, &stdin, &opts),
         }
     }
 
@@ -224,7 +229,30 @@ impl Sandbox for ProcessSandbox {
             Some(jail) if !jail.has_ended() => jail,
             _ => return Err(ended()),
         };
-        crate::snapshot::take(jail, destination, &self.caps, &self.limits, &self.origin)
+        let caps = self.caps.read().unwrap_or_else(PoisonError::into_inner).clone();
+        crate::snapshot::take(jail, destination, &caps, &self.limits, &self.origin)
+    }
+
+    /// Puts `net` in force for the connections its jobs make from now on (and their proxy variables): its
+    /// egress proxy's allowlist is replaced. A sandbox started without a network has no proxy to change.
+    fn set_network(&self, net: &Net) -> Result<(), TierError> {
+        let Some(switch) = &self.egress else {
+            return Err(TierError::Unsupported {
+                tier: TierKind::Process,
+                what: "changing the network of a sandbox started without one (start it with a network, an empty \
+                       allowlist included, to change it later)"
+                    .into(),
+            });
+        };
+        let allowlist = match net {
+            Net::Deny => strata_core::Allowlist::deny_all(),
+            Net::Allow(allowlist) => allowlist.clone(),
+        };
+        if !switch.set(allowlist.clone()) {
+            return Err(ended());
+        }
+        self.caps.write().unwrap_or_else(PoisonError::into_inner).net = Net::Allow(allowlist);
+        Ok(())
     }
 
     /// Kills every process of the jail (its jobs end as cancelled when their tokens were cancelled, else as

@@ -33,6 +33,8 @@ pub(super) struct CreateRequest {
     metadata: Option<Value>,
     #[serde(default)]
     env_vars: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    network: Option<super::network::NetworkConfig>,
 }
 
 /// A sandbox as create and connect answer it; `domain`: the server's (`--domain`), from which the SDKs' `get_host(port)`
@@ -121,7 +123,8 @@ pub(super) async fn create(
     let caps = Capabilities {
         env: env.clone(),
         grants,
-        net: state.policy.network.net_with(&strata_core::Allowlist::default()),
+        // Always a proxy, even with nothing allowed: `update_network` can open it later.
+        net: req.network.unwrap_or_default().net(&state)?,
         user,
         ..Capabilities::default()
     };

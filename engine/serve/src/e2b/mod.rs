@@ -49,6 +49,7 @@ mod fs;
 mod interpreter;
 pub mod kernel;
 mod lifecycle;
+mod network;
 pub(crate) mod ports;
 mod process;
 mod watch;
@@ -262,6 +263,7 @@ pub fn control_routes() -> Router<Arc<AppState>> {
         .route("/sandboxes/{id}/resume", post(control::connect))
         .route("/sandboxes/{id}/snapshots", post(lifecycle::create_snapshot))
         .route("/sandboxes/{id}/fork", post(lifecycle::fork))
+        .route("/sandboxes/{id}/network", axum::routing::put(network::update))
         .route("/snapshots", get(lifecycle::list_snapshots))
         .route("/templates/{id}", axum::routing::delete(lifecycle::delete_snapshot))
 }

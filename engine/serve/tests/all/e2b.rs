@@ -1241,3 +1241,91 @@ await Sandbox.deleteSnapshot(snap.snapshotId)
 for (const s of [same, started, ...forks]) await s.kill()
 console.log('JS LIFECYCLE OK')
 "#;
+
+/// A host HTTP server on loopback that answers every request with `origin`, for as long as the test runs.
+fn origin_server() -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let mut stream = stream;
+            let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf);
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\nConnection: close\r\n\r\norigin");
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdks_update_the_network_at_run_time() {
+    if !process_tier("e2b_sdks_update_the_network_at_run_time") {
+        return;
+    }
+    let port = origin_server().to_string();
+    let server = keyed_server().await;
+    let (python, js) = (NETWORK_SCRIPT.replace("{PORT}", &port), JS_NETWORK_SCRIPT.replace("{PORT}", &port));
+    both_sdks(&server, &python, "NETWORK OK", &js, "network.mjs", "JS NETWORK OK").await;
+    server.stop().await;
+}
+
+/// `update_network` opens and closes the sandbox's egress for the commands that follow: a host on the host's
+/// loopback (through the sandbox's proxy, named explicitly and with `NO_PROXY` dropped: it keeps the sandbox's own
+/// loopback local).
+const NETWORK_SCRIPT: &str = r#"
+from e2b import Sandbox
+FETCH = '''
+import os, urllib.request as u
+os.environ.pop("no_proxy", None); os.environ.pop("NO_PROXY", None)
+o = u.build_opener(u.ProxyHandler({"http": "http://127.0.0.1:3128"}))
+try:
+    print(o.open("http://127.0.0.1:{PORT}/", timeout=10).read().decode())
+except Exception as e:
+    print("refused", getattr(e, "code", e))
+'''
+sbx = Sandbox.create()
+sbx.files.write("/tmp/fetch.py", FETCH)
+fetch = lambda: sbx.commands.run("python3 /tmp/fetch.py").stdout
+assert fetch() == "refused 403\n", fetch()
+sbx.update_network({"allow_out": ["127.0.0.1:{PORT}"], "deny_out": ["0.0.0.0/0"]})
+assert fetch() == "origin\n", fetch()
+sbx.update_network({})
+assert fetch() == "refused 403\n", "omitted fields are cleared"
+try:
+    sbx.update_network({"allow_out": ["0.0.0.0/0"]})
+    raise SystemExit("allow-all was taken")
+except Exception as e:
+    assert "allowlist" in str(e), e
+opened = Sandbox.create(network={"allow_out": ["127.0.0.1:{PORT}"]})
+opened.files.write("/tmp/fetch.py", FETCH)
+assert opened.commands.run("python3 /tmp/fetch.py").stdout == "origin\n"
+opened.kill()
+sbx.kill()
+print("NETWORK OK")
+"#;
+
+/// [`NETWORK_SCRIPT`] with the JS SDK (`updateNetwork`).
+const JS_NETWORK_SCRIPT: &str = r#"
+import { Sandbox } from 'e2b'
+const check = (ok, what) => { if (!ok) { console.error(what); process.exit(1) } }
+const sbx = await Sandbox.create()
+const fetch = `import os, urllib.request as u
+os.environ.pop("no_proxy", None); os.environ.pop("NO_PROXY", None)
+o = u.build_opener(u.ProxyHandler({"http": "http://127.0.0.1:3128"}))
+try:
+    print(o.open("http://127.0.0.1:{PORT}/", timeout=10).read().decode())
+except Exception as e:
+    print("refused", getattr(e, "code", e))
+`
+await sbx.files.write('/tmp/fetch.py', fetch)
+const run = async () => (await sbx.commands.run('python3 /tmp/fetch.py')).stdout
+check(await run() === 'refused 403\n', 'closed at first')
+await sbx.updateNetwork({ allowOut: ['127.0.0.1:{PORT}'], denyOut: ['0.0.0.0/0'] })
+check(await run() === 'origin\n', 'opened')
+await sbx.updateNetwork({})
+check(await run() === 'refused 403\n', 'closed again')
+await sbx.kill()
+console.log('JS NETWORK OK')
+"#;

@@ -430,6 +430,11 @@ impl Jail {
         self.egress = Some(Arc::new(proxy));
     }
 
+    /// A handle that replaces the allowlist of the jail's egress proxy, when it has one.
+    pub fn egress_switch(&self) -> Option<strata_egress::AllowlistSwitch> {
+        self.egress.as_ref().map(|proxy| proxy.switch())
+    }
+
     /// Takes the egress records of the connections that ended since the last call (and the count not kept),
     /// first waiting up to `settle` for those still open (a job that has ended is closing its last ones). Empty
     /// without a proxy.
