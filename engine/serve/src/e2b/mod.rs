@@ -11,7 +11,7 @@
 //!   `process.Process/Connect` streaming a running command's start event and its frames from then on;
 //!   `SendInput` and `CloseStdin` for a command started with `stdin: true` (its stdin is a pipe the job reads as the
 //!   input comes); `SendSignal` and `List`; `filesystem.Filesystem/{ListDir,Stat,MakeDir,Move,Remove}`
-//!   and `GET`/`POST /files` (multipart or octet-stream) (`fs`), `{CreateWatcher,GetWatcherEvents,RemoveWatcher,
+//!   and `GET`/`POST /files` (multipart or octet-stream, either gzipped: [`encoding`]) (`fs`), `{CreateWatcher,GetWatcherEvents,RemoveWatcher,
 //!   WatchDir}` (`watch`), each the sandbox's own filesystem method; `GET /health`. Commands, file calls and
 //!   watchers run at the same time.
 //! - The code interpreter (`E2b-Sandbox-Port: 49999`, `interpreter`): `POST /execute` streaming NDJSON while the
@@ -44,6 +44,7 @@ use crate::registry::{SandboxEntry, lock};
 
 pub mod connect;
 mod control;
+pub mod encoding;
 pub mod error;
 mod fs;
 mod interpreter;
