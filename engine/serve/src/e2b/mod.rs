@@ -5,8 +5,8 @@
 //!   `sandboxID`, `clientID`, `envdVersion`, `envdAccessToken`), `GET /sandboxes` and `/v2/sandboxes`,
 //!   `GET /sandboxes/{id}`, `DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/timeout`, `POST /sandboxes/{id}/connect` (and `/v2/…`),
 //!   `POST /sandboxes/{id}/refreshes` (`control`).
-//! - The in-sandbox agent ("envd"), routed by the `E2b-Sandbox-Id` header and authorised by the sandbox's
-//!   `X-Access-Token`: Connect-RPC (JSON, 5-byte envelopes, end-of-stream frame; [`connect`]) `process.Process/Start` (`process`) streaming the
+//! - The in-sandbox agent ("envd"), routed by the `E2b-Sandbox-Id` header (or a Host name `49983-{id}.{domain}`)
+//!   and authorised by the sandbox's `X-Access-Token`, or, for `/files`, by a signed URL ([`signature`]): Connect-RPC (JSON, 5-byte envelopes, end-of-stream frame; [`connect`]) `process.Process/Start` (`process`) streaming the
 //!   start event, stdout/stderr data and the end event (a command outlives the client that started it);
 //!   `process.Process/Connect` streaming a running command's start event and its frames from then on;
 //!   `SendInput` and `CloseStdin` for a command started with `stdin: true` (its stdin is a pipe the job reads as the
@@ -51,6 +51,7 @@ mod interpreter;
 pub mod kernel;
 pub(crate) mod ports;
 mod process;
+pub mod signature;
 mod watch;
 
 pub use error::{ConnectCode, E2bError};
