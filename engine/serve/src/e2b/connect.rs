@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, FromRequestParts, Query, Request};
+use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{Method, header};
 use serde::de::DeserializeOwned;
@@ -176,8 +176,7 @@ fn authorise(parts: &Parts, meta: &E2bMeta) -> Result<(), E2bError> {
         (&Method::POST, "/files") => FileOperation::Write,
         _ => return Err(unauthenticated()),
     };
-    let Query(query) =
-        Query::<SignedQuery>::try_from_uri(&parts.uri).map_err(|e| E2bError::invalid_argument(e.body_text()))?;
+    let query = SignedQuery::of_uri(&parts.uri)?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     query.check(operation, &meta.access_token, i64::try_from(now).unwrap_or(i64::MAX))?;
     Ok(())

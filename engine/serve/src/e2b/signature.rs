@@ -8,6 +8,8 @@
 //! seconds: the URL is good up to and including that second. The comparison takes the same time wherever the
 //! signatures differ.
 
+use axum::extract::Query;
+use axum::http::Uri;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD_NO_PAD;
 use serde::Deserialize;
@@ -100,6 +102,13 @@ pub fn file_signature(
 }
 
 impl SignedQuery {
+    /// The signature's fields of a request's query; a query that does not parse is `invalid_argument`.
+    pub fn of_uri(uri: &Uri) -> Result<SignedQuery, E2bError> {
+        Query::<SignedQuery>::try_from_uri(uri)
+            .map(|Query(query)| query)
+            .map_err(|e| E2bError::invalid_argument(e.body_text()))
+    }
+
     /// Checks the query's signature of `operation` against the sandbox's access token `token` at Unix time `now`
     /// (seconds): a missing, malformed, wrong or expired signature is refused.
     pub fn check(&self, operation: FileOperation, token: &str, now: i64) -> Result<(), SignatureError> {
