@@ -9,9 +9,12 @@ use strata_guest_proto::{
 };
 use strata_jail::proto::{self as jail, Bind, Exec, HostFrame, IdMap, JailFrame, Setup};
 
+use strata_serve::e2b::fuzzing::{FileOperation, file_signature, gzip};
+
 use crate::generate::{Script, frame};
 pub use crate::seed::Seed;
 use crate::seed::named;
+use crate::targets::e2b_connect::{NOW, TOKEN};
 
 /// The seeds of the target called `name` (none for a target without any).
 pub fn of(name: &str) -> Vec<Seed> {
@@ -494,7 +497,36 @@ fn e2b_connect() -> Vec<Seed> {
         ("move", with(2 + 4 * 3, br#"{"source":"/home/user/a","destination":"/home/user/b"}"#)),
         ("create", with(3, br#"{"templateID":"base","timeout":300,"metadata":{"k":"v"},"envVars":{"A":"1"}}"#)),
         ("execute", with(3, br#"{"code":"import math\nmath.pi"}"#)),
+        ("signed-read", with(11, signed_query("/tmp/z", FileOperation::Read, "", None).as_bytes())),
+        (
+            "signed-write-expiring",
+            with(59, signed_query("a b.txt", FileOperation::Write, "root", Some(NOW + 60)).as_bytes()),
+        ),
+        ("gzip-upload", with(27, &gzip(b"hello from a gzipped upload\n"))),
+        ("gzip-bomb", with(27, &gzip(&[0; 64 << 10]))),
+        ("codings", with(43, b"gzip\nbr;q=1, gzip;q=0.5, identity;q=0")),
     ])
+}
+
+/// A `/files` query the SDKs' `download_url`/`upload_url` would make, signed with the target's token.
+fn signed_query(path: &str, operation: FileOperation, user: &str, expiration: Option<i64>) -> String {
+    let signature = file_signature(path, operation, user, TOKEN, expiration);
+    let encode = |text: &str| {
+        text.bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => char::from(b).to_string(),
+                _ => format!("%{b:02X}"),
+            })
+            .collect::<String>()
+    };
+    let mut query = format!("path={}&signature={}", encode(path), encode(&signature));
+    if !user.is_empty() {
+        query += &format!("&username={}", encode(user));
+    }
+    if let Some(expiration) = expiration {
+        query += &format!("&signature_expiration={expiration}");
+    }
+    query
 }
 
 fn kernel_events() -> Vec<Seed> {

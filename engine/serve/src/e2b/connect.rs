@@ -5,11 +5,12 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};
-use axum::http::header;
 use axum::http::request::Parts;
+use axum::http::{Method, header};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use super::signature::{FileOperation, SignedQuery};
 use super::{E2bError, E2bMeta};
 use crate::AppState;
 use crate::error::ApiError;
@@ -124,8 +125,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ConnectRequest<T> {
     }
 }
 
-/// The sandbox an envd call is for, and the E2B layer's state of it: named by its `E2b-Sandbox-Id` header,
-/// authorised by its `X-Access-Token`.
+/// The sandbox an envd call is for, and the E2B layer's state of it ([`envd_sandbox`]).
 #[derive(Debug)]
 pub struct EnvdSandbox(pub Arc<SandboxEntry>, pub Arc<E2bMeta>);
 
@@ -133,31 +133,53 @@ impl FromRequestParts<Arc<AppState>> for EnvdSandbox {
     type Rejection = E2bError;
 
     async fn from_request_parts(parts: &mut Parts, state: &Arc<AppState>) -> Result<Self, E2bError> {
-        let (entry, meta) = envd_sandbox(state, &parts.headers)?;
+        let (entry, meta) = envd_sandbox(state, parts)?;
         Ok(EnvdSandbox(entry, meta))
     }
 }
 
-/// The sandbox an envd request is for, by `E2b-Sandbox-Id`, checked against its access token. One this server does
-/// not hold is [`E2bError::sandbox_gone`], as E2B's proxy answers.
-pub fn envd_sandbox(
-    state: &AppState,
-    headers: &axum::http::HeaderMap,
-) -> Result<(Arc<SandboxEntry>, Arc<E2bMeta>), E2bError> {
-    let id = headers
-        .get("e2b-sandbox-id")
-        .and_then(|v| v.to_str().ok())
+/// envd's port, which a Host name `49983-{id}.{domain}` names.
+const ENVD_PORT: u16 = 49983;
+
+/// The sandbox an envd request is for and its E2B state: named by its `E2b-Sandbox-Id` header, or, on a server with
+/// a domain, by a Host name `49983-{id}.{domain}` (the host of the SDKs' signed file URLs); authorised by its
+/// `X-Access-Token`, or, for `GET` and `POST /files` without one, by the URL's signature ([`super::signature`]). One
+/// this server does not hold is [`E2bError::sandbox_gone`], as E2B's proxy answers.
+pub fn envd_sandbox(state: &AppState, parts: &Parts) -> Result<(Arc<SandboxEntry>, Arc<E2bMeta>), E2bError> {
+    let headers = &parts.headers;
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let by_host = || {
+        let (id, port) = crate::ports::from_host(header("host")?, state.domain.as_deref()?)?;
+        (port == ENVD_PORT).then_some(id)
+    };
+    let id = header("e2b-sandbox-id")
+        .or_else(by_host)
         .ok_or_else(|| E2bError::invalid_argument("envd calls need the E2b-Sandbox-Id header"))?;
     let entry = state.registry.get_any(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
     let meta = state.e2b.sandbox(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
-    let token = headers.get("x-access-token").and_then(|v| v.to_str().ok());
-    if !token.is_some_and(|token| same_secret(token, &meta.access_token)) {
-        return Err(E2bError::new(
-            super::ConnectCode::Unauthenticated,
-            "missing or wrong X-Access-Token for this sandbox",
-        ));
-    }
+    authorise(parts, &meta)?;
     Ok((entry, meta))
+}
+
+/// Whether an envd request may act on the sandbox of `meta`: a token, when it carries one, must be the sandbox's
+/// (even beside a good signature, as envd has it); without one, only a signed `/files` request passes.
+fn authorise(parts: &Parts, meta: &E2bMeta) -> Result<(), E2bError> {
+    let unauthenticated =
+        || E2bError::new(super::ConnectCode::Unauthenticated, "missing or wrong X-Access-Token for this sandbox");
+    // An empty header is none, as envd reads it.
+    if let Some(token) = parts.headers.get("x-access-token").filter(|v| !v.is_empty()) {
+        let right = token.to_str().is_ok_and(|token| same_secret(token, &meta.access_token));
+        return if right { Ok(()) } else { Err(unauthenticated()) };
+    }
+    let operation = match (&parts.method, parts.uri.path()) {
+        (&Method::GET, "/files") => FileOperation::Read,
+        (&Method::POST, "/files") => FileOperation::Write,
+        _ => return Err(unauthenticated()),
+    };
+    let query = SignedQuery::of_uri(&parts.uri)?;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    query.check(operation, &meta.access_token, i64::try_from(now).unwrap_or(i64::MAX))?;
+    Ok(())
 }
 
 /// Whether a token presented equals the secret, compared in time that does not depend on where they differ.

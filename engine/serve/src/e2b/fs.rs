@@ -9,13 +9,14 @@
 //! Errors keep E2B's codes: `not_found` for a path that is not there (the SDK's `exists` answers `false`, the others
 //! raise `NotFoundException`), `already_exists` (a `make_dir` of an existing path answers `false`),
 //! `invalid_argument` for a path that is not one, `unimplemented` where the tier has no such method. envd's REST
-//! `/files` (multipart or octet-stream uploads, downloads) is the sandbox's `write_file` and `read_file`.
+//! `/files` (multipart or octet-stream uploads, downloads, either gzipped: [`encoding`]) is the sandbox's
+//! `write_file` and `read_file`.
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{FromRequest, Multipart, Query, Request, State};
-use axum::http::header;
+use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Json, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -24,6 +25,7 @@ use strata_core::{EntryInfo, FileType, GuestPath};
 
 use super::HOME;
 use super::connect::{ConnectRequest, EnvdSandbox};
+use super::encoding::{self, ContentCoding};
 use super::rfc3339;
 use super::{ConnectCode, E2bError};
 use crate::AppState;
@@ -210,6 +212,8 @@ pub(crate) async fn remove(
 
 // ---- envd's REST `/files` ----
 
+/// The query of `GET` and `POST /files` (its `signature` and `signature_expiration`, if any, are checked by
+/// [`EnvdSandbox`] before the handler runs).
 #[derive(Debug, Deserialize)]
 pub(super) struct FileQuery {
     path: Option<String>,
@@ -228,73 +232,114 @@ impl FileQuery {
     }
 }
 
+/// `GET /files`: the file's bytes, gzipped when the client's `Accept-Encoding` prefers it ([`encoding`]).
 pub(super) async fn read_file(
     State(state): State<Arc<AppState>>,
     EnvdSandbox(entry, _): EnvdSandbox,
     Query(query): Query<FileQuery>,
+    headers: HeaderMap,
 ) -> Result<Response, E2bError> {
     let path = query.path.as_deref().ok_or_else(|| E2bError::invalid_argument("path is required"))?;
+    let accept = headers.get(header::ACCEPT_ENCODING).and_then(|v| v.to_str().ok());
+    let coding = ContentCoding::accepted(accept)?;
     let bytes = service::read_file(&state, entry, query.absolute(path)).await?;
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+    let octets = (header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    // The answer depends on Accept-Encoding: caches keep one per value.
+    let vary = (header::VARY, HeaderValue::from_static("accept-encoding"));
+    match coding {
+        ContentCoding::Identity => Ok(([octets, vary], bytes).into_response()),
+        ContentCoding::Gzip => {
+            let gzipped = tokio::task::spawn_blocking(move || encoding::gzip(&bytes))
+                .await
+                .map_err(|e| E2bError::internal(e.to_string()))?
+                .map_err(|e| E2bError::internal(format!("gzip: {e}")))?;
+            let gzip = (header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+            Ok(([octets, vary, gzip], gzipped).into_response())
+        }
+    }
 }
 
+/// `POST /files`: an octet-stream body (to `path`) or a multipart form (each part to `path` or its own name),
+/// either of which may be gzipped whole (`Content-Encoding: gzip`), and is then held to the body limit once
+/// decompressed too ([`encoding`]).
 pub(super) async fn write_file(
     State(state): State<Arc<AppState>>,
     EnvdSandbox(entry, _): EnvdSandbox,
     Query(query): Query<FileQuery>,
     request: Request,
 ) -> Result<Json<Value>, E2bError> {
-    let headers = request.headers().clone();
-    {
-        let multipart = headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("multipart/form-data"));
-        let mut files: Vec<(String, Bytes)> = Vec::new();
-        if multipart {
-            let mut form = Multipart::from_request(request, &state)
+    let max = state.connections.limits().max_body;
+    let content_encoding = request.headers().get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok());
+    let request = match ContentCoding::of_content_encoding(content_encoding)? {
+        ContentCoding::Identity => request,
+        ContentCoding::Gzip => {
+            let (mut parts, body) = request.into_parts();
+            let compressed = body_bytes(body, max).await?;
+            let plain = tokio::task::spawn_blocking(move || encoding::gunzip(&compressed, max))
                 .await
-                .map_err(|e| E2bError::invalid_argument(e.body_text()))?;
-            while let Some(field) = form.next_field().await.map_err(|e| E2bError::invalid_argument(e.body_text()))? {
-                let name = field.file_name().map(str::to_owned);
-                let data = field.bytes().await.map_err(|e| {
-                    crate::error::ApiError::of_rejected_body(e.status(), &e)
-                        .map(E2bError::from)
-                        .unwrap_or_else(|| E2bError::invalid_argument(e.body_text()))
-                })?;
-                let path = match (&query.path, name) {
-                    (Some(path), _) if files.is_empty() => query.absolute(path),
-                    (_, Some(name)) if !name.is_empty() => query.absolute(&name),
-                    _ => return Err(E2bError::invalid_argument("a file part needs a path")),
-                };
-                files.push((path, data));
-            }
-        } else {
-            if headers.get(header::CONTENT_ENCODING).is_some_and(|v| v != "identity") {
-                return Err(E2bError::invalid_argument("compressed uploads are not supported"));
-            }
-            let path = query.path.as_deref().ok_or_else(|| E2bError::invalid_argument("path is required"))?;
-            let path = query.absolute(path);
-            let max = state.connections.limits().max_body;
-            let body = axum::body::to_bytes(request.into_body(), max).await.map_err(|e| {
-                crate::error::ApiError::of_body(&e, Some(max))
-                    .map(E2bError::from)
-                    .unwrap_or_else(|| E2bError::invalid_argument(e.to_string()))
-            })?;
-            files.push((path, body));
+                .map_err(|e| E2bError::internal(e.to_string()))??;
+            parts.headers.remove(header::CONTENT_ENCODING);
+            parts.headers.remove(header::CONTENT_LENGTH);
+            Request::from_parts(parts, Body::from(plain))
         }
-        let written: Vec<Value> = files
-            .iter()
-            .map(|(path, _)| {
-                let name = path.rsplit('/').next().unwrap_or(path);
-                json!({"name": name, "type": "file", "path": path})
-            })
-            .collect();
-        for (path, data) in files {
-            service::write_file(&state, entry.clone(), path, data.to_vec()).await?;
-        }
-        Ok(Json(Value::Array(written)))
+    };
+    let multipart = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("multipart/form-data"));
+    let files = if multipart {
+        form_files(&state, &query, request).await?
+    } else {
+        let path = query.path.as_deref().ok_or_else(|| E2bError::invalid_argument("path is required"))?;
+        vec![(query.absolute(path), body_bytes(request.into_body(), max).await?)]
+    };
+    let written: Vec<Value> = files
+        .iter()
+        .map(|(path, _)| {
+            let name = path.rsplit('/').next().unwrap_or(path);
+            json!({"name": name, "type": "file", "path": path})
+        })
+        .collect();
+    for (path, data) in files {
+        service::write_file(&state, entry.clone(), path, data.to_vec()).await?;
     }
+    Ok(Json(Value::Array(written)))
+}
+
+/// A body of at most `max` bytes; a longer one is 413, as the server's limit answers.
+async fn body_bytes(body: Body, max: usize) -> Result<Bytes, E2bError> {
+    axum::body::to_bytes(body, max).await.map_err(|e| {
+        crate::error::ApiError::of_body(&e, Some(max))
+            .map(E2bError::from)
+            .unwrap_or_else(|| E2bError::invalid_argument(e.to_string()))
+    })
+}
+
+/// The files of a multipart upload: the first to `path` when given, each other to its part's file name.
+async fn form_files(
+    state: &Arc<AppState>,
+    query: &FileQuery,
+    request: Request,
+) -> Result<Vec<(String, Bytes)>, E2bError> {
+    let mut form =
+        Multipart::from_request(request, state).await.map_err(|e| E2bError::invalid_argument(e.body_text()))?;
+    let mut files: Vec<(String, Bytes)> = Vec::new();
+    while let Some(field) = form.next_field().await.map_err(|e| E2bError::invalid_argument(e.body_text()))? {
+        let name = field.file_name().map(str::to_owned);
+        let data = field.bytes().await.map_err(|e| {
+            crate::error::ApiError::of_rejected_body(e.status(), &e)
+                .map(E2bError::from)
+                .unwrap_or_else(|| E2bError::invalid_argument(e.body_text()))
+        })?;
+        let path = match (&query.path, name) {
+            (Some(path), _) if files.is_empty() => query.absolute(path),
+            (_, Some(name)) if !name.is_empty() => query.absolute(&name),
+            _ => return Err(E2bError::invalid_argument("a file part needs a path")),
+        };
+        files.push((path, data));
+    }
+    Ok(files)
 }
 
 #[cfg(test)]

@@ -9,10 +9,12 @@ use super::E2bError;
 pub use super::connect::StreamMessage;
 use super::connect::{EnvelopeReader, parse_envelope};
 use super::control::{CreateRequest, TimeoutRequest};
+use super::encoding::{ContentCoding, gunzip};
 use super::fs::{MoveRequest, PathRequest};
 use super::interpreter::ExecuteRequest;
 pub use super::kernel::{KernelEvent, MAX_EVENT, parse_event};
 use super::process::{StartRequest, command_argv, selected_pid};
+pub use super::signature::{FileOperation, SignedQuery, file_signature};
 
 /// A client stream of envelopes (`StreamInput`'s body) read with its bytes split at `splits` (offsets into
 /// `body`), as they may arrive: the messages, or the refusal.
@@ -96,4 +98,39 @@ pub fn kernel_output(chunks: &[&[u8]]) -> Vec<(KernelEvent, Option<Value>)> {
             (event, line)
         })
         .collect()
+}
+
+/// A `/files` request's query (`path=…&signature=…`) as the envd extractor reads it, checked as a signed
+/// `operation` against the access token `token` at Unix time `now`: the query when the signature passes, or the
+/// refusal (a query no request line could carry is `invalid_argument`).
+pub fn signed_files_query(
+    query: &str,
+    operation: FileOperation,
+    token: &str,
+    now: i64,
+) -> Result<SignedQuery, E2bError> {
+    let uri = axum::http::Uri::try_from(format!("/files?{query}"))
+        .map_err(|e| E2bError::invalid_argument(format!("not a request target: {e}")))?;
+    let query = SignedQuery::of_uri(&uri)?;
+    query.check(operation, token, now)?;
+    Ok(query)
+}
+
+/// An upload's body (already within the body limit) as `POST /files` takes it with this `Content-Encoding`: the
+/// bytes it writes, at most `max` once decompressed, or the refusal.
+pub fn files_upload(content_encoding: Option<&str>, body: &[u8], max: usize) -> Result<Vec<u8>, E2bError> {
+    match ContentCoding::of_content_encoding(content_encoding)? {
+        ContentCoding::Identity => Ok(body.to_vec()),
+        ContentCoding::Gzip => Ok(gunzip(body, max)?),
+    }
+}
+
+/// Whether `GET /files` answers gzipped for this `Accept-Encoding`, or the refusal.
+pub fn files_download_gzipped(accept_encoding: Option<&str>) -> Result<bool, E2bError> {
+    Ok(ContentCoding::accepted(accept_encoding)? == ContentCoding::Gzip)
+}
+
+/// `bytes` as the one gzip member a download sends.
+pub fn gzip(bytes: &[u8]) -> Vec<u8> {
+    super::encoding::gzip(bytes).unwrap_or_default()
 }

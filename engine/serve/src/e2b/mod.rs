@@ -5,13 +5,13 @@
 //!   `sandboxID`, `clientID`, `envdVersion`, `envdAccessToken`), `GET /sandboxes` and `/v2/sandboxes`,
 //!   `GET /sandboxes/{id}`, `DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/timeout`, `POST /sandboxes/{id}/connect` (and `/v2/…`),
 //!   `POST /sandboxes/{id}/refreshes` (`control`).
-//! - The in-sandbox agent ("envd"), routed by the `E2b-Sandbox-Id` header and authorised by the sandbox's
-//!   `X-Access-Token`: Connect-RPC (JSON, 5-byte envelopes, end-of-stream frame; [`connect`]) `process.Process/Start` (`process`) streaming the
+//! - The in-sandbox agent ("envd"), routed by the `E2b-Sandbox-Id` header (or a Host name `49983-{id}.{domain}`)
+//!   and authorised by the sandbox's `X-Access-Token`, or, for `/files`, by a signed URL ([`signature`]): Connect-RPC (JSON, 5-byte envelopes, end-of-stream frame; [`connect`]) `process.Process/Start` (`process`) streaming the
 //!   start event, stdout/stderr data and the end event (a command outlives the client that started it);
 //!   `process.Process/Connect` streaming a running command's start event and its frames from then on;
 //!   `SendInput` and `CloseStdin` for a command started with `stdin: true` (its stdin is a pipe the job reads as the
 //!   input comes); `SendSignal` and `List`; `filesystem.Filesystem/{ListDir,Stat,MakeDir,Move,Remove}`
-//!   and `GET`/`POST /files` (multipart or octet-stream) (`fs`), `{CreateWatcher,GetWatcherEvents,RemoveWatcher,
+//!   and `GET`/`POST /files` (multipart or octet-stream, either gzipped: [`encoding`]) (`fs`), `{CreateWatcher,GetWatcherEvents,RemoveWatcher,
 //!   WatchDir}` (`watch`), each the sandbox's own filesystem method; `GET /health`. Commands, file calls and
 //!   watchers run at the same time.
 //! - The code interpreter (`E2b-Sandbox-Port: 49999`, `interpreter`): `POST /execute` streaming NDJSON while the
@@ -44,6 +44,7 @@ use crate::registry::{SandboxEntry, lock};
 
 pub mod connect;
 mod control;
+pub mod encoding;
 pub mod error;
 mod fs;
 mod interpreter;
@@ -52,6 +53,7 @@ mod lifecycle;
 mod network;
 pub(crate) mod ports;
 mod process;
+pub mod signature;
 mod watch;
 
 pub use error::{ConnectCode, E2bError};

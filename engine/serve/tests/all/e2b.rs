@@ -605,7 +605,14 @@ pub(crate) async fn run_sdk_script(server: &TestServer, program: &Path, args: &[
 
 /// Runs `python` (a script for the pinned Python SDK, printing `python_done`) and `js` (an ES module for the pinned
 /// JS SDK, written as `js_name`, printing `js_done`) against `server`, each SDK that can be installed here.
-async fn both_sdks(server: &TestServer, python: &str, python_done: &str, js: &str, js_name: &str, js_done: &str) {
+pub(crate) async fn both_sdks(
+    server: &TestServer,
+    python: &str,
+    python_done: &str,
+    js: &str,
+    js_name: &str,
+    js_done: &str,
+) {
     let dir = tempfile::tempdir().expect("tempdir");
     if let Some(interpreter) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") {
         run_sdk_script(server, &interpreter, &["-c".as_ref(), python.as_ref()], dir.path(), python_done).await;

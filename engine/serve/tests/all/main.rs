@@ -2,6 +2,7 @@
 
 mod api;
 mod e2b;
+mod e2b_files;
 mod interpreter;
 mod lifecycle;
 mod limits;
