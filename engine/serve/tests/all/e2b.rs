@@ -501,7 +501,9 @@ async fn e2b_errors_have_e2b_shapes() {
         (call(reqwest::Method::POST, "/v2/sandboxes").body("{not json"), 400),
         (call(reqwest::Method::POST, "/sandboxes/sb_nope/timeout").body("[]"), 400),
         (client.post(server.url("/v2/sandboxes")).header("X-API-KEY", "e2b_1111").json(&json!({})), 401),
-        (call(reqwest::Method::POST, "/sandboxes/sb_nope/pause"), 501),
+        (call(reqwest::Method::POST, "/sandboxes/sb_nope/pause"), 404),
+        (call(reqwest::Method::POST, "/sandboxes/sb_nope/fork").json(&json!({"count": 99})), 400),
+        (call(reqwest::Method::DELETE, "/templates/snap_nope"), 404),
         (call(reqwest::Method::GET, "/sandboxes/sb_nope/metrics"), 404),
         (call(reqwest::Method::PUT, "/v2/sandboxes"), 405),
         (client.get(server.url("/files?path=%2Ftmp%2Fa")).header("E2b-Sandbox-Id", "sb_nope"), 502),
@@ -565,7 +567,7 @@ expect(SandboxNotFoundException, "connect to an unknown sandbox", lambda: Sandbo
 expect(AuthenticationException, "a bad API key", lambda: Sandbox.create(api_key="e2b_" + "1" * 40))
 sbx = Sandbox.create()
 expect(FileNotFoundException, "read a missing file", lambda: sbx.files.read("/tmp/missing"))
-expect(SandboxException, "pause (not implemented)", lambda: sbx.pause())
+expect(SandboxException, "open the network to everything", lambda: sbx.update_network({"allow_out": ["0.0.0.0/0"]}))
 assert sbx.kill() is True
 expect(SandboxNotRunningException, "run in a killed sandbox", lambda: sbx.commands.run("true"))
 expect(SandboxNotRunningException, "read in a killed sandbox", lambda: sbx.files.read("/tmp/a"))
@@ -680,7 +682,7 @@ await sbx.files.write('/tmp/a.txt', 'x')
 if ((await sbx.files.read('/tmp/a.txt')) !== 'x') throw new Error('read back')
 await expect(FileNotFoundError, 'read a missing file', () => sbx.files.read('/tmp/missing'))
 await expect(FileNotFoundError, 'stat a missing file', () => sbx.files.getInfo('/tmp/missing'))
-await expect(SandboxError, 'pause (not implemented)', () => sbx.pause())
+await expect(SandboxError, 'open the network to everything', () => sbx.updateNetwork({ allowOut: ['0.0.0.0/0'] }))
 await sbx.kill()
 await expect(SandboxNotFoundError, 'run in a killed sandbox', () => sbx.commands.run('true'))
 await expect(TimeoutError, 'read in a killed sandbox', () => sbx.files.read('/tmp/a.txt'))
