@@ -405,6 +405,8 @@ fn spawn_reaper(state: &Arc<AppState>, interval: Duration, idle: Option<Duration
             let state = state.clone();
             let _ = std::thread::Builder::new().name("strata-serve-reap".into()).spawn(move || {
                 let started = Instant::now();
+                // An E2B sandbox created with `autoPause` is snapshotted first, to be resumed later.
+                e2b::pause_on_expiry(&state, &entry);
                 entry.kill();
                 state.metrics.latency(entry.tier.as_str(), "expire", started.elapsed());
             });

@@ -133,8 +133,18 @@ impl FromRequestParts<Arc<AppState>> for EnvdSandbox {
     type Rejection = E2bError;
 
     async fn from_request_parts(parts: &mut Parts, state: &Arc<AppState>) -> Result<Self, E2bError> {
-        let (entry, meta) = envd_sandbox(state, parts)?;
-        Ok(EnvdSandbox(entry, meta))
+        match envd_sandbox(state, parts) {
+            Ok((entry, meta)) => Ok(EnvdSandbox(entry, meta)),
+            // A paused sandbox created with `autoResume` wakes for an authorised call, as E2B's proxy wakes it.
+            Err(gone) => {
+                let Some(id) = sandbox_named(state, parts) else { return Err(gone) };
+                if !super::lifecycle::auto_resume(state, &id, |meta| authorise(parts, meta).is_ok()).await? {
+                    return Err(gone);
+                }
+                let (entry, meta) = envd_sandbox(state, parts)?;
+                Ok(EnvdSandbox(entry, meta))
+            }
+        }
     }
 }
 
@@ -146,19 +156,23 @@ const ENVD_PORT: u16 = 49983;
 /// `X-Access-Token`, or, for `GET` and `POST /files` without one, by the URL's signature ([`super::signature`]). One
 /// this server does not hold is [`E2bError::sandbox_gone`], as E2B's proxy answers.
 pub fn envd_sandbox(state: &AppState, parts: &Parts) -> Result<(Arc<SandboxEntry>, Arc<E2bMeta>), E2bError> {
-    let headers = &parts.headers;
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let by_host = || {
-        let (id, port) = crate::ports::from_host(header("host")?, state.domain.as_deref()?)?;
-        (port == ENVD_PORT).then_some(id)
-    };
-    let id = header("e2b-sandbox-id")
-        .or_else(by_host)
+    let id = sandbox_named(state, parts)
         .ok_or_else(|| E2bError::invalid_argument("envd calls need the E2b-Sandbox-Id header"))?;
+    let id = id.as_str();
     let entry = state.registry.get_any(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
     let meta = state.e2b.sandbox(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
     authorise(parts, &meta)?;
     Ok((entry, meta))
+}
+
+/// The sandbox an envd request names: its `E2b-Sandbox-Id` header, or a Host name `49983-{id}.{domain}`.
+fn sandbox_named(state: &AppState, parts: &Parts) -> Option<String> {
+    let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+    let by_host = || {
+        let (id, port) = crate::ports::from_host(header("host")?, state.domain.as_deref()?)?;
+        (port == ENVD_PORT).then_some(id)
+    };
+    header("e2b-sandbox-id").or_else(by_host).map(str::to_owned)
 }
 
 /// Whether an envd request may act on the sandbox of `meta`: a token, when it carries one, must be the sandbox's

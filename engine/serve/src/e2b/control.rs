@@ -35,6 +35,19 @@ pub(super) struct CreateRequest {
     env_vars: Option<BTreeMap<String, String>>,
     #[serde(default)]
     network: Option<super::network::NetworkConfig>,
+    /// `lifecycle={"on_timeout": "pause"}`: paused, not killed, when its timeout ends.
+    #[serde(default)]
+    auto_pause: Option<bool>,
+    /// `lifecycle={"auto_resume": True}`: resumed by the next envd call while paused.
+    #[serde(default)]
+    auto_resume: Option<AutoResume>,
+}
+
+/// `autoResume` of a create request.
+#[derive(Debug, Deserialize)]
+pub(super) struct AutoResume {
+    #[serde(default)]
+    enabled: bool,
 }
 
 /// A sandbox as create and connect answer it; `domain`: the server's (`--domain`), from which the SDKs' `get_host(port)`
@@ -128,13 +141,16 @@ pub(super) async fn create(
         user,
         ..Capabilities::default()
     };
-    let meta = E2bMeta::new(
+    let mut meta = E2bMeta::new(
         template,
         new_id("tok_") + &new_id(""),
         req.metadata.unwrap_or_else(|| json!({})),
         home.clone(),
         env,
     );
+    meta.owner = Some(principal.clone());
+    meta.auto_pause = req.auto_pause.unwrap_or(false);
+    meta.auto_resume = req.auto_resume.is_some_and(|auto| auto.enabled);
     let limits = state.engine.default_limits().clone();
     let choice = TierChoice::Tier(TierKind::Process);
     let entry = match start_sandbox(&state, &principal, choice, caps, limits, ttl).await {

@@ -36,6 +36,10 @@ use crate::{AppState, Principal};
 /// The most forks one `fork` makes (E2B's limit).
 pub const MAX_FORKS: usize = 20;
 
+/// The most paused sandboxes the server keeps (each holds a snapshot on disk); a pause past it is refused (429)
+/// and a timed-out `autoPause` sandbox past it is killed.
+pub const MAX_PAUSED: usize = 256;
+
 /// How long a pause or a fork waits for the sandbox's calls in flight to end before it snapshots.
 const QUIESCE: Duration = Duration::from_secs(10);
 
@@ -143,23 +147,77 @@ fn refuse_shared_home(meta: &E2bMeta, doing: &str) -> Result<(), E2bError> {
 /// Snapshots `entry` into a new directory under the server's, once the calls in flight have ended (its commands
 /// were stopped first by the caller, or are waited for).
 async fn checkpoint(state: &Arc<AppState>, entry: &Arc<SandboxEntry>) -> Result<(Snapshot, PathBuf), E2bError> {
-    let dir = state.snapshot_dir.join(new_id("snap_"));
-    let (entry, target) = (entry.clone(), dir.clone());
-    let snapshot = blocking(move || {
-        let deadline = Instant::now() + QUIESCE;
-        loop {
-            match entry.snapshot(&target) {
-                Err(crate::registry::RegistryError::Tier(strata_core::TierError::Busy { .. }))
-                    if Instant::now() < deadline =>
-                {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                other => return other.map_err(ApiError::from),
+    let (snapshot_dir, entry) = (state.snapshot_dir.clone(), entry.clone());
+    Ok(blocking(move || checkpoint_blocking(&snapshot_dir, &entry)).await?)
+}
+
+/// [`checkpoint`], on the calling thread.
+fn checkpoint_blocking(snapshot_dir: &std::path::Path, entry: &SandboxEntry) -> Result<(Snapshot, PathBuf), ApiError> {
+    let dir = snapshot_dir.join(new_id("snap_"));
+    let deadline = Instant::now() + QUIESCE;
+    loop {
+        match entry.snapshot(&dir) {
+            Err(crate::registry::RegistryError::Tier(strata_core::TierError::Busy { .. }))
+                if Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
             }
+            other => return other.map(|snapshot| (snapshot, dir)).map_err(ApiError::from),
         }
-    })
-    .await?;
-    Ok((snapshot, dir))
+    }
+}
+
+/// Pauses an E2B sandbox with `autoPause` whose timeout ended instead of letting it go (the reaper took it out of
+/// the registry and kills it next): blocking. Whether it was paused.
+pub(crate) fn pause_on_expiry(state: &AppState, entry: &SandboxEntry) -> bool {
+    let Some(meta) = state.e2b.sandbox(&entry.id).filter(|meta| meta.auto_pause && meta.home.is_none()) else {
+        return false;
+    };
+    if lock(&state.e2b.lifecycle.paused).len() >= MAX_PAUSED {
+        tracing::warn!(sandbox = %entry.id, "timed out with autoPause, but {MAX_PAUSED} sandboxes are paused; killed");
+        return false;
+    }
+    meta.stop_jobs();
+    match checkpoint_blocking(&state.snapshot_dir, entry) {
+        Ok((snapshot, dir)) => {
+            let paused = Paused {
+                owner: entry.owner.clone(),
+                snapshot,
+                dir,
+                meta,
+                limits: entry.limits.clone(),
+                created: entry.created,
+                paused_at: SystemTime::now(),
+            };
+            lock(&state.e2b.lifecycle.paused).insert(entry.id.clone(), paused);
+            tracing::info!(sandbox = %entry.id, "sandbox timed out; paused (autoPause)");
+            true
+        }
+        Err(err) => {
+            tracing::warn!(sandbox = %entry.id, error = %err.message, "pausing a timed-out sandbox failed; killed");
+            false
+        }
+    }
+}
+
+/// Resumes paused sandbox `id` for an envd call when it was created with `autoResume` and the call is authorised
+/// for it (`authorised` says, given its state); `Ok(false)` when it is not such a sandbox.
+pub(super) async fn auto_resume(
+    state: &Arc<AppState>,
+    id: &str,
+    authorised: impl FnOnce(&E2bMeta) -> bool,
+) -> Result<bool, E2bError> {
+    let candidate = lock(&state.e2b.lifecycle.paused)
+        .get(id)
+        .filter(|paused| paused.meta.auto_resume)
+        .and_then(|paused| paused.meta.owner.clone().map(|owner| (owner, paused.meta.clone())));
+    let Some((owner, meta)) = candidate else { return Ok(false) };
+    if !authorised(&meta) {
+        return Ok(false);
+    }
+    let ttl = crate::service::ttl(state, None)?;
+    resume(state, &owner, id, ttl).await?;
+    Ok(true)
 }
 
 /// `POST /sandboxes/{id}/pause`: stops the sandbox's commands, snapshots its filesystem and ends it; it keeps its
@@ -174,6 +232,10 @@ pub(super) async fn pause(
     }
     let (entry, meta) = e2b_sandbox(&state, &id, &principal)?;
     refuse_shared_home(&meta, "paused")?;
+    if lock(&state.e2b.lifecycle.paused).len() >= MAX_PAUSED {
+        let message = format!("this server keeps at most {MAX_PAUSED} paused sandboxes; kill or resume some");
+        return Err(ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too_many_paused", message).into());
+    }
     meta.stop_jobs();
     let (snapshot, dir) = checkpoint(&state, &entry).await?;
     let paused = Paused {
@@ -340,7 +402,8 @@ pub(super) async fn create_from_snapshot(
     let template = state.e2b.lifecycle.snapshot_template(snapshot_id).map_or_else(|| "base".to_owned(), |(t, _)| t);
     let limits = state.engine.default_limits().clone();
     let entry = start_fork(state, principal, new_id("sb_"), &snapshot.snapshot, limits, ttl).await?;
-    let meta = E2bMeta::new(template, new_id("tok_") + &new_id(""), metadata, None, Vec::new());
+    let mut meta = E2bMeta::new(template, new_id("tok_") + &new_id(""), metadata, None, Vec::new());
+    meta.owner = Some(principal.clone());
     let meta = state.e2b.adopt(&entry, meta);
     super::interpreter::prestart(&entry, &meta);
     Ok(Some((entry, meta)))
@@ -379,13 +442,15 @@ pub(super) async fn fork(
         let forked = start_fork(&state, &principal, new_id("sb_"), &snapshot, entry.limits.clone(), ttl).await;
         results.push(match forked {
             Ok(fork) => {
-                let fork_meta = E2bMeta::new(
+                let mut fork_meta = E2bMeta::new(
                     meta.template.clone(),
                     new_id("tok_") + &new_id(""),
                     meta.metadata.clone(),
                     None,
                     meta.env.clone(),
                 );
+                fork_meta.owner = Some(principal.clone());
+                (fork_meta.auto_pause, fork_meta.auto_resume) = (meta.auto_pause, meta.auto_resume);
                 let fork_meta = state.e2b.adopt(&fork, fork_meta);
                 super::interpreter::prestart(&fork, &fork_meta);
                 json!({"sandbox": sandbox_json(&fork, &fork_meta, state.domain.as_deref())})

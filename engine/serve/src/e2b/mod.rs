@@ -57,6 +57,7 @@ pub mod signature;
 mod watch;
 
 pub use error::{ConnectCode, E2bError};
+pub(crate) use lifecycle::pause_on_expiry;
 
 /// The envd version this server reports: new enough for octet-stream uploads and `stdin: false` (≥ 0.5.7).
 pub const ENVD_VERSION: &str = "0.5.7";
@@ -88,6 +89,12 @@ pub struct E2bMeta {
     pub cell: std::sync::Mutex<Option<CancelToken>>,
     /// Set when the sandbox is killed: no new cell starts.
     pub closed: std::sync::atomic::AtomicBool,
+    /// The key that created it (whose quotas a resume or a fork is counted against).
+    pub(crate) owner: Option<crate::Principal>,
+    /// `autoPause` (`lifecycle={"on_timeout": "pause"}`): at the end of its timeout it is paused, not killed.
+    pub(crate) auto_pause: bool,
+    /// `autoResume`: an envd call for it while it is paused resumes it.
+    pub(crate) auto_resume: bool,
     /// Its commands started through `process.Process/Start` that have not ended, by pid.
     commands: std::sync::Mutex<HashMap<u32, RunningCommand>>,
     /// Its directory watchers (`watch`).
@@ -139,6 +146,9 @@ impl E2bMeta {
             closed: std::sync::atomic::AtomicBool::new(false),
             commands: std::sync::Mutex::default(),
             watchers: watch::Watchers::default(),
+            owner: None,
+            auto_pause: false,
+            auto_resume: false,
         }
     }
 
@@ -153,6 +163,8 @@ impl E2bMeta {
             self.env.clone(),
         );
         meta.traffic_token = self.traffic_token.clone();
+        meta.owner = self.owner.clone();
+        (meta.auto_pause, meta.auto_resume) = (self.auto_pause, self.auto_resume);
         meta
     }
 

@@ -1338,3 +1338,50 @@ check(await run() === 'refused 403\n', 'closed again')
 await sbx.kill()
 console.log('JS NETWORK OK')
 "#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdk_sandbox_pauses_at_its_timeout_and_resumes_on_use() {
+    if !process_tier("e2b_sdk_sandbox_pauses_at_its_timeout_and_resumes_on_use") {
+        return;
+    }
+    let Some(python) = tokio::task::spawn_blocking(sdk_python).await.expect("setup") else { return };
+    let server = TestServer::with(|config| {
+        config.keys = Some(strata_serve::KeyStore::from_keys([("sdk", SDK_KEY, None)]));
+        config.reap_interval = std::time::Duration::from_millis(100);
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    run_sdk_script(&server, &python, &["-c".as_ref(), AUTO_PAUSE_SCRIPT.as_ref()], dir.path(), "AUTO OK").await;
+    server.stop().await;
+}
+
+/// `lifecycle={"on_timeout": "pause", "auto_resume": True}`: at its timeout the sandbox is paused, not killed, and
+/// the next command wakes it with its files; without `auto_resume` a command finds it gone until `connect`.
+const AUTO_PAUSE_SCRIPT: &str = r#"
+import time
+from e2b import Sandbox, SandboxException
+def paused(sbx):
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if str(Sandbox.get_info(sbx.sandbox_id).state).endswith("paused"):
+            return True
+        time.sleep(0.1)
+    return False
+sbx = Sandbox.create(timeout=1, lifecycle={"on_timeout": "pause", "auto_resume": True})
+sbx.files.write("kept.txt", "kept")
+assert paused(sbx), "paused at its timeout"
+assert sbx.commands.run("cat kept.txt").stdout == "kept", "a command woke it"
+assert sbx.is_running()
+sbx.kill()
+manual = Sandbox.create(timeout=1, lifecycle={"on_timeout": "pause"})
+assert paused(manual)
+try:
+    manual.commands.run("true")
+    raise SystemExit("a paused sandbox without auto_resume ran a command")
+except SandboxException:
+    pass
+Sandbox.connect(manual.sandbox_id, timeout=60)
+assert manual.commands.run("whoami").stdout == "user\n"
+manual.kill()
+print("AUTO OK")
+"#;
