@@ -182,7 +182,7 @@ fn authorise(parts: &Parts, meta: &E2bMeta) -> Result<(), E2bError> {
         || E2bError::new(super::ConnectCode::Unauthenticated, "missing or wrong X-Access-Token for this sandbox");
     // An empty header is none, as envd reads it.
     if let Some(token) = parts.headers.get("x-access-token").filter(|v| !v.is_empty()) {
-        let right = token.to_str().is_ok_and(|token| same_secret(token, &meta.access_token));
+        let right = token.to_str().is_ok_and(|token| super::signature::same_secret(token, &meta.access_token));
         return if right { Ok(()) } else { Err(unauthenticated()) };
     }
     let operation = match (&parts.method, parts.uri.path()) {
@@ -194,12 +194,6 @@ fn authorise(parts: &Parts, meta: &E2bMeta) -> Result<(), E2bError> {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     query.check(operation, &meta.access_token, i64::try_from(now).unwrap_or(i64::MAX))?;
     Ok(())
-}
-
-/// Whether a token presented equals the secret, compared in time that does not depend on where they differ.
-pub fn same_secret(presented: &str, secret: &str) -> bool {
-    presented.len() == secret.len()
-        && presented.bytes().zip(secret.bytes()).fold(0u8, |diff, (a, b)| diff | (a ^ b)) == 0
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use strata_core::{Capabilities, EnvVar, Grant, GrantMode, TierKind, UserName};
 use strata_engine::TierChoice;
 
-use super::{E2bError, E2bMeta, ENVD_VERSION, HOME, rfc3339};
+use super::{E2bError, E2bMeta, ENVD_VERSION, HOME, e2b_sandbox, rfc3339, sandbox_json};
 use crate::error::ApiError;
 use crate::registry::{SandboxEntry, new_id};
 use crate::service::start_sandbox;
@@ -50,21 +50,6 @@ pub(super) struct AutoResume {
     enabled: bool,
 }
 
-/// A sandbox as create and connect answer it; `domain`: the server's (`--domain`), from which the SDKs' `get_host(port)`
-/// makes `{port}-{sandboxID}.{domain}` (null: the SDK's own default).
-pub(super) fn sandbox_json(entry: &SandboxEntry, meta: &E2bMeta, domain: Option<&str>) -> Value {
-    json!({
-        "domain": domain,
-        "templateID": meta.template,
-        "sandboxID": entry.id,
-        "alias": meta.template,
-        "clientID": "strata",
-        "envdVersion": ENVD_VERSION,
-        "envdAccessToken": meta.access_token,
-        "trafficAccessToken": meta.traffic_token,
-    })
-}
-
 fn listed_json(entry: &SandboxEntry, meta: &E2bMeta) -> Value {
     let end = UNIX_EPOCH + Duration::from_secs(entry.expires_at());
     json!({
@@ -81,17 +66,6 @@ fn listed_json(entry: &SandboxEntry, meta: &E2bMeta) -> Value {
         "state": "running",
         "envdVersion": ENVD_VERSION,
     })
-}
-
-/// The sandbox `id` of `principal` if it is an E2B sandbox.
-pub(super) fn e2b_sandbox(
-    state: &AppState,
-    id: &str,
-    principal: &Principal,
-) -> Result<(Arc<SandboxEntry>, Arc<E2bMeta>), E2bError> {
-    let entry = crate::service::sandbox(state, principal, id)?;
-    let meta = state.e2b.sandbox(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
-    Ok((entry, meta))
 }
 
 pub(super) async fn create(
@@ -124,7 +98,7 @@ pub(super) async fn create(
     // Commands run as the image's `user` (uid 1000, passwordless sudo), in its home, which is part of the sandbox's
     // own filesystem (so its snapshots and forks hold it). The wasm-Python template instead shares `/home/user`
     // with its wasm Python session as a host directory, and runs commands as the sandbox's root.
-    let (home, grants, user) = if template == super::interpreter::WASM_TEMPLATE {
+    let (home, grants, user) = if template == super::WASM_TEMPLATE {
         let home = state.snapshot_dir.join("e2b").join(new_id("home_"));
         std::fs::create_dir_all(&home)
             .map_err(|e| ApiError::internal(format!("cannot create {}: {e}", home.display())))?;
@@ -162,8 +136,7 @@ pub(super) async fn create(
             return Err(err.into());
         }
     };
-    let meta = state.e2b.adopt(&entry, meta);
-    super::interpreter::prestart(&entry, &meta);
+    let meta = state.e2b.adopt_started(&entry, meta);
     Ok((StatusCode::CREATED, Json(sandbox_json(&entry, &meta, state.domain.as_deref()))).into_response())
 }
 

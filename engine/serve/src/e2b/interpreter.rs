@@ -37,8 +37,7 @@ use crate::error::ApiError;
 use crate::registry::{SandboxEntry, lock};
 use crate::service::{CancelOnDrop, blocking, record_job};
 
-/// The template whose Python cells run in a wasm Python session instead of an IPython kernel.
-pub const WASM_TEMPLATE: &str = "strata-wasm-python";
+pub use super::WASM_TEMPLATE;
 
 /// The most code a cell may carry.
 const MAX_CELL: usize = 4 << 20;
@@ -59,9 +58,9 @@ impl FromRequestParts<Arc<AppState>> for InterpreterSandbox {
         let entry = state.registry.get_any(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
         let meta = state.e2b.sandbox(id).ok_or_else(|| E2bError::sandbox_gone(id))?;
         let given = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-        let access = given("x-access-token").is_some_and(|t| super::connect::same_secret(t, &meta.access_token));
+        let access = given("x-access-token").is_some_and(|t| super::signature::same_secret(t, &meta.access_token));
         let traffic =
-            given("e2b-traffic-access-token").is_some_and(|t| super::connect::same_secret(t, &meta.traffic_token));
+            given("e2b-traffic-access-token").is_some_and(|t| super::signature::same_secret(t, &meta.traffic_token));
         if !access && !traffic {
             return Err(E2bError::new(
                 super::ConnectCode::Unauthenticated,

@@ -26,8 +26,7 @@ use serde_json::{Value, json};
 use strata_core::{Limits, Snapshot};
 use strata_engine::TierChoice;
 
-use super::control::{e2b_sandbox, sandbox_json};
-use super::{E2bError, E2bMeta};
+use super::{E2bError, E2bMeta, e2b_sandbox, sandbox_json};
 use crate::error::ApiError;
 use crate::registry::{SandboxEntry, lock, new_id};
 use crate::service::blocking;
@@ -136,7 +135,7 @@ fn refuse_shared_home(meta: &E2bMeta, doing: &str) -> Result<(), E2bError> {
             "unsupported",
             format!(
                 "a {} sandbox cannot be {doing}: its /home/user is a host directory no snapshot holds",
-                super::interpreter::WASM_TEMPLATE
+                super::WASM_TEMPLATE
             ),
         )
         .into());
@@ -277,8 +276,7 @@ pub(super) async fn resume(
             return Err(err);
         }
     };
-    let meta = state.e2b.adopt(&entry, paused.meta.renewed());
-    super::interpreter::prestart(&entry, &meta);
+    let meta = state.e2b.adopt_started(&entry, paused.meta.renewed());
     remove_dir(&paused.dir);
     tracing::info!(sandbox = %id, "sandbox resumed");
     Ok((entry, meta))
@@ -404,8 +402,7 @@ pub(super) async fn create_from_snapshot(
     let entry = start_fork(state, principal, new_id("sb_"), &snapshot.snapshot, limits, ttl).await?;
     let mut meta = E2bMeta::new(template, new_id("tok_") + &new_id(""), metadata, None, Vec::new());
     meta.owner = Some(principal.clone());
-    let meta = state.e2b.adopt(&entry, meta);
-    super::interpreter::prestart(&entry, &meta);
+    let meta = state.e2b.adopt_started(&entry, meta);
     Ok(Some((entry, meta)))
 }
 
@@ -451,8 +448,7 @@ pub(super) async fn fork(
                 );
                 fork_meta.owner = Some(principal.clone());
                 (fork_meta.auto_pause, fork_meta.auto_resume) = (meta.auto_pause, meta.auto_resume);
-                let fork_meta = state.e2b.adopt(&fork, fork_meta);
-                super::interpreter::prestart(&fork, &fork_meta);
+                let fork_meta = state.e2b.adopt_started(&fork, fork_meta);
                 json!({"sandbox": sandbox_json(&fork, &fork_meta, state.domain.as_deref())})
             }
             Err(err) => json!({"error": {"code": err.status.as_u16(), "message": err.message}}),

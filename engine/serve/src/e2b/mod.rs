@@ -35,12 +35,13 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
-use serde_json::Value;
+use serde_json::{Value, json};
 use strata_core::{CancelToken, EnvVar};
 use tokio::sync::{broadcast, mpsc};
 
-use crate::AppState;
+use crate::error::ApiError;
 use crate::registry::{SandboxEntry, lock};
+use crate::{AppState, Principal};
 
 pub mod connect;
 mod control;
@@ -115,6 +116,9 @@ impl std::fmt::Debug for E2bMeta {
 pub(crate) fn rfc3339(time: std::time::SystemTime) -> String {
     strata_image_util::rfc3339_micros(time)
 }
+
+/// The template whose Python cells run in a wasm Python session instead of an IPython kernel.
+pub const WASM_TEMPLATE: &str = "strata-wasm-python";
 
 /// The home of the account E2B's commands run as by default ([`USER`]).
 pub const HOME: &str = "/home/user";
@@ -251,6 +255,14 @@ impl E2bState {
         meta
     }
 
+    /// [`E2bState::adopt`], then the code interpreter's default kernel started ahead for a code-interpreter
+    /// template ([`interpreter::prestart`]).
+    fn adopt_started(self: &Arc<Self>, entry: &Arc<SandboxEntry>, meta: E2bMeta) -> Arc<E2bMeta> {
+        let meta = self.adopt(entry, meta);
+        interpreter::prestart(entry, &meta);
+        meta
+    }
+
     /// Drops sandbox `id`'s state: cancels its commands and watchers, closes its Python session and removes its
     /// home directory (blocking).
     fn forget(&self, id: &str) {
@@ -259,6 +271,32 @@ impl E2bState {
             meta.close();
         }
     }
+}
+
+/// A sandbox as create and connect answer it; `domain`: the server's (`--domain`), from which the SDKs' `get_host(port)`
+/// makes `{port}-{sandboxID}.{domain}` (null: the SDK's own default).
+pub(super) fn sandbox_json(entry: &SandboxEntry, meta: &E2bMeta, domain: Option<&str>) -> Value {
+    json!({
+        "domain": domain,
+        "templateID": meta.template,
+        "sandboxID": entry.id,
+        "alias": meta.template,
+        "clientID": "strata",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": meta.access_token,
+        "trafficAccessToken": meta.traffic_token,
+    })
+}
+
+/// The sandbox `id` of `principal` if it is an E2B sandbox.
+pub(super) fn e2b_sandbox(
+    state: &AppState,
+    id: &str,
+    principal: &Principal,
+) -> Result<(Arc<SandboxEntry>, Arc<E2bMeta>), E2bError> {
+    let entry = crate::service::sandbox(state, principal, id)?;
+    let meta = state.e2b.sandbox(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
+    Ok((entry, meta))
 }
 
 /// The control-plane routes (behind API-key authentication).

@@ -20,8 +20,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use strata_core::{Allowlist, Net};
 
-use super::E2bError;
-use super::control::e2b_sandbox;
+use super::{E2bError, e2b_sandbox};
 use crate::error::ApiError;
 use crate::{AppState, Principal};
 

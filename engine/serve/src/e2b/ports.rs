@@ -51,9 +51,9 @@ async fn proxied(state: &AppState, id: &str, port: u16, request: Request) -> Res
     if state.keys.is_some() {
         let meta = state.e2b.sandbox(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
         let given = |name: &str| request.headers().get(name).and_then(|v| v.to_str().ok());
-        let access = given("x-access-token").is_some_and(|t| super::connect::same_secret(t, &meta.access_token));
+        let access = given("x-access-token").is_some_and(|t| super::signature::same_secret(t, &meta.access_token));
         let traffic =
-            given("e2b-traffic-access-token").is_some_and(|t| super::connect::same_secret(t, &meta.traffic_token));
+            given("e2b-traffic-access-token").is_some_and(|t| super::signature::same_secret(t, &meta.traffic_token));
         if !access && !traffic {
             return Err(ApiError::new(
                 StatusCode::FORBIDDEN,

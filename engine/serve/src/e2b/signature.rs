@@ -15,7 +15,6 @@ use base64::engine::general_purpose::STANDARD_NO_PAD;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use super::connect::same_secret;
 use super::{ConnectCode, E2bError};
 
 /// What a signed URL lets its holder do with the file it names.
@@ -126,6 +125,12 @@ impl SignedQuery {
             _ => Ok(()),
         }
     }
+}
+
+/// Whether a token presented equals the secret, compared in time that does not depend on where they differ.
+pub fn same_secret(presented: &str, secret: &str) -> bool {
+    presented.len() == secret.len()
+        && presented.bytes().zip(secret.bytes()).fold(0u8, |diff, (a, b)| diff | (a ^ b)) == 0
 }
 
 #[cfg(test)]
