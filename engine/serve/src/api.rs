@@ -50,6 +50,8 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/v1/sandboxes/{id}/fork", post(fork_live))
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
         .route("/v1/sandboxes/{id}/network", axum::routing::put(set_network))
+        .route("/v1/sandboxes/{id}/pause", post(pause_sandbox))
+        .route("/v1/sandboxes/{id}/resume", post(resume_sandbox))
         .route("/v1/sandboxes/{id}/metrics", get(metrics))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshot))
         .route("/v1/sandboxes/{id}/ports/{port}", any(port))
@@ -149,6 +151,40 @@ impl SandboxInfo {
 pub struct SandboxList {
     /// The caller's sandboxes, oldest first.
     pub sandboxes: Vec<SandboxInfo>,
+    /// The caller's paused sandboxes, oldest pause first.
+    pub paused: Vec<PausedInfo>,
+}
+
+/// A paused sandbox ([`crate::paused`]): its state kept as a snapshot under its id until resumed or deleted.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PausedInfo {
+    /// Its id (the same once resumed).
+    pub id: String,
+    /// The tier it resumes on.
+    pub tier: String,
+    /// When it was first created (Unix seconds).
+    pub created_at: u64,
+    /// When it was paused (Unix seconds).
+    pub paused_at: u64,
+}
+
+impl PausedInfo {
+    fn of(paused: &crate::paused::PausedSandbox) -> PausedInfo {
+        PausedInfo {
+            id: paused.id.clone(),
+            tier: paused.tier.as_str().to_owned(),
+            created_at: crate::registry::unix_seconds(paused.created),
+            paused_at: crate::registry::unix_seconds(paused.paused_at),
+        }
+    }
+}
+
+/// `POST /v1/sandboxes/{id}/resume`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResumeRequest {
+    /// Seconds it lives from now (default: the server's TTL).
+    pub ttl: Option<u64>,
 }
 
 /// `POST /v1/sandboxes/{id}/timeout`.
@@ -260,6 +296,7 @@ pub struct OutcomeDoc {
         client accepts no byte of a response for `--write-timeout` is cut off."),
     paths(
         create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout, set_network,
+        pause_sandbox, resume_sandbox,
         snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files, port, metrics, crate::pty::create,
         crate::pty::list, crate::pty::resize, crate::pty::kill, crate::pty::attach
     ),
@@ -267,7 +304,7 @@ pub struct OutcomeDoc {
         CapabilitiesRequest, CreateSandboxRequest, JobRequest, RunRequest, SandboxInfo, SandboxList, TimeoutRequest,
         SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail,
         LiveForkResponse, FileEntry, FileList, MetricsList, crate::usage::UsageSample, crate::pty::PtyRequest, crate::pty::PtyInfo, crate::pty::PtyList,
-        crate::pty::ResizeRequest, NetworkRequest
+        crate::pty::ResizeRequest, NetworkRequest, PausedInfo, ResumeRequest
     )),
     modifiers(&BearerAuth, &BodyLimits),
     security(("api_key" = []))
@@ -425,7 +462,37 @@ async fn metrics(
 #[utoipa::path(get, path = "/v1/sandboxes", tag = "sandboxes", responses((status = 200, body = SandboxList)))]
 async fn list_sandboxes(State(state): Shared, Extension(principal): Extension<Principal>) -> Json<SandboxList> {
     let sandboxes = state.registry.list(Some(&principal.name)).iter().map(|e| SandboxInfo::of(e)).collect();
-    Json(SandboxList { sandboxes })
+    let paused = state.paused.list(&principal.name).iter().map(|p| PausedInfo::of(p)).collect();
+    Json(SandboxList { sandboxes, paused })
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes",
+    responses((status = 200, body = PausedInfo, description = "paused: what its tier snapshots (the process tier: its \
+        filesystem) is kept under its id"), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "a job or file call did not end within 10 s"),
+        (status = 429, body = ErrorBody), (status = 501, body = ErrorBody)))]
+async fn pause_sandbox(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<PausedInfo>, ApiError> {
+    let paused = crate::paused::pause(&state, &principal, &id).await?;
+    Ok(Json(PausedInfo::of(&paused)))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", request_body = ResumeRequest,
+    responses((status = 200, body = SandboxInfo, description = "running again, under the same id"),
+        (status = 404, body = ErrorBody), (status = 429, body = ErrorBody)))]
+async fn resume_sandbox(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Result<Json<ResumeRequest>, JsonRejection>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    let req = json(body)?;
+    let ttl = ttl(&state, req.ttl)?;
+    let entry = crate::paused::resume(&state, &principal, &id, ttl).await?;
+    Ok(Json(SandboxInfo::of(&entry)))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes",
@@ -446,6 +513,16 @@ async fn delete_sandbox(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    // A paused one is deleted with its snapshot.
+    let deleted = {
+        let state = state.clone();
+        let (id, owner) = (id.clone(), principal.name.clone());
+        blocking(move || Ok::<_, ApiError>(state.paused.delete(&id, &owner))).await?
+    };
+    if deleted {
+        state.e2b.forget_paused(&id);
+        return Ok(StatusCode::NO_CONTENT);
+    }
     kill_sandbox(&state, &principal, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -44,6 +44,7 @@ pub mod connections;
 pub mod e2b;
 pub mod error;
 pub mod metrics;
+pub mod paused;
 pub mod ports;
 pub mod pty;
 pub mod registry;
@@ -201,6 +202,8 @@ pub struct AppState {
     pub snapshot_dir: PathBuf,
     /// The E2B layer's state of its sandboxes (dropped with each sandbox, through [`SandboxEntry::on_kill`]).
     pub e2b: Arc<e2b::E2bState>,
+    /// Paused sandboxes ([`paused`]).
+    pub paused: paused::Paused,
     /// Open connections and their limits.
     pub connections: Arc<Connections>,
     /// See [`ServeConfig::domain`].
@@ -307,6 +310,7 @@ impl Server {
             allow_grants: config.allow_grants,
             snapshot_dir,
             e2b: Arc::default(),
+            paused: paused::Paused::default(),
             connections: Arc::new(Connections::new(config.connections)),
             domain: config.domain.clone(),
             ptys: Arc::default(),

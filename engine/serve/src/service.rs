@@ -233,7 +233,16 @@ pub(crate) async fn exec_in(
 
 /// The sandbox `id` if `principal` may use it (else not found: ids of other keys are not revealed).
 pub(crate) fn sandbox(state: &AppState, principal: &Principal, id: &str) -> Result<Arc<SandboxEntry>, ApiError> {
-    Ok(state.registry.get(id, &principal.name)?)
+    match state.registry.get(id, &principal.name) {
+        Err(crate::registry::RegistryError::SandboxNotFound(_)) if state.paused.get(id, &principal.name).is_some() => {
+            Err(ApiError::new(
+                axum::http::StatusCode::CONFLICT,
+                "sandbox_paused",
+                format!("sandbox {id} is paused: resume it first (POST /v1/sandboxes/{id}/resume)"),
+            ))
+        }
+        other => Ok(other?),
+    }
 }
 
 /// Takes the sandbox `id` of `principal` out of the registry (its place is free at once) and kills it.

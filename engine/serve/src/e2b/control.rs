@@ -149,7 +149,7 @@ pub(super) async fn list(
         .list(Some(&principal.name))
         .iter()
         .filter_map(|entry| state.e2b.sandbox(&entry.id).map(|meta| listed_json(entry, &meta)))
-        .chain(state.e2b.lifecycle.listed(&principal.name))
+        .chain(state.e2b.lifecycle.listed(&state, &principal.name))
         .collect();
     Json(Value::Array(list))
 }
@@ -159,7 +159,8 @@ pub(super) async fn detail(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, E2bError> {
-    if let Some(paused) = state.e2b.lifecycle.detail(&id, &principal.name) {
+    state.e2b.lifecycle.settle(&state, &id).await;
+    if let Some(paused) = state.e2b.lifecycle.detail(&state, &id, &principal.name) {
         return Ok(Json(paused));
     }
     let (entry, meta) = e2b_sandbox(&state, &id, &principal)?;
@@ -249,7 +250,8 @@ pub(super) async fn kill(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, E2bError> {
-    if state.e2b.lifecycle.kill(&id, &principal.name) {
+    state.e2b.lifecycle.settle(&state, &id).await;
+    if state.e2b.lifecycle.kill(&state, &id, &principal.name) {
         return Ok(StatusCode::NO_CONTENT);
     }
     let (_, meta) = e2b_sandbox(&state, &id, &principal)?;
@@ -285,7 +287,8 @@ pub(super) async fn connect(
 ) -> Result<Response, E2bError> {
     let timeout = serde_json::from_slice::<TimeoutRequest>(&body).ok().map(|req| req.timeout);
     // A paused sandbox is resumed (201), a running one only given its new timeout (200), as E2B answers.
-    if state.e2b.lifecycle.is_paused(&id, &principal.name) {
+    state.e2b.lifecycle.settle(&state, &id).await;
+    if state.e2b.lifecycle.is_paused(&state, &id, &principal.name) {
         let ttl = crate::service::ttl(&state, timeout)?;
         let (entry, meta) = super::lifecycle::resume(&state, &principal, &id, ttl).await?;
         return Ok((StatusCode::CREATED, Json(sandbox_json(&entry, &meta, state.domain.as_deref()))).into_response());

@@ -12,9 +12,8 @@
 //! snapshotted or forked (a typed 400 says so).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use axum::Json;
 use axum::body::Bytes;
@@ -23,11 +22,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use strata_core::{Limits, Snapshot};
-use strata_engine::TierChoice;
 
 use super::{E2bError, E2bMeta, e2b_sandbox, sandbox_json};
 use crate::error::ApiError;
+use crate::paused::{PausedSandbox, checkpoint, start_fork};
 use crate::registry::{SandboxEntry, lock, new_id};
 use crate::service::blocking;
 use crate::{AppState, Principal};
@@ -35,66 +33,72 @@ use crate::{AppState, Principal};
 /// The most forks one `fork` makes (E2B's limit).
 pub const MAX_FORKS: usize = 20;
 
-/// The most paused sandboxes the server keeps (each holds a snapshot on disk); a pause past it is refused (429)
-/// and a timed-out `autoPause` sandbox past it is killed.
-pub const MAX_PAUSED: usize = 256;
-
-/// How long a pause or a fork waits for the sandbox's calls in flight to end before it snapshots.
-const QUIESCE: Duration = Duration::from_secs(10);
-
-/// A paused sandbox: its snapshot and what the E2B layer and the registry knew of it.
-#[derive(Debug)]
-pub(super) struct Paused {
-    owner: String,
-    snapshot: Snapshot,
-    dir: PathBuf,
-    meta: Arc<E2bMeta>,
-    limits: Limits,
-    created: SystemTime,
-    paused_at: SystemTime,
-}
-
-/// The E2B layer's lifecycle state: paused sandboxes, and the template each E2B snapshot was taken of.
+/// The E2B layer's part of the lifecycle: what it knew of each paused E2B sandbox (its tokens, template, metadata;
+/// the sandbox itself is in [`crate::paused`]), and the template each E2B snapshot was taken of.
 #[derive(Debug, Default)]
 pub(super) struct Lifecycle {
-    paused: std::sync::Mutex<HashMap<String, Paused>>,
+    paused: std::sync::Mutex<HashMap<String, Arc<E2bMeta>>>,
     templates: std::sync::Mutex<HashMap<String, (String, Option<String>)>>,
 }
 
 impl Lifecycle {
-    /// Whether `owner` has a paused sandbox `id`.
-    pub(super) fn is_paused(&self, id: &str, owner: &str) -> bool {
-        lock(&self.paused).get(id).is_some_and(|paused| paused.owner == owner)
+    /// Paused E2B sandbox `id` of `owner`: the paused sandbox and its E2B state.
+    fn paused(&self, state: &AppState, id: &str, owner: &str) -> Option<(Arc<PausedSandbox>, Arc<E2bMeta>)> {
+        let paused = state.paused.get(id, owner)?;
+        let meta = lock(&self.paused).get(id).cloned()?;
+        Some((paused, meta))
     }
 
-    /// The paused sandboxes of `owner`, as E2B lists them.
-    pub(super) fn listed(&self, owner: &str) -> Vec<Value> {
-        lock(&self.paused).iter().filter(|(_, p)| p.owner == owner).map(|(id, p)| paused_json(id, p)).collect()
+    /// Waits while sandbox `id` is being paused by the reaper (`autoPause`: out of the registry, its snapshot not yet
+    /// taken), so that no call sees it gone in between; at most [`crate::paused::QUIESCE`] and a little more.
+    pub(super) async fn settle(&self, state: &AppState, id: &str) {
+        let deadline = std::time::Instant::now() + crate::paused::QUIESCE + Duration::from_secs(5);
+        while lock(&self.paused).contains_key(id)
+            && state.paused.get_any(id).is_none()
+            && state.registry.get_any(id).is_none()
+            && std::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Whether `owner` has a paused E2B sandbox `id`.
+    pub(super) fn is_paused(&self, state: &AppState, id: &str, owner: &str) -> bool {
+        self.paused(state, id, owner).is_some()
+    }
+
+    /// The paused E2B sandboxes of `owner`, as E2B lists them.
+    pub(super) fn listed(&self, state: &AppState, owner: &str) -> Vec<Value> {
+        let metas = lock(&self.paused);
+        state
+            .paused
+            .list(owner)
+            .iter()
+            .filter_map(|paused| metas.get(&paused.id).map(|meta| paused_json(paused, meta)))
+            .collect()
     }
 
     /// Paused sandbox `id` of `owner` as `GET /sandboxes/{id}` answers it.
-    pub(super) fn detail(&self, id: &str, owner: &str) -> Option<Value> {
-        let paused = lock(&self.paused);
-        let p = paused.get(id).filter(|p| p.owner == owner)?;
-        let mut detail = paused_json(id, p);
-        detail["envdAccessToken"] = json!(p.meta.access_token);
-        detail["trafficAccessToken"] = json!(p.meta.traffic_token);
+    pub(super) fn detail(&self, state: &AppState, id: &str, owner: &str) -> Option<Value> {
+        let (paused, meta) = self.paused(state, id, owner)?;
+        let mut detail = paused_json(&paused, &meta);
+        detail["envdAccessToken"] = json!(meta.access_token);
+        detail["trafficAccessToken"] = json!(meta.traffic_token);
         Some(detail)
     }
 
-    /// Drops paused sandbox `id` of `owner` and its snapshot (`kill`); whether there was one.
-    pub(super) fn kill(&self, id: &str, owner: &str) -> bool {
-        let taken = {
-            let mut paused = lock(&self.paused);
-            if paused.get(id).is_some_and(|p| p.owner == owner) { paused.remove(id) } else { None }
-        };
-        match taken {
-            Some(paused) => {
-                remove_dir(&paused.dir);
-                true
-            }
-            None => false,
+    /// Deletes paused sandbox `id` of `owner` and its snapshot (`kill`); whether there was one.
+    pub(super) fn kill(&self, state: &AppState, id: &str, owner: &str) -> bool {
+        if !state.paused.delete(id, owner) {
+            return false;
         }
+        lock(&self.paused).remove(id);
+        true
+    }
+
+    /// The E2B state of the paused sandboxes, by id.
+    pub(super) fn paused_metas(&self) -> &std::sync::Mutex<HashMap<String, Arc<E2bMeta>>> {
+        &self.paused
     }
 
     /// The E2B template snapshot `id` was taken of, and its name, when the E2B layer took it.
@@ -103,26 +107,18 @@ impl Lifecycle {
     }
 }
 
-fn remove_dir(dir: &std::path::Path) {
-    if let Err(err) = std::fs::remove_dir_all(dir)
-        && err.kind() != std::io::ErrorKind::NotFound
-    {
-        tracing::warn!(dir = %dir.display(), error = %err, "removing a paused sandbox's snapshot failed");
-    }
-}
-
-fn paused_json(id: &str, paused: &Paused) -> Value {
+fn paused_json(paused: &PausedSandbox, meta: &E2bMeta) -> Value {
     json!({
-        "templateID": paused.meta.template,
-        "alias": paused.meta.template,
-        "sandboxID": id,
+        "templateID": meta.template,
+        "alias": meta.template,
+        "sandboxID": paused.id,
         "clientID": "strata",
         "startedAt": super::rfc3339(paused.created),
         "endAt": super::rfc3339(paused.paused_at),
         "cpuCount": paused.limits.vcpus,
         "memoryMB": paused.limits.memory.0 >> 20,
         "diskSizeMB": paused.limits.disk.0 >> 20,
-        "metadata": paused.meta.metadata,
+        "metadata": meta.metadata,
         "state": "paused",
         "envdVersion": super::ENVD_VERSION,
     })
@@ -143,27 +139,25 @@ fn refuse_shared_home(meta: &E2bMeta, doing: &str) -> Result<(), E2bError> {
     Ok(())
 }
 
-/// Snapshots `entry` into a new directory under the server's, once the calls in flight have ended (its commands
-/// were stopped first by the caller, or are waited for).
-async fn checkpoint(state: &Arc<AppState>, entry: &Arc<SandboxEntry>) -> Result<(Snapshot, PathBuf), E2bError> {
-    let (snapshot_dir, entry) = (state.snapshot_dir.clone(), entry.clone());
-    Ok(blocking(move || checkpoint_blocking(&snapshot_dir, &entry)).await?)
-}
-
-/// [`checkpoint`], on the calling thread.
-fn checkpoint_blocking(snapshot_dir: &std::path::Path, entry: &SandboxEntry) -> Result<(Snapshot, PathBuf), ApiError> {
-    let dir = snapshot_dir.join(new_id("snap_"));
-    let deadline = Instant::now() + QUIESCE;
-    loop {
-        match entry.snapshot(&dir) {
-            Err(crate::registry::RegistryError::Tier(strata_core::TierError::Busy { .. }))
-                if Instant::now() < deadline =>
-            {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            other => return other.map(|snapshot| (snapshot, dir)).map_err(ApiError::from),
-        }
+/// `POST /sandboxes/{id}/pause`: stops the sandbox's commands and pauses it ([`crate::paused`]); it keeps its id
+/// and tokens until `connect` resumes it or `kill` drops it. 409 when it is already paused.
+pub(super) async fn pause(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, E2bError> {
+    if state.e2b.lifecycle.is_paused(&state, &id, &principal.name) {
+        return Err(ApiError::new(StatusCode::CONFLICT, "conflict", format!("sandbox {id} is already paused")).into());
     }
+    let (_, meta) = e2b_sandbox(&state, &id, &principal)?;
+    refuse_shared_home(&meta, "paused")?;
+    meta.stop_jobs();
+    lock(&state.e2b.lifecycle.paused).insert(id.clone(), meta);
+    if let Err(err) = crate::paused::pause(&state, &principal, &id).await {
+        lock(&state.e2b.lifecycle.paused).remove(&id);
+        return Err(err.into());
+    }
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// Pauses an E2B sandbox with `autoPause` whose timeout ended instead of letting it go (the reaper took it out of
@@ -172,31 +166,28 @@ pub(crate) fn pause_on_expiry(state: &AppState, entry: &SandboxEntry) -> bool {
     let Some(meta) = state.e2b.sandbox(&entry.id).filter(|meta| meta.auto_pause && meta.home.is_none()) else {
         return false;
     };
-    if lock(&state.e2b.lifecycle.paused).len() >= MAX_PAUSED {
-        tracing::warn!(sandbox = %entry.id, "timed out with autoPause, but {MAX_PAUSED} sandboxes are paused; killed");
-        return false;
-    }
+    let Some(owner) = meta.owner.clone() else { return false };
     meta.stop_jobs();
-    match checkpoint_blocking(&state.snapshot_dir, entry) {
-        Ok((snapshot, dir)) => {
-            let paused = Paused {
-                owner: entry.owner.clone(),
-                snapshot,
-                dir,
-                meta,
-                limits: entry.limits.clone(),
-                created: entry.created,
-                paused_at: SystemTime::now(),
-            };
-            lock(&state.e2b.lifecycle.paused).insert(entry.id.clone(), paused);
-            tracing::info!(sandbox = %entry.id, "sandbox timed out; paused (autoPause)");
-            true
-        }
-        Err(err) => {
-            tracing::warn!(sandbox = %entry.id, error = %err.message, "pausing a timed-out sandbox failed; killed");
-            false
-        }
+    lock(&state.e2b.lifecycle.paused).insert(entry.id.clone(), meta);
+    let paused = crate::paused::pause_taken(state, entry, owner);
+    if !paused {
+        lock(&state.e2b.lifecycle.paused).remove(&entry.id);
     }
+    paused
+}
+
+/// Resumes paused sandbox `id` of `principal` (from `connect`) under the same id and tokens, living `ttl`.
+pub(super) async fn resume(
+    state: &Arc<AppState>,
+    principal: &Principal,
+    id: &str,
+    ttl: Duration,
+) -> Result<(Arc<SandboxEntry>, Arc<E2bMeta>), E2bError> {
+    let meta = lock(&state.e2b.lifecycle.paused).get(id).cloned().ok_or_else(|| ApiError::sandbox_not_found(id))?;
+    let entry = crate::paused::resume(state, principal, id, ttl).await?;
+    lock(&state.e2b.lifecycle.paused).remove(id);
+    let meta = state.e2b.adopt_started(&entry, meta.renewed());
+    Ok((entry, meta))
 }
 
 /// Resumes paused sandbox `id` for an envd call when it was created with `autoResume` and the call is authorised
@@ -206,100 +197,17 @@ pub(super) async fn auto_resume(
     id: &str,
     authorised: impl FnOnce(&E2bMeta) -> bool,
 ) -> Result<bool, E2bError> {
-    let candidate = lock(&state.e2b.lifecycle.paused)
-        .get(id)
-        .filter(|paused| paused.meta.auto_resume)
-        .and_then(|paused| paused.meta.owner.clone().map(|owner| (owner, paused.meta.clone())));
-    let Some((owner, meta)) = candidate else { return Ok(false) };
+    state.e2b.lifecycle.settle(state, id).await;
+    let Some(meta) = lock(&state.e2b.lifecycle.paused).get(id).cloned().filter(|meta| meta.auto_resume) else {
+        return Ok(false);
+    };
+    let Some(paused) = state.paused.get_any(id) else { return Ok(false) };
     if !authorised(&meta) {
         return Ok(false);
     }
     let ttl = crate::service::ttl(state, None)?;
-    resume(state, &owner, id, ttl).await?;
+    resume(state, &paused.owner, id, ttl).await?;
     Ok(true)
-}
-
-/// `POST /sandboxes/{id}/pause`: stops the sandbox's commands, snapshots its filesystem and ends it; it keeps its
-/// id and tokens until `connect` resumes it or `kill` drops it. 409 when it is already paused.
-pub(super) async fn pause(
-    State(state): State<Arc<AppState>>,
-    Extension(principal): Extension<Principal>,
-    Path(id): Path<String>,
-) -> Result<StatusCode, E2bError> {
-    if state.e2b.lifecycle.is_paused(&id, &principal.name) {
-        return Err(ApiError::new(StatusCode::CONFLICT, "conflict", format!("sandbox {id} is already paused")).into());
-    }
-    let (entry, meta) = e2b_sandbox(&state, &id, &principal)?;
-    refuse_shared_home(&meta, "paused")?;
-    if lock(&state.e2b.lifecycle.paused).len() >= MAX_PAUSED {
-        let message = format!("this server keeps at most {MAX_PAUSED} paused sandboxes; kill or resume some");
-        return Err(ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too_many_paused", message).into());
-    }
-    meta.stop_jobs();
-    let (snapshot, dir) = checkpoint(&state, &entry).await?;
-    let paused = Paused {
-        owner: principal.name.clone(),
-        snapshot,
-        dir,
-        meta: meta.clone(),
-        limits: entry.limits.clone(),
-        created: entry.created,
-        paused_at: SystemTime::now(),
-    };
-    lock(&state.e2b.lifecycle.paused).insert(id.clone(), paused);
-    crate::service::kill_sandbox(&state, &principal, &id).await?;
-    tracing::info!(sandbox = %id, "sandbox paused");
-    Ok(StatusCode::NO_CONTENT)
-}
-
-/// Resumes paused sandbox `id` of `principal` (from `connect`) as a fork of its snapshot under the same id and
-/// tokens, living `ttl`; the snapshot goes once it runs. A start that fails leaves it paused.
-pub(super) async fn resume(
-    state: &Arc<AppState>,
-    principal: &Principal,
-    id: &str,
-    ttl: Duration,
-) -> Result<(Arc<SandboxEntry>, Arc<E2bMeta>), E2bError> {
-    let paused = {
-        let mut all = lock(&state.e2b.lifecycle.paused);
-        match all.get(id) {
-            Some(p) if p.owner == principal.name => all.remove(id),
-            _ => None,
-        }
-    }
-    .ok_or_else(|| ApiError::sandbox_not_found(id))?;
-    let started = start_fork(state, principal, id.to_owned(), &paused.snapshot, paused.limits.clone(), ttl).await;
-    let entry = match started {
-        Ok(entry) => entry,
-        Err(err) => {
-            lock(&state.e2b.lifecycle.paused).insert(id.to_owned(), paused);
-            return Err(err);
-        }
-    };
-    let meta = state.e2b.adopt_started(&entry, paused.meta.renewed());
-    remove_dir(&paused.dir);
-    tracing::info!(sandbox = %id, "sandbox resumed");
-    Ok((entry, meta))
-}
-
-/// Starts a fork of `snapshot` registered as sandbox `id` of `principal`.
-async fn start_fork(
-    state: &Arc<AppState>,
-    principal: &Principal,
-    id: String,
-    snapshot: &Snapshot,
-    limits: Limits,
-    ttl: Duration,
-) -> Result<Arc<SandboxEntry>, E2bError> {
-    let mut reservation = crate::service::reserve(state, principal, 1, &limits)?;
-    let (engine, snapshot) = (state.engine.clone(), snapshot.clone());
-    let started = Instant::now();
-    let sandbox =
-        blocking(move || engine.fork(TierChoice::Tier(snapshot.tier), &snapshot).map_err(ApiError::from)).await?;
-    let tier = sandbox.tier();
-    state.metrics.sandbox_created(tier);
-    state.metrics.latency(tier.as_str(), "fork", started.elapsed());
-    Ok(reservation.commit(SandboxEntry::new(id, principal.name.clone(), sandbox, limits, ttl)))
 }
 
 /// `POST /sandboxes/{id}/snapshots` `{name}`: a snapshot of the sandbox's filesystem, kept until deleted (a native
@@ -454,6 +362,8 @@ pub(super) async fn fork(
             Err(err) => json!({"error": {"code": err.status.as_u16(), "message": err.message}}),
         });
     }
-    remove_dir(&dir);
+    if let Err(err) = std::fs::remove_dir_all(&dir) {
+        tracing::warn!(dir = %dir.display(), error = %err, "removing a fork's snapshot failed");
+    }
     Ok((StatusCode::CREATED, Json(Value::Array(results))).into_response())
 }

@@ -255,6 +255,11 @@ impl E2bState {
         meta
     }
 
+    /// Drops what the layer kept of paused sandbox `id` (deleted through the native API).
+    pub fn forget_paused(&self, id: &str) {
+        lock(&self.lifecycle.paused_metas()).remove(id);
+    }
+
     /// [`E2bState::adopt`], then the code interpreter's default kernel started ahead for a code-interpreter
     /// template ([`interpreter::prestart`]).
     fn adopt_started(self: &Arc<Self>, entry: &Arc<SandboxEntry>, meta: E2bMeta) -> Arc<E2bMeta> {

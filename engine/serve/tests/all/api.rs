@@ -404,3 +404,39 @@ async fn metrics_sample_a_sandboxs_cpu_memory_and_disk_over_time() {
     assert_eq!((status, crate::util::code(&answer)), (501, "unsupported"), "{answer}");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_sandbox_keeps_its_files_under_its_id_until_resumed_or_deleted() {
+    if !crate::util::process_tier("a_paused_sandbox_keeps_its_files_under_its_id_until_resumed_or_deleted") {
+        return;
+    }
+    let server = TestServer::start().await;
+    let (status, created) = server.post("/v1/sandboxes", json!({"tier": "process"})).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().expect("id").to_owned();
+    let (status, out) =
+        server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"command": ["sh", "-c", "echo kept > /tmp/k"]})).await;
+    assert_eq!(status, 200, "{out}");
+    let (status, paused) = server.post(&format!("/v1/sandboxes/{id}/pause"), json!({})).await;
+    assert_eq!((status, paused["id"].as_str()), (200, Some(id.as_str())), "{paused}");
+    assert_eq!(server.state.registry.list(None).len(), 0, "a paused sandbox holds no place");
+    let (status, refused) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"command": ["true"]})).await;
+    assert_eq!((status, code(&refused)), (409, "sandbox_paused"), "{refused}");
+    let (status, again) = server.post(&format!("/v1/sandboxes/{id}/pause"), json!({})).await;
+    assert_eq!((status, code(&again)), (409, "sandbox_paused"), "{again}");
+    let (_, listed) = server.get("/v1/sandboxes").await;
+    assert_eq!(listed["paused"][0]["id"], json!(id), "{listed}");
+    let (status, resumed) = server.post(&format!("/v1/sandboxes/{id}/resume"), json!({"ttl": 60})).await;
+    assert_eq!((status, resumed["id"].as_str()), (200, Some(id.as_str())), "{resumed}");
+    let (status, out) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"command": ["cat", "/tmp/k"]})).await;
+    assert_eq!((status, out["stdout"].as_str()), (200, Some("kept\n")), "{out}");
+    // Paused again, then deleted: its snapshot goes with it.
+    let dirs = || std::fs::read_dir(&server.state.snapshot_dir).map(|d| d.count()).unwrap_or(0);
+    let (status, _) = server.post(&format!("/v1/sandboxes/{id}/pause"), json!({})).await;
+    assert_eq!((status, dirs()), (200, 1));
+    assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 204);
+    assert_eq!(dirs(), 0, "the paused sandbox's snapshot was removed");
+    let (status, gone) = server.post(&format!("/v1/sandboxes/{id}/resume"), json!({})).await;
+    assert_eq!((status, code(&gone)), (404, "sandbox_not_found"), "{gone}");
+    server.stop().await;
+}
