@@ -140,18 +140,53 @@ pub(super) async fn create(
     Ok((StatusCode::CREATED, Json(sandbox_json(&entry, &meta, state.domain.as_deref()))).into_response())
 }
 
+/// `GET /sandboxes`, `GET /v2/sandboxes?state=running&state=paused&metadata=…`: the key's E2B sandboxes, running and
+/// paused, filtered as asked (one page: no `x-next-token`).
 pub(super) async fn list(
     State(state): State<Arc<AppState>>,
     Extension(principal): Extension<Principal>,
+    uri: axum::http::Uri,
 ) -> Json<Value> {
+    let filter = ListFilter::of_query(uri.query().unwrap_or(""));
     let list = state
         .registry
         .list(Some(&principal.name))
         .iter()
         .filter_map(|entry| state.e2b.sandbox(&entry.id).map(|meta| listed_json(entry, &meta)))
         .chain(state.e2b.lifecycle.listed(&state, &principal.name))
+        .filter(|sandbox| filter.keeps(sandbox))
         .collect();
     Json(Value::Array(list))
+}
+
+/// What a list query keeps: the states named (all when none is), and the sandboxes whose metadata holds every pair.
+#[derive(Debug, Default, PartialEq)]
+struct ListFilter {
+    states: Vec<String>,
+    metadata: Vec<(String, String)>,
+}
+
+impl ListFilter {
+    /// `state` may repeat; `metadata` is itself a form (`k=v&k2=v2`, each part percent-encoded once more).
+    fn of_query(query: &str) -> ListFilter {
+        let mut filter = ListFilter::default();
+        for (key, value) in form_urlencoded::parse(query.as_bytes()) {
+            match key.as_ref() {
+                "state" => filter.states.extend(value.split(',').map(str::to_owned)),
+                "metadata" => filter
+                    .metadata
+                    .extend(form_urlencoded::parse(value.as_bytes()).map(|(k, v)| (k.into_owned(), v.into_owned()))),
+                _ => {}
+            }
+        }
+        filter
+    }
+
+    fn keeps(&self, sandbox: &Value) -> bool {
+        let state = sandbox["state"].as_str().unwrap_or("running");
+        (self.states.is_empty() || self.states.iter().any(|s| s == state))
+            && self.metadata.iter().all(|(k, v)| sandbox["metadata"][k.as_str()].as_str() == Some(v.as_str()))
+    }
 }
 
 pub(super) async fn detail(
@@ -312,6 +347,18 @@ pub(super) async fn refresh(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn list_queries_filter_by_state_and_metadata_as_the_sdk_sends_them() {
+        // `SandboxQuery(metadata={"user id": "a&b"}, state=["paused"])` as the Python SDK encodes it.
+        let filter = ListFilter::of_query("metadata=user%2520id%3Da%2526b&state=paused&state=running&limit=100");
+        assert_eq!(filter.states, ["paused", "running"]);
+        assert_eq!(filter.metadata, [("user id".to_owned(), "a&b".to_owned())]);
+        assert!(filter.keeps(&json!({"state": "paused", "metadata": {"user id": "a&b", "x": "y"}})));
+        assert!(!filter.keeps(&json!({"state": "paused", "metadata": {"user id": "a"}})));
+        assert!(ListFilter::of_query("").keeps(&json!({"state": "running", "metadata": {}})));
+        assert!(!ListFilter::of_query("state=paused").keeps(&json!({"state": "running", "metadata": {}})));
+    }
 
     #[test]
     fn rfc3339_prints_utc_dates() {

@@ -1205,6 +1205,13 @@ assert sbx.pause() is False, "a second pause finds it paused"
 assert not sbx.is_running()
 listed = {s.sandbox_id: s.state for s in Sandbox.list().next_items()}
 assert str(listed.get(sbx.sandbox_id)).endswith("paused"), listed
+from e2b import SandboxQuery, SandboxState
+query = SandboxQuery(state=[SandboxState.PAUSED], metadata={"who": "lifecycle"})
+assert [s.sandbox_id for s in Sandbox.list(query=query).next_items()] == [sbx.sandbox_id]
+query = SandboxQuery(state=[SandboxState.RUNNING])
+assert sbx.sandbox_id not in [s.sandbox_id for s in Sandbox.list(query=query).next_items()]
+query = SandboxQuery(metadata={"who": "nobody"})
+assert Sandbox.list(query=query).next_items() == []
 same = Sandbox.connect(sbx.sandbox_id)
 assert same.sandbox_id == sbx.sandbox_id and same.is_running()
 assert sbx.files.read("state.txt") == "before", "the old object works again: same tokens"
