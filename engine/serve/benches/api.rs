@@ -3,7 +3,8 @@
 //! per second with 8 concurrent clients; and the E2B SDK's `create` + `commands.run` + `kill` when its venv exists
 //! (`$STRATA_HOME/e2b-sdk-2.63.0`, made by the tests); a GET through the port proxy to `python3 -m http.server` in a
 //! process sandbox, beside the same GET straight to the same server program on the host's loopback; a key typed
-//! into a sandbox's terminal over its WebSocket until its echo comes back, beside the same echo of a host terminal.
+//! into a sandbox's terminal over its WebSocket until its echo comes back, beside the same echo of a host terminal;
+//! pause and resume of a process sandbox holding 16 MiB of files, beside a fresh create.
 //! Figures for reading, not asserted.
 //!
 //! `cargo bench -p strata-serve --bench api [-- --quick]`
@@ -244,6 +245,41 @@ async fn pty_round_trip(base: &str, iters: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Pause and resume of a process sandbox holding 16 MiB of files, through `/v1`: each a snapshot of its filesystem
+/// (pause) and a fork of it under the same id (resume), beside creating a fresh sandbox (what a resume stands in
+/// for) in the same run.
+async fn pause_resume(base: &str, iters: usize) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let created: serde_json::Value =
+        client.post(format!("{base}/v1/sandboxes")).json(&json!({"tier": "process"})).send().await?.json().await?;
+    let id = created["id"].as_str().unwrap_or_default().to_owned();
+    let fill = json!({"command": ["sh", "-c", "head -c 16777216 /dev/urandom > /tmp/state"]});
+    client.post(format!("{base}/v1/sandboxes/{id}/exec")).json(&fill).send().await?.error_for_status()?;
+    let (mut pause, mut resume) = (Figures::new("pause (16 MiB)"), Figures::new("resume (16 MiB)"));
+    for _ in 0..iters {
+        let started = Instant::now();
+        client.post(format!("{base}/v1/sandboxes/{id}/pause")).json(&json!({})).send().await?.error_for_status()?;
+        pause.record(started.elapsed());
+        let started = Instant::now();
+        client.post(format!("{base}/v1/sandboxes/{id}/resume")).json(&json!({})).send().await?.error_for_status()?;
+        resume.record(started.elapsed());
+    }
+    client.delete(format!("{base}/v1/sandboxes/{id}")).send().await?;
+    let mut create = Figures::new("create+delete");
+    for _ in 0..iters {
+        let started = Instant::now();
+        let created: serde_json::Value =
+            client.post(format!("{base}/v1/sandboxes")).json(&json!({"tier": "process"})).send().await?.json().await?;
+        create.record(started.elapsed());
+        client.delete(format!("{base}/v1/sandboxes/{}", created["id"].as_str().unwrap_or_default())).send().await?;
+    }
+    pause.print("POST /v1/sandboxes/{id}/pause");
+    resume.print("POST /v1/sandboxes/{id}/resume");
+    create.print("POST /v1/sandboxes (fresh)");
+    ratio("resume", &resume, &create, "a fresh create");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let iters = if quick { 30 } else { 200 };
@@ -275,6 +311,7 @@ fn main() -> anyhow::Result<()> {
     if engine.process().is_ok() {
         runtime.block_on(port_proxy(&base, iters * 5))?;
         runtime.block_on(pty_round_trip(&base, iters * 5))?;
+        runtime.block_on(pause_resume(&base, iters / 2))?;
     }
 
     if let Some(home) = strata_engine::strata_home() {

@@ -5,7 +5,7 @@
 //! (minbase, the packages `recipe.toml` names) into `$STRATA_HOME/images/.debian-<hash16>.tmp-<pid>/rootfs`,
 //! then the [`POST_BUILD_STEPS`], then a hash of the whole tree written to `stamp.json` beside it, then one
 //! rename to `$STRATA_HOME/images/debian-<hash16>/`. `<hash16>` starts the [recipe hash](DebianImage::recipe_hash):
-//! the sha256 of `recipe.toml`, [`RECIPE_FORMAT`] and [`POST_BUILD_VERSION`]. The package mirror is not part of
+//! the sha256 of `recipe.toml`, [`RECIPE_FORMAT`], [`POST_BUILD_VERSION`] and the files the post-build steps install. The package mirror is not part of
 //! it (the mirror says where the packages come from, not what they are): it is read at build time from
 //! `STRATA_DEBIAN_MIRROR` or else from the host's apt sources (the first `deb` entry for the recipe's suite).
 //!
@@ -92,11 +92,13 @@ impl Recipe {
         Ok(recipe)
     }
 
-    /// The hash of a recipe's text with the format and post-build versions, hex.
+    /// The hash of a recipe's text with the format and post-build versions and the files the post-build steps
+    /// install (the `sudo` client), hex.
     fn hash(text: &str) -> String {
         let mut hasher = Sha256::new();
         hasher.update(text.as_bytes());
         hasher.update(format!("\0recipe-format {RECIPE_FORMAT}\0post-build {POST_BUILD_VERSION}\0").as_bytes());
+        hasher.update(post_build::SUDO.as_bytes());
         hex(&hasher.finalize())
     }
 }
@@ -232,7 +234,8 @@ impl DebianImage {
         &self.recipe
     }
 
-    /// The recipe hash, hex (64 digits): sha256 of `recipe.toml`, [`RECIPE_FORMAT`] and [`POST_BUILD_VERSION`].
+    /// The recipe hash, hex (64 digits): sha256 of `recipe.toml`, [`RECIPE_FORMAT`], [`POST_BUILD_VERSION`] and the
+    /// files the post-build steps install.
     pub fn recipe_hash(&self) -> &str {
         &self.recipe_hash
     }

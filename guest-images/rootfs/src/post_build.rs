@@ -39,10 +39,10 @@ pub enum PostBuildStep {
     RunStrata,
     /// `/tmp` and `/var/tmp` are world-writable and sticky (mode 1777).
     StickyTmp,
-    /// The account `user` (uid and gid [`USER_ID`], home `/home/user` from `/etc/skel`, shell bash, no password),
+    /// The account `user` (uid and gid `USER_ID`, home `/home/user` from `/etc/skel`, shell bash, no password),
     /// a member of the `sudo` group: what E2B's commands run as.
     UserAccount,
-    /// `/usr/bin/sudo` is Strata's client ([`SUDO`]): it asks the jail's PID 1 to run the command as the jail's
+    /// `/usr/bin/sudo` is Strata's client (`SUDO`, `sudo.py`): it asks the jail's PID 1 to run the command as the jail's
     /// root (a set-user-ID `sudo` cannot work where every job runs with `no_new_privs`).
     Sudo,
 }

@@ -257,7 +257,7 @@ impl E2bState {
 
     /// Drops what the layer kept of paused sandbox `id` (deleted through the native API).
     pub fn forget_paused(&self, id: &str) {
-        lock(&self.lifecycle.paused_metas()).remove(id);
+        lock(self.lifecycle.paused_metas()).remove(id);
     }
 
     /// [`E2bState::adopt`], then the code interpreter's default kernel started ahead for a code-interpreter
