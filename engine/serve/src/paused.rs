@@ -124,6 +124,21 @@ pub(crate) fn checkpoint_blocking(snapshot_dir: &Path, entry: &SandboxEntry) -> 
     }
 }
 
+/// Refuses to keep `snapshot` (in `dir`, then removed) as a paused sandbox when no fork could be made of it: one
+/// taken with secrets, whose values are never written to disk.
+fn resumable(snapshot: &Snapshot, dir: &Path) -> Result<(), ApiError> {
+    let secrets = snapshot.manifest.meta.get("secret_names").and_then(serde_json::Value::as_array);
+    if secrets.is_some_and(|names| !names.is_empty()) {
+        remove_dir(dir);
+        return Err(ApiError::bad_request(
+            "unsupported",
+            "a sandbox holding secrets cannot be paused: their values are never written to disk, so it could not \
+             be resumed",
+        ));
+    }
+    Ok(())
+}
+
 /// [`checkpoint_blocking`] off the runtime.
 pub(crate) async fn checkpoint(
     state: &Arc<AppState>,
@@ -153,6 +168,7 @@ pub(crate) async fn pause(
     }
     let entry = crate::service::sandbox(state, principal, id)?;
     let (snapshot, dir) = checkpoint(state, &entry).await?;
+    resumable(&snapshot, &dir)?;
     let paused = state.paused.insert(paused_of(&entry, principal.clone(), snapshot, dir));
     crate::service::kill_sandbox(state, principal, id).await?;
     tracing::info!(sandbox = %id, "sandbox paused");
@@ -166,7 +182,10 @@ pub(crate) fn pause_taken(state: &AppState, entry: &SandboxEntry, owner: Princip
         tracing::warn!(sandbox = %entry.id, "cannot pause it: {MAX_PAUSED} sandboxes are paused already");
         return false;
     }
-    match checkpoint_blocking(&state.snapshot_dir, entry) {
+    match checkpoint_blocking(&state.snapshot_dir, entry).and_then(|(snapshot, dir)| {
+        resumable(&snapshot, &dir)?;
+        Ok((snapshot, dir))
+    }) {
         Ok((snapshot, dir)) => {
             state.paused.insert(paused_of(entry, owner, snapshot, dir));
             tracing::info!(sandbox = %entry.id, "sandbox timed out; paused");

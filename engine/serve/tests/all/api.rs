@@ -438,5 +438,14 @@ async fn a_paused_sandbox_keeps_its_files_under_its_id_until_resumed_or_deleted(
     assert_eq!(dirs(), 0, "the paused sandbox's snapshot was removed");
     let (status, gone) = server.post(&format!("/v1/sandboxes/{id}/resume"), json!({})).await;
     assert_eq!((status, code(&gone)), (404, "sandbox_not_found"), "{gone}");
+    // One holding secrets could not be resumed (their values are never on disk): refused, and it runs on.
+    let body = json!({"tier": "process", "capabilities": {"secrets": {"TOKEN": "s3cret"}}});
+    let (_, created) = server.post("/v1/sandboxes", body).await;
+    let id = created["id"].as_str().expect("id").to_owned();
+    let (status, refused) = server.post(&format!("/v1/sandboxes/{id}/pause"), json!({})).await;
+    assert_eq!((status, code(&refused)), (400, "unsupported"), "{refused}");
+    assert_eq!(dirs(), 0, "its snapshot was not kept");
+    let (status, out) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"command": ["true"]})).await;
+    assert_eq!(status, 200, "{out}");
     server.stop().await;
 }
