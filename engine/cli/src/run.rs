@@ -102,8 +102,9 @@ pub(crate) struct RunArgs {
     /// A secret the job never sees (repeatable; process tier): the guest's NAME holds a placeholder, and the egress
     /// proxy puts VALUE in its place in the headers of plain-HTTP requests to the HOSTs (each inside --allow-net),
     /// nowhere else. `NAME=env:VAR@HOST` reads the value from this command's environment, keeping it out of argv.
-    #[arg(long = "egress-secret", value_name = "NAME=VALUE@HOST[,HOST...]", value_parser = parse_egress_secret)]
-    egress_secrets: Vec<strata_core::EgressSecret>,
+    // Strings here, parsed in `run`: clap's own errors would repeat the value.
+    #[arg(long = "egress-secret", value_name = "NAME=VALUE@HOST[,HOST...]")]
+    egress_secrets: Vec<String>,
 
     /// Allow network egress to HOST[:PORT] (repeatable): through the host proxy on the native tiers, as checked
     /// wasi:sockets connects for wasm components; Python goes native for it (CPython in wasm has no sockets).
@@ -216,8 +217,9 @@ fn parse_env(s: &str) -> Result<EnvVar, String> {
 }
 
 /// `NAME=VALUE@HOST[,HOST...]`, `env:VAR` read from this process's environment (errors never show the value).
-fn parse_egress_secret(s: &str) -> Result<strata_core::EgressSecret, String> {
-    strata_core::EgressSecret::parse_spec(s, |var| std::env::var(var).ok()).map_err(|e| e.to_string())
+fn parse_egress_secret(s: &str) -> Result<strata_core::EgressSecret, Failure> {
+    strata_core::EgressSecret::parse_spec(s, |var| std::env::var(var).ok())
+        .map_err(|e| Failure::new("usage", format!("--egress-secret: {e}")))
 }
 
 /// Forwards guest output to this process's stdout/stderr from a thread of its own, so a slow or closed
@@ -322,7 +324,7 @@ pub(crate) fn prepare(args: RunArgs, warm: Option<Engine>) -> Result<Prepared, F
         grants,
         env: args.env,
         secrets: args.secrets,
-        egress_secrets: args.egress_secrets,
+        egress_secrets: args.egress_secrets.iter().map(|s| parse_egress_secret(s)).collect::<Result<_, _>>()?,
         net: policy.network.net_with(&args.allow_net.iter().fold(Allowlist::default(), |all, one| all.union(one))),
         tools: Vec::new(),
         user: args.user,
