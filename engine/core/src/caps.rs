@@ -209,7 +209,8 @@ pub struct Capabilities {
     /// Network egress.
     pub net: Net,
     /// Secrets the egress proxy puts into plain-HTTP request headers toward the hosts each is bound to; the guest
-    /// sees a per-sandbox placeholder, never the value ([`crate::egress_secret`]).
+    /// sees a per-sandbox placeholder, never the value ([`crate::egress_secret`]). Not serialised when empty.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub egress_secrets: Vec<crate::EgressSecret>,
     /// Host functions the guest may call, by name.
     pub tools: Vec<String>,
