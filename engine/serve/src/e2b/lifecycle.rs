@@ -297,7 +297,7 @@ pub(super) async fn list_snapshots(
 ) -> Result<Json<Value>, E2bError> {
     let Query(query) = query.map_err(ApiError::from)?;
     let mut snapshots = state.registry.snapshots(&principal.name);
-    snapshots.sort_by(|a, b| b.created.cmp(&a.created));
+    snapshots.sort_by_key(|s| std::cmp::Reverse(s.created));
     let listed = snapshots
         .iter()
         .filter(|s| query.sandbox_id.as_ref().is_none_or(|source| *source == s.source))
