@@ -4,6 +4,7 @@ mod adversarial;
 mod capabilities;
 mod concurrent_jobs;
 mod egress;
+mod egress_secrets;
 mod escalation;
 mod layout;
 mod native;

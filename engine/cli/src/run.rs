@@ -99,6 +99,13 @@ pub(crate) struct RunArgs {
     #[arg(long = "secret", value_name = "K=V", value_parser = parse_env)]
     secrets: Vec<EnvVar>,
 
+    /// A secret the job never sees (repeatable; process tier): the guest's NAME holds a placeholder, and the egress
+    /// proxy puts VALUE in its place in the headers of plain-HTTP requests to the HOSTs (each inside --allow-net),
+    /// nowhere else. `NAME=env:VAR@HOST` reads the value from this command's environment, keeping it out of argv.
+    // Strings here, parsed in `run`: clap's own errors would repeat the value.
+    #[arg(long = "egress-secret", value_name = "NAME=VALUE@HOST[,HOST...]")]
+    egress_secrets: Vec<String>,
+
     /// Allow network egress to HOST[:PORT] (repeatable): through the host proxy on the native tiers, as checked
     /// wasi:sockets connects for wasm components; Python goes native for it (CPython in wasm has no sockets).
     #[arg(long = "allow-net", value_name = "HOST[:PORT]", value_parser = parse_net)]
@@ -209,6 +216,12 @@ fn parse_env(s: &str) -> Result<EnvVar, String> {
     s.parse().map_err(|e: strata_core::CapsError| e.to_string())
 }
 
+/// `NAME=VALUE@HOST[,HOST...]`, `env:VAR` read from this process's environment (errors never show the value).
+fn parse_egress_secret(s: &str) -> Result<strata_core::EgressSecret, Failure> {
+    strata_core::EgressSecret::parse_spec(s, |var| std::env::var(var).ok())
+        .map_err(|e| Failure::new("usage", format!("--egress-secret: {e}")))
+}
+
 /// Forwards guest output to this process's stdout/stderr from a thread of its own, so a slow or closed
 /// terminal or pipe never blocks the guest. Only the captured (capped) bytes pass through, so the queue is
 /// bounded by the output limit.
@@ -293,6 +306,7 @@ pub(crate) fn prepare(args: RunArgs, warm: Option<Engine>) -> Result<Prepared, F
             || !args.grant_sets.is_empty()
             || !args.env.is_empty()
             || !args.secrets.is_empty()
+            || !args.egress_secrets.is_empty()
             || !args.allow_net.is_empty())
     {
         return Err(Failure::new(
@@ -310,6 +324,7 @@ pub(crate) fn prepare(args: RunArgs, warm: Option<Engine>) -> Result<Prepared, F
         grants,
         env: args.env,
         secrets: args.secrets,
+        egress_secrets: args.egress_secrets.iter().map(|s| parse_egress_secret(s)).collect::<Result<_, _>>()?,
         net: policy.network.net_with(&args.allow_net.iter().fold(Allowlist::default(), |all, one| all.union(one))),
         tools: Vec::new(),
         user: args.user,

@@ -67,6 +67,9 @@ pub enum CapsError {
     /// The host side of a grant is not a directory.
     #[error("grant host path {0} is not a directory")]
     GrantNotDirectory(PathBuf),
+    /// An egress secret that is malformed or not covered by the network allowlist.
+    #[error(transparent)]
+    EgressSecret(#[from] crate::egress_secret::EgressSecretError),
     /// `K=V` text without `=`, or an unusable name.
     #[error("invalid environment variable {spec:?}: {reason}")]
     EnvSpec {
@@ -205,6 +208,10 @@ pub struct Capabilities {
     pub secrets: Vec<EnvVar>,
     /// Network egress.
     pub net: Net,
+    /// Secrets the egress proxy puts into plain-HTTP request headers toward the hosts each is bound to; the guest
+    /// sees a per-sandbox placeholder, never the value ([`crate::egress_secret`]). Not serialised when empty.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub egress_secrets: Vec<crate::EgressSecret>,
     /// Host functions the guest may call, by name.
     pub tools: Vec<String>,
     /// The account of the sandbox's image its jobs run as, unless a job names another
@@ -215,9 +222,10 @@ pub struct Capabilities {
 }
 
 impl Capabilities {
-    /// Checks what can be checked without a tier: guest paths are unique and every grant's host directory
-    /// exists.
+    /// Checks what can be checked without a tier: guest paths are unique, every grant's host directory exists,
+    /// and egress secrets are well formed, uniquely named and bound only to hosts the network allowlist covers.
     pub fn validate(&self) -> Result<(), CapsError> {
+        crate::egress_secret::check_all(self)?;
         let mut seen = BTreeSet::new();
         for grant in &self.grants {
             if !seen.insert(grant.guest.as_str()) {
@@ -233,18 +241,35 @@ impl Capabilities {
         refuse_user(self.user.as_ref(), tier)
     }
 
+    /// Refuses [`Capabilities::egress_secrets`] on a tier whose network does not go through the egress proxy's
+    /// HTTP forwarding.
+    pub fn refuse_egress_secrets(&self, tier: crate::TierKind) -> Result<(), crate::TierError> {
+        if self.egress_secrets.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = self.egress_secrets.iter().map(|s| s.name.as_str()).collect();
+        Err(crate::TierError::Unsupported {
+            tier,
+            what: format!("egress secrets ({}): only the process tier's egress proxy puts them in", names.join(", ")),
+        })
+    }
+
     /// Environment the guest sees: `env` then `secrets` (a later definition of a name wins).
     pub fn guest_env(&self) -> impl Iterator<Item = &EnvVar> {
         self.env.iter().chain(&self.secrets)
     }
 
     /// Secrets to redact from output, each replaced by `[REDACTED:NAME]` (empty values are skipped: they would
-    /// match everywhere).
+    /// match everywhere). Egress secrets are among them: the guest never has their values, but an origin could
+    /// echo one back.
     pub fn secret_values(&self) -> Vec<crate::redact::Secret> {
+        let egress = self.egress_secrets.iter().map(|s| (&s.name, &s.value));
         self.secrets
             .iter()
-            .filter(|s| !s.value.is_empty())
-            .map(|s| crate::redact::Secret { name: s.name.clone(), value: s.value.clone().into_bytes() })
+            .map(|s| (&s.name, &s.value))
+            .chain(egress)
+            .filter(|(_, value)| !value.is_empty())
+            .map(|(name, value)| crate::redact::Secret { name: name.clone(), value: value.clone().into_bytes() })
             .collect()
     }
 }

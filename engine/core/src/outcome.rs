@@ -204,7 +204,8 @@ pub struct Escalation {
 
 /// One network request a job made (the Outcome's `egress` entries): the host egress proxy's record on the native
 /// tiers, the wasm tier's record of a component's connect, as plain data,
-/// `{"host","port","kind","bytes_up","bytes_down","verdict","reason"}`.
+/// `{"host","port","kind","bytes_up","bytes_down","verdict","reason"}`, and `secrets_injected` /
+/// `secrets_withheld` (names of egress secrets) when the request concerned any.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EgressEntry {
@@ -223,6 +224,13 @@ pub struct EgressEntry {
     pub verdict: String,
     /// Why, unless allowed.
     pub reason: Option<String>,
+    /// Egress secrets the proxy put into this request's headers, by name (absent when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets_injected: Vec<String>,
+    /// Egress secrets whose placeholder the request carried toward a host they are not bound to, left as the
+    /// placeholder, by name (absent when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets_withheld: Vec<String>,
 }
 
 /// Where the router sent a job, and why (`"route": {"tier": "wasm", "reason": "..."}` in the JSON).

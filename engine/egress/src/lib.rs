@@ -22,6 +22,11 @@
 //! address is refused, unless the allowlist names that IP explicitly (`127.0.0.1:8080`) or the name is
 //! `localhost` and the allowlist names `localhost` ([`Allowlist::permits_resolved`]).
 //!
+//! **Egress secrets** ([`EgressConfig::secrets`], [`secrets`]): in the header values of an absolute-form request
+//! to a host a secret is bound to, the guest's placeholder for it becomes its value (or a header is set to it);
+//! toward other hosts the placeholder goes out unchanged and the record says the secret was withheld. Tunnels are
+//! not opened: the proxy never terminates TLS, so secrets go into plain HTTP only.
+//!
 //! Every request becomes an [`EgressRecord`] (host, port, kind, bytes up and down, verdict with reason, start,
 //! duration) kept in the handle: [`EgressHandle::records`], [`EgressHandle::drain_records`] per job.
 //!
@@ -50,9 +55,11 @@ mod env;
 pub mod http;
 mod proxy;
 pub mod record;
+pub mod secrets;
 pub mod sni;
 
 pub use allow::{AllowRule, Allowlist, AllowlistError, Host, HostPattern};
 pub use env::proxy_env;
 pub use proxy::{AllowlistSwitch, Drained, EgressConfig, EgressError, EgressHandle, EgressProxy};
 pub use record::{EgressKind, EgressRecord, EgressVerdict};
+pub use secrets::{EgressSecrets, SecretUse};

@@ -17,6 +17,7 @@ use tokio::task::JoinSet;
 use crate::allow::{Allowlist, Host};
 use crate::http::{RequestHead, head_end, parse_head};
 use crate::record::{EgressKind, EgressLog, EgressRecord, EgressVerdict};
+use crate::secrets::{EgressSecrets, SecretUse};
 use crate::sni::{ClientHelloParse, HANDSHAKE_RECORD, MAX_CLIENT_HELLO, parse_client_hello};
 
 /// Relay buffer per direction per connection.
@@ -46,6 +47,8 @@ pub struct EgressConfig {
     pub max_records: usize,
     /// Threads serving connections (1: a single-threaded runtime). Default: 1.
     pub worker_threads: usize,
+    /// Secrets put into the headers of plain-HTTP requests to the hosts each is bound to. Default: none.
+    pub secrets: EgressSecrets,
 }
 
 impl EgressConfig {
@@ -61,7 +64,14 @@ impl EgressConfig {
             connect_timeout: Duration::from_secs(10),
             max_records: 10_000,
             worker_threads: 1,
+            secrets: EgressSecrets::default(),
         }
+    }
+
+    /// Sets [`EgressConfig::secrets`].
+    pub fn with_secrets(mut self, secrets: EgressSecrets) -> Self {
+        self.secrets = secrets;
+        self
     }
 
     /// Also listen on this Unix socket path.
@@ -157,6 +167,7 @@ struct Shared {
     max_connections: usize,
     permits: Arc<Semaphore>,
     log: Mutex<EgressLog>,
+    secrets: EgressSecrets,
 }
 
 impl Shared {
@@ -249,6 +260,7 @@ impl EgressProxy {
             max_connections: config.max_connections,
             permits: Arc::new(Semaphore::new(config.max_connections)),
             log: Mutex::new(EgressLog { records: Vec::new(), dropped: 0, cap: config.max_records }),
+            secrets: config.secrets,
         });
         let (stop_tx, stop_rx) = oneshot::channel();
         let serve_shared = shared.clone();
@@ -323,6 +335,11 @@ impl EgressHandle {
     /// The allowlist in force.
     pub fn allowlist(&self) -> Arc<Allowlist> {
         self.shared.allowlist()
+    }
+
+    /// The guest's environment for the proxy's egress secrets: each `NAME` = its placeholder.
+    pub fn secret_env(&self) -> Vec<(String, String)> {
+        self.shared.secrets.guest_env()
     }
 
     /// A handle that replaces the allowlist while the proxy runs (it outlives nothing: once the proxy stops, a
@@ -524,6 +541,8 @@ struct Connection {
     activity: Activity,
     /// Whether the client sent anything (an empty connection leaves no record).
     spoke: bool,
+    /// Egress secrets this request concerned.
+    secrets: SecretUse,
     // Released after the record is written, so `active_connections() == 0` implies every record is in.
     _permit: OwnedSemaphorePermit,
 }
@@ -540,6 +559,7 @@ impl Drop for Connection {
             bytes_up: self.up.load(Ordering::Relaxed),
             bytes_down: self.down.load(Ordering::Relaxed),
             verdict: std::mem::replace(&mut self.verdict, EgressVerdict::Allowed),
+            secrets: std::mem::take(&mut self.secrets),
             started: self.started,
             duration: self.activity.t0.elapsed(),
         };
@@ -574,6 +594,7 @@ impl Connection {
             down: AtomicU64::new(0),
             activity: Activity { t0: Instant::now(), last_ms: AtomicU64::new(0) },
             spoke: false,
+            secrets: SecretUse::default(),
             _permit: permit,
         }
     }
@@ -601,7 +622,7 @@ impl Connection {
             }
         };
         let (head_bytes, leftover) = buf.split_at(end);
-        let head = match parse_head(head_bytes) {
+        let mut head = match parse_head(head_bytes) {
             Ok(h) => h,
             Err(e) => {
                 self.deny(e.to_string());
@@ -617,6 +638,17 @@ impl Connection {
             respond(&mut client, "403 Forbidden", &reason).await;
             self.deny(reason);
             return;
+        }
+        if !head.is_connect() {
+            let max = self.shared.max_header_bytes;
+            match self.shared.secrets.apply(&mut head.headers, &head.host, head.port, max) {
+                Ok(used) => self.secrets = used,
+                Err(e) => {
+                    respond(&mut client, "431 Request Header Fields Too Large", &e.to_string()).await;
+                    self.deny(e.to_string());
+                    return;
+                }
+            }
         }
         let origin = match connect_origin(&self.shared, &head.host, head.port).await {
             Ok(o) => o,

@@ -73,7 +73,8 @@ impl EgressVerdict {
 /// is 0.
 ///
 /// Serialises as `{"host","port","kind","bytes_up","bytes_down","verdict","reason"}` (the Outcome's `egress`
-/// entries; `reason` is null when allowed). `started` and `duration` are for the host's own logs.
+/// entries; `reason` is null when allowed), with `secrets_injected` / `secrets_withheld` (names of egress secrets,
+/// never their values) when not empty. `started` and `duration` are for the host's own logs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EgressRecord {
     /// The target host as requested (normalised).
@@ -88,6 +89,8 @@ pub struct EgressRecord {
     pub bytes_down: u64,
     /// What the proxy decided.
     pub verdict: EgressVerdict,
+    /// Egress secrets this request concerned (names only: put in, or withheld from another host).
+    pub secrets: crate::secrets::SecretUse,
     /// When the client connection was accepted.
     pub started: SystemTime,
     /// How long the connection lasted.
@@ -104,6 +107,12 @@ impl Serialize for EgressRecord {
         st.serialize_field("bytes_down", &self.bytes_down)?;
         st.serialize_field("verdict", self.verdict.as_str())?;
         st.serialize_field("reason", &self.verdict.reason())?;
+        if !self.secrets.injected.is_empty() {
+            st.serialize_field("secrets_injected", &self.secrets.injected)?;
+        }
+        if !self.secrets.withheld.is_empty() {
+            st.serialize_field("secrets_withheld", &self.secrets.withheld)?;
+        }
         st.end()
     }
 }
@@ -119,6 +128,8 @@ impl From<EgressRecord> for strata_core::outcome::EgressEntry {
             port: record.port,
             bytes_up: record.bytes_up,
             bytes_down: record.bytes_down,
+            secrets_injected: record.secrets.injected,
+            secrets_withheld: record.secrets.withheld,
         }
     }
 }
@@ -155,6 +166,7 @@ mod tests {
             bytes_up: 10,
             bytes_down: 20,
             verdict: EgressVerdict::Allowed,
+            secrets: Default::default(),
             started: SystemTime::UNIX_EPOCH,
             duration: Duration::from_millis(3),
         };

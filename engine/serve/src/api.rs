@@ -75,9 +75,29 @@ pub struct CapabilitiesRequest {
     pub grants: Vec<String>,
     /// Network egress allowed to these `HOST[:PORT]` patterns (added to the policy's).
     pub allow_net: Vec<String>,
+    /// Secrets the sandbox never sees, by environment variable name (process tier): the variable holds a
+    /// placeholder, and the egress proxy puts the value in its place in the headers of plain-HTTP requests to the
+    /// secret's hosts (each inside the network allowlist), nowhere else.
+    pub egress_secrets: BTreeMap<String, EgressSecretRequest>,
     /// The account of the sandbox's image its jobs run as (and who owns what the file calls create); the
     /// sandbox's root when absent. Process tier only (the image's `user`, uid 1000, has passwordless `sudo`).
     pub user: Option<String>,
+}
+
+/// One egress secret of [`CapabilitiesRequest::egress_secrets`].
+#[derive(Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EgressSecretRequest {
+    /// The value (never returned, logged or written to a snapshot).
+    pub value: String,
+    /// The `HOST[:PORT]` specs the value may be sent to (not port 443: the proxy does not terminate TLS).
+    pub hosts: Vec<String>,
+}
+
+impl std::fmt::Debug for EgressSecretRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EgressSecretRequest").field("value", &"[REDACTED]").field("hosts", &self.hosts).finish()
+    }
 }
 
 /// `POST /v1/sandboxes`.
@@ -304,7 +324,7 @@ pub struct OutcomeDoc {
         CapabilitiesRequest, CreateSandboxRequest, JobRequest, RunRequest, SandboxInfo, SandboxList, TimeoutRequest,
         SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail,
         LiveForkResponse, FileEntry, FileList, MetricsList, crate::usage::UsageSample, crate::pty::PtyRequest, crate::pty::PtyInfo, crate::pty::PtyList,
-        crate::pty::ResizeRequest, NetworkRequest, PausedInfo, ResumeRequest
+        crate::pty::ResizeRequest, NetworkRequest, PausedInfo, ResumeRequest, EgressSecretRequest
     )),
     modifiers(&BearerAuth, &BodyLimits),
     security(("api_key" = []))
@@ -388,10 +408,16 @@ pub(crate) fn capabilities(state: &AppState, req: &CapabilitiesRequest) -> Resul
         .collect::<Result<Vec<_>, _>>()?;
     let allow_net = strata_core::Allowlist::parse(&req.allow_net).map_err(|e| invalid(e.to_string()))?;
     let user = req.user.as_deref().map(crate::service::parse_user).transpose()?;
+    let egress_secrets = req
+        .egress_secrets
+        .iter()
+        .map(|(name, s)| strata_core::EgressSecret::new(name, &s.value, &s.hosts).map_err(|e| invalid(e.to_string())))
+        .collect::<Result<Vec<_>, _>>()?;
     let caps = Capabilities {
         grants,
         env,
         secrets,
+        egress_secrets,
         net: state.policy.network.net_with(&allow_net),
         user,
         ..Capabilities::default()

@@ -353,7 +353,19 @@ mod erased {
 }
 
 fn egress_request() -> Vec<Seed> {
+    use crate::targets::egress_request::PLACEHOLDER;
+    let secret = |target: &str| {
+        format!(
+            "GET {target} HTTP/1.1\r\nAuthorization: Bearer {PLACEHOLDER}\r\nx-api-key: mine\r\n\
+             X-Twice: {PLACEHOLDER};{PLACEHOLDER}\r\n\r\n"
+        )
+        .into_bytes()
+    };
     named(vec![
+        ("secret-bound", secret("http://API.example.com/v1")),
+        ("secret-bound-port", secret("http://127.0.0.1:8080/")),
+        ("secret-other-host", secret("http://evil.example/")),
+        ("secret-header", secret("http://a.svc.test:81/")),
         ("connect", b"CONNECT pypi.org:443 HTTP/1.1\r\nHost: pypi.org:443\r\nUser-Agent: pip/24.0\r\n\r\n".to_vec()),
         ("connect-v6", b"CONNECT [::1]:8443 HTTP/1.0\r\n\r\n".to_vec()),
         (

@@ -248,6 +248,7 @@ impl MicrovmTier {
         caps: &Capabilities,
         limits: &Limits,
     ) -> Result<MicrovmSandbox, TierError> {
+        caps.refuse_egress_secrets(TierKind::Microvm)?;
         let snapshot = &self.config.snapshots.reopen(snapshot)?;
         let plan = ForkPlan::read(snapshot)?;
         self.fork_plan(snapshot, &plan, caps, limits)
@@ -362,6 +363,7 @@ impl Tier for MicrovmTier {
         opts.refuse_determinism(TierKind::Microvm, "microVM jobs")?;
         opts.refuse_user(TierKind::Microvm)?;
         caps.refuse_user(TierKind::Microvm)?;
+        caps.refuse_egress_secrets(TierKind::Microvm)?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let started = Instant::now();
         let prepared = PreparedJob::new(job)?;
@@ -376,6 +378,7 @@ impl Tier for MicrovmTier {
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         caps.refuse_user(TierKind::Microvm)?;
+        caps.refuse_egress_secrets(TierKind::Microvm)?;
         match self.boot_session(caps, limits, BOOT_TIMEOUT, Instant::now())? {
             Ok(session) => Ok(Box::new(session)),
             Err(outcome) => Err(match outcome.status {

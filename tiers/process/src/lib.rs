@@ -16,7 +16,9 @@
 //! (`strata_jail::forward`: part of PID 1's event loop, under the jail's seccomp filter, out of the jobs' reach).
 //! Jobs get `HTTP_PROXY`, `HTTPS_PROXY`, `http_proxy`, `https_proxy` = [`EGRESS_PROXY_URL`] and `NO_PROXY`,
 //! `no_proxy` as [`strata_egress::proxy_env`] sets them (the jail's own loopback bypasses the proxy unless the
-//! allowlist names a loopback host). The proxy enforces the allowlist and the TLS SNI, and logs every request: each job's records
+//! allowlist names a loopback host). With egress secrets, jobs get each secret's placeholder (fresh per jail) as
+//! its variable, and the jail's proxy puts the value into plain-HTTP requests to its hosts
+//! ([`strata_egress::secrets`]). The proxy enforces the allowlist and the TLS SNI, and logs every request: each job's records
 //! (drained when it ends, after its last connections close) are its Outcome's `egress`. The proxy stops with the
 //! jail: its thread joined, its socket file removed.
 //!
@@ -57,7 +59,7 @@ use strata_core::{
     Capabilities, ExecOptions, GrantMode, GuestCommand, Job, Limits, Net, Outcome, Sandbox, Snapshot, SnapshotTrust,
     Status, StdinStream, Stream, Tier, TierError, TierKind, Truncated, Usage,
 };
-use strata_egress::{EgressConfig, EgressHandle, EgressProxy};
+use strata_egress::{EgressConfig, EgressHandle, EgressProxy, EgressSecrets};
 use strata_jail::proto::{Bind, Exec, IdMap};
 
 pub use sandbox::ProcessSandbox;
@@ -206,10 +208,11 @@ impl ProcessTier {
         })
     }
 
-    /// Starts the egress proxy a jail with these network capabilities needs: none for [`Net::Deny`]; for
-    /// [`Net::Allow`], one proxy with that allowlist on a fresh Unix socket under [`ProcessTierConfig::egress_dir`].
-    fn start_egress(&self, net: &Net) -> Result<Option<EgressHandle>, TierError> {
-        let Net::Allow(allowlist) = net else {
+    /// Starts the egress proxy a jail with these capabilities needs: none for [`Net::Deny`]; for [`Net::Allow`],
+    /// one proxy with that allowlist and the egress secrets (fresh placeholders: this jail's own) on a fresh Unix
+    /// socket under [`ProcessTierConfig::egress_dir`].
+    fn start_egress(&self, caps: &Capabilities) -> Result<Option<EgressHandle>, TierError> {
+        let Net::Allow(allowlist) = &caps.net else {
             return Ok(None);
         };
         static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -217,7 +220,8 @@ impl ProcessTier {
         let socket = self.config.egress_dir().join(name);
         // A socket file left by a killed engine whose PID this process reused.
         let _ = std::fs::remove_file(&socket);
-        EgressProxy::start(EgressConfig::new(allowlist.clone()).with_unix_socket(socket))
+        let secrets = EgressSecrets::bind(&caps.egress_secrets);
+        EgressProxy::start(EgressConfig::new(allowlist.clone()).with_unix_socket(socket).with_secrets(secrets))
             .map(Some)
             .map_err(|e| internal_from("egress proxy", e))
     }
@@ -240,7 +244,7 @@ impl ProcessTier {
     }
 
     fn start_jail_with(&self, mut config: JailConfig, caps: &Capabilities) -> Result<Jail, TierError> {
-        let egress = self.start_egress(&caps.net)?;
+        let egress = self.start_egress(caps)?;
         config.egress_socket = egress.as_ref().and_then(|proxy| proxy.unix_socket().map(Path::to_owned));
         let mut jail = match Jail::start(&self.cgroups, &config) {
             Err(JailError::Setup { stage, message })
@@ -342,8 +346,9 @@ impl Tier for ProcessTier {
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_determinism(TierKind::Process, "process-tier jobs")?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
-        let prepared = PreparedJob::new(job, caps, limits, &opts)?;
+        let mut prepared = PreparedJob::new(job, caps, limits, &opts)?;
         let mut jail = self.start_jail(caps, limits, true, None)?;
+        prepared.add_env(jail.egress_secret_env());
         let stdin = opts.stdin.as_deref().unwrap_or_default();
         let outcome = run_in(Runner::Jail(&mut jail), prepared, caps, limits, stdin, &opts);
         jail.close();
@@ -399,6 +404,14 @@ impl PreparedJob {
             user: user.map(|user| user.as_str().to_owned()),
         };
         Ok(PreparedJob { exec, program })
+    }
+
+    /// Adds variables the jail decides (egress secrets' placeholders), over any of the same name.
+    fn add_env(&mut self, vars: Vec<(String, String)>) {
+        for (name, value) in vars {
+            self.exec.env.retain(|(k, _)| *k != name);
+            self.exec.env.push((name, value));
+        }
     }
 }
 

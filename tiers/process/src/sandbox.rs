@@ -48,6 +48,8 @@ pub struct ProcessSandbox {
     caps: RwLock<Capabilities>,
     /// Replaces its egress proxy's allowlist, when it has a proxy.
     egress: Option<strata_egress::AllowlistSwitch>,
+    /// Its egress secrets' placeholders, as every job's environment has them.
+    secret_env: Vec<(String, String)>,
     limits: Limits,
     /// What its snapshots record and are sealed with.
     origin: crate::snapshot::Origin,
@@ -64,6 +66,7 @@ impl ProcessSandbox {
         let lanes = jail.lanes().map_err(jail_error)?;
         Ok(ProcessSandbox {
             egress: jail.egress_switch(),
+            secret_env: jail.egress_secret_env(),
             pid1: jail.pidfd(),
             jail: Mutex::new(Some(jail)),
             lanes,
@@ -114,7 +117,8 @@ impl Sandbox for ProcessSandbox {
         opts.refuse_determinism(TierKind::Process, "process-tier jobs")?;
         let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
         let caps = self.caps.read().unwrap_or_else(PoisonError::into_inner).clone();
-        let prepared = PreparedJob::new(job, &caps, &limits, &opts)?;
+        let mut prepared = PreparedJob::new(job, &caps, &limits, &opts)?;
+        prepared.add_env(self.secret_env.clone());
         let stdin = opts.stdin.clone().unwrap_or_default();
         let (_gate, lanes) = self.lanes()?;
         let mut first = match self.jail.try_lock() {

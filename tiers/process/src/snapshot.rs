@@ -4,7 +4,7 @@
 //! `/tmp` included — it is part of the overlay, not a tmpfs of its own — and whiteouts for what they deleted from
 //! the image), stored as one [`strata_jail::tree`] file, `upper.tree`, beside the manifest, whose meta records what
 //! rebuilding the jail needs: the image it stood on, the capabilities (grants are host paths, recorded as such;
-//! secrets by name only, their values are never written to disk), the limits and the user-namespace mapping the
+//! secrets and egress secrets by name only, their values are never written to disk), the limits and the user-namespace mapping the
 //! owners were read through. `persists` is `["filesystem"]`: no process, no memory, no open descriptor is kept
 //! (processes a job left running are paused while the layer is read, and go on in the sandbox afterwards, but not
 //! in forks).
@@ -111,6 +111,7 @@ pub(crate) fn take(
 
     let mut recorded = caps.clone();
     let secret_names: Vec<String> = recorded.secrets.drain(..).map(|s| s.name).collect();
+    let egress_secret_names: Vec<String> = recorded.egress_secrets.drain(..).map(|s| s.name).collect();
     let skipped: Vec<Value> =
         stats.skipped.iter().map(|s| json!({"path": s.path, "what": s.what, "reason": s.reason})).collect();
     let meta = json!({
@@ -130,6 +131,7 @@ pub(crate) fn take(
         },
         "caps": recorded,
         "secret_names": secret_names,
+        "egress_secret_names": egress_secret_names,
         "limits": limits,
         "machine_id": if machine_id { "regenerated in every fork" } else { "none" },
         "processes": PROCESSES,
@@ -194,11 +196,14 @@ impl ForkPlan {
             .map_err(|e| invalid_meta(&dir, format!("caps: {e}")))?;
         let limits: Limits = serde_json::from_value(meta.get("limits").cloned().unwrap_or(Value::Null))
             .map_err(|e| invalid_meta(&dir, format!("limits: {e}")))?;
-        let secret_names = meta
-            .get("secret_names")
-            .and_then(Value::as_array)
-            .map(|names| names.iter().filter_map(Value::as_str).map(str::to_owned).collect())
-            .unwrap_or_default();
+        let names = |key: &str| -> Vec<String> {
+            meta.get(key)
+                .and_then(Value::as_array)
+                .map(|names| names.iter().filter_map(Value::as_str).map(str::to_owned).collect())
+                .unwrap_or_default()
+        };
+        // Egress secrets are refused alike: neither value was written down.
+        let secret_names = [names("secret_names"), names("egress_secret_names")].concat();
         let machine_id = meta.get("machine_id").and_then(Value::as_str) == Some("regenerated in every fork");
         Ok(ForkPlan { snapshot, caps, limits, secret_names, machine_id })
     }

@@ -246,6 +246,8 @@ impl NetPolicy {
             bytes_down: 0,
             verdict: if allowed { "allowed" } else { "denied" }.to_owned(),
             reason,
+            secrets_injected: Vec::new(),
+            secrets_withheld: Vec::new(),
         };
         let mut state = self.lock();
         if state.entries.len() >= MAX_EGRESS_ENTRIES {

@@ -107,14 +107,14 @@ pub(super) async fn create(
     } else {
         (None, Vec::new(), Some(UserName::new(super::USER).map_err(|e| ApiError::internal(e.to_string()))?))
     };
-    let caps = Capabilities {
-        env: env.clone(),
-        grants,
-        // Always a proxy, even with nothing allowed: `update_network` can open it later.
-        net: req.network.unwrap_or_default().net(&state)?,
-        user,
-        ..Capabilities::default()
+    let network = req.network.unwrap_or_default();
+    // Always a proxy, even with nothing allowed: `update_network` can open it later.
+    let net = network.net(&state)?;
+    let egress_secrets = match network.rules() {
+        Some(rules) => super::secrets::rules_to_secrets(&state, &principal, rules, net.allowlist())?,
+        None => Vec::new(),
     };
+    let caps = Capabilities { env: env.clone(), grants, net, user, egress_secrets, ..Capabilities::default() };
     let mut meta = E2bMeta::new(
         template,
         new_id("tok_") + &new_id(""),

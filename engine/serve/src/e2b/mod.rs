@@ -4,7 +4,8 @@
 //! - Control plane (API key in `X-API-Key`): `POST /sandboxes` and `/v2/sandboxes` (201 with `templateID`,
 //!   `sandboxID`, `clientID`, `envdVersion`, `envdAccessToken`), `GET /sandboxes` and `/v2/sandboxes`,
 //!   `GET /sandboxes/{id}`, `DELETE /sandboxes/{id}`, `POST /sandboxes/{id}/timeout`, `POST /sandboxes/{id}/connect` (and `/v2/…`),
-//!   `POST /sandboxes/{id}/refreshes` (`control`).
+//!   `POST /sandboxes/{id}/refreshes` (`control`); `/secrets` ([`secrets`]: write-only, per key, in memory), whose
+//!   `${e2b.secrets.NAME}` placeholders in `network.rules` header transforms become egress secrets.
 //! - The in-sandbox agent ("envd"), routed by the `E2b-Sandbox-Id` header (or a Host name `49983-{id}.{domain}`)
 //!   and authorised by the sandbox's `X-Access-Token`, or, for `/files`, by a signed URL ([`signature`]): Connect-RPC (JSON, 5-byte envelopes, end-of-stream frame; [`connect`]) `process.Process/Start` (`process`) streaming the
 //!   start event, stdout/stderr data and the end event (a command outlives the client that started it);
@@ -54,6 +55,7 @@ mod lifecycle;
 mod network;
 pub(crate) mod ports;
 mod process;
+pub mod secrets;
 pub mod signature;
 mod watch;
 
@@ -224,6 +226,8 @@ pub struct E2bState {
     next_pid: AtomicU32,
     /// Paused sandboxes and the E2B snapshots' templates.
     lifecycle: lifecycle::Lifecycle,
+    /// Each key's secrets (`Secret.create`), for `network.rules` header transforms.
+    secrets: secrets::SecretStore,
 }
 
 impl E2bState {
@@ -321,6 +325,8 @@ pub fn control_routes() -> Router<Arc<AppState>> {
         .route("/sandboxes/{id}/snapshots", post(lifecycle::create_snapshot))
         .route("/sandboxes/{id}/fork", post(lifecycle::fork))
         .route("/sandboxes/{id}/network", axum::routing::put(network::update))
+        .route("/secrets", post(secrets::create).get(secrets::list))
+        .route("/secrets/{id}", get(secrets::get).post(secrets::update).delete(secrets::delete))
         .route("/snapshots", get(lifecycle::list_snapshots))
         .route("/templates/{id}", axum::routing::delete(lifecycle::delete_snapshot))
 }

@@ -8,8 +8,8 @@
 //! in E2B, they win over `deny_out`. Where E2B's default is an open network that `deny_out` narrows, Strata's is
 //! `deny_out=[0.0.0.0/0]` (E2B's `ALL_TRAFFIC`): whatever `allow_out` does not name is denied, so every `deny_out`
 //! entry holds. What would open more than `allow_out` names (`allow_out` of `0.0.0.0/0`, a CIDR range) or what
-//! this server does not do (DNS servers, per-host rules, another egress proxy) is refused with a 400 saying so,
-//! never approximated.
+//! this server does not do (DNS servers, another egress proxy, per-host rules in an update) is refused with a 400
+//! saying so, never approximated. Per-host header rules at create become egress secrets ([`super::secrets`]).
 
 use std::sync::Arc;
 
@@ -65,13 +65,15 @@ fn spec_of(entry: &str) -> Result<String, E2bError> {
 }
 
 impl NetworkConfig {
+    /// The per-host rules (`network.rules`), if any.
+    pub(super) fn rules(&self) -> Option<&Value> {
+        self.rules.as_ref().filter(|r| !r.is_null() && r.as_object().is_none_or(|o| !o.is_empty()))
+    }
+
     /// The egress this configuration asks for, over the server policy's: always an allowlist, possibly empty.
     pub(super) fn net(&self, state: &AppState) -> Result<Net, E2bError> {
         if self.dns_servers.as_ref().is_some_and(|d| !d.is_empty()) {
             return Err(refused("dns_servers: a Strata sandbox resolves names through its egress proxy".into()));
-        }
-        if self.rules.as_ref().is_some_and(|r| !r.is_null() && r.as_object().is_none_or(|o| !o.is_empty())) {
-            return Err(refused("rules (per-host transforms) are not supported by this server".into()));
         }
         if self.egress_proxy.as_ref().is_some_and(|p| !p.is_null()) {
             return Err(refused("egress_proxy: a Strata sandbox's egress goes through Strata's own proxy".into()));
@@ -101,6 +103,9 @@ pub(super) async fn update(
     } else {
         serde_json::from_slice(&body).map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?
     };
+    if config.rules().is_some() {
+        return Err(refused("rules (per-host transforms) are set when the sandbox is created, not updated".into()));
+    }
     let net = config.net(&state)?;
     let (entry, _) = e2b_sandbox(&state, &id, &principal)?;
     crate::service::blocking(move || entry.call(|sandbox| sandbox.set_network(&net))).await?;

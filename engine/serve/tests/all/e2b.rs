@@ -477,7 +477,7 @@ pub(crate) async fn run_python_sdk_script(script: &str, done: &str) {
 pub(crate) const SDK_KEY: &str = "e2b_0000000000000000000000000000000000000000";
 
 /// A server whose only key is [`SDK_KEY`], so that a wrong key is refused.
-async fn keyed_server() -> TestServer {
+pub(crate) async fn keyed_server() -> TestServer {
     TestServer::with(|config| config.keys = Some(strata_serve::KeyStore::from_keys([("sdk", SDK_KEY, None)]))).await
 }
 

@@ -6,9 +6,24 @@
 //! to the origin ([`RequestHead::origin_head`]) is one well-formed request (a request line, header lines without
 //! CR or LF inside them, exactly one `Host` naming the target, no hop-by-hop or `Proxy-Authorization` field, and
 //! nothing after its blank line): no request can be smuggled past the allowlist.
+//!
+//! Egress secrets run on every parsed absolute-form head ([`EgressSecrets::apply`], with [`PLACEHOLDER`] for
+//! `TOKEN`): a secret's value reaches the forwarded head only when the request goes to a host the secret is bound to
+//! (or the job sent the value itself); toward other hosts the headers are unchanged; the request line never
+//! changes; the header fields stay within the bound; and the forwarded head passes the same checks.
 
-use strata_egress::Host;
+use strata_core::EgressSecret;
 use strata_egress::http::{RequestHead, head_end, parse_head};
+use strata_egress::{EgressSecrets, Host};
+
+/// The placeholder the `TOKEN` secret has in this target (a seed carries it).
+pub const PLACEHOLDER: &str = "strata-secret-TOKEN-00112233445566778899aabbccddeeff";
+/// `TOKEN`'s value, bound to `api.example.com` and `127.0.0.1:8080`.
+const TOKEN: &str = "tok-VALUE-9f8e7d";
+/// `KEY`'s value, set as `X-Api-Key` toward `*.svc.test`.
+const KEY: &str = "Bearer key-VALUE-1a2b3c";
+/// The header bound ([`strata_egress::EgressConfig::max_header_bytes`]'s default).
+const MAX: usize = 16 * 1024;
 
 /// Headers the origin must never see.
 const HOP_BY_HOP: &[&str] = &[
@@ -36,7 +51,49 @@ pub fn run(data: &[u8]) {
     let _ = parse_head(data);
     if let Ok(request) = parse_head(head) {
         check(&request);
+        if !request.is_connect() {
+            substitute(request, head);
+        }
     }
+}
+
+fn secrets() -> EgressSecrets {
+    let token = EgressSecret::new("TOKEN", TOKEN, ["api.example.com", "127.0.0.1:8080"]).expect("TOKEN");
+    let key = EgressSecret::new("KEY", KEY, ["*.svc.test"]).and_then(|s| s.as_header("X-Api-Key")).expect("KEY");
+    EgressSecrets::with_placeholders([(&token, PLACEHOLDER.to_owned()), (&key, String::new())])
+}
+
+fn substitute(mut request: RequestHead, head: &[u8]) {
+    let before = request.clone();
+    let Ok(used) = secrets().apply(&mut request.headers, &before.host, before.port, MAX) else {
+        assert_eq!(request, before, "a refused substitution changed the head");
+        return;
+    };
+    assert_eq!(
+        (&request.method, &request.host, request.port, &request.path),
+        (&before.method, &before.host, before.port, &before.path)
+    );
+    let size: usize = request.headers.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
+    assert!(size <= MAX, "header fields of {size} bytes after substitution");
+    let contains = |hay: &[u8], needle: &str| hay.windows(needle.len()).any(|w| w == needle.as_bytes());
+    let forwarded = request.origin_head();
+    let token_bound = before.host == Host::Name("api.example.com".into())
+        || (before.host == Host::Ip([127, 0, 0, 1].into()) && before.port == 8080);
+    let key_bound = before.host.name().is_some_and(|n| n.ends_with(".svc.test"));
+    for (value, bound) in [(TOKEN, token_bound), (KEY, key_bound)] {
+        if contains(&forwarded, value) {
+            assert!(bound || contains(head, value), "{value} went to {}:{}", before.host, before.port);
+        }
+    }
+    if !token_bound && !key_bound {
+        assert_eq!(request.headers, before.headers, "headers changed toward an unbound host");
+        assert!(used.injected.is_empty());
+    }
+    if token_bound {
+        let left = request.headers.iter().any(|(_, v)| v.contains(PLACEHOLDER));
+        assert!(!left, "a placeholder left in a header toward its own host");
+    }
+    check(&request);
 }
 
 fn check(request: &RequestHead) {

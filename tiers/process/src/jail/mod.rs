@@ -430,6 +430,12 @@ impl Jail {
         self.egress = Some(Arc::new(proxy));
     }
 
+    /// The environment a job gets for the egress proxy's secrets (each name = its placeholder); empty without a
+    /// proxy.
+    pub fn egress_secret_env(&self) -> Vec<(String, String)> {
+        self.egress.as_ref().map(|proxy| proxy.secret_env()).unwrap_or_default()
+    }
+
     /// A handle that replaces the allowlist of the jail's egress proxy, when it has one.
     pub fn egress_switch(&self) -> Option<strata_egress::AllowlistSwitch> {
         self.egress.as_ref().map(|proxy| proxy.switch())
