@@ -1258,29 +1258,12 @@ for (const s of [same, started, ...forks]) await s.kill()
 console.log('JS LIFECYCLE OK')
 "#;
 
-/// A host HTTP server on loopback that answers every request with `origin`, for as long as the test runs.
-fn origin_server() -> u16 {
-    use std::io::{Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let port = listener.local_addr().expect("addr").port();
-    std::thread::spawn(move || {
-        for stream in listener.incoming().flatten() {
-            let mut stream = stream;
-            let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(5)));
-            let mut buf = [0u8; 4096];
-            let _ = stream.read(&mut buf);
-            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\nConnection: close\r\n\r\norigin");
-        }
-    });
-    port
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_sdks_update_the_network_at_run_time() {
     if !process_tier("e2b_sdks_update_the_network_at_run_time") {
         return;
     }
-    let port = origin_server().to_string();
+    let port = crate::util::head_origin().0.to_string();
     let server = keyed_server().await;
     let (python, js) = (NETWORK_SCRIPT.replace("{PORT}", &port), JS_NETWORK_SCRIPT.replace("{PORT}", &port));
     both_sdks(&server, &python, "NETWORK OK", &js, "network.mjs", "JS NETWORK OK").await;
