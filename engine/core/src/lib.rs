@@ -52,8 +52,8 @@ pub use snapshot::{
 pub use snapshot_key::SnapshotKeyError;
 pub use terminal::{Terminal, WindowSize};
 pub use tier::{
-    CancelToken, ExecOptions, MAX_BUFFERED_STDIN, OutputSink, PumpStop, Pumped, Sandbox, SandboxUsage, StdinStream,
-    Stream, Tier,
+    CancelToken, ExecOptions, MAX_BUFFERED_STDIN, OutputSink, PortStream, PumpStop, Pumped, Sandbox, SandboxUsage,
+    StdinStream, Stream, Tier,
 };
 pub use tools::{Tool, ToolCall, ToolDefinitionError, ToolFailure, ToolRegistry};
 pub use units::{ByteSize, UnitsError, format_duration, parse_duration};

@@ -298,6 +298,15 @@ pub struct SandboxUsage {
     pub disk_total: u64,
 }
 
+/// A connection to a port a sandbox serves ([`Sandbox::connect_port`]): bytes both ways, as the server wrote them.
+#[derive(Debug)]
+pub enum PortStream {
+    /// A TCP connection to the sandbox's loopback.
+    Tcp(std::net::TcpStream),
+    /// A stream a guest agent relays to its TCP connection.
+    Unix(std::os::unix::net::UnixStream),
+}
+
 /// A way to run jobs: wasm, process or microVM.
 pub trait Tier: Send + Sync {
     /// Which tier this is.
@@ -379,10 +388,11 @@ pub trait Sandbox: Send + Sync {
     /// happen, however short-lived the file. Dropping the watcher ends the watch.
     fn watch(&self, path: &GuestPath, recursive: bool) -> Result<Watcher, TierError>;
 
-    /// Opens a TCP connection to `port` on the sandbox's own loopback (`127.0.0.1`), where its jobs listen: how a
-    /// server reaches a port a sandbox serves. [`TierError::PortClosed`] when nothing accepts there; tiers without
-    /// a network of their own answer [`TierError::Unsupported`].
-    fn connect_port(&self, port: u16) -> Result<std::net::TcpStream, TierError> {
+    /// Opens a connection to `port` on the sandbox's own loopback (`127.0.0.1`), where its jobs listen: how a server
+    /// reaches a port a sandbox serves (the process tier: a TCP socket in the jail's network namespace; the microVM:
+    /// a stream the guest agent relays to its TCP connection). [`TierError::PortClosed`] when nothing accepts there;
+    /// tiers without a network of their own answer [`TierError::Unsupported`].
+    fn connect_port(&self, port: u16) -> Result<PortStream, TierError> {
         let _ = port;
         Err(TierError::Unsupported {
             tier: self.tier(),

@@ -24,6 +24,7 @@ use crate::error::ApiError;
 pub use crate::registry::MAX_PORT_CONNECTIONS as MAX_CONNECTIONS;
 use crate::registry::SandboxEntry;
 use crate::service::blocking;
+use strata_core::PortStream;
 
 /// Headers that carry the server's or the sandbox's credentials, never passed into the sandbox.
 const CREDENTIALS: [&str; 6] =
@@ -53,14 +54,38 @@ pub async fn proxy(
     port: u16,
     path_and_query: &str,
     host: HostHeader,
-    mut request: Request<Body>,
+    request: Request<Body>,
 ) -> Result<Response, ApiError> {
     let slot = entry.port_connections.take(&entry.id)?;
     let target = entry.clone();
     let stream = blocking(move || target.call(|sandbox| sandbox.connect_port(port))).await?;
-    stream.set_nonblocking(true).map_err(|e| ApiError::internal(format!("port {port}: {e}")))?;
-    let stream =
-        tokio::net::TcpStream::from_std(stream).map_err(|e| ApiError::internal(format!("port {port}: {e}")))?;
+    let internal = |e: std::io::Error| ApiError::internal(format!("port {port}: {e}"));
+    match stream {
+        PortStream::Tcp(stream) => {
+            stream.set_nonblocking(true).map_err(internal)?;
+            let stream = tokio::net::TcpStream::from_std(stream).map_err(internal)?;
+            relay(stream, slot, port, path_and_query, host, request).await
+        }
+        PortStream::Unix(stream) => {
+            stream.set_nonblocking(true).map_err(internal)?;
+            let stream = tokio::net::UnixStream::from_std(stream).map_err(internal)?;
+            relay(stream, slot, port, path_and_query, host, request).await
+        }
+    }
+}
+
+/// [`proxy`] over the connection `stream` to the sandbox's port.
+async fn relay<S>(
+    stream: S,
+    slot: crate::registry::Slot,
+    port: u16,
+    path_and_query: &str,
+    host: HostHeader,
+    mut request: Request<Body>,
+) -> Result<Response, ApiError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (mut sender, connection) = hyper::client::conn::http1::Builder::new()
         .handshake::<_, Body>(TokioIo::new(stream))
         .await

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use strata_guest_proto::transport::VMADDR_CID_HOST;
-use strata_guest_proto::{MAX_EGRESS_CONNECTIONS, Transport, VsockStream};
+use strata_guest_proto::{MAX_EGRESS_CONNECTIONS, MAX_PORT_CONNECTIONS, PORT_CLOSED, Transport, VsockStream};
 
 /// Relay buffer per direction per connection.
 pub const BUFFER: usize = 64 * 1024;
@@ -334,6 +334,128 @@ fn relay(shared: &Arc<Shared>, id: u64, mut client: TcpStream) {
         Ok(())
     });
     let _ = down.join();
+}
+
+/// The connections the host opened to the guest's TCP servers ([`strata_guest_proto::HostMessage::OpenPort`]): the
+/// reverse of the forwarder. Each connects to the guest's `127.0.0.1:<port>`, dials the host's vsock port named for
+/// it, and relays the two (two threads, as the forwarder's connections) until either side ends; at most
+/// [`MAX_PORT_CONNECTIONS`] at once. [`PortRelays::stop`] shuts every one down and joins its threads.
+pub struct PortRelays {
+    dial: EgressDial,
+    state: Arc<Mutex<State>>,
+    next: AtomicU64,
+}
+
+impl std::fmt::Debug for PortRelays {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PortRelays").finish_non_exhaustive()
+    }
+}
+
+/// Why a port could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum PortError {
+    /// Nothing accepts on the guest's `127.0.0.1:<port>`.
+    #[error("{PORT_CLOSED}: nothing accepts on 127.0.0.1:{port} ({source})")]
+    Closed {
+        /// The port.
+        port: u16,
+        /// The connect error.
+        #[source]
+        source: io::Error,
+    },
+    /// [`MAX_PORT_CONNECTIONS`] are open.
+    #[error("{MAX_PORT_CONNECTIONS} port connections are open already")]
+    Busy,
+    /// The host's end could not be reached, or a relay thread not started.
+    #[error("relaying to the host's port {host_port}")]
+    Host {
+        /// The host's vsock port.
+        host_port: u32,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// How long connecting to a guest server may take.
+const PORT_CONNECT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl PortRelays {
+    /// Relays that dial the host through `dial`.
+    pub fn new(dial: EgressDial) -> PortRelays {
+        PortRelays { dial, state: Arc::new(Mutex::new(State::default())), next: AtomicU64::new(0) }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Connects to the guest's `127.0.0.1:port`, then to the host's `host_port`, and relays them.
+    pub fn open(&self, port: u16, host_port: u32) -> Result<(), PortError> {
+        {
+            let mut state = self.state();
+            state.threads.retain(|thread| !thread.is_finished());
+            if state.live.len() >= MAX_PORT_CONNECTIONS {
+                return Err(PortError::Busy);
+            }
+        }
+        let addr = std::net::SocketAddr::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
+        let guest =
+            TcpStream::connect_timeout(&addr, PORT_CONNECT).map_err(|source| PortError::Closed { port, source })?;
+        let host_err = |source| PortError::Host { host_port, source };
+        let host = self.dial.connect(host_port).map_err(host_err)?;
+        let (mut down_guest, mut down_host) =
+            (guest.try_clone().map_err(host_err)?, host.try_clone().map_err(host_err)?);
+        let (watched_guest, watched_host) = (guest.try_clone().map_err(host_err)?, host.try_clone().map_err(host_err)?);
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::clone(&self.state);
+        let (mut up_guest, mut up_host) = (guest, host);
+        let relay = std::thread::Builder::new().name("port-relay".into()).stack_size(RELAY_STACK).spawn(move || {
+            let down = std::thread::Builder::new().name("port-down".into()).stack_size(RELAY_STACK).spawn(move || {
+                copy(&mut down_guest, &mut down_host, |h| {
+                    shutdown(h.raw_fd(), nix::sys::socket::Shutdown::Write);
+                    Ok(())
+                })
+            });
+            copy(&mut up_host, &mut up_guest, |g| g.shutdown(Shutdown::Write));
+            if let Ok(down) = down {
+                let _ = down.join();
+            }
+            state.lock().unwrap_or_else(PoisonError::into_inner).live.remove(&id);
+        });
+        let mut state = self.state();
+        state.live.insert(id, Live { tcp: watched_guest, upstream: Some(watched_host) });
+        match relay {
+            Ok(thread) => {
+                state.threads.push(thread);
+                Ok(())
+            }
+            Err(source) => {
+                if let Some(live) = state.live.remove(&id) {
+                    let _ = live.tcp.shutdown(Shutdown::Both);
+                }
+                Err(PortError::Host { host_port, source })
+            }
+        }
+    }
+
+    /// Shuts every connection down and joins its threads.
+    pub fn stop(&self) {
+        let threads = {
+            let mut state = self.state();
+            for live in state.live.values() {
+                let _ = live.tcp.shutdown(Shutdown::Both);
+                if let Some(upstream) = &live.upstream {
+                    shutdown(upstream.raw_fd(), nix::sys::socket::Shutdown::Both);
+                }
+            }
+            std::mem::take(&mut state.threads)
+        };
+        for thread in threads {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// Copies `from` to `to` until end of file (then `close_write(to)`) or an error (then both are shut down).

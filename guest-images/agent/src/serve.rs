@@ -19,7 +19,7 @@ use strata_guest_proto::{
     Transport,
 };
 
-use crate::egress::{EgressDial, Forwarder};
+use crate::egress::{EgressDial, Forwarder, PortRelays};
 use crate::entries;
 use crate::exec::{self, ExecSink, Running, StdinQueue};
 use crate::files::{self, FileError, Writes};
@@ -145,6 +145,7 @@ impl Agent {
             threads: Vec::new(),
             writes: Writes::default(),
             egress: None,
+            ports: PortRelays::new(self.egress_dial.clone()),
             watches: HashMap::new(),
         };
         let end = session.run(&mut reader);
@@ -228,6 +229,8 @@ struct Session<'a, T: Transport> {
     writes: Writes,
     /// The egress forwarder, once the host asked for it; stopped when the connection ends.
     egress: Option<Forwarder>,
+    /// The host's connections to the guest's servers; shut down when the connection ends.
+    ports: PortRelays,
     /// The running watches, stopped when the connection ends.
     watches: HashMap<RequestId, Watch>,
 }
@@ -308,6 +311,13 @@ impl<T: Transport> Session<'_, T> {
                     // seen its main process exit; an out-of-range signal fails with EINVAL.
                     unsafe { libc::kill(-entry.pgid, signal) };
                 }
+            }
+            HostMessage::OpenPort { id, port, host_port } => {
+                let answer = match self.ports.open(port, host_port) {
+                    Ok(()) => GuestMessage::Ack { id },
+                    Err(err) => GuestMessage::Error { id: Some(id), message: error_chain(&err) },
+                };
+                self.send(answer)?;
             }
             HostMessage::Resize { id, size } => {
                 if let Some(terminal) = lock(&self.execs).get(&id).and_then(|entry| entry.terminal.clone()) {
@@ -504,6 +514,7 @@ impl<T: Transport> Session<'_, T> {
         if let Some(forwarder) = self.egress.take() {
             forwarder.stop();
         }
+        self.ports.stop();
         for entry in lock(&self.execs).values() {
             // SAFETY: kill() takes no pointers; the group is a running exec's.
             unsafe { libc::kill(-entry.pgid, libc::SIGKILL) };

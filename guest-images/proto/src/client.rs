@@ -611,6 +611,13 @@ impl AgentClient {
         self.ack_request(|id| HostMessage::StartEgress { id, listen_port, host_port, max_connections })
     }
 
+    /// Asks the agent to connect to the guest's `127.0.0.1:port` and relay it to a stream it opens to the host's vsock
+    /// `host_port` (where the caller listens). `Refused` with a message starting [`crate::PORT_CLOSED`] when nothing
+    /// listens there.
+    pub fn open_port(&self, port: u16, host_port: u32) -> Result<(), ClientError> {
+        self.ack_request(|id| HostMessage::OpenPort { id, port, host_port })
+    }
+
     fn ack_request(&self, message: impl FnOnce(RequestId) -> HostMessage) -> Result<(), ClientError> {
         let route = self.shared.open_route()?;
         self.shared.send(&message(route.id))?;

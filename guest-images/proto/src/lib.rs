@@ -33,7 +33,15 @@ pub use transport::{Transport, VsockListener, VsockStream};
 /// 3: `StartEgress`, the network egress tunnel.
 /// 4: `Stat`, `ListDir`, `CreateDir`, `Rename`, `Remove`, `Watch` and `Unwatch` (answered by `Entry`,
 ///    `DirEntries` and `DirDone`, `DirCreated`, `WatchEvents` and `WatchEnded`), the sandbox's file methods.
-pub const PROTOCOL_VERSION: u32 = 5;
+/// 5: `ExecRequest::tty` and `Resize`, terminals.
+/// 6: `OpenPort`, the host reaching a guest's TCP server.
+pub const PROTOCOL_VERSION: u32 = 6;
+
+/// How an [`HostMessage::OpenPort`] refused because nothing listens on the port starts its error message.
+pub const PORT_CLOSED: &str = "port closed";
+
+/// The most [`HostMessage::OpenPort`] connections a guest relays at once.
+pub const MAX_PORT_CONNECTIONS: usize = 64;
 
 /// The largest piece of output, stdin or file data in one message.
 pub const MAX_CHUNK: usize = 64 * 1024;

@@ -231,6 +231,18 @@ pub enum HostMessage {
         /// The new size.
         size: TtySize,
     },
+    /// Reach a TCP server of the guest: connect to the guest's `127.0.0.1:port`, then open a stream to the host's
+    /// vsock `host_port` (where the host listens for this one connection) and relay the two until either ends.
+    /// Answered by [`GuestMessage::Ack`] once both are connected, or [`GuestMessage::Error`] (nothing listens there:
+    /// its message starts with [`crate::PORT_CLOSED`]).
+    OpenPort {
+        /// The request.
+        id: RequestId,
+        /// The guest TCP port on 127.0.0.1 (not 0).
+        port: u16,
+        /// The host's vsock port for this connection.
+        host_port: u32,
+    },
 }
 
 /// A terminal's window size in character cells.
@@ -721,6 +733,7 @@ impl HostMessage {
             HostMessage::Watch { .. } => "Watch",
             HostMessage::Unwatch { .. } => "Unwatch",
             HostMessage::Resize { .. } => "Resize",
+            HostMessage::OpenPort { .. } => "OpenPort",
         }
     }
 }

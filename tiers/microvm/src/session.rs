@@ -114,6 +114,14 @@ pub trait AgentHost: Send + Sync {
         None
     }
 
+    /// The Unix socket where the guest's streams to the host's vsock `port` arrive (`<uds>_<port>`, as the vsock
+    /// device names them), for the ports the host reaches through the agent; `None` when this guest has none (then
+    /// ports are unsupported).
+    fn dial_socket(&self, port: u32) -> Option<PathBuf> {
+        let _ = port;
+        None
+    }
+
     /// Saves the whole guest, its agent quiesced, into a new snapshot directory at `destination` (with `extra`
     /// in its manifest) and lets it go on.
     fn snapshot(
@@ -127,6 +135,31 @@ pub trait AgentHost: Send + Sync {
     fn shut_down(self)
     where
         Self: Sized;
+}
+
+/// How long [`Session`]'s `connect_port` waits for the agent's stream once it said it was connected.
+const PORT_STREAM_WAIT: Duration = Duration::from_secs(5);
+
+/// The first host vsock port of the ports' streams ([`Session`]'s `connect_port`), clear of the agent's and the
+/// egress tunnel's; each connection takes the next of [`PORT_STREAM_SPAN`].
+const PORT_STREAM_BASE: u32 = 20_000;
+
+/// How many host vsock ports the ports' streams cycle through.
+const PORT_STREAM_SPAN: u32 = 40_000;
+
+/// The host vsock port of the next port stream.
+fn port_stream_port() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    PORT_STREAM_BASE + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % PORT_STREAM_SPAN
+}
+
+/// Removes a socket file when dropped.
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
 }
 
 pub(crate) fn unsupported(what: &str) -> TierError {
@@ -586,6 +619,45 @@ impl<H: AgentHost> Sandbox for Session<H> {
 
     fn watch(&self, path: &GuestPath, recursive: bool) -> Result<Watcher, TierError> {
         files::watch(self.agent(&read(&self.guest))?, path, recursive)
+    }
+
+    /// The agent connects to the guest's `127.0.0.1:port` and opens a stream to a host vsock port of this
+    /// connection's own (the guest dials out, as for egress: a vsock device hands it to `<uds>_<port>`, where this
+    /// listens for that one stream), then relays the two.
+    fn connect_port(&self, port: u16) -> Result<strata_core::PortStream, TierError> {
+        let guest = read(&self.guest);
+        let client = self.agent(&guest)?;
+        let host_port = port_stream_port();
+        let socket = guest
+            .host
+            .as_ref()
+            .and_then(|host| host.dial_socket(host_port))
+            .ok_or_else(|| unsupported("ports on a guest without streams to the host"))?;
+        let _ = std::fs::remove_file(&socket);
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(|err| internal_from("listening for a port's stream", err))?;
+        let _remove = RemoveOnDrop(&socket);
+        client.open_port(port, host_port).map_err(|err| match err {
+            ClientError::Refused { message } if message.starts_with(strata_guest_proto::PORT_CLOSED) => {
+                TierError::PortClosed { port, reason: message }
+            }
+            other => internal_from("opening a port in the guest", other),
+        })?;
+        // The agent answered once its stream was connected: it waits in the backlog.
+        listener.set_nonblocking(true).map_err(|err| internal_from("accepting a port's stream", err))?;
+        let deadline = Instant::now() + PORT_STREAM_WAIT;
+        loop {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    stream.set_nonblocking(false).map_err(|err| internal_from("a port's stream", err))?;
+                    return Ok(strata_core::PortStream::Unix(stream));
+                }
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(err) => return Err(internal_from("accepting a port's stream", err)),
+            }
+        }
     }
 
     fn snapshot(&self, destination: &Path) -> Result<Snapshot, TierError> {

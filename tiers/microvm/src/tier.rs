@@ -123,6 +123,12 @@ impl AgentHost for MicrovmGuest {
         Some(EgressPath { socket: socket.into(), listen_port: strata_guest_proto::EGRESS_LISTEN_PORT })
     }
 
+    fn dial_socket(&self, port: u32) -> Option<PathBuf> {
+        let mut socket = self.vm.vsock_socket().as_os_str().to_owned();
+        socket.push(format!("_{port}"));
+        Some(socket.into())
+    }
+
     fn snapshot(
         &mut self,
         destination: &Path,

@@ -33,6 +33,8 @@ struct ProcessAgent {
     /// Where the agent's egress streams arrive (`<agent socket>_1028`, as the vsock device names a guest's
     /// connection to port 1028) and a free port for its forwarder (the host's loopback is shared by the tests).
     egress: EgressPath,
+    /// The agent's socket: its streams to host port N arrive at `<socket>_N`.
+    socket: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -45,7 +47,8 @@ impl ProcessAgent {
         let listen_port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
         let egress = EgressPath { socket, listen_port };
         let images = serde_json::json!({"kernel": "none"});
-        Some((ProcessAgent { child, workdir, images, egress, _dir: dir }, client))
+        let socket = dir.path().join("agent.sock");
+        Some((ProcessAgent { child, workdir, images, egress, socket, _dir: dir }, client))
     }
 }
 
@@ -60,6 +63,12 @@ impl AgentHost for ProcessAgent {
 
     fn egress_path(&self) -> Option<EgressPath> {
         Some(self.egress.clone())
+    }
+
+    fn dial_socket(&self, port: u32) -> Option<PathBuf> {
+        let mut socket = self.socket.clone().into_os_string();
+        socket.push(format!("_{port}"));
+        Some(socket.into())
     }
 
     /// What the VM does, minus the VM: the manifest and meta of a microVM snapshot around a placeholder file.
@@ -165,6 +174,40 @@ fn several_jobs_run_in_turn_and_keep_their_files() {
     assert_eq!(exec(&mut session, "exit 3").status, Status::Exited { code: 3 });
     assert!(matches!(exec(&mut session, "kill -9 $$").status, Status::Trapped { .. }));
     assert_eq!(session.tier(), TierKind::Microvm);
+    session.close().expect("close");
+}
+
+/// A port the guest serves, through the agent: it connects to its `127.0.0.1:PORT` (the agent is a host process here,
+/// so that is the host's loopback, where the test serves) and relays it to a stream it opens to the host, as over
+/// vsock in a VM. Bytes go both ways and half-closes pass; a port nothing accepts on is `PortClosed`.
+#[test]
+fn a_port_the_guest_serves_is_reached_through_the_agent() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let fixture = Fixture::new();
+    let Some((session, _)) = fixture.session(&limits()) else { return };
+    let server = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = server.local_addr().expect("addr").port();
+    let serving = std::thread::spawn(move || {
+        for _ in 0..2 {
+            let (stream, _) = server.accept().expect("accept");
+            let mut line = String::new();
+            BufReader::new(&stream).read_line(&mut line).expect("read");
+            (&stream).write_all(format!("echo: {line}").as_bytes()).expect("write");
+        }
+    });
+    for word in ["hello", "again"] {
+        let strata_core::PortStream::Unix(mut stream) = session.connect_port(port).expect("open") else {
+            panic!("the microVM's ports are streams the agent relays")
+        };
+        stream.write_all(format!("{word}\n").as_bytes()).expect("send");
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).expect("answer");
+        assert_eq!(answer, format!("echo: {word}\n"));
+    }
+    serving.join().expect("server");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let err = session.connect_port(closed).expect_err("nothing listens there");
+    assert!(matches!(err, TierError::PortClosed { port, .. } if port == closed), "{err}");
     session.close().expect("close");
 }
 

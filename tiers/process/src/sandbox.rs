@@ -138,7 +138,7 @@ impl Sandbox for ProcessSandbox {
     /// From a thread of its own that enters the jail's network namespace (through the pidfd of its PID 1) and
     /// connects there: the socket stays in that namespace after the thread has ended, so it reaches the jail's
     /// loopback and nothing else; the calling thread's namespace never changes.
-    fn connect_port(&self, port: u16) -> Result<std::net::TcpStream, TierError> {
+    fn connect_port(&self, port: u16) -> Result<strata_core::PortStream, TierError> {
         if self.closed.load(Ordering::SeqCst) {
             return Err(ended());
         }
@@ -159,6 +159,7 @@ impl Sandbox for ProcessSandbox {
                 .join()
                 .unwrap_or_else(|_| Err(TierError::internal(TierKind::Process, "the port thread panicked")))
         })
+        .map(strata_core::PortStream::Tcp)
     }
 
     /// The jail's cgroup (every job and what it left running) and its writable layer.
