@@ -230,19 +230,7 @@ impl Forwarder {
         // Wakes the accept thread: accept(2) on a shut-down listener fails at once.
         shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
         let _ = accept.join();
-        let threads = {
-            let mut state = self.shared.state();
-            for live in state.live.values() {
-                let _ = live.tcp.shutdown(Shutdown::Both);
-                if let Some(upstream) = &live.upstream {
-                    shutdown(upstream.raw_fd(), nix::sys::socket::Shutdown::Both);
-                }
-            }
-            std::mem::take(&mut state.threads)
-        };
-        for thread in threads {
-            let _ = thread.join();
-        }
+        shut_down_all(&self.shared.state);
     }
 }
 
@@ -442,19 +430,25 @@ impl PortRelays {
 
     /// Shuts every connection down and joins its threads.
     pub fn stop(&self) {
-        let threads = {
-            let mut state = self.state();
-            for live in state.live.values() {
-                let _ = live.tcp.shutdown(Shutdown::Both);
-                if let Some(upstream) = &live.upstream {
-                    shutdown(upstream.raw_fd(), nix::sys::socket::Shutdown::Both);
-                }
+        shut_down_all(&self.state);
+    }
+}
+
+/// Shuts down both ends of every live connection in `state` and joins the threads relaying them (outside the lock,
+/// which a finishing relay takes to forget its connection).
+fn shut_down_all(state: &Mutex<State>) {
+    let threads = {
+        let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
+        for live in state.live.values() {
+            let _ = live.tcp.shutdown(Shutdown::Both);
+            if let Some(upstream) = &live.upstream {
+                shutdown(upstream.raw_fd(), nix::sys::socket::Shutdown::Both);
             }
-            std::mem::take(&mut state.threads)
-        };
-        for thread in threads {
-            let _ = thread.join();
         }
+        std::mem::take(&mut state.threads)
+    };
+    for thread in threads {
+        let _ = thread.join();
     }
 }
 

@@ -626,6 +626,17 @@ pub(crate) async fn both_sdks(
     }
 }
 
+/// A test of both pinned SDKs against a keyed server ([`both_sdks`]), after one skip line where the process tier
+/// cannot run.
+async fn sdk_test(test: &str, python: &str, python_done: &str, js: &str, js_name: &str, js_done: &str) {
+    if !process_tier(test) {
+        return;
+    }
+    let server = keyed_server().await;
+    both_sdks(&server, python, python_done, js, js_name, js_done).await;
+    server.stop().await;
+}
+
 /// The pinned E2B JavaScript SDK under `$STRATA_HOME/e2b-js-2.51.0`, installed once with npm; `None` (with a line
 /// saying why) when it cannot be installed here.
 fn sdk_js() -> Option<PathBuf> {
@@ -951,12 +962,7 @@ console.log('JS PTY OK')
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_sdks_drive_a_terminal() {
-    if !process_tier("e2b_sdks_drive_a_terminal") {
-        return;
-    }
-    let server = keyed_server().await;
-    both_sdks(&server, PTY_SCRIPT, "PTY OK", JS_PTY_SCRIPT, "pty.mjs", "JS PTY OK").await;
-    server.stop().await;
+    sdk_test("e2b_sdks_drive_a_terminal", PTY_SCRIPT, "PTY OK", JS_PTY_SCRIPT, "pty.mjs", "JS PTY OK").await;
 }
 
 /// `get_metrics()` through the Python SDK: samples of the sandbox's CPU, memory and disk, in E2B's shape.
@@ -1025,12 +1031,15 @@ async fn e2b_batch_metrics_answer_the_keys_sandboxes_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_sdks_read_a_sandboxs_metrics() {
-    if !process_tier("e2b_sdks_read_a_sandboxs_metrics") {
-        return;
-    }
-    let server = keyed_server().await;
-    both_sdks(&server, METRICS_SCRIPT, "METRICS OK", JS_METRICS_SCRIPT, "metrics.mjs", "JS METRICS OK").await;
-    server.stop().await;
+    sdk_test(
+        "e2b_sdks_read_a_sandboxs_metrics",
+        METRICS_SCRIPT,
+        "METRICS OK",
+        JS_METRICS_SCRIPT,
+        "metrics.mjs",
+        "JS METRICS OK",
+    )
+    .await;
 }
 
 /// A command on a terminal, typed into through `StreamInput` (a client stream: the process named first, then input
@@ -1133,12 +1142,15 @@ async fn e2b_stream_input_and_update_reach_a_terminal() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_sdks_run_commands_as_user_with_sudo() {
-    if !process_tier("e2b_sdks_run_commands_as_user_with_sudo") {
-        return;
-    }
-    let server = keyed_server().await;
-    both_sdks(&server, USERS_SCRIPT, "USERS OK", JS_USERS_SCRIPT, "users.mjs", "JS USERS OK").await;
-    server.stop().await;
+    sdk_test(
+        "e2b_sdks_run_commands_as_user_with_sudo",
+        USERS_SCRIPT,
+        "USERS OK",
+        JS_USERS_SCRIPT,
+        "users.mjs",
+        "JS USERS OK",
+    )
+    .await;
 }
 
 /// Commands run as `user` (uid 1000) in `/home/user` unless `user="root"`, `sudo` reaches root, relative paths are
