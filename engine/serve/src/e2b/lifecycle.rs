@@ -222,11 +222,7 @@ pub(super) async fn create_snapshot(
     struct SnapshotRequest {
         name: Option<String>,
     }
-    let req: SnapshotRequest = if body.is_empty() {
-        SnapshotRequest::default()
-    } else {
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?
-    };
+    let req: SnapshotRequest = super::json_or_default(&body)?;
     if req.name.as_ref().is_some_and(|name| name.is_empty() || name.len() > 256 || name.contains('\0')) {
         return Err(E2bError::invalid_argument("a snapshot name is 1 to 256 characters"));
     }
@@ -329,11 +325,7 @@ pub(super) async fn fork(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, E2bError> {
-    let req: ForkRequest = if body.is_empty() {
-        ForkRequest::default()
-    } else {
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?
-    };
+    let req: ForkRequest = super::json_or_default(&body)?;
     let count = req.count.unwrap_or(1);
     if count == 0 || count > MAX_FORKS {
         return Err(E2bError::invalid_argument(format!("count must be between 1 and {MAX_FORKS}")));

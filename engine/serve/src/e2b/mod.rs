@@ -308,6 +308,14 @@ pub(super) fn e2b_sandbox(
     Ok((entry, meta))
 }
 
+/// A request body as JSON, or `T`'s default when the body is empty (the SDKs send no body for an all-default call).
+fn json_or_default<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, ApiError> {
+    if body.is_empty() {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))
+}
+
 /// The control-plane routes (behind API-key authentication).
 pub fn control_routes() -> Router<Arc<AppState>> {
     Router::new()

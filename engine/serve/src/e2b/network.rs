@@ -98,11 +98,7 @@ pub(super) async fn update(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<StatusCode, E2bError> {
-    let config: NetworkConfig = if body.is_empty() {
-        NetworkConfig::default()
-    } else {
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?
-    };
+    let config: NetworkConfig = super::json_or_default(&body)?;
     if config.rules().is_some() {
         return Err(refused("rules (per-host transforms) are set when the sandbox is created, not updated".into()));
     }
