@@ -46,6 +46,7 @@ use strata_core::{
     Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, Status, Tier, TierError, TierKind,
     ToolRegistry,
 };
+use strata_image_store::ImageStore;
 use strata_python_image::PythonImage;
 use strata_rootfs_image::DebianImage;
 use strata_tier_process::{ProcessTier, ProcessTierConfig};
@@ -496,10 +497,12 @@ impl Engine {
             let image = DebianImage::new(home).map_err(StartFailure::step("the Debian image"))?;
             let (installed, _) =
                 image.ensure(&|line| log::info!("{line}")).map_err(StartFailure::step("the Debian image"))?;
+            let images = ImageStore::open(home).map_err(StartFailure::step("the image store"))?;
             ProcessTier::new(ProcessTierConfig {
                 rootfs: installed.rootfs,
                 run_dir: jail_run_dir(home),
                 snapshots: self.snapshots.clone(),
+                images: Some(images),
             })
             .map(Arc::new)
             .map_err(StartFailure::step("starting the tier"))

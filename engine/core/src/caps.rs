@@ -219,6 +219,11 @@ pub struct Capabilities {
     /// sandbox's root. Only the process tier has accounts; the others refuse any but root
     /// ([`Capabilities::refuse_user`]).
     pub user: Option<crate::UserName>,
+    /// The image the sandbox's filesystem starts from ([`crate::image`]); `None`: the tier's default. Only the
+    /// process tier has images today; the others refuse any ([`Capabilities::refuse_image`]). Not serialised
+    /// when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<crate::ImageName>,
 }
 
 impl Capabilities {
@@ -234,6 +239,17 @@ impl Capabilities {
             grant.check_host()?;
         }
         Ok(())
+    }
+
+    /// Refuses [`Capabilities::image`] on a tier that has no root filesystem to start from one.
+    pub fn refuse_image(&self, tier: crate::TierKind) -> Result<(), crate::TierError> {
+        match &self.image {
+            Some(image) => Err(crate::TierError::Unsupported {
+                tier,
+                what: format!("starting from the image {image:?} (images are for the process tier)"),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Refuses [`Capabilities::user`] (other than root) on a tier whose guests have no accounts.

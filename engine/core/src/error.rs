@@ -142,6 +142,14 @@ pub enum TierError {
         /// The program and why it was not found.
         program: String,
     },
+    /// The image the capabilities name is not in the host's image store.
+    #[error(
+        "no image named {image:?} (`strata images list` shows the images; `strata images build` or `import` makes one)"
+    )]
+    ImageNotFound {
+        /// The name.
+        image: String,
+    },
     /// The program exists but could not be executed (not executable, wrong format).
     #[error("cannot execute {message}")]
     ExecFailed {
@@ -213,6 +221,7 @@ impl TierError {
             TierError::Tool(_) => "invalid_tool",
             TierError::ProgramNotFound { .. } => "program_not_found",
             TierError::ExecFailed { .. } => "exec_failed",
+            TierError::ImageNotFound { .. } => "image_not_found",
             TierError::Snapshot(err) => err.code(),
             TierError::Replay(err) => err.code(),
             TierError::Internal { .. } => "internal",

@@ -150,7 +150,7 @@ impl From<TierError> for ApiError {
             | TierError::Tool(_)
             | TierError::ProgramNotFound { .. }
             | TierError::ExecFailed { .. } => StatusCode::BAD_REQUEST,
-            TierError::GuestPath { .. } => StatusCode::NOT_FOUND,
+            TierError::GuestPath { .. } | TierError::ImageNotFound { .. } => StatusCode::NOT_FOUND,
             TierError::Unsupported { .. } => StatusCode::NOT_IMPLEMENTED,
             TierError::SessionEnded { .. } | TierError::Busy { .. } | TierError::SessionTier { .. } => {
                 StatusCode::CONFLICT

@@ -369,6 +369,7 @@ impl Tier for MicrovmTier {
         opts.refuse_determinism(TierKind::Microvm, "microVM jobs")?;
         opts.refuse_user(TierKind::Microvm)?;
         caps.refuse_user(TierKind::Microvm)?;
+        caps.refuse_image(TierKind::Microvm)?;
         caps.refuse_egress_secrets(TierKind::Microvm)?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let started = Instant::now();
@@ -384,6 +385,7 @@ impl Tier for MicrovmTier {
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         caps.refuse_user(TierKind::Microvm)?;
+        caps.refuse_image(TierKind::Microvm)?;
         caps.refuse_egress_secrets(TierKind::Microvm)?;
         match self.boot_session(caps, limits, BOOT_TIMEOUT, Instant::now())? {
             Ok(session) => Ok(Box::new(session)),

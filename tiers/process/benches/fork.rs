@@ -81,6 +81,7 @@ fn main() -> anyhow::Result<()> {
         rootfs,
         run_dir: home.join("run/jail"),
         snapshots: strata_core::SnapshotTrust::process_local(),
+        images: None,
     }) {
         Ok(tier) => tier,
         Err(err) => {

@@ -185,6 +185,7 @@ mod tests {
             rootfs: installed.rootfs,
             run_dir: run.join("jail"),
             snapshots: strata_core::SnapshotTrust::process_local(),
+            images: None,
         };
         match ProcessTier::new(config) {
             Ok(tier) => Some(tier),
@@ -197,8 +198,9 @@ mod tests {
 
     fn sandbox(tier: &ProcessTier) -> Arc<ProcessSandbox> {
         let (caps, limits) = (Capabilities::default(), Limits::default());
-        let jail = tier.start_jail(&caps, &limits, false, None).expect("a jail");
-        Arc::new(ProcessSandbox::new(jail, caps, limits, tier.snapshot_origin(None)).expect("a sandbox"))
+        let image = tier.root_image(&caps).expect("the image");
+        let jail = tier.start_jail(&caps, &limits, false, None, &image).expect("a jail");
+        Arc::new(ProcessSandbox::new(jail, caps, limits, tier.snapshot_origin(None, image)).expect("a sandbox"))
     }
 
     fn path(text: &str) -> GuestPath {
@@ -345,8 +347,10 @@ mod tests {
             grants: vec![strata_core::Grant::new(ro.path(), "/ro", strata_core::GrantMode::Ro).expect("grant")],
             ..Capabilities::default()
         };
-        let jail = tier.start_jail(&caps, &Limits::default(), false, None).expect("a jail");
-        let sandbox = ProcessSandbox::new(jail, caps, Limits::default(), tier.snapshot_origin(None)).expect("sandbox");
+        let image = tier.root_image(&caps).expect("the image");
+        let jail = tier.start_jail(&caps, &Limits::default(), false, None, &image).expect("a jail");
+        let origin = tier.snapshot_origin(None, image);
+        let sandbox = ProcessSandbox::new(jail, caps, Limits::default(), origin).expect("sandbox");
         sh(&sandbox, "ln -s / /tmp/root-link; ln -s /ro/keep.txt /tmp/ro-link; mkfifo /tmp/fifo");
         let code = |err: TierError| err.code();
         assert_eq!(code(sandbox.write_file("/ro/keep.txt", b"changed").expect_err("ro grant")), "guest_path");

@@ -57,9 +57,10 @@ use strata_core::OutputCapture;
 use strata_core::outcome::EgressEntry;
 use strata_core::{
     Capabilities, ExecOptions, GrantMode, GuestCommand, Job, Limits, Net, Outcome, Sandbox, Snapshot, SnapshotTrust,
-    Status, StdinStream, Stream, Tier, TierError, TierKind, Truncated, Usage,
+    Status, StdinStream, Stream, Tier, TierError, TierKind, Truncated, Usage, UserName,
 };
 use strata_egress::{EgressConfig, EgressHandle, EgressProxy, EgressSecrets};
+use strata_image_store::{ImageConfig, ImageStore, StoreError};
 use strata_jail::proto::{Bind, Exec, IdMap};
 
 pub use sandbox::ProcessSandbox;
@@ -98,6 +99,8 @@ pub struct ProcessTierConfig {
     pub run_dir: PathBuf,
     /// What seals this tier's snapshots and opens them for forks ([`SnapshotTrust`]).
     pub snapshots: SnapshotTrust,
+    /// Where the images [`Capabilities::image`] names are (`None`: a sandbox naming one is refused).
+    pub images: Option<ImageStore>,
 }
 
 impl ProcessTierConfig {
@@ -143,7 +146,7 @@ impl ProcessTier {
             path: config.run_dir.clone(),
             source,
         })?;
-        let config = ProcessTierConfig { rootfs, run_dir: config.run_dir, snapshots: config.snapshots };
+        let config = ProcessTierConfig { rootfs, ..config };
         let egress_dir = config.egress_dir();
         std::fs::create_dir_all(&egress_dir).map_err(|source| TierError::Storage {
             what: "process tier egress socket directory",
@@ -170,12 +173,31 @@ impl ProcessTier {
         &self.cgroups
     }
 
-    fn jail_config(&self, caps: &Capabilities, limits: &Limits, one_shot: bool) -> Result<JailConfig, TierError> {
+    /// The root filesystem `caps` names: its image's layers and defaults, or the tier's own Debian tree.
+    pub(crate) fn root_image(&self, caps: &Capabilities) -> Result<RootImage, TierError> {
+        let Some(name) = &caps.image else {
+            return Ok(RootImage { lowers: vec![self.config.rootfs.clone()], config: ImageConfig::default() });
+        };
+        let store = self.config.images.as_ref().ok_or_else(|| unsupported("images (this tier has no image store)"))?;
+        let resolved = store.resolve(name).map_err(|err| match err {
+            StoreError::NotFound(name) => TierError::ImageNotFound { image: name },
+            other => internal_from("resolving the image", other),
+        })?;
+        Ok(RootImage { lowers: resolved.lowers, config: resolved.config })
+    }
+
+    fn jail_config(
+        &self,
+        caps: &Capabilities,
+        limits: &Limits,
+        one_shot: bool,
+        image: &RootImage,
+    ) -> Result<JailConfig, TierError> {
         if !caps.tools.is_empty() {
             return Err(unsupported("host tools"));
         }
         caps.validate()?;
-        let files_owner = caps.user.as_ref().filter(|user| !user.is_root()).map(|user| user.as_str().to_owned());
+        let files_owner = image.user(caps, None).map(|user| user.as_str().to_owned());
         let id_map = self.user_namespaces.load(Ordering::Relaxed).then_some(JAIL_IDS);
         if id_map.is_none() && files_owner.is_some() {
             return Err(unsupported("running as a user other than root without user namespaces on this host"));
@@ -193,7 +215,7 @@ impl ProcessTier {
             binds.push(Bind { host, guest: grant.guest.clone(), read_only: grant.mode == GrantMode::Ro });
         }
         Ok(JailConfig {
-            lower: self.config.rootfs.clone(),
+            lowers: image.lowers.clone(),
             scratch_mount: self.config.run_dir.clone(),
             scratch_bytes: limits.disk.0,
             binds,
@@ -237,8 +259,9 @@ impl ProcessTier {
         limits: &Limits,
         one_shot: bool,
         restore_upper: Option<std::sync::Arc<std::fs::File>>,
+        image: &RootImage,
     ) -> Result<Jail, TierError> {
-        let mut config = self.jail_config(caps, limits, one_shot)?;
+        let mut config = self.jail_config(caps, limits, one_shot, image)?;
         config.restore_upper = restore_upper;
         self.start_jail_with(config, caps)
     }
@@ -346,8 +369,9 @@ impl Tier for ProcessTier {
     fn run(&self, job: &Job, caps: &Capabilities, limits: &Limits, opts: ExecOptions) -> Result<Outcome, TierError> {
         opts.refuse_determinism(TierKind::Process, "process-tier jobs")?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
-        let mut prepared = PreparedJob::new(job, caps, limits, &opts)?;
-        let mut jail = self.start_jail(caps, limits, true, None)?;
+        let image = self.root_image(caps)?;
+        let mut prepared = PreparedJob::new(job, caps, limits, &opts, &image)?;
+        let mut jail = self.start_jail(caps, limits, true, None, &image)?;
         prepared.add_env(jail.egress_secret_env());
         let stdin = opts.stdin.as_deref().unwrap_or_default();
         let outcome = run_in(Runner::Jail(&mut jail), prepared, caps, limits, stdin, &opts);
@@ -356,8 +380,9 @@ impl Tier for ProcessTier {
     }
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
-        let jail = self.start_jail(caps, limits, false, None)?;
-        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.snapshot_origin(None))?))
+        let image = self.root_image(caps)?;
+        let jail = self.start_jail(caps, limits, false, None, &image)?;
+        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.snapshot_origin(None, image))?))
     }
 
     /// A fork of a snapshot with the capabilities and limits it was taken with (see [`snapshot`] for what a fork
@@ -365,6 +390,21 @@ impl Tier for ProcessTier {
     /// it with [`ProcessTier::fork_with`].
     fn fork(&self, snapshot: &Snapshot) -> Result<Box<dyn Sandbox>, TierError> {
         Ok(Box::new(self.fork_recorded(snapshot)?))
+    }
+}
+
+/// A sandbox's root filesystem: the image's layers (top first) and what its jobs take from it.
+#[derive(Debug, Clone)]
+pub(crate) struct RootImage {
+    pub(crate) lowers: Vec<PathBuf>,
+    pub(crate) config: ImageConfig,
+}
+
+impl RootImage {
+    /// The account a job runs as: the job's own, else the sandbox's, else the image's; `None` for root.
+    fn user(&self, caps: &Capabilities, job: Option<&UserName>) -> Option<UserName> {
+        let image = self.config.user.as_deref().and_then(|user| UserName::new(user).ok());
+        job.or(caps.user.as_ref()).cloned().or(image).filter(|user| !user.is_root())
     }
 }
 
@@ -377,11 +417,21 @@ struct PreparedJob {
 impl PreparedJob {
     /// `job` for the jail, as the user `opts` or `caps` name (the jail's root when neither does; that user's home
     /// is then its directory).
-    fn new(job: &Job, caps: &Capabilities, limits: &Limits, opts: &ExecOptions) -> Result<PreparedJob, TierError> {
-        let user = opts.user.as_ref().or(caps.user.as_ref()).filter(|user| !user.is_root());
+    fn new(
+        job: &Job,
+        caps: &Capabilities,
+        limits: &Limits,
+        opts: &ExecOptions,
+        image: &RootImage,
+    ) -> Result<PreparedJob, TierError> {
+        let user = image.user(caps, opts.user.as_ref());
         let GuestCommand { argv, copy_in } = GuestCommand::new(job, TierKind::Process)?;
         let (program_copy, program) = copy_in.map(|copy| (copy.guest, copy.file)).unzip();
         let mut env: Vec<(String, String)> = BASE_ENV.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        for (name, value) in &image.config.env {
+            env.retain(|(k, _)| k != name);
+            env.push((name.clone(), value.clone()));
+        }
         if let Net::Allow(allowlist) = &caps.net {
             env.extend(strata_egress::proxy_env(EGRESS_PROXY_URL, allowlist));
         }
@@ -394,7 +444,11 @@ impl PreparedJob {
             argv,
             env,
             // Empty: the user's home.
-            cwd: if user.is_some() { String::new() } else { WORKDIR.into() },
+            cwd: match (&image.config.workdir, &user) {
+                (Some(workdir), _) => workdir.clone(),
+                (None, Some(_)) => String::new(),
+                (None, None) => WORKDIR.into(),
+            },
             program_copy,
             nofile: u64::from(limits.files).max(16),
             // The cgroup's CPU accounting stops the job; RLIMIT_CPU is a per-process backstop a second later.

@@ -117,7 +117,7 @@ impl Sandbox for ProcessSandbox {
         opts.refuse_determinism(TierKind::Process, "process-tier jobs")?;
         let limits = opts.limits.clone().unwrap_or_else(|| self.limits.clone());
         let caps = self.caps.read().unwrap_or_else(PoisonError::into_inner).clone();
-        let mut prepared = PreparedJob::new(job, &caps, &limits, &opts)?;
+        let mut prepared = PreparedJob::new(job, &caps, &limits, &opts, &self.origin.image)?;
         prepared.add_env(self.secret_env.clone());
         let stdin = opts.stdin.clone().unwrap_or_default();
         let (_gate, lanes) = self.lanes()?;

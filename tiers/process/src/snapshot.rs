@@ -63,7 +63,7 @@ fn invalid_meta(dir: &Path, message: impl Into<String>) -> TierError {
 #[derive(Debug, Clone)]
 pub(crate) struct Origin {
     /// The image under the overlay (a fork must stand on the same one).
-    pub(crate) rootfs: PathBuf,
+    pub(crate) image: crate::RootImage,
     /// The snapshot the sandbox was forked from.
     pub(crate) parent: Option<String>,
     /// The tier's trust: the key its snapshots are sealed with.
@@ -72,8 +72,8 @@ pub(crate) struct Origin {
 
 impl ProcessTier {
     /// The origin of a sandbox of this tier forked from `parent` (or not).
-    pub(crate) fn snapshot_origin(&self, parent: Option<String>) -> Origin {
-        Origin { rootfs: self.config.rootfs.clone(), parent, trust: self.config.snapshots.clone() }
+    pub(crate) fn snapshot_origin(&self, parent: Option<String>, image: crate::RootImage) -> Origin {
+        Origin { image, parent, trust: self.config.snapshots.clone() }
     }
 }
 
@@ -85,7 +85,7 @@ pub(crate) fn take(
     limits: &Limits,
     origin: &Origin,
 ) -> Result<Snapshot, TierError> {
-    let (rootfs, parent) = (&origin.rootfs, origin.parent.clone());
+    let (lowers, parent) = (&origin.image.lowers, origin.parent.clone());
     let writer = SnapshotWriter::create(destination, &origin.trust)?;
     let upper = jail.open_upper().map_err(jail_error)?;
     let id_map = jail.id_map();
@@ -126,7 +126,7 @@ pub(crate) fn take(
             "owners": "as the jail sees them (0 is the jail's root)",
         },
         "jail": {
-            "rootfs": rootfs,
+            "lowers": lowers,
             "user_namespace": id_map.map(|m| json!({"base": m.base, "count": m.count})),
         },
         "caps": recorded,
@@ -148,6 +148,7 @@ struct ForkPlan {
     limits: Limits,
     secret_names: Vec<String>,
     machine_id: bool,
+    image: crate::RootImage,
 }
 
 impl ForkPlan {
@@ -181,19 +182,22 @@ impl ForkPlan {
         {
             return Err(invalid_meta(&dir, format!("no {UPPER_FILE}")));
         }
-        let rootfs = meta.pointer("/jail/rootfs").and_then(Value::as_str).map(PathBuf::from);
-        if rootfs.as_deref() != Some(tier.config.rootfs.as_path()) {
+        let caps: Capabilities = serde_json::from_value(meta.get("caps").cloned().unwrap_or(Value::Null))
+            .map_err(|e| invalid_meta(&dir, format!("caps: {e}")))?;
+        let lowers: Option<Vec<PathBuf>> =
+            meta.pointer("/jail/lowers").cloned().and_then(|v| serde_json::from_value(v).ok());
+        let image = tier.root_image(&caps)?;
+        if lowers.as_ref() != Some(&image.lowers) {
             return Err(TierError::Unsupported {
                 tier: TierKind::Process,
                 what: format!(
-                    "forking a snapshot taken over another image ({}; this tier runs {})",
-                    rootfs.as_deref().unwrap_or(Path::new("?")).display(),
-                    tier.config.rootfs.display()
+                    "forking a snapshot taken over other image layers ({:?}; its image now has {:?}: rebuilt or \
+                     removed since)",
+                    lowers.unwrap_or_default(),
+                    image.lowers
                 ),
             });
         }
-        let caps: Capabilities = serde_json::from_value(meta.get("caps").cloned().unwrap_or(Value::Null))
-            .map_err(|e| invalid_meta(&dir, format!("caps: {e}")))?;
         let limits: Limits = serde_json::from_value(meta.get("limits").cloned().unwrap_or(Value::Null))
             .map_err(|e| invalid_meta(&dir, format!("limits: {e}")))?;
         let names = |key: &str| -> Vec<String> {
@@ -205,7 +209,7 @@ impl ForkPlan {
         // Egress secrets are refused alike: neither value was written down.
         let secret_names = [names("secret_names"), names("egress_secret_names")].concat();
         let machine_id = meta.get("machine_id").and_then(Value::as_str) == Some("regenerated in every fork");
-        Ok(ForkPlan { snapshot, caps, limits, secret_names, machine_id })
+        Ok(ForkPlan { snapshot, caps, limits, secret_names, machine_id, image })
     }
 }
 
@@ -252,12 +256,14 @@ impl ProcessTier {
             });
         }
         let upper = std::sync::Arc::new(plan.snapshot.open_file(UPPER_FILE)?);
-        let mut jail = self.start_jail(caps, limits, false, Some(upper))?;
+        // The fork's filesystem is the snapshot's: its image too, whatever the caller's capabilities name.
+        let caps = &Capabilities { image: plan.caps.image.clone(), ..caps.clone() };
+        let mut jail = self.start_jail(caps, limits, false, Some(upper), &plan.image)?;
         if plan.machine_id {
             let id = fresh_machine_id()?;
             jail.write_file("/etc/machine-id", id.as_bytes(), 0o444).map_err(jail_error)?;
         }
-        let origin = self.snapshot_origin(Some(plan.snapshot.manifest.id.clone()));
+        let origin = self.snapshot_origin(Some(plan.snapshot.manifest.id.clone()), plan.image);
         ProcessSandbox::new(jail, caps.clone(), limits.clone(), origin)
     }
 }

@@ -108,7 +108,8 @@ impl ProcessTier {
                 });
             }
         };
-        let mut prepared = PreparedJob::new(&job, caps, limits, &ExecOptions::default())?;
+        let image = self.root_image(caps)?;
+        let mut prepared = PreparedJob::new(&job, caps, limits, &ExecOptions::default(), &image)?;
         if python {
             for (name, value) in SINGLE_THREADED {
                 if !prepared.exec.env.iter().any(|(k, _)| k == name) {
@@ -116,7 +117,7 @@ impl ProcessTier {
                 }
             }
         }
-        let mut config = self.jail_config(caps, limits, false)?;
+        let mut config = self.jail_config(caps, limits, false, &image)?;
         config.zygote = true;
         let mut jail = self.start_jail_with(config, caps)?;
         let secrets = caps.secret_values();

@@ -325,6 +325,7 @@ impl TierInner {
         opts.refuse_terminal(TierKind::Wasm)?;
         opts.refuse_user(TierKind::Wasm)?;
         caps.refuse_user(TierKind::Wasm)?;
+        caps.refuse_image(TierKind::Wasm)?;
         caps.refuse_egress_secrets(TierKind::Wasm)?;
         if tokio::runtime::Handle::try_current().is_err() {
             return self.run_here(job, caps, limits, opts);
@@ -534,6 +535,7 @@ impl Tier for WasmTier {
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         exec::check_caps(caps, &self.inner.config.tools)?;
         caps.refuse_user(TierKind::Wasm)?;
+        caps.refuse_image(TierKind::Wasm)?;
         caps.refuse_egress_secrets(TierKind::Wasm)?;
         Ok(Box::new(WasmSandbox::new(self.inner.clone(), caps.clone(), limits.clone())))
     }

@@ -35,7 +35,7 @@ use nix::unistd::{ForkResult, Pid, chdir, execve, fork, pivot_root, sethostname,
 
 use crate::files::{FileResult, Files};
 use crate::forward::{self, Forwarder};
-use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, PROTOCOL_VERSION, Setup};
+use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, MAX_LOWERS, PROTOCOL_VERSION, Setup};
 use crate::seccomp;
 use crate::steps::{OLD_ROOT, StepError, bind_onto, confine_proc, loopback_up, mount_dev_at, scratch_options, step};
 use crate::sudo::{self, Incoming, Reply, Sudo};
@@ -256,19 +256,31 @@ fn build(
         }
         None => None,
     };
-    let lower = match &userns {
-        Some(userns) => {
-            // The image as the jail's root owns it: an idmapped clone of the host tree.
-            let lower = scratch.join("lower");
-            step("scratch dirs", fs::DirBuilder::new().mode(0o755).create(&lower))?;
-            step("idmapped image", userns.mount_idmapped(&setup.lower, &lower, true))?;
-            // The upper layer's root directory takes the image root's owner, or the jail's root could not
-            // create files in `/`.
-            step("scratch dirs", userns.give(&upper))?;
-            lower
+    if setup.lowers.is_empty() || setup.lowers.len() > MAX_LOWERS {
+        let message = format!("{} layers (1 to {MAX_LOWERS})", setup.lowers.len());
+        return Err(StepError { stage: "image layers".into(), message });
+    }
+    // Each layer is mounted read-only under the scratch tmpfs, so the overlay's options name short paths
+    // whatever the host paths are: idmapped (the image as the jail's root owns it) or, without a user
+    // namespace, bound as it is.
+    let layers = scratch.join("l");
+    step("scratch dirs", fs::DirBuilder::new().mode(0o755).create(&layers))?;
+    let mut lowers = Vec::with_capacity(setup.lowers.len());
+    for (index, source) in setup.lowers.iter().enumerate() {
+        let lower = layers.join(index.to_string());
+        step("scratch dirs", fs::DirBuilder::new().mode(0o755).create(&lower))?;
+        match &userns {
+            Some(userns) => step("idmapped image", userns.mount_idmapped(source, &lower, true))?,
+            None => step("image layers", bind_onto(source, &lower.to_string_lossy(), true))?,
         }
-        None => setup.lower.clone(),
-    };
+        lowers.push(lower.display().to_string());
+    }
+    if let Some(userns) = &userns {
+        // The upper layer's root directory takes the image root's owner, or the jail's root could not
+        // create files in `/`.
+        step("scratch dirs", userns.give(&upper))?;
+    }
+    let lower = lowers.join(":");
     let upper_fd: OwnedFd = step(
         "scratch dirs",
         fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW).open(&upper),
@@ -285,7 +297,7 @@ fn build(
     // redirects or metadata-only copy-ups that point into the lower layer, no inode index.
     let overlay = format!(
         "lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off,index=off",
-        lower.display(),
+        lower,
         upper.display(),
         work.display()
     );

@@ -19,7 +19,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// The protocol version; [`Setup::version`] must equal it.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The control socket's descriptor number when the jail process starts: its standard input.
 pub const CONTROL_FD: RawFd = 0;
@@ -136,6 +136,9 @@ pub enum HostFrame {
     },
 }
 
+/// The most layers an image may stack (each is one mount in the jail, and overlayfs's options are one page).
+pub const MAX_LOWERS: usize = 64;
+
 /// How to build the jail.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -145,8 +148,10 @@ pub struct Setup {
     /// Files the jail process writes `0` into, in order, to move itself into its cgroup before it creates any
     /// namespace or process.
     pub join_cgroup: Vec<PathBuf>,
-    /// The read-only lower layer (the Debian rootfs tree) on the host.
-    pub lower: PathBuf,
+    /// The image: its read-only layers on the host, the top one first (overlayfs's `lowerdir` order), at most
+    /// [`MAX_LOWERS`]. One tree (the Debian image) or a built or imported image's stack, whose upper layers hold
+    /// overlayfs whiteouts and opaque directories.
+    pub lowers: Vec<PathBuf>,
     /// An existing, empty host directory over which the jail mounts its private tmpfs (in its own mount
     /// namespace, so the host never sees it).
     pub scratch_mount: PathBuf,

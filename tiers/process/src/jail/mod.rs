@@ -70,8 +70,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 /// What a jail is built from.
 #[derive(Debug, Clone)]
 pub struct JailConfig {
-    /// The read-only lower layer (a root filesystem tree).
-    pub lower: PathBuf,
+    /// The image's read-only layers, the top one first.
+    pub lowers: Vec<PathBuf>,
     /// An existing empty host directory; the jail mounts its private tmpfs over it in its own namespace.
     pub scratch_mount: PathBuf,
     /// Size of the jail's writable layer.
@@ -377,7 +377,7 @@ impl Jail {
         let setup = Setup {
             version: PROTOCOL_VERSION,
             join_cgroup: jail.cgroup.self_join_files(),
-            lower: config.lower.clone(),
+            lowers: config.lowers.clone(),
             scratch_mount: config.scratch_mount.clone(),
             scratch_bytes: config.scratch_bytes,
             binds: config.binds.clone(),
