@@ -25,6 +25,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod build;
 pub mod doctor;
 pub mod escalate;
 pub mod images;
@@ -691,6 +692,10 @@ impl Engine {
             Job::Python { .. } if user.is_some() => scan::PythonVerdict::Native(format!(
                 "python: running as the user {:?}, an account the wasm tier does not have",
                 user.map(|u| u.as_str()).unwrap_or_default()
+            )),
+            Job::Python { .. } if caps.image.is_some() => scan::PythonVerdict::Native(format!(
+                "python: the image {:?}, a filesystem the wasm tier does not have",
+                caps.image.as_ref().map(|i| i.as_str()).unwrap_or_default()
             )),
             Job::Python { source, .. } => self.python_verdict(source, caps, limits),
             _ => scan::PythonVerdict::Wasm(String::new()),

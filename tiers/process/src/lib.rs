@@ -168,6 +168,11 @@ impl ProcessTier {
         self.config.egress_dir()
     }
 
+    /// The tier's own root filesystem (the Debian image's tree), the image of sandboxes that name none.
+    pub fn rootfs(&self) -> &Path {
+        &self.config.rootfs
+    }
+
     /// Which cgroup hierarchy jails use, for `strata doctor` and logs.
     pub fn cgroups(&self) -> &CgroupRoot {
         &self.cgroups
@@ -380,9 +385,7 @@ impl Tier for ProcessTier {
     }
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
-        let image = self.root_image(caps)?;
-        let jail = self.start_jail(caps, limits, false, None, &image)?;
-        Ok(Box::new(ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.snapshot_origin(None, image))?))
+        Ok(Box::new(self.start_sandbox(caps, limits)?))
     }
 
     /// A fork of a snapshot with the capabilities and limits it was taken with (see [`snapshot`] for what a fork
@@ -393,11 +396,32 @@ impl Tier for ProcessTier {
     }
 }
 
-/// A sandbox's root filesystem: the image's layers (top first) and what its jobs take from it.
-#[derive(Debug, Clone)]
-pub(crate) struct RootImage {
-    pub(crate) lowers: Vec<PathBuf>,
-    pub(crate) config: ImageConfig,
+impl ProcessTier {
+    /// [`Tier::start`], typed: a sandbox on the image `caps` names (or the tier's own).
+    pub fn start_sandbox(&self, caps: &Capabilities, limits: &Limits) -> Result<ProcessSandbox, TierError> {
+        let image = self.root_image(caps)?;
+        self.start_on(image, caps, limits)
+    }
+
+    /// A sandbox on an explicit stack of layers, whatever [`Capabilities::image`] says: an image build's steps
+    /// run on the layers made so far. Its snapshots record these layers.
+    pub fn start_on(&self, image: RootImage, caps: &Capabilities, limits: &Limits) -> Result<ProcessSandbox, TierError> {
+        if image.lowers.is_empty() || image.lowers.len() > strata_jail::proto::MAX_LOWERS {
+            return Err(unsupported(&format!("an image of {} layers", image.lowers.len())));
+        }
+        let jail = self.start_jail(caps, limits, false, None, &image)?;
+        ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.snapshot_origin(None, image))
+    }
+}
+
+/// A sandbox's root filesystem: the image's layers (top first, each a host directory overlayfs takes as a lower
+/// layer) and what its jobs take from it (environment, working directory, account).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RootImage {
+    /// The layers, top first.
+    pub lowers: Vec<PathBuf>,
+    /// The defaults of its jobs.
+    pub config: ImageConfig,
 }
 
 impl RootImage {

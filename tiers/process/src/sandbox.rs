@@ -276,6 +276,34 @@ impl Sandbox for ProcessSandbox {
     }
 }
 
+impl ProcessSandbox {
+    /// Writes `contents` to `path` in the sandbox with the permission bits `mode` (set-user-ID and set-group-ID
+    /// dropped), its missing parents made, owned as [`Sandbox::write_file`]'s files are.
+    pub fn write_file_mode(&self, path: &str, contents: &[u8], mode: u32) -> Result<(), TierError> {
+        let path = file_target(path)?;
+        let (_gate, lanes) = self.lanes()?;
+        lanes.write_file(path.as_str(), contents, mode).map_err(|e| file_error(path.as_str(), e))
+    }
+
+    /// Writes the sandbox's filesystem changes (the overlay's upper layer: what its jobs wrote, whiteouts for what
+    /// they deleted) to `out` as a [`strata_jail::tree`] file, owners as the jail sees them; its processes are
+    /// paused meanwhile. What an image build stores as a layer.
+    pub fn write_upper(&self, out: &mut dyn std::io::Write) -> Result<strata_jail::tree::TreeStats, TierError> {
+        let _gate = self.gate.write().unwrap_or_else(PoisonError::into_inner);
+        let mut jail = lock(&self.jail);
+        let jail = match jail.as_mut() {
+            Some(jail) if !jail.has_ended() => jail,
+            _ => return Err(ended()),
+        };
+        let upper = jail.open_upper().map_err(jail_error)?;
+        let id_map = jail.id_map();
+        let stopped = jail.pause();
+        let written = strata_jail::tree::write_tree(std::os::fd::AsFd::as_fd(&upper), &mut *out, id_map);
+        jail.resume(stopped);
+        written.map_err(|err| crate::internal(format!("reading the upper layer: {err}")))
+    }
+}
+
 #[cfg(test)]
 impl ProcessSandbox {
     /// Its lanes, for tests that call the file functions with other bounds than the methods'.
