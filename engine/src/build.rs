@@ -224,7 +224,8 @@ impl Engine {
         let store = self.image_store().map_err(|e| BuildError::Engine { line: 0, source: Box::new(e) })?;
         let tier = self.process().map_err(|e| BuildError::Engine { line: 0, source: Box::new(e) })?;
         let mut stage = self.from_stage(&file, request, &store, tier.rootfs())?;
-        let allow = Allowlist::parse(&request.allow_net).map_err(|e| BuildError::Invalid { line: 0, message: e.to_string() })?;
+        let allow = Allowlist::parse(&request.allow_net)
+            .map_err(|e| BuildError::Invalid { line: 0, message: e.to_string() })?;
         let net = if request.allow_net.is_empty() { Net::Deny } else { Net::Allow(allow) };
         let total = file.instructions.len();
         let mut steps = Vec::with_capacity(total);
@@ -234,7 +235,8 @@ impl Engine {
             let invalid = |message: String| BuildError::Invalid { line, message };
             let vars = stage.vars();
             let expand = |text: &str| dockerfile::expand(text, &vars).map_err(invalid);
-            let mut report = StepReport { line, text: describe(instruction), cached: false, layer: None, elapsed: Duration::ZERO };
+            let mut report =
+                StepReport { line, text: describe(instruction), cached: false, layer: None, elapsed: Duration::ZERO };
             say(&format!("step {}/{total}: {}", index + 1, report.text));
             match instruction {
                 Instruction::Env(pairs) => {
@@ -300,7 +302,8 @@ impl Engine {
                         None => UserName::root(),
                     };
                     let plan = CopyPlan::new(&request.context, &sources, &stage.workdir(), &dest, *chmod, line)?;
-                    let mut parts: Vec<Vec<u8>> = vec![dest.clone().into_bytes(), format!("{chown:?} {chmod:?}").into_bytes()];
+                    let mut parts: Vec<Vec<u8>> =
+                        vec![dest.clone().into_bytes(), format!("{chown:?} {chmod:?}").into_bytes()];
                     parts.extend(plan.key_parts());
                     let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
                     let key = self.step_key(&stage, b"COPY", &parts);
@@ -325,7 +328,9 @@ impl Engine {
             base: stage.base,
             layers: stage.layers,
             config: stage.config,
-            source: ImageSource::Dockerfile { sha256: strata_image_util::hex(&Sha256::digest(request.dockerfile.as_bytes())) },
+            source: ImageSource::Dockerfile {
+                sha256: strata_image_util::hex(&Sha256::digest(request.dockerfile.as_bytes())),
+            },
             created: strata_image_util::rfc3339_now(),
         };
         store.put(&image)?;
@@ -352,9 +357,18 @@ impl Engine {
                 .and_then(Path::file_name)
                 .and_then(|name| name.to_str())
                 .map(str::to_owned)
-                .ok_or_else(|| BuildError::Invalid { line: 1, message: format!("the Debian image at {}", rootfs.display()) })?;
+                .ok_or_else(|| BuildError::Invalid {
+                    line: 1,
+                    message: format!("the Debian image at {}", rootfs.display()),
+                })?;
             let chain = LayerKey::of(&[b"FROM", base.as_bytes()]);
-            return Ok(Stage { base: Some(base), layers: Vec::new(), config: ImageConfig::default(), chain, args: BTreeMap::new() });
+            return Ok(Stage {
+                base: Some(base),
+                layers: Vec::new(),
+                config: ImageConfig::default(),
+                chain,
+                args: BTreeMap::new(),
+            });
         }
         let name = ImageName::new(from.clone()).map_err(|_| BuildError::Invalid {
             line: 1,
@@ -428,7 +442,9 @@ impl Engine {
             let engine_error = |e: strata_core::TierError| BuildError::Engine { line, source: Box::new(e.into()) };
             let sandbox = tier.start_on(RootImage { lowers, config }, &caps, &request.limits).map_err(engine_error)?;
             let result = work(&sandbox).and_then(|()| {
-                store.add_layer(&key, &report.text, |tree| capture(&sandbox, tree).map_err(|message| BuildError::Invalid { line, message }))
+                store.add_layer(&key, &report.text, |tree| {
+                    capture(&sandbox, tree).map_err(|message| BuildError::Invalid { line, message })
+                })
             });
             let _ = sandbox.close();
             let record = result?;
@@ -469,7 +485,13 @@ fn capture(sandbox: &ProcessSandbox, tree: &Path) -> Result<(), String> {
 }
 
 /// Runs `argv` in the step's sandbox, its output streamed through `say`.
-fn exec(sandbox: &ProcessSandbox, argv: &[String], line: usize, limits: &Limits, say: &dyn Fn(&str)) -> Result<(), BuildError> {
+fn exec(
+    sandbox: &ProcessSandbox,
+    argv: &[String],
+    line: usize,
+    limits: &Limits,
+    say: &dyn Fn(&str),
+) -> Result<(), BuildError> {
     let (sender, receiver) = std::sync::mpsc::channel::<String>();
     let sink = Arc::new(StepOutput {
         say: Box::new(move |text| {
@@ -595,7 +617,8 @@ impl CopyPlan {
                 walk(&host, &dest_abs, &mut items).map_err(error)?;
             } else {
                 let name = host.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-                let guest = if into_dir { format!("{}/{name}", dest_abs.trim_end_matches('/')) } else { dest_abs.clone() };
+                let guest =
+                    if into_dir { format!("{}/{name}", dest_abs.trim_end_matches('/')) } else { dest_abs.clone() };
                 items.push(item(&host, guest, &meta).map_err(error)?);
             }
             if items.len() > MAX_COPY_FILES {
@@ -622,14 +645,19 @@ impl CopyPlan {
         for item in &self.items {
             match item {
                 CopyItem::Dir { guest } => {
-                    let path = strata_core::GuestPath::new(guest).map_err(|e| BuildError::Invalid { line, message: e.to_string() })?;
+                    let path = strata_core::GuestPath::new(guest)
+                        .map_err(|e| BuildError::Invalid { line, message: e.to_string() })?;
                     sandbox.make_dir(&path).map_err(tier_error)?;
                 }
                 CopyItem::File { host, guest, mode, .. } => {
                     let mut contents = Vec::new();
                     fs::File::open(host)
                         .and_then(|file| file.take(MAX_COPY_FILE + 1).read_to_end(&mut contents))
-                        .map_err(|e| BuildError::Context { line, path: host.display().to_string(), message: e.to_string() })?;
+                        .map_err(|e| BuildError::Context {
+                            line,
+                            path: host.display().to_string(),
+                            message: e.to_string(),
+                        })?;
                     sandbox.write_file_mode(guest, &contents, self.chmod.unwrap_or(*mode)).map_err(tier_error)?;
                 }
                 CopyItem::Link { guest, target } => links.push((guest.clone(), target.clone())),
@@ -719,7 +747,10 @@ fn item(host: &Path, guest: String, meta: &fs::Metadata) -> Result<CopyItem, Str
 }
 
 fn walk(dir: &Path, guest: &str, items: &mut Vec<CopyItem>) -> Result<(), String> {
-    let mut entries: Vec<_> = fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?.collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let mut entries: Vec<_> = fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
     entries.sort_by_key(|e| e.file_name());
     for entry in entries {
         if items.len() > MAX_COPY_FILES {

@@ -1079,6 +1079,8 @@ impl Engine {
     ) -> Result<Box<dyn Sandbox>, EngineError> {
         self.check_key_not_granted(caps)?;
         let tier = match choice {
+            // An image is a root filesystem: the process tier's.
+            TierChoice::Auto if caps.image.is_some() => TierKind::Process,
             TierChoice::Auto => TierKind::Wasm,
             TierChoice::Tier(tier) => tier,
         };

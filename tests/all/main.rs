@@ -6,6 +6,7 @@ mod concurrent_jobs;
 mod egress;
 mod egress_secrets;
 mod escalation;
+mod images;
 mod layout;
 mod native;
 mod policy;

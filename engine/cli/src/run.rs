@@ -46,9 +46,10 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "TIER", default_value = "auto", value_parser = parse_tier)]
     tier: TierChoice,
 
-    /// The microVM's root filesystem: initramfs (busybox, the fastest boot) or debian (python3 and the rest).
+    /// The root filesystem: a custom image built or imported with `strata images` (the process tier), or the
+    /// microVM's own: initramfs (busybox, the fastest boot) or debian (python3 and the rest).
     #[arg(long, value_name = "IMAGE", value_parser = parse_image)]
-    image: Option<VmImage>,
+    image: Option<ImageChoice>,
 
     /// Wall-clock limit, e.g. 2s, 500ms [default: 30s].
     #[arg(long, value_name = "DURATION", value_parser = parse_duration_arg)]
@@ -187,8 +188,20 @@ fn parse_tier(s: &str) -> Result<TierChoice, String> {
     s.parse().map_err(|e: strata_engine::EngineError| e.to_string())
 }
 
-fn parse_image(s: &str) -> Result<VmImage, String> {
-    s.parse().map_err(|e: strata_engine::EngineError| e.to_string())
+/// What `--image` names.
+#[derive(Debug, Clone)]
+enum ImageChoice {
+    /// The microVM's root filesystem.
+    Vm(VmImage),
+    /// A custom image of the store.
+    Custom(strata_core::ImageName),
+}
+
+fn parse_image(s: &str) -> Result<ImageChoice, String> {
+    match s.parse::<VmImage>() {
+        Ok(vm) => Ok(ImageChoice::Vm(vm)),
+        Err(_) => s.parse().map(ImageChoice::Custom).map_err(|e: strata_core::ImageNameError| e.to_string()),
+    }
 }
 
 pub(crate) fn parse_duration_arg(s: &str) -> Result<Duration, String> {
@@ -328,16 +341,27 @@ pub(crate) fn prepare(args: RunArgs, warm: Option<Engine>) -> Result<Prepared, F
         net: policy.network.net_with(&args.allow_net.iter().fold(Allowlist::default(), |all, one| all.union(one))),
         tools: Vec::new(),
         user: args.user,
+        image: match &args.image {
+            Some(ImageChoice::Custom(name)) => Some(name.clone()),
+            _ => None,
+        },
     };
-    if args.image.is_some() && matches!(args.tier, TierChoice::Tier(tier) if tier != strata_core::TierKind::Microvm) {
+    let vm_image = match args.image {
+        Some(ImageChoice::Vm(vm)) => Some(vm),
+        _ => None,
+    };
+    if vm_image.is_some() && matches!(args.tier, TierChoice::Tier(tier) if tier != strata_core::TierKind::Microvm) {
         return Err(Failure::new(
             "usage",
-            format!("--image chooses the microVM's root filesystem; it does not apply to --tier {}", args.tier),
+            format!(
+                "--image initramfs|debian chooses the microVM's root filesystem; it does not apply to --tier {}",
+                args.tier
+            ),
         ));
     }
     let engine = match warm {
-        Some(engine) if args.policy.is_none() && args.image.is_none() => engine,
-        _ => Engine::new(engine_config(policy, args.image)?)?,
+        Some(engine) if args.policy.is_none() && vm_image.is_none() => engine,
+        _ => Engine::new(engine_config(policy, vm_image)?)?,
     };
     // Verified with the home's key before anything of it is used: its seal, then every file.
     let snapshot = match &args.snapshot {

@@ -39,6 +39,11 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "DOMAIN")]
     domain: Option<String>,
 
+    /// An E2B template name for a custom image, ALIAS=IMAGE (repeatable); a template that is no alias names an
+    /// image of `strata images list` directly.
+    #[arg(long = "template", value_name = "ALIAS=IMAGE", value_parser = parse_template)]
+    templates: Vec<(String, strata_core::ImageName)>,
+
     /// Kill a sandbox idle (no job, no request) this long, before its TTL, e.g. 60s.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     idle_timeout: Option<Duration>,
@@ -145,6 +150,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
         max_sandboxes: args.max_sandboxes,
         idle_timeout: args.idle_timeout,
         domain: args.domain.clone(),
+        templates: args.templates.iter().cloned().collect(),
         memory_budget: args.memory_budget.map(|m| m.0),
         cpu_budget: args.cpu_budget,
         cpu_overcommit: args.cpu_overcommit,
@@ -175,4 +181,12 @@ fn error_chain(err: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     message
+}
+
+fn parse_template(spec: &str) -> Result<(String, strata_core::ImageName), String> {
+    let (alias, image) = spec.split_once('=').ok_or_else(|| format!("{spec:?} is not ALIAS=IMAGE"))?;
+    if alias.is_empty() {
+        return Err(format!("{spec:?}: an empty alias"));
+    }
+    Ok((alias.to_owned(), image.parse().map_err(|e: strata_core::ImageNameError| e.to_string())?))
 }

@@ -115,6 +115,9 @@ pub struct CreateSandboxRequest {
     pub ttl: Option<u64>,
     /// Start it as a fork of this snapshot (from `POST /v1/sandboxes/{id}/snapshot`).
     pub snapshot: Option<String>,
+    /// Start it from this custom image (`strata images build` or `import`; process tier), with the image's
+    /// defaults and its supervised start command.
+    pub image: Option<String>,
 }
 
 /// `POST /v1/run`: a one-shot job in a fresh sandbox that is gone afterwards.
@@ -127,6 +130,8 @@ pub struct RunRequest {
     pub job: JobRequest,
     /// What it may touch.
     pub capabilities: CapabilitiesRequest,
+    /// Run it on this custom image (`strata images build` or `import`; process tier).
+    pub image: Option<String>,
 }
 
 /// A sandbox as the API shows it.
@@ -383,6 +388,15 @@ fn tier_choice(tier: Option<&str>) -> Result<TierChoice, ApiError> {
     tier.unwrap_or("auto").parse::<TierChoice>().map_err(ApiError::from)
 }
 
+/// A request's `image`, checked.
+pub(crate) fn image_name(image: Option<&str>) -> Result<Option<strata_core::ImageName>, ApiError> {
+    image
+        .map(|name| {
+            strata_core::ImageName::new(name).map_err(|e| ApiError::bad_request("invalid_image", e.to_string()))
+        })
+        .transpose()
+}
+
 /// The capabilities of a request, checked.
 pub(crate) fn capabilities(state: &AppState, req: &CapabilitiesRequest) -> Result<Capabilities, ApiError> {
     let invalid = |message: String| ApiError::bad_request("invalid_capability", message);
@@ -445,7 +459,8 @@ async fn create_sandbox(
             forks.pop().ok_or_else(|| ApiError::internal("the fork made no sandbox"))?
         }
         None => {
-            let caps = capabilities(&state, &req.capabilities)?;
+            let caps =
+                Capabilities { image: image_name(req.image.as_deref())?, ..capabilities(&state, &req.capabilities)? };
             start_sandbox(&state, &principal, choice, caps, limits, ttl).await?
         }
     };
@@ -584,7 +599,7 @@ async fn run(
     let req = json(body)?;
     let choice = tier_choice(req.tier.as_deref())?;
     let job = req.job.to_job()?;
-    let caps = capabilities(&state, &req.capabilities)?;
+    let caps = Capabilities { image: image_name(req.image.as_deref())?, ..capabilities(&state, &req.capabilities)? };
     let limits = limits(&state, state.engine.default_limits(), &req.job.limits)?;
     let _reservation = reserve(&state, &principal, 1, &limits)?;
     let token = CancelToken::new();

@@ -117,6 +117,9 @@ pub struct ServeConfig {
     /// The domain whose names `{port}-{sandboxId}.{domain}` reach a sandbox's port ([`ports`]), behind a wildcard
     /// DNS name pointing at this server; `None`: ports only through the `/v1/…/ports/` route and E2B's headers.
     pub domain: Option<String>,
+    /// E2B template names that stand for custom images (`templateID` → image); a template that is neither
+    /// built in nor here names an image of the store directly.
+    pub templates: std::collections::BTreeMap<String, strata_core::ImageName>,
 }
 
 impl ServeConfig {
@@ -140,6 +143,7 @@ impl ServeConfig {
             state_dir: None,
             connections: ConnectionLimits::default(),
             domain: None,
+            templates: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -208,6 +212,8 @@ pub struct AppState {
     pub connections: Arc<Connections>,
     /// See [`ServeConfig::domain`].
     pub domain: Option<String>,
+    /// See [`ServeConfig::templates`].
+    pub templates: std::collections::BTreeMap<String, strata_core::ImageName>,
     /// The sandboxes' terminals ([`pty`]).
     pub ptys: Arc<pty::Ptys>,
     draining: AtomicBool,
@@ -313,6 +319,7 @@ impl Server {
             paused: paused::Paused::default(),
             connections: Arc::new(Connections::new(config.connections)),
             domain: config.domain.clone(),
+            templates: config.templates.clone(),
             ptys: Arc::default(),
             draining: AtomicBool::new(false),
         });

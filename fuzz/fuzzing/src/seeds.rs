@@ -271,7 +271,10 @@ fn jail_frames() -> Vec<Seed> {
     let setup = Setup {
         version: strata_jail::proto::PROTOCOL_VERSION,
         join_cgroup: vec!["/sys/fs/cgroup/strata/j1/cgroup.procs".into()],
-        lower: "/root/.cache/strata/images/debian".into(),
+        lowers: vec![
+            "/root/.cache/strata/images/store/layers/0123456789abcdef0123456789abcdef/tree".into(),
+            "/root/.cache/strata/images/debian".into(),
+        ],
         scratch_mount: "/tmp/strata-scratch".into(),
         scratch_bytes: 64 << 20,
         binds: vec![Bind { host: "/srv/data".into(), guest: "/data".into(), read_only: true }],

@@ -107,6 +107,9 @@ pub(super) async fn create(
     } else {
         (None, Vec::new(), Some(UserName::new(super::USER).map_err(|e| ApiError::internal(e.to_string()))?))
     };
+    let image = super::template_image(&state, &template)?;
+    // A custom image's account is its own unless a command names one (E2B's templates have `user`).
+    let user = if image.is_some() { None } else { user };
     let network = req.network.unwrap_or_default();
     // Always a proxy, even with nothing allowed: `update_network` can open it later.
     let net = network.net(&state)?;
@@ -114,7 +117,7 @@ pub(super) async fn create(
         Some(rules) => super::secrets::rules_to_secrets(&state, &principal, rules, net.allowlist())?,
         None => Vec::new(),
     };
-    let caps = Capabilities { env: env.clone(), grants, net, user, egress_secrets, ..Capabilities::default() };
+    let caps = Capabilities { env: env.clone(), grants, net, user, egress_secrets, image, ..Capabilities::default() };
     let mut meta = E2bMeta::new(
         template,
         new_id("tok_") + &new_id(""),

@@ -122,6 +122,37 @@ pub(crate) fn rfc3339(time: std::time::SystemTime) -> String {
 /// The template whose Python cells run in a wasm Python session instead of an IPython kernel.
 pub const WASM_TEMPLATE: &str = "strata-wasm-python";
 
+/// The custom image an E2B template stands for: `None` for the built-in templates (`base`, `code-interpreter*`,
+/// [`WASM_TEMPLATE`]: the Debian image), the server's alias for it, else the image of that name in the store; a
+/// template that is none of these is `template_not_found` (404).
+pub(crate) fn template_image(
+    state: &AppState,
+    template: &str,
+) -> Result<Option<strata_core::ImageName>, crate::error::ApiError> {
+    if template == "base" || template.starts_with("code-interpreter") || template == WASM_TEMPLATE {
+        return Ok(None);
+    }
+    if let Some(image) = state.templates.get(template) {
+        return Ok(Some(image.clone()));
+    }
+    let not_found = || {
+        crate::error::ApiError::new(
+            axum::http::StatusCode::NOT_FOUND,
+            "template_not_found",
+            format!(
+                "no template {template:?}: not built in (base, code-interpreter-v1, {WASM_TEMPLATE}), not an alias of this server, not an image (`strata images list`)"
+            ),
+        )
+    };
+    let name = strata_core::ImageName::new(template).map_err(|_| not_found())?;
+    let store = state.engine.image_store().map_err(crate::error::ApiError::from)?;
+    match store.get(&name) {
+        Ok(_) => Ok(Some(name)),
+        Err(strata_image_store::StoreError::NotFound(_)) => Err(not_found()),
+        Err(other) => Err(crate::error::ApiError::internal(other.to_string())),
+    }
+}
+
 /// The home of the account E2B's commands run as by default ([`USER`]).
 pub const HOME: &str = "/home/user";
 
