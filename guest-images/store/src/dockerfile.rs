@@ -441,7 +441,9 @@ pub fn expand(text: &str, vars: &BTreeMap<String, String>) -> Result<String, Str
                 }
                 Some(n) if n.is_ascii_alphabetic() || n == '_' => {
                     let mut name = String::new();
-                    while let Some((_, n)) = chars.peek().copied().filter(|(_, n)| n.is_ascii_alphanumeric() || *n == '_') {
+                    while let Some((_, n)) =
+                        chars.peek().copied().filter(|(_, n)| n.is_ascii_alphanumeric() || *n == '_')
+                    {
                         name.push(n);
                         chars.next();
                     }
@@ -472,7 +474,10 @@ mod tests {
         let kinds: Vec<&Instruction> = file.instructions.iter().map(|(_, i)| i).collect();
         assert_eq!(kinds[0], &Instruction::Env(vec![("A".into(), "1".into()), ("B".into(), "two words".into())]));
         assert_eq!(kinds[1], &Instruction::Env(vec![("OLD".into(), "old style value".into())]));
-        assert_eq!(kinds[2], &Instruction::Run(CommandForm::Shell("apt-get update &&      apt-get install -y x".into())));
+        assert_eq!(
+            kinds[2],
+            &Instruction::Run(CommandForm::Shell("apt-get update &&      apt-get install -y x".into()))
+        );
         assert_eq!(file.instructions[2].0, 7);
         assert_eq!(kinds[3], &Instruction::Run(CommandForm::Exec(vec!["echo".into(), "hi".into()])));
         assert_eq!(
@@ -512,7 +517,10 @@ mod tests {
     fn substitution_follows_docker() {
         let vars: BTreeMap<String, String> =
             [("A".into(), "1".into()), ("E".into(), String::new())].into_iter().collect();
-        assert_eq!(expand("$A-${A}-${B:-d$A}-${A:+alt}-${E:-empty}-\\$A-$", &vars).expect("x"), "1-1-d1-alt-empty-$A-$");
+        assert_eq!(
+            expand("$A-${A}-${B:-d$A}-${A:+alt}-${E:-empty}-\\$A-$", &vars).expect("x"),
+            "1-1-d1-alt-empty-$A-$"
+        );
         assert!(expand("${A", &vars).is_err());
         assert!(expand("${1x}", &vars).is_err());
     }

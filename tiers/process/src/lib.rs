@@ -405,7 +405,12 @@ impl ProcessTier {
 
     /// A sandbox on an explicit stack of layers, whatever [`Capabilities::image`] says: an image build's steps
     /// run on the layers made so far. Its snapshots record these layers.
-    pub fn start_on(&self, image: RootImage, caps: &Capabilities, limits: &Limits) -> Result<ProcessSandbox, TierError> {
+    pub fn start_on(
+        &self,
+        image: RootImage,
+        caps: &Capabilities,
+        limits: &Limits,
+    ) -> Result<ProcessSandbox, TierError> {
         if image.lowers.is_empty() || image.lowers.len() > strata_jail::proto::MAX_LOWERS {
             return Err(unsupported(&format!("an image of {} layers", image.lowers.len())));
         }
