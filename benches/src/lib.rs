@@ -3,6 +3,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod images;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};

@@ -4,6 +4,7 @@ mod api;
 mod e2b;
 mod e2b_files;
 mod e2b_secrets;
+mod images;
 mod interpreter;
 mod lifecycle;
 mod limits;
