@@ -565,14 +565,17 @@ impl Engine {
             };
             let run_dir = home.join("run/microvm");
             std::fs::create_dir_all(&run_dir).map_err(StartFailure::step(&format!("{}", run_dir.display())))?;
-            Ok(Arc::new(strata_tier_microvm::tier::MicrovmTier::new(strata_tier_microvm::tier::MicrovmTierConfig {
-                kernel: kernel.vmlinux,
-                initramfs: initramfs.path,
-                root_disk,
-                run_dir,
-                cpuid: strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile::Standard,
-                snapshots: self.snapshots.clone(),
-            })))
+            Ok(Arc::new(
+                strata_tier_microvm::tier::MicrovmTier::new(strata_tier_microvm::tier::MicrovmTierConfig {
+                    kernel: kernel.vmlinux,
+                    initramfs: initramfs.path,
+                    root_disk,
+                    run_dir,
+                    cpuid: strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile::Standard,
+                    snapshots: self.snapshots.clone(),
+                })
+                .with_images(ImageStore::open(home).map_err(StartFailure::step("the image store"))?),
+            ))
         });
         tier.as_ref().map_err(|failure| failure.for_tier(TierKind::Microvm))
     }

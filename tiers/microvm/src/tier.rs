@@ -85,6 +85,9 @@ type Stamp = (u64, u64, u64, i64, i64, i64, i64);
 #[derive(Debug)]
 pub struct MicrovmTier {
     config: MicrovmTierConfig,
+    /// Where the images [`Capabilities::image`] names are ([`MicrovmTier::with_images`]); their disks are built
+    /// on first use.
+    images: Option<strata_image_store::ImageStore>,
     /// sha256 of the images, by path, with the stamp they were hashed at.
     hashes: Mutex<HashMap<PathBuf, (Stamp, String)>>,
 }
@@ -161,7 +164,7 @@ fn stamp(path: &Path) -> std::io::Result<Stamp> {
 impl MicrovmTier {
     /// The tier with these images.
     pub fn new(config: MicrovmTierConfig) -> MicrovmTier {
-        MicrovmTier { config, hashes: Mutex::new(HashMap::new()) }
+        MicrovmTier { config, images: None, hashes: Mutex::new(HashMap::new()) }
     }
 
     /// sha256 of an image, hashed once per version of the file.
@@ -179,11 +182,49 @@ impl MicrovmTier {
         Ok(sum)
     }
 
-    /// The images this tier boots, as a snapshot's meta records them.
-    fn images(&self) -> Result<Value, TierError> {
+    /// Lets sandboxes name images of `store`: each boots from its image's squashfs disk (the layers flattened),
+    /// with the image's environment.
+    pub fn with_images(mut self, store: strata_image_store::ImageStore) -> MicrovmTier {
+        self.images = Some(store);
+        self
+    }
+
+    /// The root disk a sandbox with `caps` boots, and `caps` with its image's environment under its own: the
+    /// tier's Debian disk, or the disk of the image `caps` names. An image whose account is not root is refused
+    /// (the microVM's jobs run as the guest's root).
+    fn root_disk_for(&self, caps: &Capabilities) -> Result<(Option<PathBuf>, Capabilities), TierError> {
+        let Some(name) = &caps.image else {
+            return Ok((self.config.root_disk.clone(), caps.clone()));
+        };
+        let store = self.images.as_ref().ok_or_else(|| unsupported("images (this tier has no image store)"))?;
+        let image = store.get(name).map_err(|err| match err {
+            strata_image_store::StoreError::NotFound(image) => TierError::ImageNotFound { image },
+            other => internal(other),
+        })?;
+        if image.config.user.as_deref().is_some_and(|user| user != "root") {
+            return Err(unsupported(&format!(
+                "the image {name}'s account {:?} (microVM jobs run as the guest's root)",
+                image.config.user.as_deref().unwrap_or_default()
+            )));
+        }
+        let disk = store.ensure_disk(name, &|line| log::info!("{line}")).map_err(internal)?;
+        let mut caps = caps.clone();
+        let mut env: Vec<strata_core::EnvVar> = Vec::new();
+        for (key, value) in &image.config.env {
+            if !caps.env.iter().any(|var| &var.name == key) {
+                env.push(strata_core::EnvVar { name: key.clone(), value: value.clone() });
+            }
+        }
+        env.append(&mut caps.env);
+        caps.env = env;
+        Ok((Some(disk.path), caps))
+    }
+
+    /// The images this tier boots with `root_disk`, as a snapshot's meta records them.
+    fn images(&self, root_disk: Option<&Path>) -> Result<Value, TierError> {
         let image =
             |path: &Path| -> Result<Value, TierError> { Ok(json!({"path": path, "sha256": self.sha256(path)?})) };
-        let root_disk = match &self.config.root_disk {
+        let root_disk = match root_disk {
             Some(disk) => image(disk)?,
             None => Value::Null,
         };
@@ -201,11 +242,11 @@ impl MicrovmTier {
         Ok(())
     }
 
-    fn vm_config(&self, limits: &Limits) -> MicrovmConfig {
+    fn vm_config(&self, limits: &Limits, root_disk: Option<PathBuf>) -> MicrovmConfig {
         MicrovmConfig {
             kernel: self.config.kernel.clone(),
             initramfs: self.config.initramfs.clone(),
-            root_disk: self.config.root_disk.clone(),
+            root_disk,
             memory_bytes: limits.memory.0.max(64 << 20),
             vcpus: u8::try_from(limits.vcpus.clamp(1, 32)).unwrap_or(1),
             cpuid: self.config.cpuid,
@@ -223,11 +264,12 @@ impl MicrovmTier {
         started: Instant,
     ) -> Result<Result<MicrovmSandbox, Outcome>, TierError> {
         Self::check_caps(caps)?;
+        let (root_disk, caps) = &self.root_disk_for(caps)?;
         let Some(trees) = scan_grants(caps, limits)? else {
             return Ok(Err(ended(Status::LimitExceeded { limit: LimitKind::Disk }, started)));
         };
-        let images = self.images()?;
-        let mut vm = Microvm::boot(&self.vm_config(limits)).map_err(internal)?;
+        let images = self.images(root_disk.as_deref())?;
+        let mut vm = Microvm::boot(&self.vm_config(limits, root_disk.clone())).map_err(internal)?;
         let client = match vm.connect_agent(timeout) {
             Ok(client) => client,
             Err(BuildError::AgentTimeout { .. }) => {
@@ -273,7 +315,8 @@ impl MicrovmTier {
                 return Err(strata_core::CapsError::GrantNotFound(grant.host.clone()).into());
             }
         }
-        let images = self.images()?;
+        let (root_disk, _) = self.root_disk_for(caps)?;
+        let images = self.images(root_disk.as_deref())?;
         if images != plan.images {
             return Err(unsupported(&format!(
                 "forking a snapshot taken over other images ({}; this tier runs {})",
@@ -281,8 +324,8 @@ impl MicrovmTier {
             )));
         }
         let vm_snapshot = VmSnapshot::from_verified(snapshot.clone()).map_err(snapshot_error)?;
-        let vm = Microvm::fork(&vm_snapshot, &self.config.run_dir, fresh_guest_cid()?, self.config.root_disk.clone())
-            .map_err(snapshot_error)?;
+        let vm =
+            Microvm::fork(&vm_snapshot, &self.config.run_dir, fresh_guest_cid()?, root_disk).map_err(snapshot_error)?;
         let mut guest = MicrovmGuest { vm, images, snapshots: self.config.snapshots.clone() };
         let client = guest.vm.connect_agent(RECONNECT_TIMEOUT).map_err(internal)?;
         after_restore(&client)?;
@@ -369,7 +412,6 @@ impl Tier for MicrovmTier {
         opts.refuse_determinism(TierKind::Microvm, "microVM jobs")?;
         opts.refuse_user(TierKind::Microvm)?;
         caps.refuse_user(TierKind::Microvm)?;
-        caps.refuse_image(TierKind::Microvm)?;
         caps.refuse_egress_secrets(TierKind::Microvm)?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let started = Instant::now();
@@ -385,7 +427,6 @@ impl Tier for MicrovmTier {
 
     fn start(&self, caps: &Capabilities, limits: &Limits) -> Result<Box<dyn Sandbox>, TierError> {
         caps.refuse_user(TierKind::Microvm)?;
-        caps.refuse_image(TierKind::Microvm)?;
         caps.refuse_egress_secrets(TierKind::Microvm)?;
         match self.boot_session(caps, limits, BOOT_TIMEOUT, Instant::now())? {
             Ok(session) => Ok(Box::new(session)),
