@@ -15,7 +15,7 @@ use crate::error::TierError;
 pub struct ServiceSpec {
     /// The command, run by `/bin/sh -c` as the sandbox's jobs run (its user, environment, working directory).
     pub command: String,
-    /// How long after it ended it is started again.
+    /// How long after it ended it is started again (the process tier waits 10 ms at least).
     pub restart_delay: Duration,
     /// The most starts within [`ServiceSpec::burst_window`]: when it ends having started that many times within
     /// the window, it is not started again (at least 1).

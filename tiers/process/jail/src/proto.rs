@@ -160,7 +160,7 @@ pub enum HostFrame {
 pub struct Service {
     /// What to run, as a job's (without `tty` or `program_copy`).
     pub exec: Exec,
-    /// How long after it ended it is started again.
+    /// How long after it ended it is started again (at least [`crate::service::MIN_RESTART_DELAY`]).
     pub restart_delay_ms: u64,
     /// The most starts within [`Service::burst_window_ms`]: a service that ends when it has started that many
     /// times within the window is `failed`, and not started again (at least 1).

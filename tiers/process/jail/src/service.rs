@@ -58,6 +58,10 @@ pub const START_SECONDS: u64 = 1;
 
 const START: Duration = Duration::from_secs(START_SECONDS);
 
+/// The least time between the end of a run and the next start, whatever the service asks: a service that ends at
+/// once, with a burst window of zero, would otherwise keep PID 1 forking.
+pub const MIN_RESTART_DELAY: Duration = Duration::from_millis(10);
+
 /// The starts of a service within its burst window: whether it may be started again.
 #[derive(Debug, Clone)]
 pub struct Burst {
@@ -361,7 +365,8 @@ impl Supervisor {
         }
         let state =
             if now.saturating_duration_since(since) < START { ServiceState::Backoff } else { ServiceState::Exited };
-        Run::Waiting { at: now + Duration::from_millis(self.service.restart_delay_ms), state }
+        let delay = Duration::from_millis(self.service.restart_delay_ms).max(MIN_RESTART_DELAY);
+        Run::Waiting { at: now + delay, state }
     }
 
     /// Stops the service for good: `SIGTERM` to its process group and `SIGKILL` after `grace` (the service's
