@@ -23,6 +23,7 @@ pub mod private_copy;
 mod random;
 pub mod redact;
 pub mod replay;
+pub mod service;
 pub mod snapshot;
 pub mod snapshot_key;
 pub mod sync;
@@ -48,6 +49,7 @@ pub use outcome::{EgressEntry, Escalation, Outcome, Platform, RouteDecision, Sta
 pub use private_copy::PrivateCopy;
 pub use redact::{Redactor, Secret};
 pub use replay::{Determinism, Divergence, JobInputs, Recorder, Recording, ReplayError, Replayer};
+pub use service::{ServiceExit, ServiceSpec, ServiceState, ServiceStatus};
 pub use snapshot::{
     Manifest, Persisted, Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, SnapshotWriter,
 };

@@ -414,8 +414,24 @@ pub trait Sandbox: Send + Sync {
         Err(TierError::Unsupported { tier: self.tier(), what: "usage metrics".into() })
     }
 
-    /// Shuts the sandbox down and releases its resources; idempotent. Jobs still running are stopped (cancel
-    /// them through their [`CancelToken`]s first to have them end as cancelled); every later call answers
+    /// Starts the sandbox's service ([`crate::service`]): `spec.command`, run by `/bin/sh -c` as the sandbox's
+    /// jobs run, supervised by the sandbox's init until the sandbox closes, which stops it gracefully first. One
+    /// per sandbox: a second is [`TierError::Busy`]. Answers once it has been started (a command that cannot be
+    /// started at all is an error; one that fails later shows in [`Sandbox::service`]). Tiers without one answer
+    /// [`TierError::Unsupported`].
+    fn start_service(&self, spec: &crate::ServiceSpec) -> Result<(), TierError> {
+        let _ = spec;
+        Err(TierError::Unsupported { tier: self.tier(), what: "services (a supervised start command)".into() })
+    }
+
+    /// The sandbox's service as it is now; `None` when it has none (or its tier has no services).
+    fn service(&self) -> Result<Option<crate::ServiceStatus>, TierError> {
+        Ok(None)
+    }
+
+    /// Shuts the sandbox down and releases its resources; idempotent. Its service, if it has one, is stopped
+    /// first, gracefully ([`crate::ServiceSpec::stop_grace`]). Jobs still running are stopped (cancel them
+    /// through their [`CancelToken`]s first to have them end as cancelled); every later call answers
     /// [`TierError::SessionEnded`].
     fn close(&self) -> Result<(), TierError>;
 

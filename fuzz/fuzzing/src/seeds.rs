@@ -286,6 +286,18 @@ fn jail_frames() -> Vec<Seed> {
         zygote: false,
         files_owner: Some("user".into()),
     };
+    let service = jail::Service {
+        exec: Exec {
+            argv: vec!["/bin/sh".into(), "-c".into(), "python3 -m http.server 8080".into()],
+            cpu_seconds: u64::MAX,
+            cgroup_files: 4,
+            ..exec.clone()
+        },
+        restart_delay_ms: 1000,
+        burst: 5,
+        burst_window_ms: 60_000,
+        stop_grace_ms: 2000,
+    };
     let entry = jail::Entry {
         path: "/work/link".into(),
         kind: jail::EntryKind::Symlink,
@@ -311,6 +323,20 @@ fn jail_frames() -> Vec<Seed> {
         ("host-rename", json(&HostFrame::Rename { from: "/work/a".into(), to: "/work/b".into() })),
         ("host-watch", json(&HostFrame::Watch { id: 1, path: "/work".into(), recursive: true })),
         ("host-unwatch", json(&HostFrame::Unwatch { id: 1 })),
+        ("host-service", json(&HostFrame::Service(service))),
+        ("host-service-status", json(&HostFrame::ServiceStatus)),
+        ("host-stop-service", json(&HostFrame::StopService { grace_ms: Some(2000) })),
+        (
+            "service-status",
+            json(&JailFrame::ServiceStatus {
+                state: jail::ServiceState::Backoff,
+                restarts: 2,
+                pid: None,
+                last_exit: Some(jail::ServiceExit::Code(3)),
+                log_tail: "listening on :8080\nboom\n".into(),
+            }),
+        ),
+        ("no-service", json(&JailFrame::NoService)),
         ("entries", json(&JailFrame::Entries { entries: vec![entry.clone()], done: true })),
         ("entry", json(&JailFrame::Entry { entry })),
         ("list-too-large", json(&JailFrame::ListTooLarge { limit: 100_000 })),

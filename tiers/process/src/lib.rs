@@ -45,6 +45,7 @@
 mod fs;
 pub mod jail;
 mod sandbox;
+mod service;
 pub mod snapshot;
 pub mod zygote;
 

@@ -6,7 +6,8 @@
 //! connection's kept from job to job), so its CPU time, peak memory and limits (its own, else the sandbox's) are its
 //! own whatever runs beside it, while the sandbox's limits bound all of them together. File calls take lanes. A
 //! snapshot is taken between jobs: a snapshot while a job or file call runs, or a job or file call while a snapshot
-//! is taken, is [`TierError::Busy`]. Close kills PID 1 first, which ends whatever runs.
+//! is taken, is [`TierError::Busy`]. Close stops the sandbox's service first, when it has one ([`crate::service`]:
+//! `SIGTERM`, then `SIGKILL` after its grace), then kills PID 1, which ends whatever runs.
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
@@ -18,8 +19,8 @@ use strata_jail::sys::signal_pidfd;
 
 use strata_core::sync::lock;
 use strata_core::{
-    Capabilities, EntryInfo, ExecOptions, GuestPath, Job, Limits, Net, Outcome, Sandbox, SandboxUsage, Snapshot,
-    TierError, TierKind, Watcher,
+    Capabilities, EntryInfo, ExecOptions, GuestPath, Job, Limits, Net, Outcome, Sandbox, SandboxUsage, ServiceSpec,
+    ServiceStatus, Snapshot, TierError, TierKind, Watcher,
 };
 
 use crate::fs::{self, file_error, file_target};
@@ -53,6 +54,8 @@ pub struct ProcessSandbox {
     limits: Limits,
     /// What its snapshots record and are sealed with.
     origin: crate::snapshot::Origin,
+    /// The stop grace of its service, once one was started: close stops it first.
+    service_grace: Mutex<Option<std::time::Duration>>,
 }
 
 impl ProcessSandbox {
@@ -75,6 +78,7 @@ impl ProcessSandbox {
             caps: RwLock::new(caps),
             limits,
             origin,
+            service_grace: Mutex::new(None),
         })
     }
 
@@ -260,10 +264,31 @@ impl Sandbox for ProcessSandbox {
         Ok(())
     }
 
-    /// Kills every process of the jail (its jobs end as cancelled when their tokens were cancelled, else as
+    /// `/bin/sh -c` the command, as a job of this sandbox is prepared, supervised by the jail's PID 1 in a cgroup
+    /// of its own ([`crate::service`]).
+    fn start_service(&self, spec: &ServiceSpec) -> Result<(), TierError> {
+        let caps = self.caps.read().unwrap_or_else(PoisonError::into_inner).clone();
+        let service = crate::service::prepare(spec, &caps, &self.limits, &self.origin.image, self.secret_env.clone())?;
+        let (_gate, lanes) = self.lanes()?;
+        crate::service::start(lanes, &service, &self.limits)?;
+        *lock(&self.service_grace) = Some(spec.stop_grace);
+        Ok(())
+    }
+
+    fn service(&self) -> Result<Option<ServiceStatus>, TierError> {
+        let (_gate, lanes) = self.lanes()?;
+        crate::service::status(lanes)
+    }
+
+    /// Stops its service gracefully, when it has one (waiting at most the service's stop grace and a margin),
+    /// then kills every process of the jail (its jobs end as cancelled when their tokens were cancelled, else as
     /// crashed) and releases it.
     fn close(&self) -> Result<(), TierError> {
-        self.closed.store(true, Ordering::SeqCst);
+        let first = !self.closed.swap(true, Ordering::SeqCst);
+        let service = lock(&self.service_grace).take();
+        if let (true, Some(grace)) = (first, service) {
+            crate::service::stop(&self.lanes, grace);
+        }
         // A job on the first connection holds the jail: it ends with PID 1 and lets go.
         if let Some(pid1) = &self.pid1 {
             signal_pidfd(pid1, Signal::SIGKILL);

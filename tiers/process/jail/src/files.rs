@@ -261,6 +261,36 @@ impl Files {
         self.write_to(reopen(&fd, &st, OFlag::O_WRONLY)?, mode, contents)
     }
 
+    /// Opens the regular file `path` for appending (emptied first with `truncate`), creating it (mode 0644, owned
+    /// as [`write`](Self::write) makes files) and its missing parents. Its directory is resolved inside the jail's
+    /// root; a link at the last component is refused, never followed, and so is anything but a regular file.
+    pub fn open_append(&self, path: &str, truncate: bool) -> FileResult<File> {
+        let split = split(path)?;
+        let dir = self.open_dir(split.parent, Some(&mut false))?;
+        let mut flags = OFlag::O_WRONLY
+            | OFlag::O_APPEND
+            | OFlag::O_CREAT
+            | OFlag::O_NOFOLLOW
+            | OFlag::O_CLOEXEC
+            | OFlag::O_NONBLOCK
+            | OFlag::O_NOCTTY;
+        if truncate {
+            flags |= OFlag::O_TRUNC;
+        }
+        let fd = self
+            .creating(|| openat(&dir, split.name, flags, Mode::from_bits_truncate(0o644)))
+            .map_err(FileFailure::new)?;
+        let st = fstat(&fd).map_err(FileFailure::new)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(FileFailure { errno: Errno::EISDIR, message: "is not a regular file".into() });
+        }
+        if let Some((uid, gid)) = self.owner_ids() {
+            nix::unistd::fchown(&fd, Some(nix::unistd::Uid::from_raw(uid)), Some(nix::unistd::Gid::from_raw(gid)))
+                .map_err(FileFailure::new)?;
+        }
+        Ok(File::from(fd))
+    }
+
     fn write_to(&self, mut file: File, mode: Mode, contents: &mut File) -> FileResult<()> {
         let io = |e: std::io::Error| FileFailure::new(Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)));
         file.set_len(0).map_err(io)?;

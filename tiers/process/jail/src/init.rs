@@ -22,6 +22,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use nix::errno::Errno;
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
@@ -35,8 +36,11 @@ use nix::unistd::{ForkResult, Pid, chdir, execve, fork, pivot_root, sethostname,
 
 use crate::files::{FileResult, Files};
 use crate::forward::{self, Forwarder};
-use crate::proto::{self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, MAX_LOWERS, PROTOCOL_VERSION, Setup};
+use crate::proto::{
+    self, Bind, CONTROL_FD, Exec, HostFrame, JailFrame, MAX_LOWERS, PROTOCOL_VERSION, ServiceExit, Setup,
+};
 use crate::seccomp;
+use crate::service::{StopReply, Supervisor};
 use crate::steps::{OLD_ROOT, StepError, bind_onto, confine_proc, loopback_up, mount_dev_at, scratch_options, step};
 use crate::sudo::{self, Incoming, Reply, Sudo};
 use crate::tree;
@@ -217,6 +221,7 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
         next_lane: 0,
         files,
         watches: Watches::default(),
+        service: None,
     }
     .serve()
 }
@@ -409,6 +414,8 @@ struct Init {
     files: Files,
     /// The inotify watches the connections started.
     watches: Watches,
+    /// The jail's service ([`crate::service`]), once the host started one.
+    service: Option<Supervisor>,
 }
 
 /// A control connection beside the first one.
@@ -456,9 +463,18 @@ impl Init {
             if let Some(sudo) = &self.sudo {
                 sudo.poll_fds(&mut fds);
             }
+            let service_at = fds.len();
+            if let Some(service) = &self.service {
+                fds.push(PollFd::new(service.log_fd(), PollFlags::POLLIN));
+            }
             // With forks to make ahead, only look: one is made after whatever is ready now was handled.
             let refill = self.zygote.as_ref().is_some_and(zygote::Zygote::wants_refill);
-            let timeout = match self.watches.next_wake() {
+            let service_wake = self.service.as_ref().and_then(|service| service.next_wake(Instant::now()));
+            let wake = match (self.watches.next_wake(), service_wake) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let timeout = match wake {
                 _ if refill => PollTimeout::ZERO,
                 // Rounded up: a wake a little late, never a spin of early ones.
                 Some(wake) => PollTimeout::try_from(wake.as_millis().saturating_add(1).min(1000) as i32)
@@ -475,7 +491,8 @@ impl Init {
             let net: Vec<PollFlags> =
                 fds[net_from..sudo_from].iter().map(|fd| fd.revents().unwrap_or(PollFlags::empty())).collect();
             let sudo_ready: Vec<bool> =
-                fds[sudo_from..].iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect();
+                fds[sudo_from..service_at].iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect();
+            let service_ready = fds.get(service_at).is_some_and(|fd| fd.revents().is_some_and(|r| !r.is_empty()));
             let lanes_ready: Vec<bool> =
                 fds[lanes_from..watches_from].iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect();
             let watches_ready: Vec<usize> = fds[watches_from..net_from]
@@ -501,12 +518,16 @@ impl Init {
             {
                 forwarder.pump(&net);
             }
+            if service_ready && let Some(service) = &mut self.service {
+                service.pump(&self.files, false);
+            }
             if child_ready {
                 while let Ok(Some(_)) = signals.read_signal() {}
                 if self.reap() {
                     return 0;
                 }
             }
+            self.tend_service();
             if sudo_ready.iter().any(|ready| *ready) {
                 self.serve_sudo(&sudo_ready);
             }
@@ -553,6 +574,9 @@ impl Init {
     /// Reaps every exited process; reports the job's end. Returns whether PID 1 should exit.
     fn reap(&mut self) -> bool {
         loop {
+            if let Some(service) = &self.service {
+                service.kill_group_if_ended();
+            }
             let status = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::StillAlive) | Err(_) => return false,
                 Ok(status) => status,
@@ -564,6 +588,22 @@ impl Init {
             };
             if let Some(zygote) = &mut self.zygote {
                 zygote.reaped(pid, code, signal);
+            }
+            let exit = match (code, signal) {
+                (Some(code), _) => ServiceExit::Code(code),
+                (None, signal) => ServiceExit::Signal(signal.unwrap_or(0)),
+            };
+            if let Some(service) = &mut self.service
+                && let Some(waiting) = service.reaped(pid, exit, Instant::now())
+            {
+                if !waiting.is_empty() {
+                    service.pump(&self.files, true);
+                    let status = service.status(Instant::now());
+                    for owner in waiting {
+                        self.send_to(owner, &status);
+                    }
+                }
+                continue;
             }
             if let Some(sudo) = &mut self.sudo
                 && let Some(index) = sudo.clients.iter().position(|client| client.command == Some(pid))
@@ -676,6 +716,27 @@ impl Init {
                 return;
             }
             HostFrame::WriteFile { path, mode } => write_file(&self.files, &path, mode, fds),
+            HostFrame::Service(service) => self.start_service(service, fds),
+            HostFrame::ServiceStatus => match &mut self.service {
+                Some(service) => {
+                    service.pump(&self.files, true);
+                    service.status(Instant::now())
+                }
+                None => JailFrame::NoService,
+            },
+            HostFrame::StopService { grace_ms } => {
+                let owner = self.conn_owner(conn);
+                match &mut self.service {
+                    None => JailFrame::NoService,
+                    Some(service) => match service.stop(grace_ms, owner, Instant::now()) {
+                        StopReply::Later => return,
+                        StopReply::Now => {
+                            service.pump(&self.files, true);
+                            service.status(Instant::now())
+                        }
+                    },
+                }
+            }
             HostFrame::ReadFile { path } => match self.files.open_read(&path) {
                 Ok((file, size)) => {
                     let _ = proto::send(self.conn_fd(conn), &JailFrame::FileOpened { size }, &[file.as_fd()]);
@@ -708,8 +769,12 @@ impl Init {
             | HostFrame::Rename { .. }
             | HostFrame::Remove { .. }
             | HostFrame::Watch { .. }
-            | HostFrame::Unwatch { .. } => return,
-            HostFrame::Kill if self.lanes_opened => {
+            | HostFrame::Unwatch { .. }
+            | HostFrame::Service(_)
+            | HostFrame::ServiceStatus
+            | HostFrame::StopService { .. } => return,
+            // The service runs in a cgroup of its own, as the lanes' jobs do: it is not the job's to kill.
+            HostFrame::Kill if self.lanes_opened || self.service.is_some() => {
                 kill_outside_lanes();
                 return;
             }
@@ -762,6 +827,69 @@ impl Init {
             }
         };
         let _ = proto::send(self.ctl.as_fd(), &reply, &[]);
+    }
+
+    /// Starts the jail's service (see [`crate::service`]): answers its status once it runs, or why it does not.
+    fn start_service(&mut self, service: proto::Service, fds: Vec<OwnedFd>) -> JailFrame {
+        if self.service.is_some() {
+            return exec_failed("busy", libc::EBUSY, "the jail has a service already (one per jail)".into());
+        }
+        let supervisor = match Supervisor::new(service, fds) {
+            Ok(supervisor) => supervisor,
+            Err(refused) => return refused,
+        };
+        self.service = Some(supervisor);
+        let now = Instant::now();
+        match self.run_service(now) {
+            Ok(()) => self.service.as_ref().map_or(JailFrame::NoService, |service| service.status(now)),
+            Err(failed) => {
+                self.service = None;
+                failed
+            }
+        }
+    }
+
+    /// Starts a run of the service.
+    fn run_service(&mut self, now: Instant) -> Result<(), JailFrame> {
+        let Some(service) = &self.service else { return Ok(()) };
+        let exec = service.exec().clone();
+        let fds = service.start_fds().map_err(|errno| exec_failed("pipe", errno as i32, errno.desc().into()))?;
+        let started = self.spawn(&exec, fds, None)?;
+        if let Some(service) = &mut self.service {
+            service.started(started.pid, now);
+        }
+        Ok(())
+    }
+
+    /// Restarts the service when it is due, and kills it when a stop's grace has passed.
+    fn tend_service(&mut self) {
+        let now = Instant::now();
+        let Some(service) = &mut self.service else { return };
+        service.kill_if_due(now);
+        if !service.restart_due(now) {
+            return;
+        }
+        service.restarting();
+        if let Err(failed) = self.run_service(now) {
+            let message = match failed {
+                JailFrame::ExecFailed { message, .. } => message,
+                other => format!("{other:?}"),
+            };
+            if let Some(service) = &mut self.service {
+                service.start_failed(&message, &self.files, now);
+            }
+        }
+    }
+
+    /// Sends `frame` on the connection `owner` names, if it is still open.
+    fn send_to(&self, owner: watch::Owner, frame: &JailFrame) {
+        let socket = match owner {
+            None => Some(self.ctl.as_fd()),
+            Some(serial) => self.lanes.iter().find(|lane| lane.serial == serial).map(|lane| lane.ctl.as_fd()),
+        };
+        if let Some(socket) = socket {
+            let _ = proto::send(socket, frame, &[]);
+        }
     }
 
     /// Spawns a job with `fds` as its descriptors 0, 1, 2 (and 3, 4 for a zygote), plus the program to copy in

@@ -19,7 +19,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// The protocol version; [`Setup::version`] must equal it.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// The control socket's descriptor number when the jail process starts: its standard input.
 pub const CONTROL_FD: RawFd = 0;
@@ -134,6 +134,69 @@ pub enum HostFrame {
         /// The watch's number.
         id: u64,
     },
+    /// Start the jail's service ([`crate::service`]): a command PID 1 runs like a job (its account, rlimits,
+    /// session and the jail's seccomp filter; no terminal, no stdin, no program to copy in) and restarts whenever
+    /// it ends, until it ended [`Service::burst`] times within [`Service::burst_window_ms`]. Its stdout and stderr
+    /// go to PID 1, which keeps their tail and writes them to [`crate::service::LOG_FILE`]. Descriptors: the
+    /// service's cgroup files ([`Exec::cgroup_files`] of them; it joins that cgroup at each start). Answered by
+    /// `ServiceStatus` once it runs, or `ExecFailed` (stage `busy` with `EBUSY` when the jail has a service
+    /// already: one per jail). Taken on any connection.
+    Service(Service),
+    /// Describe the service. Answered by `ServiceStatus`, or `NoService`. Taken on any connection.
+    ServiceStatus,
+    /// Stop the service for good: `SIGTERM` to its process group, `SIGKILL` to it `grace_ms` later if it still
+    /// runs. Answered, on the connection it came on, by `ServiceStatus` (state `stopped`) once it has ended (at
+    /// once when it was not running), or `NoService`. Taken on any connection.
+    StopService {
+        /// How long the service may take to end after `SIGTERM`; [`Service::stop_grace_ms`] when `None`.
+        #[serde(default)]
+        grace_ms: Option<u64>,
+    },
+}
+
+/// The jail's service: a command that PID 1 starts, restarts and stops ([`HostFrame::Service`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Service {
+    /// What to run, as a job's (without `tty` or `program_copy`).
+    pub exec: Exec,
+    /// How long after it ended it is started again (at least [`crate::service::MIN_RESTART_DELAY`]).
+    pub restart_delay_ms: u64,
+    /// The most starts within [`Service::burst_window_ms`]: a service that ends when it has started that many
+    /// times within the window is `failed`, and not started again (at least 1).
+    pub burst: u32,
+    /// The window over which starts are counted.
+    pub burst_window_ms: u64,
+    /// How long a stop waits after `SIGTERM` before `SIGKILL`, unless `StopService` names its own.
+    pub stop_grace_ms: u64,
+}
+
+/// What the service is doing ([`JailFrame::ServiceStatus`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServiceState {
+    /// It runs, started less than [`crate::service::START_SECONDS`] ago.
+    Starting,
+    /// It runs, and has run at least [`crate::service::START_SECONDS`].
+    Running,
+    /// It ended while still starting; it is started again after the restart delay.
+    Backoff,
+    /// It ended after it had been running; it is started again after the restart delay.
+    Exited,
+    /// It ended too often within the burst window (or could not be started again): it stays down.
+    Failed,
+    /// It was stopped (`StopService`): it stays down.
+    Stopped,
+}
+
+/// How a run of the service ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServiceExit {
+    /// It exited with this code.
+    Code(i32),
+    /// This signal killed it.
+    Signal(i32),
 }
 
 /// The most layers an image may stack (each is one mount in the jail, and overlayfs's options are one page).
@@ -361,6 +424,22 @@ pub enum JailFrame {
         /// The watch's number.
         id: u64,
     },
+    /// The service, as `Service`, `ServiceStatus` and `StopService` answer.
+    ServiceStatus {
+        /// What it is doing.
+        state: ServiceState,
+        /// How many times it was started again after it ended.
+        restarts: u32,
+        /// Its PID in the jail while it runs.
+        pid: Option<u32>,
+        /// How its last run ended.
+        last_exit: Option<ServiceExit>,
+        /// The end of its combined stdout and stderr, at most [`crate::service::LOG_TAIL`] bytes (invalid UTF-8
+        /// replaced).
+        log_tail: String,
+    },
+    /// The jail has no service (`ServiceStatus`, `StopService`).
+    NoService,
     /// Events of a watch, in the order they happened.
     WatchEvents {
         /// The watch's number.
@@ -609,6 +688,44 @@ mod tests {
         let HostFrame::Exec(exec) = frame else { panic!("not exec") };
         assert_eq!(exec.argv[2], big);
         assert_eq!(fds.len(), 2);
+    }
+
+    #[test]
+    fn service_frames_round_trip() {
+        let (a, b) = pair();
+        let exec = Exec {
+            argv: vec!["/bin/sh".into(), "-c".into(), "serve".into()],
+            env: vec![("PATH".into(), "/bin".into())],
+            cwd: "/root".into(),
+            program_copy: None,
+            nofile: 1024,
+            cpu_seconds: u64::MAX,
+            cgroup_files: 0,
+            tty: None,
+            user: Some("user".into()),
+        };
+        let service = Service { exec, restart_delay_ms: 1000, burst: 5, burst_window_ms: 60_000, stop_grace_ms: 2000 };
+        send(a.as_fd(), &HostFrame::Service(service), &[]).expect("send");
+        let (frame, _): (HostFrame, _) = recv(b.as_fd()).expect("recv").expect("frame");
+        assert!(matches!(frame, HostFrame::Service(Service { burst: 5, .. })));
+        // A stop without a grace of its own takes the service's.
+        let stop: HostFrame = serde_json::from_str(r#"{"StopService":{}}"#).expect("parses");
+        assert!(matches!(stop, HostFrame::StopService { grace_ms: None }));
+
+        let status = JailFrame::ServiceStatus {
+            state: ServiceState::Backoff,
+            restarts: 2,
+            pid: None,
+            last_exit: Some(ServiceExit::Code(3)),
+            log_tail: "\0".repeat(16 * 1024),
+        };
+        // Escaped, the tail is larger than an inline message: it spills.
+        send(b.as_fd(), &status, &[]).expect("send");
+        let (frame, fds): (JailFrame, _) = recv(a.as_fd()).expect("recv").expect("frame");
+        assert_eq!(frame, status);
+        assert!(fds.is_empty());
+        let json = serde_json::to_string(&ServiceExit::Signal(15)).expect("serialises");
+        assert_eq!(json, r#"{"signal":15}"#);
     }
 
     #[test]

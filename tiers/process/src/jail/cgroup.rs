@@ -314,10 +314,15 @@ impl Cgroup {
     /// Creates a child cgroup for one job: on v1 with `limits` of its own (the jail's still bound it), on v2
     /// without (see the module's documentation).
     pub fn child(&self, limits: &CgroupLimits) -> Result<Cgroup, CgroupError> {
-        let name = format!("job-{}", SEQUENCE.fetch_add(1, Ordering::Relaxed));
+        self.named_child(&format!("job-{}", SEQUENCE.fetch_add(1, Ordering::Relaxed)), limits)
+    }
+
+    /// Creates the child cgroup `name` (as [`Cgroup::child`] does; an error when it exists, with
+    /// [`ErrorKind::AlreadyExists`] as its source's kind).
+    pub fn named_child(&self, name: &str, limits: &CgroupLimits) -> Result<Cgroup, CgroupError> {
         let mut dirs = Vec::new();
         for (controller, parent) in &self.dirs {
-            let dir = parent.join(&name);
+            let dir = parent.join(name);
             if let Err(err) = fs::create_dir(&dir) {
                 Cgroup { version: self.version, dirs }.remove();
                 return Err(io_err(&dir)(err));

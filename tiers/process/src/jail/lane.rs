@@ -67,6 +67,16 @@ impl Lanes {
         Lanes { root, cgroup, egress, lingering: Mutex::new(Vec::new()), scratch }
     }
 
+    /// Opens a lane of its own for one request.
+    pub(super) fn open_lane(&self) -> Result<OwnedFd, JailError> {
+        open(self.root.as_fd())
+    }
+
+    /// The jail's cgroup.
+    pub(super) fn jail_cgroup(&self) -> &Cgroup {
+        &self.cgroup
+    }
+
     /// Runs one job on a lane of its own and waits for it: stdin fed, output captured, `watch` enforced on the
     /// job's own cgroup (created with `limits`). Other jobs may run meanwhile.
     pub fn exec(

@@ -9,6 +9,8 @@
 //! jail.lanes()                          → more connections, for jobs and file calls at the same time
 //! jail.write_file / read_file           → files inside the jail, through PID 1
 //! jail.file_request / watch             → listings, stat, mkdir, rename, remove, inotify watches, by PID 1
+//! lanes.start_service / service_status / stop_service
+//!                                       → the jail's one supervised service, run by PID 1 (jail::service)
 //! drop(jail)                            → PID 1 killed (the kernel kills its whole PID namespace), keeper
 //!                                         reaped, cgroup removed; mounts die with the mount namespace
 //! ```
@@ -19,6 +21,7 @@
 pub mod cgroup;
 mod files;
 mod lane;
+mod service;
 mod tty;
 
 use std::fs::File;
@@ -46,6 +49,7 @@ use strata_jail::sys::{pidfd_open, signal_pidfd};
 pub use cgroup::{Cgroup, CgroupError, CgroupLimits, CgroupRoot, CgroupVersion};
 pub use files::{FileAnswer, JailWatch};
 pub use lane::Lanes;
+pub use service::{SERVICE_CGROUP, STOP_MARGIN};
 
 /// The `strata-jail` binary, built by this crate's build script.
 static JAIL_BINARY: &[u8] = include_bytes!(env!("STRATA_JAIL_BINARY"));
