@@ -28,6 +28,7 @@
 pub mod build;
 pub mod doctor;
 pub mod escalate;
+mod image_start;
 pub mod images;
 pub mod policy;
 pub mod request;
@@ -43,8 +44,8 @@ use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 
 use strata_core::{
-    Capabilities, Escalation, ExecOptions, Job, JobKind, Limits, Net, Outcome, PythonSource, RouteDecision, Sandbox,
-    Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, Status, Tier, TierError, TierKind,
+    Capabilities, Escalation, ExecOptions, ImageName, Job, JobKind, Limits, Net, Outcome, PythonSource, RouteDecision,
+    Sandbox, Snapshot, SnapshotBounds, SnapshotError, SnapshotKey, SnapshotTrust, Status, Tier, TierError, TierKind,
     ToolRegistry,
 };
 use strata_image_store::ImageStore;
@@ -200,6 +201,25 @@ pub enum EngineError {
     /// A run in a fork of a snapshot was given capabilities: a fork keeps its snapshot's.
     #[error("a fork keeps its snapshot's capabilities: give them when the snapshot is made")]
     ForkCapabilities,
+    /// A sandbox's image has a ready command that did not succeed in time (the sandbox was closed).
+    #[error(
+        "the image {image}'s ready command `{ready}` did not succeed within {}{}{}",
+        strata_core::format_duration(*.waited),
+        service.as_ref().map(|s| format!(" (its start command is {})", s)).unwrap_or_default(),
+        if .output.trim().is_empty() { String::new() } else { format!(":\n{}", .output.trim_end()) }
+    )]
+    ImageNotReady {
+        /// The image.
+        image: String,
+        /// Its ready command.
+        ready: String,
+        /// How long it was given.
+        waited: std::time::Duration,
+        /// The start command's state then.
+        service: Option<String>,
+        /// The last output of the ready command, then of the start command.
+        output: String,
+    },
     /// The engine has no home directory (`$STRATA_HOME`) for what was asked.
     #[error("no STRATA_HOME (nor HOME) to keep {0} in")]
     NoHome(&'static str),
@@ -240,6 +260,7 @@ impl EngineError {
             EngineError::NoTierFor(_) => "no_tier",
             EngineError::Wasm32Numerics { .. } => "wasm32_numerics",
             EngineError::UnknownTier(_) => "unknown_tier",
+            EngineError::ImageNotReady { .. } => "image_not_ready",
             EngineError::UnknownImage(_) => "unknown_image",
             EngineError::Policy(_) => "invalid_policy",
             EngineError::UnknownFileKind(_) => "wrong_format",
@@ -1051,7 +1072,13 @@ impl Engine {
         if !self.config.policy.tiers.allows(snapshot.tier) {
             return Err(EngineError::TierNotAllowed { tier: snapshot.tier });
         }
-        Ok(self.tier(snapshot.tier)?.fork(snapshot)?)
+        let sandbox = self.tier(snapshot.tier)?.fork(snapshot)?;
+        // A fork of a sandbox on an image runs the image's start command again (no process is kept in a snapshot).
+        let image = snapshot.manifest.meta.pointer("/caps/image").and_then(|v| v.as_str());
+        if let Some(image) = image.and_then(|name| ImageName::new(name).ok()) {
+            self.start_image_service(sandbox.as_ref(), &image)?;
+        }
+        Ok(sandbox)
     }
 
     /// Runs one job in a fresh fork of `snapshot` ([`Engine::fork`]) as the fork's last ([`Sandbox::exec_and_close`]).
@@ -1092,6 +1119,9 @@ impl Engine {
         }
         let sandbox = self.tier(tier)?.start(caps, limits)?;
         if tier != TierKind::Wasm {
+            if let Some(image) = &caps.image {
+                self.start_image_service(sandbox.as_ref(), image)?;
+            }
             return Ok(sandbox);
         }
         let chosen = match choice {

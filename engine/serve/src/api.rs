@@ -154,6 +154,11 @@ pub struct SandboxInfo {
     pub concurrent: bool,
     /// The host CPUs admission placed it on (bin-packing accounting; its jobs are not pinned to them).
     pub cpus: Vec<usize>,
+    /// Its image's start command as its init supervises it (`state`, `restarts`, `pid`, `last_exit`,
+    /// `log_tail`); shown by `GET /v1/sandboxes/{id}` for a sandbox that has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub service: Option<strata_core::ServiceStatus>,
 }
 
 impl SandboxInfo {
@@ -167,6 +172,7 @@ impl SandboxInfo {
             jobs_running: entry.jobs_running(),
             concurrent: entry.is_concurrent(),
             cpus: entry.cpus.clone(),
+            service: None,
         }
     }
 }
@@ -544,7 +550,9 @@ async fn get_sandbox(
     Path(id): Path<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let entry = sandbox(&state, &principal, &id)?;
-    Ok(Json(SandboxInfo::of(&entry)))
+    let mut info = SandboxInfo::of(&entry);
+    info.service = tokio::task::spawn_blocking(move || entry.service()).await.ok().flatten();
+    Ok(Json(info))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes",

@@ -172,7 +172,9 @@ impl From<EngineError> for ApiError {
             other => other,
         };
         let status = match &err {
-            EngineError::TierUnavailable { .. } | EngineError::Wasm32Numerics { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            EngineError::TierUnavailable { .. }
+            | EngineError::Wasm32Numerics { .. }
+            | EngineError::ImageNotReady { .. } => StatusCode::SERVICE_UNAVAILABLE,
             EngineError::TierNotAllowed { .. } => StatusCode::FORBIDDEN,
             EngineError::NoTierFor(_)
             | EngineError::UnknownTier(_)

@@ -241,6 +241,15 @@ impl SandboxEntry {
         Ok(())
     }
 
+    /// Its service (an image's start command) as its init reports it; `None` when it has none or is gone.
+    /// Blocking: one round trip to the sandbox.
+    pub fn service(&self) -> Option<strata_core::ServiceStatus> {
+        if self.killed.load(Ordering::SeqCst) {
+            return None;
+        }
+        self.sandbox.service().ok().flatten()
+    }
+
     /// Runs `f` (blocking) when the sandbox is killed, after it is closed; at once if it already was.
     pub fn on_kill(&self, f: impl FnOnce() + Send + 'static) {
         let mut hooks = lock(&self.on_kill);

@@ -260,7 +260,10 @@ impl ImageStore {
         if let Some((_, record)) = self.layer(key) {
             return Ok(record);
         }
-        let temporary = self.root.join("layers").join(format!(".tmp-{key}-{}", std::process::id()));
+        // Its own temporary directory, even beside another build of the same key in this process.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let nth = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let temporary = self.root.join("layers").join(format!(".tmp-{key}.{nth}-{}", std::process::id()));
         remove_tree(&temporary)?;
         fs::DirBuilder::new().mode(0o700).create(&temporary).map_err(io_error("creating", &temporary))?;
         let tree = temporary.join(TREE_DIR);

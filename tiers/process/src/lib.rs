@@ -277,7 +277,9 @@ impl ProcessTier {
         config.egress_socket = egress.as_ref().and_then(|proxy| proxy.unix_socket().map(Path::to_owned));
         let mut jail = match Jail::start(&self.cgroups, &config) {
             Err(JailError::Setup { stage, message })
-                if config.id_map.is_some() && (stage == "user namespace" || stage == "idmapped image") =>
+                if config.id_map.is_some()
+                    && (stage == "user namespace" || stage == "idmapped image")
+                    && !kernel_lacks_nothing(&message) =>
             {
                 log::warn!(
                     "jails run without a user namespace (jobs are host root with every capability dropped): \
@@ -418,6 +420,12 @@ impl ProcessTier {
         let jail = self.start_jail(caps, limits, false, None, &image)?;
         ProcessSandbox::new(jail, caps.clone(), limits.clone(), self.snapshot_origin(None, image))
     }
+}
+
+/// Whether a failed user-namespace step failed for want of a file (a layer removed under the jail, a path that
+/// vanished) rather than for want of a kernel feature: only the latter turns user namespaces off for the tier.
+fn kernel_lacks_nothing(message: &str) -> bool {
+    ["ENOENT", "ENOTDIR", "No such file", "Not a directory"].iter().any(|m| message.contains(m))
 }
 
 /// A sandbox's root filesystem: the image's layers (top first, each a host directory overlayfs takes as a lower

@@ -16,11 +16,15 @@ const USES_BOTH: &str = "strata-hello; python3 -c 'import stratawheel; print(str
 
 /// Builds the offline image under a name of this run's own (the store is the real `$STRATA_HOME`'s).
 fn build(name: &str, greeting: &str) -> ImageName {
+    build_from(name, &offline_dockerfile(greeting))
+}
+
+fn build_from(name: &str, dockerfile: &str) -> ImageName {
     let name = ImageName::new(format!("{name}-{}", std::process::id())).expect("a name");
     let context = tempfile::tempdir().expect("tempdir");
     offline_context(context.path());
     let request = BuildRequest {
-        dockerfile: offline_dockerfile(greeting),
+        dockerfile: dockerfile.to_owned(),
         context: context.path().to_owned(),
         name: name.clone(),
         build_args: BTreeMap::new(),
@@ -59,6 +63,69 @@ async fn native_sandboxes_and_runs_start_from_an_image() {
     assert_eq!((status, error["error"]["code"].as_str()), (400, Some("invalid_image")), "{error}");
     server.stop().await;
     engine().image_store().expect("store").remove(&image).expect("remove");
+}
+
+/// An image `FROM` another with a start command (a web server over the working directory) and a ready command;
+/// one whose start command fails at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_images_start_command_is_supervised_and_create_waits_for_ready() {
+    if !process_tier("an_images_start_command_is_supervised_and_create_waits_for_ready") {
+        return;
+    }
+    let (good, bad) = tokio::task::spawn_blocking(|| {
+        let base = build("serve-base", "served");
+        let good = build_from(
+            "serve-start",
+            &format!(
+                "FROM {base}\n# strata: start=python3 -m http.server 8000 --bind 127.0.0.1 ready=python3 -c \
+                 \"import urllib.request as u; u.urlopen('http://127.0.0.1:8000/greeting.txt')\"\n"
+            ),
+        );
+        let bad =
+            build_from("serve-broken", &format!("FROM {base}\n# strata: start=echo broken; exit 3 ready=false\n"));
+        engine().image_store().expect("store").remove(&base).expect("remove");
+        (good, bad)
+    })
+    .await
+    .expect("build");
+    let server = TestServer::start().await;
+    let (status, created) = server.post("/v1/sandboxes", json!({"image": good.as_str()})).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().expect("id");
+    // Ready when create returns: the server answers at once.
+    let fetch =
+        "import urllib.request as u\nprint(u.urlopen('http://127.0.0.1:8000/greeting.txt').read().decode(), end='')";
+    let (status, outcome) = server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"python": fetch})).await;
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("served\n")), "{outcome}");
+    let (_, info) = server.get(&format!("/v1/sandboxes/{id}")).await;
+    assert!(matches!(info["service"]["state"].as_str(), Some("running" | "starting")), "{info}");
+    assert_eq!(info["service"]["restarts"], 0, "{info}");
+    assert!(info["service"]["pid"].is_u64(), "{info}");
+    let (status, outcome) =
+        server.post(&format!("/v1/sandboxes/{id}/exec"), json!({"command": ["pkill", "-f", "http.server"]})).await;
+    assert_eq!(status, 200, "{outcome}");
+    // Killed, it is started again (a second after it ended).
+    let mut restarted = false;
+    for _ in 0..50 {
+        let (_, info) = server.get(&format!("/v1/sandboxes/{id}")).await;
+        if info["service"]["restarts"] == 1 && info["service"]["state"] != "backoff" {
+            restarted = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(restarted, "the start command was not restarted");
+    assert_eq!(server.delete(&format!("/v1/sandboxes/{id}")).await, 204);
+
+    let (status, error) = server.post("/v1/sandboxes", json!({"image": bad.as_str()})).await;
+    assert_eq!((status, error["error"]["code"].as_str()), (503, Some("image_not_ready")), "{error}");
+    let message = error["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("broken") && message.contains("failed"), "{message}");
+    assert!(server.get("/v1/sandboxes").await.1["sandboxes"].as_array().is_some_and(Vec::is_empty));
+    server.stop().await;
+    let store = engine().image_store().expect("store");
+    store.remove(&good).expect("remove");
+    store.remove(&bad).expect("remove");
 }
 
 const PYTHON: &str = r#"
