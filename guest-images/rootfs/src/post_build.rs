@@ -13,7 +13,7 @@ use std::path::{Component, Path, PathBuf};
 use crate::{RootfsError, io_err, mounts};
 
 /// The version of the steps below: part of the recipe hash. Bump it whenever a step changes.
-pub const POST_BUILD_VERSION: u32 = 2;
+pub const POST_BUILD_VERSION: u32 = 3;
 
 /// One post-build step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +45,11 @@ pub enum PostBuildStep {
     /// `/usr/bin/sudo` is Strata's client (`SUDO`, `sudo.py`): it asks the jail's PID 1 to run the command as the jail's
     /// root (a set-user-ID `sudo` cannot work where every job runs with `no_new_privs`).
     Sudo,
+    /// apt does not drop to its `_apt` account to download (`APT::Sandbox::User "root"` in
+    /// `/etc/apt/apt.conf.d/00strata`): the jail's root has no capability to change its IDs, so apt's privilege drop
+    /// fails (`setgroups 65534 failed`) and every `apt-get update` with it, in an image build's `RUN` as under `sudo`.
+    /// The download runs as the jail's root instead, which is what the sandbox confines.
+    AptAsRoot,
 }
 
 /// The ID of the image's unprivileged account `user`.
@@ -66,7 +71,11 @@ pub const POST_BUILD_STEPS: &[PostBuildStep] = &[
     PostBuildStep::StickyTmp,
     PostBuildStep::UserAccount,
     PostBuildStep::Sudo,
+    PostBuildStep::AptAsRoot,
 ];
+
+const APT_AS_ROOT: &str = "// Strata: the jail's root cannot change its IDs, so apt downloads as root (the sandbox confines it).\n\
+                           APT::Sandbox::User \"root\";\n";
 
 const HOSTS: &str = "127.0.0.1\tlocalhost strata\n::1\tlocalhost ip6-localhost ip6-loopback\n";
 
@@ -85,6 +94,7 @@ impl PostBuildStep {
             PostBuildStep::StickyTmp => "making /tmp and /var/tmp 1777",
             PostBuildStep::UserAccount => "adding the account user (uid 1000, /home/user, group sudo)",
             PostBuildStep::Sudo => "installing Strata's sudo client as /usr/bin/sudo",
+            PostBuildStep::AptAsRoot => "letting apt download as root (/etc/apt/apt.conf.d/00strata)",
         }
     }
 
@@ -110,6 +120,11 @@ impl PostBuildStep {
             }
             PostBuildStep::UserAccount => add_user(rootfs),
             PostBuildStep::Sudo => replace_file(rootfs, "usr/bin/sudo", SUDO.as_bytes(), 0o755),
+            PostBuildStep::AptAsRoot => {
+                ensure_dir(rootfs, "etc/apt", 0o755)?;
+                ensure_dir(rootfs, "etc/apt/apt.conf.d", 0o755)?;
+                replace_file(rootfs, "etc/apt/apt.conf.d/00strata", APT_AS_ROOT.as_bytes(), 0o644)
+            }
         }
     }
 }
