@@ -689,6 +689,9 @@ impl Archive {
             if block.iter().all(|b| *b == 0) {
                 break;
             }
+            if pos == 0 && block.starts_with(&[0x1f, 0x8b]) {
+                return Err(not_tar("it is gzip-compressed: decompress it first, an archive is read in place"));
+            }
             check_sum(&block).map_err(|_| not_tar("a header checksum is wrong"))?;
             count += 1;
             if count > MAX_MEMBERS {
