@@ -13,6 +13,7 @@
 //! Adding a target: see `fuzz/README.md`.
 
 pub mod generate;
+mod oci_seeds;
 pub mod scratch;
 mod seed;
 pub mod seeds;
@@ -53,6 +54,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "kernel_events", run: targets::kernel_events::run },
     Target { name: "warm_requests", run: targets::warm_requests::run },
     Target { name: "port_routes", run: targets::port_routes::run },
+    Target { name: "oci_layer", run: targets::oci_layer::run },
 ];
 
 /// The target called `name`.

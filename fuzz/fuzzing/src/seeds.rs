@@ -40,6 +40,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "kernel_events" => kernel_events(),
         "warm_requests" => warm_requests(),
         "port_routes" => port_routes(),
+        "oci_layer" => crate::oci_seeds::oci_layer(),
         _ => Vec::new(),
     }
 }

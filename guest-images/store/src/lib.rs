@@ -12,14 +12,23 @@
 //! - **Images**, `images/<name>.json`: a name, an optional base (the Debian image's install directory, for images
 //!   built `FROM` it), the layers bottom to top, and the defaults a job takes from the image ([`ImageConfig`]).
 //!
+//! Images come from two places: a Dockerfile build, and [`oci::import`], which reads an OCI image layout or a
+//! `docker save` archive from local disk, checks every blob against its digest and extracts each layer with
+//! [`layer_tar::apply_layer`] — as host root, so that extraction refuses whatever could reach outside the layer's
+//! directory or make something dangerous there (`..`, writes through symlinks, hard links out of the layer, device
+//! nodes other than whiteouts, forged overlay attributes; see [`layer_tar`]).
+//!
 //! The store's directory is mode 0700: layers hold what a guest wrote (setuid bits, files owned by any ID), which
 //! only root on the host may reach; jails mount them `nosuid`, `nodev`, read-only and idmapped.
 
-#![forbid(unsafe_code)]
+// One small module sets extended attributes through libc (`layer_tar::xattr`); nothing else is unsafe.
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod disk;
 pub mod dockerfile;
+pub mod layer_tar;
+pub mod oci;
 mod store;
 
 pub use store::{

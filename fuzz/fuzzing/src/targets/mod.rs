@@ -10,6 +10,7 @@ pub mod egress_request;
 pub mod egress_sni;
 pub mod jail_frames;
 pub mod kernel_events;
+pub mod oci_layer;
 pub mod policy_toml;
 pub mod port_routes;
 pub mod replay_recording;
