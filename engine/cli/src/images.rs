@@ -2,8 +2,13 @@
 
 use std::io::Write;
 
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
 use clap::{Args, Subcommand, ValueEnum};
+use strata_core::ImageName;
 use strata_core::{Fuel, Limits};
+use strata_engine::build::BuildRequest;
 use strata_engine::{Engine, EngineConfig, EngineError};
 use strata_kernel_image::KernelError;
 use strata_rootfs_image::{EnsureOutcome, RootfsError};
@@ -18,14 +23,50 @@ pub(crate) struct ImagesArgs {
 
 #[derive(Subcommand)]
 enum Action {
-    /// Build an image: fetch, verify and install it (and for python, compile it for this machine). Minutes, once.
+    /// Build an image: a built-in one (fetch, verify and install it; for python, compile it for this machine;
+    /// minutes, once), or with `-t NAME` a custom image from a Dockerfile and its build context directory.
+    #[command(after_help = "Examples:\n  strata images build debian\n  strata images build -t myapp -f Dockerfile \
+                            --allow-net deb.debian.org .")]
     Build {
-        /// The image.
-        #[arg(value_enum, default_value = "python")]
-        image: Image,
+        /// A built-in image (python, debian, kernel, initramfs, disk); with -t, the build context directory.
+        target: Option<String>,
         /// Also compile the fuel-metered variant (used by jobs with --fuel); python only.
         #[arg(long)]
         metered: bool,
+        /// Build a custom image from a Dockerfile under this name.
+        #[arg(short = 't', long = "tag", value_name = "NAME")]
+        tag: Option<ImageName>,
+        /// The Dockerfile (default: CONTEXT/Dockerfile).
+        #[arg(short = 'f', long = "file", value_name = "DOCKERFILE")]
+        file: Option<PathBuf>,
+        /// A host RUN steps may reach through the egress proxy (HOST, HOST:PORT, *.DOMAIN); repeatable.
+        #[arg(long = "allow-net", value_name = "HOST")]
+        allow_net: Vec<String>,
+        /// A build argument, NAME=VALUE; repeatable.
+        #[arg(long = "build-arg", value_name = "NAME=VALUE")]
+        build_args: Vec<String>,
+        /// Run every step again, even those whose layers the store has.
+        #[arg(long)]
+        no_cache: bool,
+    },
+    /// Import an OCI image layout directory or a `docker save` archive from local disk under a name.
+    Import {
+        /// The layout directory or archive.
+        path: PathBuf,
+        /// The image's name.
+        #[arg(short = 't', long = "tag", value_name = "NAME")]
+        tag: ImageName,
+    },
+    /// Build the microVM disk (squashfs) of a custom image: its layers flattened, as the process tier stacks them.
+    Disk {
+        /// The image.
+        name: ImageName,
+    },
+    /// Remove custom images (their layers stay until `strata images prune`).
+    Rm {
+        /// The images.
+        #[arg(required = true)]
+        names: Vec<ImageName>,
     },
     /// Show each image: whether it is installed, its size and where.
     List,
@@ -61,12 +102,51 @@ fn megabytes(bytes: u64) -> String {
 
 pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
     let engine = Engine::new(EngineConfig::from_env()?)?;
-    match args.action {
-        Action::Build { image: Image::Python, metered } => build_python(&engine, metered),
-        Action::Build { image: Image::Debian | Image::Kernel | Image::Initramfs | Image::Disk, metered: true } => {
+    let action = match args.action {
+        Action::Build { target, metered, tag: Some(name), file, allow_net, build_args, no_cache } => {
+            if metered {
+                return Err(Failure::new("usage", "--metered applies to the python image only"));
+            }
+            let context = PathBuf::from(target.unwrap_or_else(|| ".".into()));
+            return build_dockerfile(&engine, name, context, file, allow_net, build_args, no_cache);
+        }
+        Action::Build { target, metered, tag: None, file, allow_net, build_args, no_cache } => {
+            if file.is_some() || !allow_net.is_empty() || !build_args.is_empty() || no_cache {
+                return Err(Failure::new(
+                    "usage",
+                    "-f, --allow-net, --build-arg and --no-cache build a Dockerfile: add -t NAME",
+                ));
+            }
+            let image = match target {
+                None => Image::Python,
+                Some(name) => Image::from_str(&name, true).map_err(|_| {
+                    Failure::new("usage", format!("{name:?} is not a built-in image (python, debian, kernel, initramfs, disk); a Dockerfile build needs -t NAME"))
+                })?,
+            };
+            Action2::Build { image, metered }
+        }
+        Action::Import { path, tag } => return import(&engine, &path, &tag),
+        Action::Rm { names } => return remove(&engine, &names),
+        Action::Disk { name } => {
+            let store = engine.image_store()?;
+            let disk = store.ensure_disk(&name, &say).map_err(|e| Failure::new("storage", e.to_string()))?;
+            say(&format!(
+                "disk image {} ({}, sha256 {})",
+                disk.path.display(),
+                megabytes(disk.size_bytes),
+                &disk.sha256[..16]
+            ));
+            return Ok(0);
+        }
+        Action::List => Action2::List,
+        Action::Verify => Action2::Verify,
+    };
+    match action {
+        Action2::Build { image: Image::Python, metered } => build_python(&engine, metered),
+        Action2::Build { image: Image::Debian | Image::Kernel | Image::Initramfs | Image::Disk, metered: true } => {
             Err(Failure::new("usage", "--metered applies to the python image only"))
         }
-        Action::Build { image: Image::Debian, metered: false } => {
+        Action2::Build { image: Image::Debian, metered: false } => {
             let (installed, outcome) = engine.images().debian()?.ensure(&say).map_err(image_error)?;
             let verb = match outcome {
                 EnsureOutcome::AlreadyInstalled => "already installed",
@@ -75,14 +155,14 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
             say(&format!("debian image {verb} in {} ({})", installed.dir.display(), megabytes(installed.size_bytes)));
             Ok(0)
         }
-        Action::Build { image: Image::Kernel, metered: false } => {
+        Action2::Build { image: Image::Kernel, metered: false } => {
             let (installed, outcome) = engine.images().kernel()?.ensure(&say).map_err(image_error)?;
             let built = matches!(outcome, strata_kernel_image::EnsureOutcome::Built);
             let verb = if built { "installed" } else { "already installed" };
             say(&format!("kernel {} {verb} in {}", installed.release, installed.vmlinux.display()));
             Ok(0)
         }
-        Action::Build { image: Image::Initramfs, metered: false } => {
+        Action2::Build { image: Image::Initramfs, metered: false } => {
             let installed = engine.images().initramfs()?;
             let size = std::fs::metadata(&installed.path).map(|m| m.len()).unwrap_or(0);
             say(&format!(
@@ -93,15 +173,90 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
             ));
             Ok(0)
         }
-        Action::Build { image: Image::Disk, metered: false } => {
+        Action2::Build { image: Image::Disk, metered: false } => {
             let (rootfs, _) = engine.images().debian()?.ensure(&say).map_err(image_error)?;
             let disk = strata_rootfs_image::disk::ensure_disk_image(&rootfs, &say).map_err(image_error)?;
             say(&format!("disk image {} ({})", disk.path.display(), megabytes(disk.size_bytes)));
             Ok(0)
         }
-        Action::List => list(&engine),
-        Action::Verify => verify(&engine),
+        Action2::List => list(&engine),
+        Action2::Verify => verify(&engine),
     }
+}
+
+/// What is left to do once the custom-image actions are done.
+enum Action2 {
+    Build { image: Image, metered: bool },
+    List,
+    Verify,
+}
+
+fn build_dockerfile(
+    engine: &Engine,
+    name: ImageName,
+    context: PathBuf,
+    file: Option<PathBuf>,
+    allow_net: Vec<String>,
+    build_args: Vec<String>,
+    no_cache: bool,
+) -> Result<i32, Failure> {
+    let file = file.unwrap_or_else(|| context.join("Dockerfile"));
+    let dockerfile = std::fs::read_to_string(&file)
+        .map_err(|e| Failure::new("input_unreadable", format!("{}: {e}", file.display())))?;
+    let mut args = BTreeMap::new();
+    for arg in build_args {
+        let (k, v) = arg
+            .split_once('=')
+            .ok_or_else(|| Failure::new("usage", format!("--build-arg {arg:?} is not NAME=VALUE")))?;
+        args.insert(k.to_owned(), v.to_owned());
+    }
+    let request = BuildRequest {
+        dockerfile,
+        context,
+        name,
+        build_args: args,
+        allow_net,
+        no_cache,
+        limits: BuildRequest::default_limits(),
+    };
+    let started = std::time::Instant::now();
+    let report = engine.build_image(&request, &say).map_err(|e| Failure::new("build_failed", e.to_string()))?;
+    let cached = report.steps.iter().filter(|s| s.cached).count();
+    let made = report.steps.iter().filter(|s| s.layer.is_some() && !s.cached).count();
+    say(&format!(
+        "image {} built in {:.1} s: {} layers ({made} made, {cached} cached)",
+        report.image.name,
+        started.elapsed().as_secs_f64(),
+        report.image.layers.len(),
+    ));
+    Ok(0)
+}
+
+fn import(engine: &Engine, path: &std::path::Path, name: &ImageName) -> Result<i32, Failure> {
+    let store = engine.image_store()?;
+    let started = std::time::Instant::now();
+    let image = strata_image_store::oci::import(&store, path, name, &say)
+        .map_err(|e| Failure::new("import_failed", e.to_string()))?;
+    say(&format!(
+        "image {} imported in {:.1} s: {} layers, {}",
+        image.name,
+        started.elapsed().as_secs_f64(),
+        image.layers.len(),
+        megabytes(store.image_size(&image))
+    ));
+    Ok(0)
+}
+
+fn remove(engine: &Engine, names: &[ImageName]) -> Result<i32, Failure> {
+    let store = engine.image_store()?;
+    for name in names {
+        store.remove(name).map_err(|e| match e {
+            strata_image_store::StoreError::NotFound(_) => Failure::new("image_not_found", e.to_string()),
+            other => Failure::new("storage", other.to_string()),
+        })?;
+        say(&format!("removed image {name}"));
+    }
+    Ok(0)
 }
 
 fn build_python(engine: &Engine, metered: bool) -> Result<i32, Failure> {
@@ -155,6 +310,14 @@ fn list(engine: &Engine) -> Result<i32, Failure> {
             }
         }
         Err(_) => row(&mut out, "disk", "squashfs of debian", "not built", "-", "- (needs the debian image)"),
+    }
+    let store = engine.image_store()?;
+    for image in store.list().map_err(|e| Failure::new("storage", e.to_string()))? {
+        let from = match &image.base {
+            Some(base) => format!("on {base}, {} layers", image.layers.len()),
+            None => format!("oci, {} layers", image.layers.len()),
+        };
+        row(&mut out, image.name.as_str(), &from, "custom", &megabytes(store.image_size(&image)), &image.created);
     }
     for old in debian.other_installs() {
         row(&mut out, "debian", "(an older recipe)", "kept", "-", &old.display().to_string());

@@ -55,6 +55,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "warm_requests", run: targets::warm_requests::run },
     Target { name: "port_routes", run: targets::port_routes::run },
     Target { name: "oci_layer", run: targets::oci_layer::run },
+    Target { name: "dockerfile", run: targets::dockerfile::run },
 ];
 
 /// The target called `name`.

@@ -41,6 +41,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "warm_requests" => warm_requests(),
         "port_routes" => port_routes(),
         "oci_layer" => crate::oci_seeds::oci_layer(),
+        "dockerfile" => dockerfile(),
         _ => Vec::new(),
     }
 }
@@ -453,6 +454,30 @@ fn policy_toml() -> Vec<Seed> {
                    [grants.data]\ndirs = [\"/srv/data:/data:ro\", \"out:/out:rw\"]\n\n[limits]\nwall = \"10s\"\n\
                    memory = \"512MiB\"\nfuel = \"unlimited\"\n";
     named(vec![("default", read("default.toml")), ("strict", read("strict.toml")), ("grants", grants.to_vec())])
+}
+
+/// Dockerfiles: the README's, the offline test's (a local `.deb` and wheel), and one of everything the parser
+/// knows, refusals included.
+fn dockerfile() -> Vec<Seed> {
+    let readme = b"FROM strata-debian\nRUN echo \"a custom image\" > /etc/motd-demo\nCOPY --chmod=755 hello.sh \
+                   /usr/local/bin/hello\nENV GREETING=hi\nWORKDIR /srv\n";
+    let offline = offline_dockerfile();
+    let all = b"# syntax=docker/dockerfile:1\nARG BASE=strata-debian\nFROM ${BASE} AS build\n\
+                # strata: start=python3 -m http.server 8000 ready=curl -sf localhost:8000\n\
+                ENV A=1 B=\"two words\" C=${A:-x}${B:+y}\nENV OLD old style\nRUN apt-get update && \\\n  \
+                # inside\n  apt-get install -y jq\nRUN [\"echo\", \"hi\"]\nCOPY --chown=user:user --chmod=644 \
+                a* b? /opt/\nADD local.txt /srv/\nWORKDIR rel/../dir\nUSER user:user\nARG V\nCMD [\"x\"]\n\
+                LABEL a=b\nEXPOSE 80\nENTRYPOINT x\nFROM second\n";
+    named(vec![("readme", readme.to_vec()), ("offline", offline.into_bytes()), ("everything", all.to_vec())])
+}
+
+/// The offline image test's Dockerfile (as `strata_benches::images::offline_dockerfile` writes it).
+fn offline_dockerfile() -> String {
+    "FROM strata-debian\nARG WHEEL=stratawheel-1.0-py3-none-any.whl\nENV APP_HOME=/opt/app\nCOPY *.deb /tmp/\n\
+     RUN dpkg -i /tmp/strata-hello_1.0_all.deb && rm /tmp/strata-hello_1.0_all.deb\nCOPY $WHEEL /tmp/\n\
+     RUN pip install --no-index --break-system-packages /tmp/$WHEEL && rm /tmp/$WHEEL && rm /etc/issue\n\
+     WORKDIR $APP_HOME\nRUN echo hi > greeting.txt\nUSER user\nCMD [\"strata-hello\"]\n"
+        .to_owned()
 }
 
 /// A seeded recording of a Python job with stdin, as `strata run --seed 7 --record FILE` writes one: clock

@@ -3,6 +3,7 @@
 pub mod agent_client;
 pub mod agent_frames;
 pub mod api_bodies;
+pub mod dockerfile;
 pub mod e2b_connect;
 pub mod egress_allowlist;
 pub mod egress_proxy;
