@@ -223,7 +223,7 @@ impl Engine {
         let file = dockerfile::parse(&request.dockerfile)?;
         let store = self.image_store().map_err(|e| BuildError::Engine { line: 0, source: Box::new(e) })?;
         let tier = self.process().map_err(|e| BuildError::Engine { line: 0, source: Box::new(e) })?;
-        let mut stage = self.from_stage(&file, request, &store, tier.rootfs())?;
+        let mut stage = self.stage_from(&file, request, &store, tier.rootfs())?;
         let allow = Allowlist::parse(&request.allow_net)
             .map_err(|e| BuildError::Invalid { line: 0, message: e.to_string() })?;
         let net = if request.allow_net.is_empty() { Net::Deny } else { Net::Allow(allow) };
@@ -337,7 +337,7 @@ impl Engine {
         Ok(BuildReport { image, steps })
     }
 
-    fn from_stage(
+    fn stage_from(
         &self,
         file: &Dockerfile,
         request: &BuildRequest,
@@ -677,11 +677,7 @@ fn context_relative(source: &str) -> Result<PathBuf, String> {
     for component in Path::new(source).components() {
         match component {
             Component::Normal(name) => parts.push(name),
-            Component::ParentDir => {
-                if !parts.pop() {
-                    return Err("leaves the build context".into());
-                }
-            }
+            Component::ParentDir if !parts.pop() => return Err("leaves the build context".into()),
             _ => {}
         }
     }
