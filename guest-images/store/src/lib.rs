@@ -32,6 +32,6 @@ pub mod oci;
 mod store;
 
 pub use store::{
-    ImageConfig, ImageRecord, ImageSource, ImageStore, LayerKey, LayerRecord, MAX_LAYERS, PruneReport, ResolvedImage,
-    StoreError,
+    ImageConfig, ImageRecord, ImageSource, ImageStore, LayerHold, LayerKey, LayerRecord, MAX_LAYERS, PruneReport,
+    ResolvedImage, StoreError,
 };

@@ -205,6 +205,14 @@ pub struct PruneReport {
     pub bytes: u64,
     /// Temporary directories of builds that are gone.
     pub temporary: usize,
+    /// Unused layers kept because a sandbox stands on them ([`ImageStore::hold`]).
+    pub held: usize,
+}
+
+/// Shared locks on the layers a sandbox stands on, released when dropped: [`ImageStore::prune`] leaves them.
+#[derive(Debug, Default)]
+pub struct LayerHold {
+    _locks: Vec<nix::fcntl::Flock<fs::File>>,
 }
 
 /// The store under one `$STRATA_HOME`.
@@ -226,6 +234,22 @@ impl ImageStore {
         }
         fs::set_permissions(&root, fs::Permissions::from_mode(0o700)).map_err(io_error("securing", &root))?;
         Ok(ImageStore { images_dir, root })
+    }
+
+    /// Holds the store's layers among `lowers` (an image's directories, as [`ResolvedImage::lowers`] lists them)
+    /// for as long as the hold lives; directories that are not layers of this store (a base) are skipped.
+    pub fn hold(&self, lowers: &[PathBuf]) -> Result<LayerHold, StoreError> {
+        let layers = self.root.join("layers");
+        let mut locks = Vec::new();
+        for lower in lowers {
+            let Some(dir) = lower.parent().filter(|dir| dir.parent() == Some(layers.as_path())) else { continue };
+            let record = dir.join(LAYER_FILE);
+            let file = fs::File::open(&record).map_err(io_error("holding", &record))?;
+            let lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockShared)
+                .map_err(|(_, errno)| StoreError::Io { what: "holding", path: record.clone(), source: errno.into() })?;
+            locks.push(lock);
+        }
+        Ok(LayerHold { _locks: locks })
     }
 
     /// The store's directory.
@@ -412,6 +436,15 @@ impl ImageStore {
             if used.contains(&layer.key) || keep.contains(&layer.key) {
                 continue;
             }
+            // A layer a sandbox stands on (its image removed meanwhile) is held: removing its files would take
+            // them from under the sandbox.
+            let record = self.layer_dir(&layer.key).join(LAYER_FILE);
+            let Ok(_exclusive) = fs::File::open(&record).map_err(|_| ()).and_then(|file| {
+                nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| ())
+            }) else {
+                report.held += 1;
+                continue;
+            };
             remove_tree(&self.layer_dir(&layer.key))?;
             report.bytes += layer.size_bytes;
             report.layers.push(layer.key);
@@ -528,6 +561,11 @@ mod tests {
         assert!(matches!(store.put(&missing), Err(StoreError::Missing { .. })));
         store.put(&image(&store, "one", vec![a.clone()])).expect("put");
         store.remove(&ImageName::new("two").expect("name")).expect("remove");
+        // Held by a sandbox, an unused layer survives a prune until the hold ends.
+        let hold = store.hold(&resolved.lowers).expect("hold");
+        let report = store.prune(&BTreeSet::new()).expect("prune");
+        assert_eq!((report.layers.len(), report.held), (0, 1), "{report:?}");
+        drop(hold);
         let report = store.prune(&BTreeSet::new()).expect("prune");
         assert_eq!(report.layers, vec![b]);
         assert!(store.layer(&a).is_some());

@@ -169,6 +169,19 @@ impl ProcessTier {
         self.config.egress_dir()
     }
 
+    /// Holds the store's layers of `image` against a prune while the returned value lives (none to hold for the
+    /// Debian image; a layer that cannot be held is logged, never fatal: it is only a guard).
+    pub(crate) fn hold(&self, image: &RootImage) -> Option<strata_image_store::LayerHold> {
+        let store = self.config.images.as_ref()?;
+        match store.hold(&image.lowers) {
+            Ok(hold) => Some(hold),
+            Err(err) => {
+                log::warn!("cannot hold the image's layers against a prune: {err}");
+                None
+            }
+        }
+    }
+
     /// The tier's own root filesystem (the Debian image's tree), the image of sandboxes that name none.
     pub fn rootfs(&self) -> &Path {
         &self.config.rootfs
@@ -378,6 +391,7 @@ impl Tier for ProcessTier {
         opts.refuse_determinism(TierKind::Process, "process-tier jobs")?;
         let limits = opts.limits.as_ref().unwrap_or(limits);
         let image = self.root_image(caps)?;
+        let _hold = self.hold(&image);
         let mut prepared = PreparedJob::new(job, caps, limits, &opts, &image)?;
         let mut jail = self.start_jail(caps, limits, true, None, &image)?;
         prepared.add_env(jail.egress_secret_env());

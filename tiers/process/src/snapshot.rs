@@ -68,12 +68,15 @@ pub(crate) struct Origin {
     pub(crate) parent: Option<String>,
     /// The tier's trust: the key its snapshots are sealed with.
     pub(crate) trust: SnapshotTrust,
+    /// Its image's layers, held against a prune for the sandbox's life.
+    pub(crate) _hold: Option<std::sync::Arc<strata_image_store::LayerHold>>,
 }
 
 impl ProcessTier {
     /// The origin of a sandbox of this tier forked from `parent` (or not).
     pub(crate) fn snapshot_origin(&self, parent: Option<String>, image: crate::RootImage) -> Origin {
-        Origin { image, parent, trust: self.config.snapshots.clone() }
+        let _hold = self.hold(&image).map(std::sync::Arc::new);
+        Origin { image, parent, trust: self.config.snapshots.clone(), _hold }
     }
 }
 
