@@ -265,7 +265,7 @@ impl Sandbox for ProcessSandbox {
     }
 
     /// `/bin/sh -c` the command, as a job of this sandbox is prepared, supervised by the jail's PID 1 in a cgroup
-    /// of its own ([`crate::service`]).
+    /// of its own (the crate's `service` module).
     fn start_service(&self, spec: &ServiceSpec) -> Result<(), TierError> {
         let caps = self.caps.read().unwrap_or_else(PoisonError::into_inner).clone();
         let service = crate::service::prepare(spec, &caps, &self.limits, &self.origin.image, self.secret_env.clone())?;
