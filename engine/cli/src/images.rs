@@ -31,6 +31,9 @@ enum Action {
     List,
     /// Check every installed image against its pinned sha256 sums or its build stamp.
     Verify,
+    // `prune` and `du`: their help is in prune.rs.
+    Prune(crate::prune::PruneArgs),
+    Du(crate::prune::DuArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -101,6 +104,8 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
         }
         Action::List => list(&engine),
         Action::Verify => verify(&engine),
+        Action::Prune(args) => crate::prune::prune(&engine, args),
+        Action::Du(args) => crate::prune::du(&engine, args),
     }
 }
 
