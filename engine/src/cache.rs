@@ -982,12 +982,11 @@ fn scan_images(
             }
         } else if let Some(install) = name.strip_suffix(".lock") {
             // Locks of installs go with them; one without its install is a build in progress while held.
-            if install_hash("debian", install).is_some() || install_hash("kernel", install).is_some() {
-                if !names.contains(install) {
-                    let status = if lock_held(path) { Status::Busy } else { Status::Leftover };
-                    let category = if install.starts_with("kernel") { Category::Kernels } else { Category::Debian };
-                    items.push(item(category, status, name, vec![path.clone()]));
-                }
+            let install_lock = install_hash("debian", install).is_some() || install_hash("kernel", install).is_some();
+            if install_lock && !names.contains(install) {
+                let status = if lock_held(path) { Status::Busy } else { Status::Leftover };
+                let category = if install.starts_with("kernel") { Category::Kernels } else { Category::Debian };
+                items.push(item(category, status, name, vec![path.clone()]));
             }
         } else if let Some(install) = name.strip_suffix(".failed.log").filter(|i| install_hash("kernel", i).is_some()) {
             // A failed build's log: worth keeping for the current key only.
