@@ -39,6 +39,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod cache;
 pub mod capacity;
 pub mod connections;
 pub mod e2b;
@@ -117,6 +118,9 @@ pub struct ServeConfig {
     /// The domain whose names `{port}-{sandboxId}.{domain}` reach a sandbox's port ([`ports`]), behind a wildcard
     /// DNS name pointing at this server; `None`: ports only through the `/v1/…/ports/` route and E2B's headers.
     pub domain: Option<String>,
+    /// The most the home's caches may hold: pruned to it at start and every [`cache::PRUNE_INTERVAL`] ([`cache`]);
+    /// `None`: never pruned by the server.
+    pub cache_budget: Option<u64>,
 }
 
 impl ServeConfig {
@@ -140,6 +144,7 @@ impl ServeConfig {
             state_dir: None,
             connections: ConnectionLimits::default(),
             domain: None,
+            cache_budget: None,
         }
     }
 }
@@ -318,6 +323,7 @@ impl Server {
         });
         spawn_reaper(&state, config.reap_interval, config.idle_timeout);
         spawn_sampler(&state);
+        cache::spawn(&state, config.cache_budget);
         Ok(Server { listener, state })
     }
 
