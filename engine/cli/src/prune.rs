@@ -28,7 +28,9 @@ use crate::Failure;
                   compiled again on their next use. A process that has a module loaded keeps using it.\n\n\
                   Never removed: the current Python runtime, Debian install, kernel and initramfs; the Debian \
                   installs and layers images use. Only these caches are counted (not run/, keys/ or anything else \
-                  under $STRATA_HOME)."
+                  under $STRATA_HOME).\n\n\
+                  Exit status 1 when an entry could not be removed (each is named on stderr); a budget the rest \
+                  cannot meet is a warning."
 )]
 pub(crate) struct PruneArgs {
     /// Then evict compiled modules, least recently used first, until the caches hold at most SIZE (e.g. 10GiB).
