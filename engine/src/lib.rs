@@ -26,6 +26,7 @@
 #![warn(missing_docs)]
 
 pub mod build;
+pub mod cache;
 pub mod doctor;
 pub mod escalate;
 mod image_start;

@@ -72,6 +72,9 @@ enum Action {
     List,
     /// Check every installed image against its pinned sha256 sums or its build stamp.
     Verify,
+    // `prune` and `du`: their help is in prune.rs.
+    Prune(crate::prune::PruneArgs),
+    Du(crate::prune::DuArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -140,6 +143,8 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
         }
         Action::List => Action2::List,
         Action::Verify => Action2::Verify,
+        Action::Prune(args) => Action2::Prune(args),
+        Action::Du(args) => Action2::Du(args),
     };
     match action {
         Action2::Build { image: Image::Python, metered } => build_python(&engine, metered),
@@ -181,6 +186,8 @@ pub(crate) fn images(args: ImagesArgs) -> Result<i32, Failure> {
         }
         Action2::List => list(&engine),
         Action2::Verify => verify(&engine),
+        Action2::Prune(args) => crate::prune::prune(&engine, args),
+        Action2::Du(args) => crate::prune::du(&engine, args),
     }
 }
 
@@ -189,6 +196,8 @@ enum Action2 {
     Build { image: Image, metered: bool },
     List,
     Verify,
+    Prune(crate::prune::PruneArgs),
+    Du(crate::prune::DuArgs),
 }
 
 fn build_dockerfile(

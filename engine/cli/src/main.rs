@@ -10,6 +10,7 @@ mod docs;
 mod doctor;
 mod images;
 mod progress;
+mod prune;
 mod replay;
 mod run;
 mod serve;
@@ -48,7 +49,7 @@ enum Command {
     /// Snapshot a prepared sandbox (`create`) or look into a snapshot (`inspect`); `strata run --snapshot DIR`
     /// forks it.
     Snapshot(snapshot::SnapshotArgs),
-    /// Build, list or verify guest images (the Python runtime, the Debian root filesystem).
+    /// Build, list or verify guest images (the Python runtime, the Debian root filesystem); size and prune caches.
     Images(images::ImagesArgs),
     /// What this host can run (KVM kind, cgroups, namespaces, seccomp, overlayfs) and each tier's availability.
     Doctor(doctor::DoctorArgs),

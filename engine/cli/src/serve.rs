@@ -111,6 +111,11 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 256)]
     max_connections_per_peer: usize,
 
+    /// Keep the caches under $STRATA_HOME at most this size (e.g. 20GiB): `strata images prune --budget SIZE` at
+    /// start and every 10 minutes. Default: $STRATA_CACHE_BUDGET when set, else no pruning.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    cache_budget: Option<strata_core::ByteSize>,
+
     /// Log one JSON object per line instead of text.
     #[arg(long)]
     log_json: bool,
@@ -156,6 +161,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
         cpu_overcommit: args.cpu_overcommit,
         min_free_memory: args.min_free_memory.map(|m| m.0),
         allow_grants: args.allow_grants,
+        cache_budget: args.cache_budget.map_or_else(crate::prune::budget_from_env, |b| Ok(Some(b)))?.map(|b| b.0),
         connections: ConnectionLimits {
             header_timeout: args.header_timeout,
             keep_alive_timeout: args.keep_alive_timeout,

@@ -39,6 +39,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod cache;
 pub mod capacity;
 pub mod connections;
 pub mod e2b;
@@ -120,6 +121,9 @@ pub struct ServeConfig {
     /// E2B template names that stand for custom images (`templateID` → image); a template that is neither
     /// built in nor here names an image of the store directly.
     pub templates: std::collections::BTreeMap<String, strata_core::ImageName>,
+    /// The most the home's caches may hold: pruned to it at start and every [`cache::PRUNE_INTERVAL`] ([`cache`]);
+    /// `None`: never pruned by the server.
+    pub cache_budget: Option<u64>,
 }
 
 impl ServeConfig {
@@ -144,6 +148,7 @@ impl ServeConfig {
             connections: ConnectionLimits::default(),
             domain: None,
             templates: std::collections::BTreeMap::new(),
+            cache_budget: None,
         }
     }
 }
@@ -325,6 +330,7 @@ impl Server {
         });
         spawn_reaper(&state, config.reap_interval, config.idle_timeout);
         spawn_sampler(&state);
+        cache::spawn(&state, config.cache_budget);
         Ok(Server { listener, state })
     }
 

@@ -46,10 +46,7 @@ impl ImageStore {
     pub fn ensure_disk(&self, name: &ImageName, progress: &dyn Fn(&str)) -> Result<ImageDisk, StoreError> {
         let record = self.get(name)?;
         let resolved = self.resolve_record(&record)?;
-        let mut parts: Vec<Vec<u8>> = vec![format!("disk {IMAGE_DISK_FORMAT}").into_bytes()];
-        parts.push(record.base.clone().unwrap_or_default().into_bytes());
-        parts.extend(record.layers.iter().map(|k| k.as_str().as_bytes().to_vec()));
-        let key = LayerKey::of(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        let key = disk_key(&record);
         let dir = self.root().join("disks");
         fs::create_dir_all(&dir).map_err(|source| StoreError::Io { what: "creating", path: dir.clone(), source })?;
         let path = dir.join(format!("{key}.squashfs"));
@@ -113,6 +110,14 @@ impl ImageStore {
         progress(&format!("image {name}: disk {} ({} MB)", path.display(), size_bytes.div_ceil(1_000_000)));
         Ok(ImageDisk { path, sha256, size_bytes })
     }
+}
+
+/// The key of an image's disk: its base and layers (a rebuilt image has another disk).
+pub(crate) fn disk_key(record: &crate::ImageRecord) -> LayerKey {
+    let mut parts: Vec<Vec<u8>> = vec![format!("disk {IMAGE_DISK_FORMAT}").into_bytes()];
+    parts.push(record.base.clone().unwrap_or_default().into_bytes());
+    parts.extend(record.layers.iter().map(|k| k.as_str().as_bytes().to_vec()));
+    LayerKey::of(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
 }
 
 /// The paths in a squashfs disk (`unsquashfs -l`), relative to its root: for checking a disk's contents where no

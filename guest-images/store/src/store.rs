@@ -207,6 +207,8 @@ pub struct PruneReport {
     pub temporary: usize,
     /// Unused layers kept because a sandbox stands on them ([`ImageStore::hold`]).
     pub held: usize,
+    /// Disk files of images removed or rebuilt since.
+    pub disks: usize,
 }
 
 /// Shared locks on the layers a sandbox stands on, released when dropped: [`ImageStore::prune`] leaves them.
@@ -448,6 +450,23 @@ impl ImageStore {
             remove_tree(&self.layer_dir(&layer.key))?;
             report.bytes += layer.size_bytes;
             report.layers.push(layer.key);
+        }
+        // Disks of images removed or rebuilt since (a disk a microVM has open stays readable until it closes it).
+        let disks = self.root.join("disks");
+        if disks.is_dir() {
+            let wanted: BTreeSet<String> =
+                self.list()?.iter().map(|image| crate::disk::disk_key(image).as_str().to_owned()).collect();
+            for entry in fs::read_dir(&disks).map_err(io_error("listing", &disks))? {
+                let entry = entry.map_err(io_error("listing", &disks))?;
+                let name = entry.file_name().to_string_lossy().into_owned();
+                // A build's temporary file or merged view (dot-named) is its own to remove.
+                let key = name.split('.').next().unwrap_or_default().to_owned();
+                if !name.starts_with('.') && !wanted.contains(&key) {
+                    report.bytes += entry.metadata().map(|m| m.len()).unwrap_or(0);
+                    report.disks += 1;
+                    fs::remove_file(entry.path()).map_err(io_error("removing", &entry.path()))?;
+                }
+            }
         }
         let dir = self.root.join("layers");
         for entry in fs::read_dir(&dir).map_err(io_error("listing", &dir))? {

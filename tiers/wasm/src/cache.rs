@@ -18,12 +18,20 @@
 //! (so a stamp recorded is never of bytes still in flight), a `.sum` is read at most 4 KiB of and a `.cwasm` never
 //! through a link, a full disk fails the store (logged; the job runs from the module compiled in memory) and
 //! removes its temporary, and the temporaries of processes that died while writing are swept by the next store.
+//!
+//! **Last use.** Every hit records the entry's last use as the modification time of its `.sum` (the memory image's
+//! `.image.sum` likewise), so that `strata images prune --budget` (`strata_engine::cache`) can evict the entries
+//! used least recently first. It costs one `stat` of the `.sum` per hit and a `futimens` at most once per
+//! [`LAST_USE_RESOLUTION`] per entry; the `.cwasm`'s own times are never touched (they are part of its stamp). An
+//! entry's files may be removed at any time by a prune: a process that has the `.cwasm` mapped keeps its pages (the
+//! inode lives until it is unmapped), and a load that finds the entry gone compiles it again.
 
 use std::fmt;
 use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
 
 use strata_core::FileStamp;
 use wasmtime::component::Component;
@@ -121,6 +129,10 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// A `.sum` file is a line or two: more than this is not one.
 const MAX_SUM_BYTES: u64 = 4096;
 
+/// A hit refreshes its entry's last-use time (its `.sum`'s modification time) when that is older than this: the
+/// time prune sorts by is exact to within it.
+pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(3600);
+
 fn hex(digest: &Digest) -> String {
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -171,7 +183,10 @@ impl ModuleCache {
         compile: impl FnOnce() -> Result<C, E>,
     ) -> Result<(C, CacheOutcome), E> {
         let outcome = match self.load(engine, key) {
-            Ok(module) => return Ok((module, CacheOutcome::Hit)),
+            Ok(module) => {
+                record_use(&self.entry_paths(key).1);
+                return Ok((module, CacheOutcome::Hit));
+            }
             Err(Invalid::Missing) => CacheOutcome::Compiled,
             Err(Invalid::Corrupt(why)) => {
                 log::warn!("module cache entry {} is unusable ({why}); recompiling", hex(key));
@@ -183,6 +198,7 @@ impl ModuleCache {
         if lock.is_some()
             && let Ok(module) = self.load(engine, key)
         {
+            record_use(&self.entry_paths(key).1);
             return Ok((module, CacheOutcome::Hit));
         }
         let module = compile()?;
@@ -285,6 +301,21 @@ impl Sum {
             text.push_str(&format!("stamp {}\n", stamp.render()));
         }
         text
+    }
+}
+
+/// Records a use of the entry whose checksum file is `sum`: sets its modification time to now unless it is less
+/// than [`LAST_USE_RESOLUTION`] old (one `stat` per hit; a write of the inode's times at most once an hour). Best
+/// effort: a cache this process may not write is used all the same.
+pub(crate) fn record_use(sum: &Path) {
+    let Ok(file) = open_no_follow(sum) else { return };
+    let Ok(modified) = file.metadata().and_then(|meta| meta.modified()) else { return };
+    let now = SystemTime::now();
+    // A time in the future (a clock set back) is corrected too.
+    let recent = now.duration_since(modified).is_ok_and(|age| age < LAST_USE_RESOLUTION);
+    if !recent {
+        // futimens on a read-only descriptor: the owner may set a file's times without opening it for writing.
+        let _ = file.set_modified(now);
     }
 }
 
@@ -467,6 +498,33 @@ mod tests {
         fs::write(&sum, vec![b'a'; 1 << 20]).expect("huge sum");
         let (_, outcome) = cache.load_or_compile(&engine, &[1u8; 32], || compile(&engine)).expect("rebuild");
         assert_eq!(outcome, CacheOutcome::Rebuilt);
+    }
+
+    #[test]
+    fn a_hit_refreshes_the_last_use_at_most_once_an_hour() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cache = ModuleCache::new(dir.path());
+        let engine = engine();
+        let key = [8u8; 32];
+        cache.load_or_compile(&engine, &key, || compile(&engine)).expect("compile");
+        let (cwasm, sum) = cache.entry_paths(&key);
+        let set_age = |age: Duration| {
+            let file = File::options().write(true).open(&sum).expect("open sum");
+            file.set_modified(SystemTime::now() - age).expect("set mtime");
+        };
+        let age = || SystemTime::now().duration_since(fs::metadata(&sum).expect("meta").modified().expect("mtime"));
+        let cwasm_stamp = || FileStamp::of_metadata(&fs::metadata(&cwasm).expect("meta"));
+        let before = cwasm_stamp();
+        set_age(Duration::from_secs(2 * 3600));
+        let (_, outcome) = cache.load_or_compile(&engine, &key, || compile(&engine)).expect("load");
+        assert_eq!(outcome, CacheOutcome::Hit);
+        assert!(age().is_ok_and(|age| age < Duration::from_secs(60)), "a hit on an entry idle for 2 h refreshes it");
+        // Used 10 minutes ago: not written again.
+        set_age(Duration::from_secs(600));
+        cache.load_or_compile(&engine, &key, || compile(&engine)).expect("load");
+        assert!(age().is_ok_and(|age| age >= Duration::from_secs(600)), "{:?}", age());
+        // The module's own stamp is untouched: the entry is not hashed again.
+        assert_eq!(cwasm_stamp(), before);
     }
 
     #[test]

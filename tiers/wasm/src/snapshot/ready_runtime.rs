@@ -9,6 +9,9 @@
 //! <id>.refused     why the runtime cannot be made snapshot-ready (sessions then run the plain runtime)
 //! ```
 //!
+//! A load records the image's last use on its `.image.sum` as the module cache records its entries' (see
+//! [`crate::cache`]), for prune's least-recently-used order.
+//!
 //! `<id>` is derived from the runtime's sha256 and this rewrite's version; the rewritten module is compiled
 //! into the module cache under the same id, and rewritten again only when that entry must be compiled.
 
@@ -74,6 +77,7 @@ pub(crate) fn load_or_make(
             return Ok((Err(reason), None));
         }
         if let Some(image) = load_image(&image_path, &sum_path) {
+            crate::cache::record_use(&sum_path);
             return Ok((Ok(ready(digest, image)), None));
         }
     }
