@@ -671,6 +671,17 @@ impl Engine {
         std::mem::forget(wasm);
     }
 
+    /// Refuses an image `caps` names that the store does not have, before any tier starts (which for the process
+    /// tier may mean building the Debian image first).
+    fn check_image(&self, caps: &Capabilities) -> Result<(), EngineError> {
+        let Some(name) = &caps.image else { return Ok(()) };
+        match self.image_store()?.get(name) {
+            Ok(_) => Ok(()),
+            Err(strata_image_store::StoreError::NotFound(image)) => Err(TierError::ImageNotFound { image }.into()),
+            Err(other) => Err(EngineError::Image(other.to_string())),
+        }
+    }
+
     /// The built-in wasm tier itself, for embedders that want its specific API (e.g. [`WasmTier::prepare`]).
     pub fn wasm(&self) -> &WasmTier {
         &self.wasm
@@ -709,6 +720,7 @@ impl Engine {
         opts: &ExecOptions,
     ) -> Result<Route, EngineError> {
         self.check_key_not_granted(caps)?;
+        self.check_image(caps)?;
         let user = opts.user.as_ref().or(caps.user.as_ref()).filter(|user| !user.is_root());
         let python = || match job {
             Job::Python { .. } if opts.terminal.is_some() => {
@@ -1109,6 +1121,7 @@ impl Engine {
         limits: &Limits,
     ) -> Result<Box<dyn Sandbox>, EngineError> {
         self.check_key_not_granted(caps)?;
+        self.check_image(caps)?;
         let tier = match choice {
             // An image is a root filesystem: the process tier's.
             TierChoice::Auto if caps.image.is_some() => TierKind::Process,
