@@ -10,8 +10,6 @@
 //! more idmapped read-only mount in every jail, which is what the first two figures price. Nothing here asserts a
 //! time. Iterations: `$STRATA_BENCH_ITERS`, else 200 (30 with `--quick`).
 
-use std::collections::BTreeMap;
-
 use anyhow::Context;
 use strata_benches::images::{offline_context, offline_dockerfile};
 use strata_benches::{latency, ratio};
@@ -43,15 +41,7 @@ fn main() -> anyhow::Result<()> {
     let context = tempfile::tempdir()?;
     offline_context(context.path());
     let name = ImageName::new(format!("bench-offline-{}", std::process::id()))?;
-    let request = |greeting: &str| BuildRequest {
-        dockerfile: offline_dockerfile(greeting),
-        context: context.path().to_owned(),
-        name: name.clone(),
-        build_args: BTreeMap::new(),
-        allow_net: Vec::new(),
-        no_cache: false,
-        limits: BuildRequest::default_limits(),
-    };
+    let request = |greeting: &str| BuildRequest::new(name.clone(), context.path(), offline_dockerfile(greeting));
     let built = engine.build_image(&request("bench"), &|_| {})?;
     println!("# image {name}: {} layers over the Debian image", built.image.layers.len());
 

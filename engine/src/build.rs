@@ -62,6 +62,20 @@ pub struct BuildRequest {
 }
 
 impl BuildRequest {
+    /// `dockerfile` built from `context` under `name`: no build arguments, no network, the layers the store has
+    /// reused, [`BuildRequest::default_limits`].
+    pub fn new(name: ImageName, context: impl Into<PathBuf>, dockerfile: impl Into<String>) -> BuildRequest {
+        BuildRequest {
+            dockerfile: dockerfile.into(),
+            context: context.into(),
+            name,
+            build_args: BTreeMap::new(),
+            allow_net: Vec::new(),
+            no_cache: false,
+            limits: BuildRequest::default_limits(),
+        }
+    }
+
     /// The limits a build step gets unless the caller says otherwise: 4 GiB of memory, 16 GiB of writable layer, an
     /// hour of wall and CPU time, 4096 processes, 1 MiB of output kept (all of it is streamed).
     pub fn default_limits() -> Limits {

@@ -285,7 +285,7 @@ pub struct PrunePlan {
     pub dry_run: bool,
 }
 
-/// Why an entry is in [`PruneReport::removed`].
+/// Why an entry is in a [`PruneReport`]'s `removed`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Removal {
     /// It was dead ([`Status::is_dead`]).

@@ -2,7 +2,6 @@
 //! `Capabilities::image`; a rebuild after one changed line reuses every layer before it; what the builder must
 //! refuse is refused with the line; snapshots and forks of an image's sandbox stand on its layers.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use std::time::Instant;
@@ -29,15 +28,7 @@ fn unique(name: &str) -> ImageName {
 }
 
 fn request(name: &ImageName, context: &Path, dockerfile: String) -> BuildRequest {
-    BuildRequest {
-        dockerfile,
-        context: context.to_owned(),
-        name: name.clone(),
-        build_args: BTreeMap::new(),
-        allow_net: Vec::new(),
-        no_cache: false,
-        limits: BuildRequest::default_limits(),
-    }
+    BuildRequest::new(name.clone(), context, dockerfile)
 }
 
 #[test]

@@ -219,15 +219,8 @@ fn build_dockerfile(
             .ok_or_else(|| Failure::new("usage", format!("--build-arg {arg:?} is not NAME=VALUE")))?;
         args.insert(k.to_owned(), v.to_owned());
     }
-    let request = BuildRequest {
-        dockerfile,
-        context,
-        name,
-        build_args: args,
-        allow_net,
-        no_cache,
-        limits: BuildRequest::default_limits(),
-    };
+    let request =
+        BuildRequest { build_args: args, allow_net, no_cache, ..BuildRequest::new(name, context, dockerfile) };
     let started = std::time::Instant::now();
     let report = engine.build_image(&request, &say).map_err(|e| Failure::new("build_failed", e.to_string()))?;
     let cached = report.steps.iter().filter(|s| s.cached).count();

@@ -2,8 +2,6 @@
 //! image's name, or the server's alias for it) from both pinned SDKs. The image is built here from the offline
 //! Dockerfile (a local `.deb` and a local wheel), into the server's own store.
 
-use std::collections::BTreeMap;
-
 use serde_json::json;
 use strata_benches::images::{offline_context, offline_dockerfile};
 use strata_core::ImageName;
@@ -23,15 +21,7 @@ fn build_from(name: &str, dockerfile: &str) -> ImageName {
     let name = ImageName::new(format!("{name}-{}", std::process::id())).expect("a name");
     let context = tempfile::tempdir().expect("tempdir");
     offline_context(context.path());
-    let request = BuildRequest {
-        dockerfile: dockerfile.to_owned(),
-        context: context.path().to_owned(),
-        name: name.clone(),
-        build_args: BTreeMap::new(),
-        allow_net: Vec::new(),
-        no_cache: false,
-        limits: BuildRequest::default_limits(),
-    };
+    let request = BuildRequest::new(name.clone(), context.path(), dockerfile);
     engine().build_image(&request, &|_| {}).expect("the image builds");
     name
 }
