@@ -12,11 +12,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::store::{ImageStore, LayerKey, StoreError};
+use crate::store::{ImageStore, StoreError, disk_key};
 use strata_core::ImageName;
 
-/// Bumped when the way a disk is made changes.
-pub const IMAGE_DISK_FORMAT: u32 = 1;
+pub use crate::store::IMAGE_DISK_FORMAT;
 
 /// A built disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,14 +109,6 @@ impl ImageStore {
         progress(&format!("image {name}: disk {} ({} MB)", path.display(), size_bytes.div_ceil(1_000_000)));
         Ok(ImageDisk { path, sha256, size_bytes })
     }
-}
-
-/// The key of an image's disk: its base and layers (a rebuilt image has another disk).
-pub(crate) fn disk_key(record: &crate::ImageRecord) -> LayerKey {
-    let mut parts: Vec<Vec<u8>> = vec![format!("disk {IMAGE_DISK_FORMAT}").into_bytes()];
-    parts.push(record.base.clone().unwrap_or_default().into_bytes());
-    parts.extend(record.layers.iter().map(|k| k.as_str().as_bytes().to_vec()));
-    LayerKey::of(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
 }
 
 /// The paths in a squashfs disk (`unsquashfs -l`), relative to its root: for checking a disk's contents where no

@@ -47,7 +47,49 @@ use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid, UnlinkatFlags};
 use sha2::{Digest, Sha256};
 
-use crate::oci::OciError;
+use crate::store::StoreError;
+
+/// Why an import failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OciError {
+    /// Not an image this importer reads: a missing or malformed document, an unsupported form or layer type.
+    #[error("{0}")]
+    Format(String),
+    /// A blob is not what its digest says.
+    #[error("{what}: sha256 mismatch: expected {expected}, found {found}")]
+    Digest {
+        /// The blob (a path in the layout or archive, or a layer).
+        what: String,
+        /// The digest the manifest or config gives.
+        expected: String,
+        /// The digest of what is there.
+        found: String,
+    },
+    /// A layer entry that would reach outside its directory or make something dangerous.
+    #[error("layer entry {entry:?} refused: {reason}")]
+    Hostile {
+        /// The entry's name as the tar gives it.
+        entry: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Over a bound ([`ImportLimits`], [`MAX_JSON`], [`MAX_LAYERS`], …).
+    #[error("too large: {0}")]
+    TooLarge(String),
+    /// A filesystem call failed.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// Where (a layer entry's name, relative to its layer, or a file of the source).
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
 
 /// The most records (entries, PAX and long-name records) one layer may have, whatever the limits say.
 pub const MAX_ENTRIES: u64 = 1 << 22;

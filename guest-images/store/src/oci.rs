@@ -51,9 +51,9 @@ use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 use strata_core::ImageName;
 
-pub use crate::layer_tar::{ImportLimits, LayerStats, apply_layer};
+pub use crate::layer_tar::{ImportLimits, LayerStats, OciError, apply_layer};
 use crate::layer_tar::{Meta, check_sum, components, layer_digest, parse_pax, trim_nul};
-use crate::store::{ImageConfig, ImageRecord, ImageSource, ImageStore, LayerKey, MAX_LAYERS, StoreError};
+use crate::store::{ImageConfig, ImageRecord, ImageSource, ImageStore, LayerKey, MAX_LAYERS};
 
 /// The largest JSON document (index, manifest, config, `manifest.json`) read.
 pub const MAX_JSON: u64 = 4 << 20;
@@ -64,48 +64,6 @@ const MAX_HOPS: usize = 8;
 
 const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
-
-/// Why an import failed.
-#[derive(Debug, thiserror::Error)]
-pub enum OciError {
-    /// Not an image this importer reads: a missing or malformed document, an unsupported form or layer type.
-    #[error("{0}")]
-    Format(String),
-    /// A blob is not what its digest says.
-    #[error("{what}: sha256 mismatch: expected {expected}, found {found}")]
-    Digest {
-        /// The blob (a path in the layout or archive, or a layer).
-        what: String,
-        /// The digest the manifest or config gives.
-        expected: String,
-        /// The digest of what is there.
-        found: String,
-    },
-    /// A layer entry that would reach outside its directory or make something dangerous.
-    #[error("layer entry {entry:?} refused: {reason}")]
-    Hostile {
-        /// The entry's name as the tar gives it.
-        entry: String,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// Over a bound ([`ImportLimits`], [`MAX_JSON`], [`MAX_LAYERS`], …).
-    #[error("too large: {0}")]
-    TooLarge(String),
-    /// A filesystem call failed.
-    #[error("{what} {}: {source}", path.display())]
-    Io {
-        /// What was being done.
-        what: &'static str,
-        /// Where (a layer entry's name, relative to its layer, or a file of the source).
-        path: PathBuf,
-        /// The error.
-        source: io::Error,
-    },
-    /// The store failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
 
 fn format_error(what: impl Into<String>) -> OciError {
     OciError::Format(what.into())

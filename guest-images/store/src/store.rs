@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use strata_core::ImageName;
 
+/// Bumped when the way an image's microVM disk is made changes (part of its key; see `disk`).
+pub const IMAGE_DISK_FORMAT: u32 = 1;
+
 /// The most layers an image may have (its base included): each is one read-only mount in a jail.
 pub const MAX_LAYERS: usize = 63;
 
@@ -455,7 +458,7 @@ impl ImageStore {
         let disks = self.root.join("disks");
         if disks.is_dir() {
             let wanted: BTreeSet<String> =
-                self.list()?.iter().map(|image| crate::disk::disk_key(image).as_str().to_owned()).collect();
+                self.list()?.iter().map(|image| disk_key(image).as_str().to_owned()).collect();
             for entry in fs::read_dir(&disks).map_err(io_error("listing", &disks))? {
                 let entry = entry.map_err(io_error("listing", &disks))?;
                 let name = entry.file_name().to_string_lossy().into_owned();
@@ -488,6 +491,14 @@ impl ImageStore {
     pub fn image_size(&self, image: &ImageRecord) -> u64 {
         image.layers.iter().filter_map(|key| self.layer(key)).map(|(_, record)| record.size_bytes).sum()
     }
+}
+
+/// The key of an image's disk: its base and layers (a rebuilt image has another disk).
+pub(crate) fn disk_key(record: &ImageRecord) -> LayerKey {
+    let mut parts: Vec<Vec<u8>> = vec![format!("disk {IMAGE_DISK_FORMAT}").into_bytes()];
+    parts.push(record.base.clone().unwrap_or_default().into_bytes());
+    parts.extend(record.layers.iter().map(|k| k.as_str().as_bytes().to_vec()));
+    LayerKey::of(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
 }
 
 /// Removes `path` and everything under it; a missing path is fine. Never follows a symlink (a tree a guest
