@@ -73,7 +73,7 @@ pub enum OciError {
         /// What is wrong with it.
         reason: String,
     },
-    /// Over a bound ([`ImportLimits`], [`MAX_JSON`], [`MAX_LAYERS`], …).
+    /// Over a bound ([`ImportLimits`], the largest JSON document, the most layers, …).
     #[error("too large: {0}")]
     TooLarge(String),
     /// A filesystem call failed.
