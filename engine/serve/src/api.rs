@@ -551,7 +551,10 @@ async fn get_sandbox(
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let entry = sandbox(&state, &principal, &id)?;
     let mut info = SandboxInfo::of(&entry);
-    info.service = tokio::task::spawn_blocking(move || entry.service()).await.ok().flatten();
+    // Only the process tier runs services: the others answer without a round trip.
+    if entry.tier == strata_core::TierKind::Process {
+        info.service = tokio::task::spawn_blocking(move || entry.service()).await.ok().flatten();
+    }
     Ok(Json(info))
 }
 

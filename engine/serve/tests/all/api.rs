@@ -279,7 +279,8 @@ async fn a_request_to_a_sandbox_running_a_job_is_409_busy() {
     let id = server.create(json!({"tier": "wasm"})).await;
     let (client, url) = (server.client.clone(), server.url(&format!("/v1/sandboxes/{id}/exec")));
     let long = tokio::spawn(async move {
-        let response = client.post(url).json(&json!({"python": "import time\ntime.sleep(1.5)\nprint('done')"})).send();
+        // Long enough that a loaded machine cannot finish it between the check below and the second request.
+        let response = client.post(url).json(&json!({"python": "import time\ntime.sleep(5)\nprint('done')"})).send();
         crate::util::status_json(response.await.expect("exec")).await
     });
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
