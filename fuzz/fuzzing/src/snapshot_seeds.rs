@@ -5,9 +5,10 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 
 use strata_core::{Capabilities, Limits};
-use strata_tier_microvm::snapshot::{DevicesState, MicrovmState, VmState};
+use strata_tier_microvm::persist::{DevicesState, MicrovmState};
 use strata_tier_microvm::vstate::vcpu::state::{DebugRegs, Fpu, Regs, Sregs, VcpuEvents, VcpuState};
 use strata_tier_microvm::vstate::vm::ClockState;
+use strata_tier_microvm::vstate::vm::VmState;
 
 use crate::generate::Script;
 use crate::seed::{Seed, named};

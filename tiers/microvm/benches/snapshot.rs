@@ -28,7 +28,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use common::{counter_code, parts_with_memory, run_until, tiny_machine};
 use strata_benches::{Figures, latency, ratio};
-use strata_tier_microvm::snapshot::{Machine, RestoreArgs, VmSnapshot};
+use strata_tier_microvm::machine::Machine;
+use strata_tier_microvm::persist::RestoreArgs;
+use strata_tier_microvm::snapshot::VmSnapshot;
 use strata_tier_microvm::vstate::vcpu::VcpuExit;
 use vm_memory::GuestAddress;
 
@@ -121,7 +123,7 @@ fn main() -> anyhow::Result<()> {
     for i in 0..iters + (iters / 10).max(1) {
         let dest = dir.path().join(format!("save-{i}"));
         let t = Instant::now();
-        machine.snapshot(&dest, None, &strata_core::SnapshotTrust::process_local())?;
+        VmSnapshot::save(&mut machine, &dest, None, &strata_core::SnapshotTrust::process_local())?;
         let took = t.elapsed();
         std::fs::remove_dir_all(&dest)?;
         if i >= (iters / 10).max(1) {
@@ -131,7 +133,7 @@ fn main() -> anyhow::Result<()> {
     all.push(save);
 
     let path = dir.path().join("snap");
-    machine.snapshot(&path, None, &strata_core::SnapshotTrust::process_local())?;
+    VmSnapshot::save(&mut machine, &path, None, &strata_core::SnapshotTrust::process_local())?;
     all.push(latency("snapshot_open", iters, || {
         VmSnapshot::open(&path, &strata_core::SnapshotTrust::process_local()).map(drop).map_err(Into::into)
     })?);
@@ -149,7 +151,7 @@ fn main() -> anyhow::Result<()> {
     let slow = (iters / 5).max(1);
     let mut with_irqchip = paused_counter(true, common::MEM_SIZE)?;
     let path = dir.path().join("snap-irqchip");
-    with_irqchip.snapshot(&path, None, &strata_core::SnapshotTrust::process_local())?;
+    VmSnapshot::save(&mut with_irqchip, &path, None, &strata_core::SnapshotTrust::process_local())?;
     drop(with_irqchip);
     let snap_irqchip = VmSnapshot::open(&path, &strata_core::SnapshotTrust::process_local())?;
     all.push(timed("restore_irqchip", slow, || Ok(snap_irqchip.restore(RestoreArgs::default())?))?);
@@ -167,7 +169,7 @@ fn main() -> anyhow::Result<()> {
     const PSS_GUEST: u64 = 64 << 20;
     let mut big = paused_counter(false, PSS_GUEST)?;
     let path = dir.path().join("snap-64m");
-    big.snapshot(&path, None, &strata_core::SnapshotTrust::process_local())?;
+    VmSnapshot::save(&mut big, &path, None, &strata_core::SnapshotTrust::process_local())?;
     drop(big);
     let snap = VmSnapshot::open(&path, &strata_core::SnapshotTrust::process_local())?;
     let mut buf = vec![0u8; 1 << 20];

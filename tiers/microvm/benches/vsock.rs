@@ -201,7 +201,8 @@ fn blk_file() -> tempfile::NamedTempFile {
 
 fn blk_read(file: &tempfile::NamedTempFile, total: u64) -> f64 {
     let mem = memory();
-    let device = BlockDevice::new(BlockConfig { path: file.path().into(), id: None }).expect("block device");
+    let device =
+        BlockDevice::new(BlockConfig { path: file.path().into(), file: None, id: None }).expect("block device");
     let mut d = Driver::new(&mem, device);
     d.init(1, 256);
     let segments = BLK_REQUEST / 65536;

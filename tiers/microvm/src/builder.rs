@@ -29,9 +29,9 @@ use crate::devices::virtio::Interrupt;
 use crate::devices::virtio::block::{BlockConfig, BlockDevice};
 use crate::devices::virtio::mmio::{BackendThread, MMIO_LEN, MmioTransport, kernel_cmdline_device};
 use crate::devices::virtio::vsock::{VsockConfig, VsockDevice};
-use crate::snapshot::{
-    Devices, Machine, RestoreArgs, SnapshotExtra, VirtioSlot, VirtioTransport, VmSnapshot, VmSnapshotError,
-};
+use crate::machine::{Devices, Machine, VirtioSlot, VirtioTransport};
+use crate::persist::RestoreArgs;
+use crate::snapshot::{SnapshotExtra, VmSnapshot, VmSnapshotError};
 use crate::vstate::memory::{GuestMemory, MMIO_GAP_START};
 use crate::vstate::vcpu::cpuid::CpuidProfile;
 use crate::vstate::vcpu::{Vcpu, VcpuConfig, VcpuExit};
@@ -189,8 +189,9 @@ impl Microvm {
         devices.virtio.push(VirtioSlot { base, gsi, transport: VirtioTransport::Vsock(transport) });
 
         if let Some(disk) = &config.root_disk {
-            let block = BlockDevice::new(BlockConfig { path: disk.clone(), id: Some("strata-root".into()) })
-                .map_err(|e| BuildError::Device { what: "root disk", message: e.to_string() })?;
+            let block =
+                BlockDevice::new(BlockConfig { path: disk.clone(), file: None, id: Some("strata-root".into()) })
+                    .map_err(|e| BuildError::Device { what: "root disk", message: e.to_string() })?;
             let interrupt = Interrupt::new().map_err(device_error("root disk interrupt"))?;
             let (base, gsi) = place(&mut args);
             vm.register_irqfd(interrupt.irqfd(), gsi)?;
@@ -243,13 +244,16 @@ impl Microvm {
         let args = RestoreArgs {
             vsock_uds: Some(vsock_uds.clone()),
             guest_cid: Some(guest_cid),
-            disks: root_disk.into_iter().collect(),
+            disks: root_disk
+                .into_iter()
+                .map(crate::devices::virtio::block::persist::BlockConstructorArgs::at)
+                .collect(),
             serial_log: Some(serial.clone()),
             ..RestoreArgs::default()
         };
         let machine = snapshot.fork(args)?;
         let mut vm = Microvm { machine, serial, vsock_uds, started: Instant::now() };
-        vm.machine.resume()?;
+        vm.machine.resume().map_err(VmSnapshotError::from)?;
         Ok(vm)
     }
 
@@ -268,11 +272,12 @@ impl Microvm {
             Ok(exits) if exits.iter().all(|e| matches!(e, VcpuExit::Stopped)) => {
                 VmSnapshot::save_with(&mut self.machine, destination, parent, extra, trust)
             }
-            Ok(exits) => Err(VmSnapshotError::InvalidState(format!(
+            Ok(exits) => Err(crate::machine::MachineError::InvalidState(format!(
                 "the guest stopped on its own before the snapshot ({})",
                 exits.iter().map(describe).collect::<Vec<_>>().join(", ")
-            ))),
-            Err(err) => Err(err),
+            ))
+            .into()),
+            Err(err) => Err(err.into()),
         };
         self.machine.resume()?;
         saved

@@ -448,7 +448,9 @@ fn disk_image() -> tempfile::NamedTempFile {
 }
 
 fn block_driver<'m>(mem: &'m GuestMemoryMmap, image: &tempfile::NamedTempFile) -> Driver<'m, BlockDevice> {
-    let device = BlockDevice::new(BlockConfig { path: image.path().into(), id: Some("strata-root".into()) }).unwrap();
+    let device =
+        BlockDevice::new(BlockConfig { path: image.path().into(), file: None, id: Some("strata-root".into()) })
+            .unwrap();
     let mut d = Driver::new(mem, device);
     let features = d.init(1, 256);
     assert_ne!(features & (1 << 5), 0, "VIRTIO_BLK_F_RO");
@@ -752,7 +754,7 @@ fn blk_snapshot_restore_continues_the_ring() {
     assert_eq!(transport_state.queues[0].next_used, 5);
     // Rebuild from the states, in order: device, then transport.
     let device = BlockDevice::restore(
-        strata_tier_microvm::devices::virtio::block::persist::BlockConstructorArgs { path: image.path().into() },
+        strata_tier_microvm::devices::virtio::block::persist::BlockConstructorArgs::at(image.path()),
         &block_state,
     )
     .unwrap();

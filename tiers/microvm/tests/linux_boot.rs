@@ -264,7 +264,8 @@ fn the_tier_runs_a_job_or_reports_the_crash() {
 #[test]
 fn a_booting_microvm_is_snapshotted_and_forked_with_its_devices() {
     use strata_tier_microvm::builder::{Microvm, MicrovmConfig};
-    use strata_tier_microvm::snapshot::{SnapshotExtra, VirtioDeviceState, VmSnapshot};
+    use strata_tier_microvm::persist::VirtioDeviceState;
+    use strata_tier_microvm::snapshot::{SnapshotExtra, VmSnapshot};
     let _one = one_at_a_time();
     let Some(Inputs { home, kernel, kind, scratch, initramfs }) = inputs() else { return };
     let disk = strata_rootfs_image::DebianImage::new(&home)

@@ -15,9 +15,11 @@ use std::time::Duration;
 use common::*;
 use strata_core::{Persisted, SnapshotError, SnapshotTrust, SnapshotWriter, TierKind};
 use strata_tier_microvm::devices::serial::SerialLog;
-use strata_tier_microvm::snapshot::{
-    MEMORY_FILE, Machine, MicrovmState, RestoreArgs, STATE_FILE, VirtioTransport, VmSnapshot, VmSnapshotError,
-};
+use strata_tier_microvm::devices::virtio::block::persist::BlockConstructorArgs;
+use strata_tier_microvm::machine::MachineError;
+use strata_tier_microvm::machine::{Machine, VirtioTransport};
+use strata_tier_microvm::persist::{MEMORY_FILE, MicrovmState, RestoreArgs, STATE_FILE};
+use strata_tier_microvm::snapshot::{VmSnapshot, VmSnapshotError};
 use strata_tier_microvm::vstate::vcpu::VcpuExit;
 use strata_tier_microvm::vstate::vcpu::state::VcpuState;
 
@@ -68,7 +70,7 @@ fn a_paused_guest_continues_from_exactly_its_state_in_a_new_monitor() {
     let original_memory = read_mem(machine.memory(), 0, MEM_SIZE as usize);
 
     let path = dir.path().join("snap");
-    let snap = machine.snapshot(&path, None, &trust()).expect("snapshot");
+    let snap = VmSnapshot::save(&mut machine, &path, None, &trust()).expect("snapshot");
     assert_eq!(snap.snapshot().tier, TierKind::Microvm);
     assert_eq!(snap.snapshot().manifest.persists, vec![Persisted::Memory, Persisted::Cpu, Persisted::Devices]);
     assert_eq!(std::fs::read(path.join(MEMORY_FILE)).expect("memory file"), original_memory);
@@ -99,9 +101,9 @@ fn a_paused_guest_continues_from_exactly_its_state_in_a_new_monitor() {
     println!("counted {} before the snapshot and {} after the restore", before.len(), after.len());
 
     // The restored machine can be snapshotted again, and says where it came from.
-    let again = restored
-        .snapshot(&dir.path().join("again"), Some(snap.snapshot().manifest.id.clone()), &trust())
-        .expect("snapshot");
+    let again =
+        VmSnapshot::save(&mut restored, &dir.path().join("again"), Some(snap.snapshot().manifest.id.clone()), &trust())
+            .expect("snapshot");
     assert_eq!(again.snapshot().manifest.parent.as_deref(), Some(snap.snapshot().manifest.id.as_str()));
 }
 
@@ -120,7 +122,7 @@ fn a_vcpu_stopped_right_after_an_io_exit_is_settled_before_it_is_saved() {
         }
     }
     assert_eq!(log.contents(), [1, 2, 3, 4, 5]);
-    let snap = machine.snapshot(&dir.path().join("snap"), None, &trust()).expect("snapshot");
+    let snap = VmSnapshot::save(&mut machine, &dir.path().join("snap"), None, &trust()).expect("snapshot");
     check_counter(&log.contents(), &snap.state().vcpus[0], counter(&machine));
     let new_log = SerialLog::new(4096);
     let mut restored =
@@ -143,7 +145,7 @@ fn a_vcpu_stopped_right_after_an_io_exit_is_settled_before_it_is_saved() {
     write_reg8(&mut *serial.lock().expect("lock"), 7, 0x5a);
     let exit = machine.vcpus_mut()[0].run_once().expect("run");
     assert!(matches!(exit, VcpuExit::IoIn { port: 0x3ff, .. }), "{exit:?}");
-    let snap = machine.snapshot(&dir.path().join("in"), None, &trust()).expect("snapshot");
+    let snap = VmSnapshot::save(&mut machine, &dir.path().join("in"), None, &trust()).expect("snapshot");
     let regs = snap.state().vcpus[0].regs;
     assert_eq!((regs.rip - CODE, regs.rax & 0xff), (5, 0x5a), "the `in` was completed before the save");
     let mut fork = snap.fork(RestoreArgs::default()).expect("fork");
@@ -184,7 +186,7 @@ fn two_forks_of_one_snapshot_have_independent_memory() {
     run_until(&mut machine, Duration::from_secs(10), |_| false);
     assert_eq!(machine.pause().expect("pause"), vec![VcpuExit::Hlt]);
     assert_eq!(log.contents(), b"ready");
-    let snap = machine.snapshot(&dir.path().join("snap"), None, &trust()).expect("snapshot");
+    let snap = VmSnapshot::save(&mut machine, &dir.path().join("snap"), None, &trust()).expect("snapshot");
     let memory_file = std::fs::read(snap.memory_path()).expect("memory file");
 
     let fork = |cid: u64, name: &str| {
@@ -214,8 +216,8 @@ fn two_forks_of_one_snapshot_have_independent_memory() {
     assert_eq!(read_mem(c.memory(), 0x5000, 0x1000), vec![0; 0x1000]);
     assert_eq!(read_mem(c.memory(), 0, MEM_SIZE as usize), memory_file);
     // A fork's snapshot holds the fork's own writes (read through its private mapping).
-    let of_a =
-        a.snapshot(&dir.path().join("of-a"), Some(snap.snapshot().manifest.id.clone()), &trust()).expect("snapshot");
+    let of_a = VmSnapshot::save(&mut a, &dir.path().join("of-a"), Some(snap.snapshot().manifest.id.clone()), &trust())
+        .expect("snapshot");
     let a_memory = read_mem(a.memory(), 0, MEM_SIZE as usize);
     assert_eq!(std::fs::read(of_a.memory_path()).expect("memory file"), a_memory);
     // Each fork carries the parent's transport, with its own identity.
@@ -235,7 +237,7 @@ fn forks_survive_their_memory_file_truncated_or_rewritten() {
     let mut machine = parts.machine();
     run_until(&mut machine, Duration::from_secs(10), |_| false);
     assert_eq!(machine.pause().expect("pause"), vec![VcpuExit::Hlt]);
-    let snap = machine.snapshot(&dir.path().join("snap"), None, &trust()).expect("snapshot");
+    let snap = VmSnapshot::save(&mut machine, &dir.path().join("snap"), None, &trust()).expect("snapshot");
     let memory_file = std::fs::read(snap.memory_path()).expect("memory file");
     let fork = |cid: u64, name: &str| {
         let args = RestoreArgs {
@@ -293,7 +295,7 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
     run_until(&mut machine, Duration::from_secs(10), |m| counter(m) >= 10);
     machine.pause().expect("pause");
     let good = dir.path().join("good");
-    let snap = machine.snapshot(&good, None, &trust()).expect("snapshot");
+    let snap = VmSnapshot::save(&mut machine, &good, None, &trust()).expect("snapshot");
     let state_bytes = std::fs::read(good.join(STATE_FILE)).expect("state");
     let memory = std::fs::read(good.join(MEMORY_FILE)).expect("memory");
 
@@ -330,14 +332,16 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
     // Our own checks, behind a sound manifest: the state file's header, length, shape and contents.
     let cases: Vec<(&str, Vec<u8>, ErrorCheck)> = vec![
         ("truncated state", state_bytes[..state_bytes.len() / 2].to_vec(), |e| {
-            matches!(e, VmSnapshotError::StateLength { .. })
+            matches!(e, VmSnapshotError::Machine(MachineError::StateLength { .. }))
         }),
-        ("short header", state_bytes[..7].to_vec(), |e| matches!(e, VmSnapshotError::NotAState { .. })),
+        ("short header", state_bytes[..7].to_vec(), |e| {
+            matches!(e, VmSnapshotError::Machine(MachineError::NotAState { .. }))
+        }),
         ("other version", [&state_bytes[..8], &7u32.to_le_bytes(), &state_bytes[12..]].concat(), |e| {
-            matches!(e, VmSnapshotError::StateVersion { found: 7, .. })
+            matches!(e, VmSnapshotError::Machine(MachineError::StateVersion { found: 7, .. }))
         }),
         ("huge length", [&state_bytes[..12], &u64::MAX.to_le_bytes(), &state_bytes[20..]].concat(), |e| {
-            matches!(e, VmSnapshotError::StateTooLarge { .. })
+            matches!(e, VmSnapshotError::Machine(MachineError::StateTooLarge { .. }))
         }),
         (
             "body garbage",
@@ -347,7 +351,7 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
                 bytes[at] = b'}';
                 bytes
             },
-            |e| matches!(e, VmSnapshotError::StateFormat(_)),
+            |e| matches!(e, VmSnapshotError::Machine(MachineError::StateFormat(_))),
         ),
         (
             "no vCPUs",
@@ -356,7 +360,7 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
                 state.vcpus.clear();
                 state.to_bytes().expect("bytes")
             },
-            |e| matches!(e, VmSnapshotError::InvalidState(_)),
+            |e| matches!(e, VmSnapshotError::Machine(MachineError::InvalidState(_))),
         ),
         (
             "a 3-byte LAPIC",
@@ -365,7 +369,13 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
                 state.vcpus[0].lapic = Some(vec![0; 3]);
                 state.to_bytes().expect("bytes")
             },
-            |e| matches!(e, VmSnapshotError::Vcpu { .. } | VmSnapshotError::InvalidState(_)),
+            |e| {
+                matches!(
+                    e,
+                    VmSnapshotError::Machine(MachineError::Vcpu { .. })
+                        | VmSnapshotError::Machine(MachineError::InvalidState(_))
+                )
+            },
         ),
         (
             "memory size disagrees",
@@ -374,7 +384,7 @@ fn damaged_snapshots_are_refused_with_typed_errors() {
                 state.memory_bytes *= 2;
                 state.to_bytes().expect("bytes")
             },
-            |e| matches!(e, VmSnapshotError::MemorySize { .. }),
+            |e| matches!(e, VmSnapshotError::Machine(MachineError::MemorySize { .. })),
         ),
     ];
     for (i, (what, bytes, expected)) in cases.into_iter().enumerate() {
@@ -436,14 +446,14 @@ fn virtio_mmio_device_state_round_trips() {
     let saved = machine.save_state().expect("state");
     assert_eq!(saved.devices.virtio.len(), 2);
     assert!(saved.vm.irqchip.is_some() && saved.vm.pit.is_some() && saved.vcpus[0].lapic.is_some());
-    let snap = machine.snapshot(&dir.path().join("snap"), None, &trust()).expect("snapshot");
+    let snap = VmSnapshot::save(&mut machine, &dir.path().join("snap"), None, &trust()).expect("snapshot");
 
     let reopened = VmSnapshot::open(snap.snapshot().dir.as_path(), &trust()).expect("open");
     assert!(reopened.state() == snap.state(), "the state file round-trips");
     let mut restored = reopened
         .restore(RestoreArgs {
             vsock_uds: Some(dir.path().join("restored.sock")),
-            disks: vec![disk.clone()],
+            disks: vec![BlockConstructorArgs::at(disk.clone())],
             ..Default::default()
         })
         .expect("restore");
@@ -473,18 +483,18 @@ fn virtio_mmio_device_state_round_trips() {
 
     // Missing host resources are typed errors.
     assert!(matches!(
-        reopened.fork(RestoreArgs { disks: vec![disk], ..Default::default() }),
-        Err(VmSnapshotError::MissingArg { index: 0, .. })
+        reopened.fork(RestoreArgs { disks: vec![BlockConstructorArgs::at(disk)], ..Default::default() }),
+        Err(VmSnapshotError::Machine(MachineError::MissingArg { index: 0, .. }))
     ));
     let resized = dir.path().join("resized.img");
     std::fs::write(&resized, vec![0u8; 512]).expect("disk");
     assert!(matches!(
         reopened.fork(RestoreArgs {
             vsock_uds: Some(dir.path().join("x.sock")),
-            disks: vec![resized],
+            disks: vec![BlockConstructorArgs::at(resized)],
             ..Default::default()
         }),
-        Err(VmSnapshotError::Block { index: 1, .. })
+        Err(VmSnapshotError::Machine(MachineError::Block { index: 1, .. }))
     ));
 }
 
@@ -508,7 +518,7 @@ fn snapshots_restores_and_forks_leave_nothing_behind() {
         let mut m = tiny_machine(&counter_code(), false);
         run_until(&mut m, Duration::from_secs(10), |m| counter(m) >= 3);
         m.pause().expect("pause");
-        let snap = m.snapshot(&dir.path().join("warm"), None, &trust()).expect("snapshot");
+        let snap = VmSnapshot::save(&mut m, &dir.path().join("warm"), None, &trust()).expect("snapshot");
         drop(snap.fork(RestoreArgs::default()).expect("fork"));
     }
     let before = (open_fds(), threads());
@@ -516,7 +526,7 @@ fn snapshots_restores_and_forks_leave_nothing_behind() {
         let mut m = tiny_machine(&counter_code(), true);
         run_until(&mut m, Duration::from_secs(10), |m| counter(m) >= 3);
         m.pause().expect("pause");
-        let snap = m.snapshot(&dir.path().join(format!("s{i}")), None, &trust()).expect("snapshot");
+        let snap = VmSnapshot::save(&mut m, &dir.path().join(format!("s{i}")), None, &trust()).expect("snapshot");
         let mut restored = snap.restore(RestoreArgs::default()).expect("restore");
         let mut fork = snap.fork(RestoreArgs::default()).expect("fork");
         restored.resume().expect("resume");
@@ -537,7 +547,7 @@ fn rewritten_swapped_and_foreign_snapshots_are_refused() {
     run_until(&mut machine, Duration::from_secs(10), |m| counter(m) >= 10);
     machine.pause().expect("pause");
     let good = dir.path().join("good");
-    machine.snapshot(&good, None, &trust()).expect("snapshot");
+    VmSnapshot::save(&mut machine, &good, None, &trust()).expect("snapshot");
     let manifest_path = good.join("manifest.json");
     let original = std::fs::read(&manifest_path).expect("manifest");
 

@@ -1,4 +1,4 @@
-//! The microVM tier's snapshot state (`tiers/microvm/src/snapshot.rs`): the `vmstate` file (magic, version, body
+//! The microVM tier's snapshot state (`tiers/microvm/vmm/src/persist.rs`): the `vmstate` file (magic, version, body
 //! length, a JSON body of vCPU, interrupt controller, clock and device state) that a restore turns into KVM calls,
 //! read through a sealed snapshot as a fork reads it.
 //!
@@ -9,7 +9,8 @@
 //! through its bytes unchanged; a snapshot whose state it accepts has a memory file of the state's size.
 
 use strata_core::{Persisted, SnapshotKey, SnapshotTrust, TierKind};
-use strata_tier_microvm::snapshot::{MEMORY_FILE, MicrovmState, STATE_FILE, VmSnapshot};
+use strata_tier_microvm::persist::{MEMORY_FILE, MicrovmState, STATE_FILE};
+use strata_tier_microvm::snapshot::VmSnapshot;
 
 use crate::targets::snapshot_open::scratch;
 

@@ -1,4 +1,4 @@
-//! The virtio-blk device (`tiers/microvm/src/devices/virtio/block`) behind its virtio-mmio transport, fed the
+//! The virtio-blk device (`tiers/microvm/vmm/src/devices/virtio/block`) behind its virtio-mmio transport, fed the
 //! descriptor chains a hostile guest driver posts: headers, data and status buffers in and out of memory, loops
 //! and bad `next` indices, requests past the disk's end, too many or oddly sized segments.
 //!
@@ -46,7 +46,8 @@ pub fn run(data: &[u8]) {
     let mut u = Unstructured::new(data);
     let size = [1u16, 2, 4, 8, 16][usize::from(data.first().copied().unwrap_or(0) % 5)].min(BLOCK_QUEUE_SIZE);
     let guest = Guest::new(&[size]);
-    let device = BlockDevice::new(BlockConfig { path: disk().clone(), id: Some("fuzz".into()) }).expect("the device");
+    let device = BlockDevice::new(BlockConfig { path: disk().clone(), file: None, id: Some("fuzz".into()) })
+        .expect("the device");
     let features = device.avail_features();
     let interrupt = Interrupt::new().expect("an eventfd");
     let mut transport = MmioTransport::new(guest.mem.clone(), device, interrupt).expect("the transport");

@@ -1,4 +1,4 @@
-//! The virtio-mmio transport's registers (`tiers/microvm/src/devices/virtio/mmio.rs`), as a hostile driver
+//! The virtio-mmio transport's registers (`tiers/microvm/vmm/src/devices/virtio/mmio.rs`), as a hostile driver
 //! writes them: any register, any width, any value, any order, queue notifications included, around a block and
 //! a vsock device.
 //!
@@ -22,7 +22,7 @@ pub fn run(data: &[u8]) {
     let mut input = Cursor::new(data);
     if input.u8().is_multiple_of(2) {
         let path = super::virtio_block::disk_path();
-        let device = BlockDevice::new(BlockConfig { path, id: None }).expect("the device");
+        let device = BlockDevice::new(BlockConfig { path, file: None, id: None }).expect("the device");
         drive(device, &mut input);
     } else {
         let uds = crate::scratch::dir().join("mmio.sock");

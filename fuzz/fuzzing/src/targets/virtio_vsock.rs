@@ -1,4 +1,4 @@
-//! The virtio-vsock device and its connection muxer (`tiers/microvm/src/devices/virtio/vsock`) behind the
+//! The virtio-vsock device and its connection muxer (`tiers/microvm/vmm/src/devices/virtio/vsock`) behind the
 //! virtio-mmio transport: packets a hostile guest sends on TX (any CIDs, ports, operations, lengths, credit),
 //! RX buffers of any shape, and host peers that connect, send and hang up in between.
 //!

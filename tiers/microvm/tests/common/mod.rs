@@ -16,7 +16,7 @@ use strata_tier_microvm::devices::virtio::Interrupt;
 use strata_tier_microvm::devices::virtio::block::{BlockConfig, BlockDevice};
 use strata_tier_microvm::devices::virtio::mmio::{BackendThread, MMIO_LEN, MmioTransport};
 use strata_tier_microvm::devices::virtio::vsock::{VsockConfig, VsockDevice};
-use strata_tier_microvm::snapshot::{Devices, Machine, VirtioSlot, VirtioTransport};
+use strata_tier_microvm::machine::{Devices, Machine, VirtioSlot, VirtioTransport};
 use strata_tier_microvm::vstate::memory::GuestMemory;
 use strata_tier_microvm::vstate::vcpu::{Vcpu, VcpuConfig};
 use strata_tier_microvm::vstate::vm::{Vm, VmConfig};
@@ -131,7 +131,8 @@ impl Parts {
     /// Adds a block device over `disk` at `base` (GSI `gsi`).
     pub fn add_block(&mut self, base: u64, gsi: u32, disk: &Path) -> Arc<Mutex<MmioTransport<BlockDevice>>> {
         let device =
-            BlockDevice::new(BlockConfig { path: disk.to_path_buf(), id: Some("snap-disk".into()) }).expect("block");
+            BlockDevice::new(BlockConfig { path: disk.to_path_buf(), file: None, id: Some("snap-disk".into()) })
+                .expect("block");
         let interrupt = Interrupt::new().expect("interrupt");
         if self.vm.has_irqchip() {
             self.vm.register_irqfd(interrupt.irqfd(), gsi).expect("irqfd");

@@ -17,6 +17,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::vstate::memory::GuestMemory;
 
+pub mod state;
+
+pub use state::{IoapicState, IrqchipState, PicState, PitChannelState, PitState, VmState};
+
 /// Where KVM puts the three pages of the real-mode TSS it needs on Intel (inside the MMIO gap, never RAM).
 pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
 /// Where KVM puts the identity-map page it needs on Intel without unrestricted guests (just below the TSS).
@@ -54,6 +58,9 @@ pub enum VmError {
     /// An irqfd was asked for while the VM has no in-kernel irqchip.
     #[error("GSI {0} needs the in-kernel irqchip, which this VM was created without")]
     NoIrqchip(u32),
+    /// A saved VM state was set on a VM that has the in-kernel irqchip exactly when the state has not.
+    #[error("the VM's irqchip does not match the saved state's")]
+    IrqchipMismatch,
 }
 
 fn kvm_error(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {

@@ -306,6 +306,12 @@ impl Vcpu {
         self.index
     }
 
+    /// Sets `kvm_run.immediate_exit` through the vCPU's own mapping of its `kvm_run` page: while it is 1,
+    /// `KVM_RUN` completes a pending I/O exit and returns `EINTR` before the guest runs another instruction.
+    pub fn set_immediate_exit(&mut self, value: u8) {
+        self.fd.set_kvm_immediate_exit(value);
+    }
+
     /// The vCPU fd, for what this type does not wrap.
     pub fn fd(&self) -> &VcpuFd {
         &self.fd

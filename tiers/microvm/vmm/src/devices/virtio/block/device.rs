@@ -50,10 +50,12 @@ const S_IOERR: u8 = VIRTIO_BLK_S_IOERR as u8;
 const S_UNSUPP: u8 = VIRTIO_BLK_S_UNSUPP as u8;
 
 /// The disk a block device serves.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct BlockConfig {
-    /// The backing file (or block device), opened read-only.
+    /// The backing file (or block device), opened read-only; when `file` is given, only its name in errors.
     pub path: PathBuf,
+    /// The backing file already open (read-only), for a process that cannot open `path` (the jailed monitor).
+    pub file: Option<File>,
     /// The ID GET_ID returns (at most 20 bytes); derived from the file's device and inode when `None`.
     pub id: Option<String>,
 }
@@ -88,9 +90,13 @@ pub(super) struct Disk {
 }
 
 impl Disk {
-    pub(super) fn open(path: &Path) -> Result<Disk, BlockError> {
+    /// Opens `path` read-only, or takes `file` (already open) and names it `path`.
+    pub(super) fn open(path: &Path, file: Option<File>) -> Result<Disk, BlockError> {
         let open_error = |source| BlockError::Open { path: path.to_path_buf(), source };
-        let mut file = File::open(path).map_err(open_error)?;
+        let mut file = match file {
+            Some(file) => file,
+            None => File::open(path).map_err(open_error)?,
+        };
         let len = file.seek(SeekFrom::End(0)).map_err(open_error)?;
         let capacity = len / SECTOR_SIZE;
         if capacity == 0 {
@@ -141,9 +147,9 @@ impl fmt::Debug for BlockDevice {
 }
 
 impl BlockDevice {
-    /// Opens `config.path` read-only and describes it to the guest.
+    /// Opens `config.path` read-only (or takes `config.file`) and describes it to the guest.
     pub fn new(config: BlockConfig) -> Result<BlockDevice, BlockError> {
-        let mut disk = Disk::open(&config.path)?;
+        let mut disk = Disk::open(&config.path, config.file)?;
         if let Some(id) = config.id {
             disk.id = disk_id(&id)?;
         }

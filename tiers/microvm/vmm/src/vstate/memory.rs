@@ -3,14 +3,16 @@
 //! The layout follows Firecracker's: RAM starts at guest address 0 and runs up to the 32-bit MMIO gap
 //! ([`MMIO_GAP_START`], 3.25 GiB); what does not fit below the gap continues at [`MMIO_GAP_END`] (4 GiB). Each region
 //! maps the memfd at the file offset equal to the RAM it follows, so the file is the guest's RAM laid end to end,
-//! without the gap. That is what a snapshot writes ([`GuestMemory::dump_to`]) and what a fork maps back,
+//! without the gap. That is what a snapshot writes ([`GuestMemory::write_sparse`]) and what a fork maps back,
 //! copy-on-write, with [`GuestMemory::from_file_private`].
 //!
 //! The memfd is sealed against growing and shrinking: a mapping can never point past the end of its file (which
 //! would turn a guest access into SIGBUS in the monitor).
 
 use std::fs::File;
+use std::io;
 use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -19,7 +21,7 @@ use nix::sys::memfd::{MFdFlags, memfd_create};
 use vm_memory::mmap::{MmapRegionBuilder, MmapRegionError};
 use vm_memory::{
     Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
-    GuestRegionCollectionError, GuestRegionMmap, WriteVolatile,
+    GuestRegionCollectionError, GuestRegionMmap,
 };
 
 /// Start of the 32-bit MMIO gap (3.25 GiB): RAM stops here and devices (virtio-mmio, the IOAPIC, the LAPIC) live
@@ -154,7 +156,7 @@ impl GuestMemory {
         GuestMemory::map(Arc::new(file), size, &layout, Backing::Memfd)
     }
 
-    /// Maps a memory file written by [`GuestMemory::dump_to`] copy-on-write (`MAP_PRIVATE`): the fork's writes stay
+    /// Maps a memory file written by [`GuestMemory::write_sparse`] copy-on-write (`MAP_PRIVATE`): the fork's writes stay
     /// in its own anonymous pages, the file and every other fork of it see none of them. The RAM size is the file's
     /// length, which must be a valid guest memory size.
     pub fn from_file_private(path: &Path) -> Result<GuestMemory, MemoryError> {
@@ -243,16 +245,124 @@ impl GuestMemory {
         self.mmap.read_slice(buf, addr).map_err(MemoryError::Access)
     }
 
-    /// Writes all of RAM, region after region, to `out`: the file [`GuestMemory::from_file_private`] maps back.
-    /// Reads go through the mappings, so a fork's private writes are included.
-    pub fn dump_to<W: WriteVolatile>(&self, out: &mut W) -> Result<(), MemoryError> {
-        for region in self.mmap.iter() {
-            let len = usize::try_from(region.len())
-                .map_err(|_| MemoryError::TooLarge { size: self.size, max: MAX_MEMORY_SIZE })?;
-            self.mmap.write_all_volatile_to(region.start_addr(), out, len).map_err(MemoryError::Access)?;
+    /// Writes all of RAM to `out` as a memory file (RAM laid end to end, the file
+    /// [`GuestMemory::from_file_private`] maps back), sparse: a page of zeros is a hole, never written. A memfd is
+    /// read with `pread` between its holes (reading its mapping would allocate every page); a fork's private
+    /// mapping is read through the mapping, which holds its own writes. `out` ends up exactly [`Self::size`] long.
+    pub fn write_sparse(&self, out: &File) -> io::Result<()> {
+        let size = self.size;
+        let mut copy = SparseCopy::new(out);
+        match self.backing {
+            Backing::Memfd => {
+                for (start, len) in data_extents(&self.file, size) {
+                    copy.copy_range(start, len, |offset, buf| self.file.read_exact_at(buf, offset))?;
+                }
+            }
+            Backing::PrivateFile => {
+                let mut file_offset = 0u64;
+                for (addr, len, _) in self.regions() {
+                    let base = file_offset;
+                    copy.copy_range(base, len, |offset, buf| {
+                        let at = addr.checked_add(offset - base).ok_or_else(|| io::Error::other("address overflow"))?;
+                        self.read(at, buf).map_err(io::Error::other)
+                    })?;
+                    file_offset += len;
+                }
+            }
+        }
+        out.set_len(size)
+    }
+
+    /// Copies a memory file's data (`source`, [`Self::size`] bytes) into this memory's memfd, extent by extent,
+    /// skipping holes and pages of zeros: they read as zero and cost nothing until the guest touches them.
+    pub fn fill_sparse_from(&self, source: &File) -> io::Result<()> {
+        let mut copy = SparseCopy::new(&self.file);
+        for (start, len) in data_extents(source, self.size) {
+            copy.copy_range(start, len, |offset, buf| source.read_exact_at(buf, offset))?;
         }
         Ok(())
     }
+}
+
+/// The chunk memory is copied in.
+const COPY_CHUNK: usize = 1 << 20;
+
+/// Data extents of `file` as `(offset, len)`, by `SEEK_DATA`/`SEEK_HOLE`; all of `0..size` when the filesystem
+/// cannot tell.
+fn data_extents(file: &File, size: u64) -> Vec<(u64, u64)> {
+    use nix::unistd::{Whence, lseek};
+    let whole = vec![(0, size)];
+    let mut extents = Vec::new();
+    let mut pos: u64 = 0;
+    while pos < size {
+        let Ok(offset) = i64::try_from(pos) else { return whole };
+        let start = match lseek(file, offset, Whence::SeekData) {
+            Ok(start) => start,
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(_) => return whole,
+        };
+        let Ok(end) = lseek(file, start, Whence::SeekHole) else { return whole };
+        let (Ok(start), Ok(end)) = (u64::try_from(start), u64::try_from(end)) else { return whole };
+        let end = end.min(size);
+        if end <= start {
+            break;
+        }
+        extents.push((start, end - start));
+        pos = end;
+    }
+    extents
+}
+
+/// Copies memory into `out` chunk by chunk, writing only the runs of pages that are not all zeros.
+struct SparseCopy<'a> {
+    out: &'a File,
+    buf: Vec<u8>,
+}
+
+impl<'a> SparseCopy<'a> {
+    fn new(out: &'a File) -> SparseCopy<'a> {
+        SparseCopy { out, buf: vec![0; COPY_CHUNK] }
+    }
+
+    /// Copies `start..start + len` (file offsets): `read` fills a buffer from an offset.
+    fn copy_range(
+        &mut self,
+        start: u64,
+        len: u64,
+        mut read: impl FnMut(u64, &mut [u8]) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let end = start.checked_add(len).ok_or_else(|| io::Error::other("memory range overflows"))?;
+        let mut offset = start;
+        while offset < end {
+            let n = usize::try_from(end - offset).unwrap_or(usize::MAX).min(self.buf.len());
+            let chunk = &mut self.buf[..n];
+            read(offset, chunk)?;
+            write_nonzero_runs(self.out, offset, chunk)?;
+            offset += n as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Writes the runs of not-all-zero pages of `chunk` (which sits at file offset `offset`) to `out`.
+fn write_nonzero_runs(out: &File, offset: u64, chunk: &[u8]) -> io::Result<()> {
+    let page = PAGE_SIZE as usize;
+    let mut run: Option<usize> = None;
+    for (i, bytes) in chunk.chunks(page).enumerate() {
+        let zero = bytes.iter().all(|b| *b == 0);
+        match (zero, run) {
+            (false, None) => run = Some(i * page),
+            (true, Some(from)) => {
+                out.write_all_at(&chunk[from..i * page], offset + from as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(from) = run {
+        out.write_all_at(&chunk[from..], offset + from as u64)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -301,8 +411,9 @@ mod tests {
         mem.write(GuestAddress(0x2000), b"parent").expect("write");
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("mem");
-        let mut file = File::create(&path).expect("create");
-        mem.dump_to(&mut file).expect("dump");
+        let file = File::create(&path).expect("create");
+        mem.write_sparse(&file).expect("write");
+        assert_eq!(file.metadata().expect("stat").len(), 1 << 20);
         drop(file);
 
         let fork = GuestMemory::from_file_private(&path).expect("fork");

@@ -14,9 +14,9 @@
 //!
 //! ```no_run
 //! # use std::sync::{Arc, Mutex};
-//! # use strata_tier_microvm::devices::bus::Bus;
-//! # use strata_tier_microvm::devices::virtio::{Interrupt, mmio::{MmioTransport, BackendThread, MMIO_LEN}};
-//! # use strata_tier_microvm::devices::virtio::vsock::{VsockConfig, VsockDevice};
+//! # use strata_vmm::devices::bus::Bus;
+//! # use strata_vmm::devices::virtio::{Interrupt, mmio::{MmioTransport, BackendThread, MMIO_LEN}};
+//! # use strata_vmm::devices::virtio::vsock::{VsockConfig, VsockDevice};
 //! # fn wire(mem: vm_memory::GuestMemoryMmap, bus: &mut Bus) -> Result<(), Box<dyn std::error::Error>> {
 //! let device = VsockDevice::new(VsockConfig { guest_cid: 3, uds_path: "/run/strata/v.sock".into() })?;
 //! let interrupt = Interrupt::new()?; // register interrupt.irqfd() with KVM_IRQFD for the device's GSI

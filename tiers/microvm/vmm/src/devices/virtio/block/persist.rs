@@ -21,10 +21,19 @@ pub struct BlockState {
 }
 
 /// The host resources a block device is rebuilt with.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct BlockConstructorArgs {
-    /// The backing file; it must have the saved size.
+    /// The backing file; it must have the saved size. Only its name in errors when `file` is given.
     pub path: PathBuf,
+    /// The backing file already open (read-only), for a process that cannot open `path`.
+    pub file: Option<std::fs::File>,
+}
+
+impl BlockConstructorArgs {
+    /// The disk at `path`, opened when the device is restored.
+    pub fn at(path: impl Into<PathBuf>) -> BlockConstructorArgs {
+        BlockConstructorArgs { path: path.into(), file: None }
+    }
 }
 
 /// Why a block state was refused.
@@ -61,7 +70,7 @@ impl Persist for BlockDevice {
         if state.disk_id.len() > DISK_ID_LEN {
             return Err(BlockPersistError::DiskId(state.disk_id.len()));
         }
-        let mut disk = Disk::open(&args.path).map_err(BlockPersistError::Open)?;
+        let mut disk = Disk::open(&args.path, args.file).map_err(BlockPersistError::Open)?;
         if disk.capacity != state.capacity_sectors {
             return Err(BlockPersistError::CapacityChanged {
                 path: args.path,
@@ -92,13 +101,12 @@ mod tests {
     #[test]
     fn save_restore_round_trip() {
         let file = image(8);
-        let device =
-            BlockDevice::new(BlockConfig { path: file.path().into(), id: Some("root".into()) }).expect("device");
+        let device = BlockDevice::new(BlockConfig { path: file.path().into(), file: None, id: Some("root".into()) })
+            .expect("device");
         let state = device.save();
         assert_eq!(state.capacity_sectors, 8);
         assert_eq!(&state.disk_id[..4], b"root");
-        let restored =
-            BlockDevice::restore(BlockConstructorArgs { path: file.path().into() }, &state).expect("restore");
+        let restored = BlockDevice::restore(BlockConstructorArgs::at(file.path()), &state).expect("restore");
         assert_eq!(restored.save(), state);
         assert_eq!(restored.disk_id(), device.disk_id());
         let json = serde_json::to_string(&state).expect("serialize");
@@ -109,14 +117,14 @@ mod tests {
     fn restore_refuses_a_resized_disk_or_a_long_id() {
         let file = image(8);
         let state = BlockState { capacity_sectors: 9, disk_id: b"x".to_vec() };
-        let args = BlockConstructorArgs { path: file.path().into() };
+        let args = BlockConstructorArgs::at(file.path());
         assert!(matches!(
-            BlockDevice::restore(args.clone(), &state),
+            BlockDevice::restore(BlockConstructorArgs::at(file.path()), &state),
             Err(BlockPersistError::CapacityChanged { saved: 9, now: 8, .. })
         ));
         let state = BlockState { capacity_sectors: 8, disk_id: vec![b'a'; 21] };
         assert!(matches!(BlockDevice::restore(args, &state), Err(BlockPersistError::DiskId(21))));
-        let missing = BlockConstructorArgs { path: "/nonexistent/strata-disk".into() };
+        let missing = BlockConstructorArgs::at("/nonexistent/strata-disk");
         assert!(matches!(
             BlockDevice::restore(missing, &BlockState { capacity_sectors: 8, disk_id: Vec::new() }),
             Err(BlockPersistError::Open(_))

@@ -1,0 +1,18 @@
+//! Strata's microVM monitor, in the spirit of Firecracker, on the rust-vmm crates.
+//!
+//! - [`vstate`]: the KVM VM (irqchip, PIT, clock, and their saved state), vCPUs (registers, CPUID, MSRs, the run
+//!   loop and its exits) and memfd-backed guest memory (written and read back sparse).
+//! - [`boot`]: direct 64-bit Linux boot (boot params, GDT, identity page tables, command line).
+//! - [`devices`]: the buses the vCPUs' port and MMIO exits dispatch to, the serial console, and the virtio-mmio
+//!   devices (vsock, block). Every guest-controlled value is bounds-checked: a hostile guest breaks its own device,
+//!   never the host.
+//! - [`machine`]: a VM with its memory, vCPUs and devices, paused at a safe point and saved.
+//! - [`persist`]: the saved state's format and rebuilding a machine from it.
+
+#![warn(missing_docs)]
+
+pub mod boot;
+pub mod devices;
+pub mod machine;
+pub mod persist;
+pub mod vstate;
