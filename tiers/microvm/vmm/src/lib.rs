@@ -8,11 +8,17 @@
 //!   never the host.
 //! - [`machine`]: a VM with its memory, vCPUs and devices, paused at a safe point and saved.
 //! - [`persist`]: the saved state's format and rebuilding a machine from it.
+//! - [`monitor`]: the monitor process (binary `strata-vmm`): one machine per process, jailed (namespaces, a
+//!   minimal root, its own cgroup, no capabilities, `no_new_privs`) with a seccomp filter per thread kind
+//!   ([`seccomp`]), driven by the engine over a control socket ([`proto`]).
 
 #![warn(missing_docs)]
 
 pub mod boot;
 pub mod devices;
 pub mod machine;
+pub mod monitor;
 pub mod persist;
+pub mod proto;
+pub mod seccomp;
 pub mod vstate;

@@ -1,5 +1,5 @@
-//! The `strata-vmm` binary: one microVM's monitor process.
+//! The `strata-vmm` binary: one microVM's monitor process (see `strata_vmm::monitor`).
 
 fn main() {
-    std::process::exit(1);
+    strata_vmm::monitor::main()
 }

@@ -66,6 +66,8 @@ pub const IOAPIC_BASE_ADDRESS: u64 = 0xfec0_0000;
 /// Host resources a restored or forked machine is built with: what a snapshot cannot carry.
 #[derive(Debug, Default)]
 pub struct RestoreArgs {
+    /// `/dev/kvm`, already open (the jailed monitor cannot open it); opened here when `None`.
+    pub kvm: Option<kvm_ioctls::Kvm>,
     /// The port bus to place the restored serial device on; may already hold the caller's own devices.
     pub io_bus: Bus,
     /// The MMIO bus to place the restored virtio devices on; may already hold the caller's own devices.
@@ -248,11 +250,14 @@ impl MicrovmState {
         }
         let state = self;
         let irqchip = state.vm.irqchip.is_some();
-        let mut vm = Vm::new(&VmConfig { irqchip })?;
+        let RestoreArgs { kvm, mut io_bus, mut mmio_bus, vsock_uds, guest_cid, disks, serial_log } = args;
+        let mut vm = match kvm {
+            Some(kvm) => Vm::with_kvm(kvm, &VmConfig { irqchip })?,
+            None => Vm::new(&VmConfig { irqchip })?,
+        };
         vm.register_memory(&memory)?;
         state.vm.restore(&vm)?;
 
-        let RestoreArgs { mut io_bus, mut mmio_bus, vsock_uds, guest_cid, disks, serial_log } = args;
         let mut devices = Devices::default();
         if let Some(serial_state) = &state.devices.serial {
             let log = serial_log.unwrap_or_else(|| SerialLog::new(DEFAULT_LOG_CAPACITY));

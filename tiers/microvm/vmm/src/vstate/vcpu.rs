@@ -446,17 +446,17 @@ impl Vcpu {
     }
 
     /// Moves the vCPU to a thread of its own (`strata-vcpu<N>`) that runs [`Vcpu::run`] once and hands the vCPU
-    /// back on [`VcpuThread::join`].
+    /// back on [`VcpuThread::join`]. In a monitor process the thread runs under the vCPU filter
+    /// ([`crate::seccomp::spawn`]).
     pub fn start(self) -> Result<VcpuThread, VcpuError> {
         let stop = self.stop.clone();
-        let handle = std::thread::Builder::new()
-            .name(format!("strata-vcpu{}", self.index))
-            .spawn(move || {
-                let mut vcpu = self;
-                let result = vcpu.run();
-                (vcpu, result)
-            })
-            .map_err(VcpuError::Spawn)?;
+        let name = format!("strata-vcpu{}", self.index);
+        let handle = crate::seccomp::spawn(crate::seccomp::ThreadKind::Vcpu, name, move || {
+            let mut vcpu = self;
+            let result = vcpu.run();
+            (vcpu, result)
+        })
+        .map_err(VcpuError::Spawn)?;
         Ok(VcpuThread { handle, stop })
     }
 }

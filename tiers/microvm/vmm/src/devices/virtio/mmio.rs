@@ -548,9 +548,11 @@ impl BackendThread {
                 .map_err(|e| BackendThreadError::Io(e.into()))?,
         );
         let thread_stop = stop.clone();
-        let handle = std::thread::Builder::new()
-            .name("strata-virtio-backend".into())
-            .spawn(move || backend_loop(&transport, &backend, &thread_stop))
+        // In a monitor process the thread runs under the worker filter.
+        let handle =
+            crate::seccomp::spawn(crate::seccomp::ThreadKind::Worker, "strata-virtio-backend".into(), move || {
+                backend_loop(&transport, &backend, &thread_stop)
+            })
             .map_err(BackendThreadError::Io)?;
         Ok(BackendThread { stop, handle: Some(handle) })
     }

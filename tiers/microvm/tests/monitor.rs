@@ -1,0 +1,244 @@
+//! Tiny hand-made guests through the jailed monitor process: what the guest does, what the jail looks like from
+//! the host, what a call outside a thread's filter does, and what is left afterwards.
+//!
+//! Without `/dev/kvm` each test prints one `skip:` line and passes.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use strata_tier_microvm::monitor::{MONITOR_ID_BASE, Monitor, MonitorConfig, MonitorError, Stopped};
+use strata_vmm::proto::{BootImage, BootSpec, MachineSpec, PROBE_ADDRESS, PROTOCOL_VERSION, Payload, ThreadKind};
+use strata_vmm::vstate::vcpu::cpuid::CpuidProfile;
+
+const CODE: u64 = 0x1000;
+const HLT: u8 = 0xf4;
+
+fn kvm() -> Option<MutexGuard<'static, ()>> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    if !Path::new("/dev/kvm").exists() {
+        println!("skip: /dev/kvm is absent");
+        return None;
+    }
+    Some(ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// `mov dx, 0x3f8`, then `mov al, b; out dx, al` per byte of `text`.
+fn print(text: &[u8]) -> Vec<u8> {
+    let mut code = vec![0x66, 0xba, 0xf8, 0x03];
+    for &b in text {
+        code.extend([0xb0, b, 0xee]);
+    }
+    code
+}
+
+fn spec(code: Vec<u8>, probe: bool, vsock: bool) -> MachineSpec {
+    MachineSpec {
+        version: PROTOCOL_VERSION,
+        payload: Payload::Boot(BootSpec {
+            memory_bytes: 2 << 20,
+            vcpus: 1,
+            cpuid: CpuidProfile::Standard,
+            irqchip: false,
+            image: BootImage::Code { code, at: CODE },
+            probe,
+        }),
+        vsock_socket: vsock.then(|| "vsock.sock".to_owned()),
+        guest_cid: None,
+        disks: Vec::new(),
+    }
+}
+
+fn config(dir: &Path) -> MonitorConfig {
+    MonitorConfig::new(dir.join("run"))
+}
+
+/// Polls the monitor until its guest stops (or `limit` passes).
+fn wait_stopped(monitor: &mut Monitor, limit: Duration) -> Result<Stopped, MonitorError> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(stopped) = monitor.status()? {
+            return Ok(stopped);
+        }
+        assert!(Instant::now() < deadline, "the guest did not stop within {limit:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_tiny_guest_prints_hello_through_the_jailed_monitor() {
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut code = print(b"hello\n");
+    code.push(HLT);
+    let mut monitor = Monitor::start(&config(dir.path()), &spec(code, false, false), &[], 1, 2 << 20).expect("start");
+    let stopped = wait_stopped(&mut monitor, Duration::from_secs(10)).expect("status");
+    assert_eq!(stopped.exits, vec!["Hlt".to_owned()]);
+    let (console, dropped) = monitor.console().expect("console");
+    assert_eq!(console, "hello\n");
+    assert_eq!(dropped, 0);
+    monitor.stop();
+}
+
+fn status_field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
+    status.lines().find_map(|l| l.strip_prefix(name).map(|v| v.trim_start_matches(':').trim()))
+}
+
+fn namespace(pid: &str, kind: &str) -> PathBuf {
+    std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).expect("namespace link")
+}
+
+#[test]
+fn every_monitor_thread_is_jailed_and_filtered() {
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Spins (`jmp $`): the vCPU thread stays up while the host looks.
+    let code = vec![0xeb, 0xfe];
+    let monitor = Monitor::start(&config(dir.path()), &spec(code, false, true), &[], 1, 2 << 20).expect("start");
+    let pid = monitor.pid().to_string();
+    let tasks: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("tasks")
+        .map(|e| e.expect("task").file_name().to_string_lossy().into_owned())
+        .collect();
+    let mut names = BTreeSet::new();
+    for task in &tasks {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/task/{task}/status")).expect("status");
+        let name = status_field(&status, "Name").unwrap_or("?").to_owned();
+        assert_eq!(status_field(&status, "Seccomp"), Some("2"), "thread {name} has no filter");
+        assert_eq!(status_field(&status, "NoNewPrivs"), Some("1"), "thread {name}");
+        for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+            assert_eq!(status_field(&status, caps), Some("0000000000000000"), "thread {name}: {caps}");
+        }
+        let uid = status_field(&status, "Uid").expect("Uid");
+        let first: u32 = uid.split_whitespace().next().expect("uid").parse().expect("a number");
+        assert!(first >= MONITOR_ID_BASE, "thread {name} runs as host user {first}");
+        names.insert(name);
+    }
+    // The main thread, the spawner, the vCPU and the vsock backend.
+    assert!(tasks.len() >= 4, "threads: {names:?}");
+    assert!(names.iter().any(|n| n.starts_with("strata-vcpu")), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("strata-virtio")), "{names:?}");
+    let me = std::process::id().to_string();
+    for kind in ["mnt", "pid", "net", "ipc", "uts", "user", "cgroup"] {
+        assert_ne!(namespace(&pid, kind), namespace(&me, kind), "the monitor shares our {kind} namespace");
+    }
+    // Its root holds only /run, which holds only the VM's sockets.
+    let root: BTreeSet<String> = std::fs::read_dir(format!("/proc/{pid}/root"))
+        .expect("root")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(root, BTreeSet::from(["run".to_owned()]));
+    let run: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root/run"))
+        .expect("run")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(run, vec!["vsock.sock".to_owned()]);
+    assert!(monitor.socket_dir().join("vsock.sock").exists(), "the engine sees the socket where it expects it");
+    // In its own cgroup.
+    if let Some(cgroup) = monitor.cgroup() {
+        assert!(cgroup.pids().contains(&monitor.pid()), "the monitor is not in its cgroup");
+    }
+    monitor.stop();
+}
+
+#[test]
+fn a_call_outside_the_vmm_filter_kills_the_monitor_and_says_which() {
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let code = vec![0xeb, 0xfe];
+    let mut monitor = Monitor::start(&config(dir.path()), &spec(code, false, false), &[], 1, 2 << 20).expect("start");
+    match monitor.probe(ThreadKind::Vmm) {
+        Err(MonitorError::Crashed { seccomp: true, report, .. }) => {
+            assert!(report.contains("the vmm thread made system call 41"), "{report}");
+        }
+        other => panic!("the probe did not kill the monitor: {other:?}"),
+    }
+    assert!(monitor.has_ended());
+    // Every later request says the same.
+    assert!(matches!(monitor.status(), Err(MonitorError::Crashed { seccomp: true, .. })));
+}
+
+#[test]
+fn a_guest_that_drives_its_vcpu_thread_outside_the_filter_kills_the_monitor() {
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    // mov dword [PROBE_ADDRESS], 1; then spin.
+    let mut code = vec![0xc7, 0x04, 0x25];
+    code.extend((PROBE_ADDRESS as u32).to_le_bytes());
+    code.extend(1u32.to_le_bytes());
+    code.extend([0xeb, 0xfe]);
+    // The guest runs as soon as its vCPU starts: the monitor may die before or after it says it started.
+    let crash = match Monitor::start(&config(dir.path()), &spec(code, true, false), &[], 1, 2 << 20) {
+        Err(e) => e,
+        Ok(mut monitor) => {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                match monitor.status() {
+                    Ok(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                    Ok(status) => panic!("the monitor survived its vCPU's forbidden call: {status:?}"),
+                    Err(e) => break e,
+                }
+            }
+        }
+    };
+    match crash {
+        MonitorError::Crashed { seccomp: true, report, .. } => {
+            assert!(report.contains("the vcpu thread made system call 41"), "{report}");
+        }
+        other => panic!("unexpected: {other:?}"),
+    }
+}
+
+#[test]
+fn a_monitor_with_the_probe_refuses_more_ram_than_its_address() {
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut spec = spec(vec![HLT], true, false);
+    if let Payload::Boot(boot) = &mut spec.payload {
+        boot.memory_bytes = PROBE_ADDRESS + (2 << 20);
+    }
+    match Monitor::start(&config(dir.path()), &spec, &[], 1, 2 << 20) {
+        Err(MonitorError::Failed { stage, message }) => {
+            assert_eq!(stage, "start");
+            assert!(message.contains("probe"), "{message}");
+        }
+        other => panic!("accepted: {other:?}"),
+    }
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").expect("fds").count()
+}
+
+#[test]
+fn stopped_killed_and_crashed_monitors_leave_nothing_behind() {
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = config(dir.path());
+    // The embedded binary's memfd is made once per process: make it before counting.
+    drop(Monitor::start(&config, &spec(vec![HLT], false, false), &[], 1, 2 << 20).expect("start"));
+    let fds = open_fds();
+    let cgroups = config.cgroups.as_ref().map(|c| c.count());
+    let mut pids = Vec::new();
+    for round in 0..3 {
+        let mut monitor =
+            Monitor::start(&config, &spec(vec![0xeb, 0xfe], false, true), &[], 1, 2 << 20).expect("start");
+        pids.push(monitor.pid());
+        match round {
+            0 => monitor.stop(),
+            1 => drop(monitor),
+            _ => {
+                let _ = monitor.probe(ThreadKind::Vmm);
+                drop(monitor);
+            }
+        }
+    }
+    for pid in pids {
+        assert!(!Path::new(&format!("/proc/{pid}")).exists(), "monitor {pid} is still there");
+    }
+    assert_eq!(open_fds(), fds, "descriptors leaked");
+    assert_eq!(config.cgroups.as_ref().map(|c| c.count()), cgroups, "cgroups leaked");
+    let left: Vec<_> = std::fs::read_dir(&config.run_dir).expect("run dir").collect();
+    assert!(left.is_empty(), "VM directories left: {left:?}");
+}
