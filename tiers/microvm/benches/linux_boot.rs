@@ -157,7 +157,7 @@ fn strata_boot(config: &MicrovmConfig, timeout: Duration) -> anyhow::Result<Boot
     let mut vm = Microvm::boot(config)?;
     let mut ready_line = None;
     while ready_line.is_none() && !vm.has_stopped() && started.elapsed() < timeout {
-        if contains(&vm.serial().contents(), READY_LINE) {
+        if contains(vm.console().as_bytes(), READY_LINE) {
             ready_line = Some(started.elapsed());
         } else {
             std::thread::sleep(Duration::from_millis(1));

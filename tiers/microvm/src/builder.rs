@@ -1,10 +1,11 @@
-//! Assembling a microVM that boots Linux and reaching its guest agent: `Microvm::boot` puts the pieces together
-//! (memfd memory, the VM with its irqchip, the kernel and initramfs, the serial console, virtio-vsock for the agent,
-//! virtio-blk for an optional read-only root disk, the vCPU threads); `Microvm::connect_agent` waits for the agent
-//! over vsock; dropping the `Microvm` stops and joins every thread and removes its socket.
+//! A microVM that boots Linux, in a monitor process of its own ([`crate::monitor`]), and reaching its guest agent:
+//! `Microvm::boot` has the monitor put the pieces together (memfd memory, the VM with its irqchip, the kernel and
+//! initramfs, the serial console, virtio-vsock for the agent, virtio-blk for an optional read-only root disk, the
+//! vCPU threads: [`strata_vmm::monitor::build`]); `Microvm::connect_agent` waits for the agent over vsock;
+//! dropping the `Microvm` ends the monitor and removes its directory.
 //!
-//! Device placement (what the kernel command line tells the guest): virtio-mmio slots of 4 KiB from the start of the
-//! MMIO gap (0xd000_0000), GSIs from 5 up; the serial console on COM1 (GSI 4). The guest reboots by triple fault
+//! The kernel command line is the engine's (the monitor appends its devices: virtio-mmio slots of 4 KiB from the
+//! start of the MMIO gap, GSIs from 5 up, vsock first, then the root disk). The guest reboots by triple fault
 //! (`reboot=t`) and the agent's power-off is a restart (`strata.halt=restart`): without ACPI a halt would leave the
 //! VM running; a triple fault ends the vCPU with a `Shutdown` exit.
 //!
@@ -13,38 +14,32 @@
 //! typed, never a hang. The engine does not even try there (`strata doctor` says why).
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-use linux_loader::cmdline::Cmdline;
 use strata_guest_proto::{AgentClient, ClientConfig, DEFAULT_AGENT_PORT};
+use strata_vmm::persist::{MAX_STATE_BYTES, MEMORY_FILE, MicrovmState, STATE_HEADER_LEN};
+use strata_vmm::proto::{BootImage, BootSpec, DiskSpec, MachineSpec, PROTOCOL_VERSION, Payload};
 
-use crate::boot::{self, BootError, BootProtocol, CMDLINE_MAX_SIZE};
-use crate::devices::bus::{Bus, BusError};
-use crate::devices::serial::{SERIAL_GSI, SERIAL_PORT_BASE, SERIAL_PORT_LEN, SerialDevice, SerialLog};
-use crate::devices::virtio::Interrupt;
-use crate::devices::virtio::block::{BlockConfig, BlockDevice};
-use crate::devices::virtio::mmio::{BackendThread, MMIO_LEN, MmioTransport, kernel_cmdline_device};
-use crate::devices::virtio::vsock::{VsockConfig, VsockDevice};
-use crate::machine::{Devices, Machine, VirtioSlot, VirtioTransport};
-use crate::persist::RestoreArgs;
+use crate::machine::MachineError;
+use crate::monitor::{Monitor, MonitorConfig, MonitorError};
 use crate::snapshot::{SnapshotExtra, VmSnapshot, VmSnapshotError};
-use crate::vstate::memory::{GuestMemory, MMIO_GAP_START};
 use crate::vstate::vcpu::cpuid::CpuidProfile;
-use crate::vstate::vcpu::{Vcpu, VcpuConfig, VcpuExit};
-use crate::vstate::vm::{Vm, VmConfig};
+use strata_tier_process::jail::CgroupRoot;
 
 /// The guest's vsock CID (one VM per vsock device, so it can be the same for every VM).
 pub const GUEST_CID: u64 = 3;
 
-/// The first virtio device's GSI.
-const FIRST_VIRTIO_GSI: u32 = 5;
+/// The vsock socket's name in the VM's socket directory.
+const VSOCK_SOCKET: &str = "vsock.sock";
 
-/// The console's log kept per VM.
-const SERIAL_LOG_BYTES: usize = 256 * 1024;
+/// The kernel command line, before the root disk's arguments and the monitor's devices.
+pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=t panic=-1 pci=off nokaslr i8042.noaux i8042.nomux \
+                                i8042.dumbkbd strata.halt=restart";
 
 /// What to boot.
 #[derive(Debug, Clone)]
@@ -68,29 +63,9 @@ pub struct MicrovmConfig {
 /// Why a microVM could not be built, or its agent reached.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
-    /// Guest memory.
+    /// The monitor could not be started, failed to build the machine, or died.
     #[error(transparent)]
-    Memory(#[from] crate::vstate::memory::MemoryError),
-    /// The VM.
-    #[error(transparent)]
-    Vm(#[from] crate::vstate::vm::VmError),
-    /// A vCPU.
-    #[error(transparent)]
-    Vcpu(#[from] crate::vstate::vcpu::VcpuError),
-    /// Loading the kernel.
-    #[error(transparent)]
-    Boot(#[from] BootError),
-    /// Placing a device.
-    #[error(transparent)]
-    Bus(#[from] BusError),
-    /// A device.
-    #[error("{what}: {message}")]
-    Device {
-        /// Which device.
-        what: &'static str,
-        /// The error.
-        message: String,
-    },
+    Monitor(#[from] MonitorError),
     /// A file (kernel, initramfs, disk).
     #[error("cannot open {}: {source}", path.display())]
     Open {
@@ -118,179 +93,146 @@ pub enum BuildError {
     },
 }
 
-fn cmdline_error(err: linux_loader::cmdline::Error) -> BuildError {
-    BuildError::Device { what: "kernel command line", message: err.to_string() }
-}
-
-fn device_error(what: &'static str) -> impl FnOnce(std::io::Error) -> BuildError {
-    move |err| BuildError::Device { what, message: err.to_string() }
-}
-
-/// A running microVM: a [`Machine`] (so it can be paused and snapshotted like any other), its console and the host
-/// socket of its vsock device.
+/// A running microVM: its monitor process and the host path of its vsock device's socket.
 #[derive(Debug)]
 pub struct Microvm {
-    machine: Machine,
-    serial: SerialLog,
+    monitor: Mutex<Monitor>,
     vsock_uds: PathBuf,
     started: Instant,
 }
 
+/// Where monitors run: the run directory, and this host's cgroups (looked up once per process).
+fn monitor_config(run_dir: &Path) -> MonitorConfig {
+    static CGROUPS: OnceLock<Option<CgroupRoot>> = OnceLock::new();
+    MonitorConfig { run_dir: run_dir.to_owned(), cgroups: CGROUPS.get_or_init(|| CgroupRoot::detect().ok()).clone() }
+}
+
+fn open(path: &Path) -> Result<File, BuildError> {
+    File::open(path).map_err(|source| BuildError::Open { path: path.to_owned(), source })
+}
+
 impl Microvm {
-    /// Builds the VM and starts its vCPUs.
+    /// Starts a monitor that builds the VM and starts its vCPUs.
     pub fn boot(config: &MicrovmConfig) -> Result<Microvm, BuildError> {
-        let memory = GuestMemory::new(config.memory_bytes)?;
-        let mut vm = Vm::new(&VmConfig { irqchip: true })?;
-        vm.register_memory(&memory)?;
-
-        let mut io = Bus::new();
-        let serial = SerialDevice::new(SERIAL_LOG_BYTES)
-            .map_err(|e| BuildError::Device { what: "serial console", message: e.to_string() })?;
-        vm.register_irqfd(serial.interrupt_evt(), SERIAL_GSI)?;
-        let serial_log = serial.log();
-        let serial = Arc::new(Mutex::new(serial));
-        io.insert(serial.clone(), SERIAL_PORT_BASE, SERIAL_PORT_LEN)?;
-        let mut devices = Devices { serial: Some(serial), virtio: Vec::new() };
-
-        let mut mmio = Bus::new();
-        let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(cmdline_error)?;
-        let mut args = format!(
-            "console=ttyS0 reboot=t panic=-1 pci=off nokaslr i8042.noaux i8042.nomux i8042.dumbkbd \
-             strata.halt=restart strata.port={DEFAULT_AGENT_PORT}"
-        );
+        let mut cmdline = format!("{BASE_CMDLINE} strata.port={DEFAULT_AGENT_PORT}");
         if config.cpuid == CpuidProfile::PvmCompat {
-            args.push_str(" noxsave");
+            cmdline.push_str(" noxsave");
         }
-        let mut backends = Vec::new();
-        let mut slot = 0u32;
-        let mut place = |cmdline_args: &mut String| -> (u64, u32) {
-            let base = MMIO_GAP_START + u64::from(slot) * MMIO_LEN;
-            let gsi = FIRST_VIRTIO_GSI + slot;
-            slot += 1;
-            cmdline_args.push(' ');
-            cmdline_args.push_str(&kernel_cmdline_device(base, gsi));
-            (base, gsi)
-        };
-
-        let vsock_uds = config.run_dir.join(format!("vsock-{}-{}.sock", std::process::id(), unique()));
-        let vsock = VsockDevice::new(VsockConfig { guest_cid: GUEST_CID, uds_path: vsock_uds.clone() })
-            .map_err(|e| BuildError::Device { what: "vsock", message: e.to_string() })?;
-        let interrupt = Interrupt::new().map_err(device_error("vsock interrupt"))?;
-        let (base, gsi) = place(&mut args);
-        vm.register_irqfd(interrupt.irqfd(), gsi)?;
-        let transport = Arc::new(Mutex::new(
-            MmioTransport::new(memory.mmap().clone(), vsock, interrupt)
-                .map_err(|e| BuildError::Device { what: "vsock transport", message: e.to_string() })?,
-        ));
-        mmio.insert(transport.clone(), base, MMIO_LEN)?;
-        let backend = BackendThread::spawn(transport.clone())
-            .map_err(|e| BuildError::Device { what: "vsock backend", message: e.to_string() })?;
-        backends.push(backend);
-        devices.virtio.push(VirtioSlot { base, gsi, transport: VirtioTransport::Vsock(transport) });
-
+        let kernel = open(&config.kernel)?;
+        let initramfs = open(&config.initramfs)?;
+        let mut files = vec![kernel, initramfs];
+        let mut disks = Vec::new();
         if let Some(disk) = &config.root_disk {
-            let block =
-                BlockDevice::new(BlockConfig { path: disk.clone(), file: None, id: Some("strata-root".into()) })
-                    .map_err(|e| BuildError::Device { what: "root disk", message: e.to_string() })?;
-            let interrupt = Interrupt::new().map_err(device_error("root disk interrupt"))?;
-            let (base, gsi) = place(&mut args);
-            vm.register_irqfd(interrupt.irqfd(), gsi)?;
-            let transport = MmioTransport::new(memory.mmap().clone(), block, interrupt)
-                .map_err(|e| BuildError::Device { what: "root disk transport", message: e.to_string() })?;
-            let transport = Arc::new(Mutex::new(transport));
-            mmio.insert(transport.clone(), base, MMIO_LEN)?;
-            devices.virtio.push(VirtioSlot { base, gsi, transport: VirtioTransport::Block(transport) });
-            args.push_str(" strata.root=/dev/vda strata.rootfstype=squashfs");
+            files.push(open(disk)?);
+            disks.push(DiskSpec { id: Some("strata-root".into()), name: "the root disk".into() });
+            cmdline.push_str(" strata.root=/dev/vda strata.rootfstype=squashfs");
         }
-        cmdline.insert_str(&args).map_err(cmdline_error)?;
-
-        let mut kernel =
-            File::open(&config.kernel).map_err(|source| BuildError::Open { path: config.kernel.clone(), source })?;
-        let mut initrd = File::open(&config.initramfs)
-            .map_err(|source| BuildError::Open { path: config.initramfs.clone(), source })?;
-        let loaded = boot::load_kernel(&memory, &mut kernel, &cmdline, Some(&mut initrd), BootProtocol::Linux64)?;
-
-        let vcpu_config = VcpuConfig { vcpu_count: config.vcpus.max(1), cpuid: config.cpuid };
-        let mut vcpus = Vec::new();
-        for index in 0..vcpu_config.vcpu_count {
-            let vcpu = Vcpu::new(&vm, index, io.clone(), mmio.clone())?;
-            vcpu.configure(&vm, &vcpu_config)?;
-            if index == 0 {
-                vcpu.set_entry(&loaded.entry)?;
-            }
-            vcpus.push(vcpu);
-        }
-        let mut machine = Machine::new(vm, memory, vcpus, devices);
-        for backend in backends {
-            machine.add_backend(backend);
-        }
-        let started = Instant::now();
-        machine.resume().map_err(|e| BuildError::Device { what: "vCPU threads", message: e.to_string() })?;
-        Ok(Microvm { machine, serial: serial_log, vsock_uds, started })
+        let vcpus = config.vcpus.max(1);
+        let spec = MachineSpec {
+            version: PROTOCOL_VERSION,
+            payload: Payload::Boot(BootSpec {
+                memory_bytes: config.memory_bytes,
+                vcpus,
+                cpuid: config.cpuid,
+                irqchip: true,
+                image: BootImage::Linux { cmdline, initramfs: true },
+                probe: false,
+            }),
+            vsock_socket: Some(VSOCK_SOCKET.into()),
+            guest_cid: Some(GUEST_CID),
+            disks,
+        };
+        let fds: Vec<_> = files.iter().map(AsFd::as_fd).collect();
+        let monitor = Monitor::start(&monitor_config(&config.run_dir), &spec, &fds, vcpus, config.memory_bytes)?;
+        Ok(Microvm::around(monitor))
     }
 
-    /// A fork of `snapshot` in a new monitor: its memory file mapped copy-on-write ([`VmSnapshot::fork`]), a new
-    /// vsock socket in `run_dir`, the new guest CID `guest_cid` (the fork's identity), the root disk `root_disk`
-    /// when the snapshot has one, and the vCPUs running. The guest's vsock connections were reset: reach the agent
-    /// again with [`Microvm::connect_agent`].
+    fn around(monitor: Monitor) -> Microvm {
+        let vsock_uds = monitor.socket_dir().join(VSOCK_SOCKET);
+        Microvm { monitor: Mutex::new(monitor), vsock_uds, started: Instant::now() }
+    }
+
+    /// A fork of `snapshot` in a new monitor: its memory file's private copy mapped copy-on-write there, a new
+    /// vsock socket in a directory of its own under `run_dir`, the new guest CID `guest_cid` (the fork's
+    /// identity), the root disk `root_disk` when the snapshot has one, and the vCPUs running. The guest's vsock
+    /// connections were reset: reach the agent again with [`Microvm::connect_agent`].
     pub fn fork(
         snapshot: &VmSnapshot,
-        run_dir: &std::path::Path,
+        run_dir: &Path,
         guest_cid: u64,
         root_disk: Option<PathBuf>,
     ) -> Result<Microvm, VmSnapshotError> {
-        let vsock_uds = run_dir.join(format!("vsock-{}-{}.sock", std::process::id(), unique()));
-        let serial = SerialLog::new(SERIAL_LOG_BYTES);
-        let args = RestoreArgs {
-            vsock_uds: Some(vsock_uds.clone()),
+        let state = snapshot.state();
+        let mut state_file = memfd("strata-vmstate")?;
+        state_file.write_all(&state.to_bytes()?).map_err(io_error("the state"))?;
+        // The monitor reads it from where the descriptor stands.
+        std::io::Seek::rewind(&mut state_file).map_err(io_error("the state"))?;
+        let memory = snapshot.snapshot().private_copy(MEMORY_FILE)?;
+        let mut files = vec![state_file, memory.file().try_clone().map_err(io_error("the memory copy"))?];
+        let mut disks = Vec::new();
+        if let Some(disk) = &root_disk {
+            files.push(File::open(disk).map_err(|source| VmSnapshotError::Io { path: disk.clone(), source })?);
+            disks.push(DiskSpec { id: None, name: "the root disk".into() });
+        }
+        let spec = MachineSpec {
+            version: PROTOCOL_VERSION,
+            payload: Payload::Restore { fork: true },
+            vsock_socket: Some(VSOCK_SOCKET.into()),
             guest_cid: Some(guest_cid),
-            disks: root_disk
-                .into_iter()
-                .map(crate::devices::virtio::block::persist::BlockConstructorArgs::at)
-                .collect(),
-            serial_log: Some(serial.clone()),
-            ..RestoreArgs::default()
+            disks,
         };
-        let machine = snapshot.fork(args)?;
-        let mut vm = Microvm { machine, serial, vsock_uds, started: Instant::now() };
-        vm.machine.resume().map_err(VmSnapshotError::from)?;
-        Ok(vm)
+        let fds: Vec<_> = files.iter().map(AsFd::as_fd).collect();
+        let vcpus = u8::try_from(state.vcpus.len()).unwrap_or(u8::MAX);
+        let monitor = Monitor::start(&monitor_config(run_dir), &spec, &fds, vcpus, state.memory_bytes)
+            .map_err(VmSnapshotError::Monitor)?;
+        Ok(Microvm::around(monitor))
     }
 
-    /// Pauses the vCPUs at a safe point, saves the whole VM into a new snapshot directory at `destination`
-    /// ([`VmSnapshot::save_with`]) and resumes it, whether the save worked or not. Quiesce the guest first (the
-    /// agent's `PrepareSnapshot`).
+    /// Has the monitor pause the vCPUs at a safe point and write the whole VM into a new snapshot directory at
+    /// `destination` (the memory file straight into the directory; the state into a file of ours, which is parsed
+    /// and checked like any state: the monitor is not trusted), seals it with `trust` here, and resumes it,
+    /// whether the save worked or not. Quiesce the guest first (the agent's `PrepareSnapshot`).
     pub fn snapshot(
         &mut self,
-        destination: &std::path::Path,
+        destination: &Path,
         parent: Option<String>,
         extra: SnapshotExtra,
         trust: &strata_core::SnapshotTrust,
     ) -> Result<VmSnapshot, VmSnapshotError> {
-        let exits = self.machine.pause();
-        let saved = match exits {
-            Ok(exits) if exits.iter().all(|e| matches!(e, VcpuExit::Stopped)) => {
-                VmSnapshot::save_with(&mut self.machine, destination, parent, extra, trust)
-            }
-            Ok(exits) => Err(crate::machine::MachineError::InvalidState(format!(
-                "the guest stopped on its own before the snapshot ({})",
-                exits.iter().map(describe).collect::<Vec<_>>().join(", ")
-            ))
-            .into()),
-            Err(err) => Err(err.into()),
-        };
-        self.machine.resume()?;
-        saved
+        let writer = strata_core::SnapshotWriter::create(destination, trust)?;
+        let path = writer.dir().join(MEMORY_FILE);
+        let memory = File::create(&path).map_err(|source| VmSnapshotError::Io { path: path.clone(), source })?;
+        let state_file = memfd("strata-vmstate")?;
+        let length = self.lock().snapshot(&state_file, &memory).map_err(VmSnapshotError::Monitor)?;
+        let cap = MAX_STATE_BYTES + STATE_HEADER_LEN as u64;
+        if length > cap {
+            return Err(MachineError::StateTooLarge { size: length, max: MAX_STATE_BYTES }.into());
+        }
+        let mut bytes = Vec::new();
+        let mut reader = &state_file;
+        std::io::Seek::rewind(&mut reader).map_err(io_error("the state"))?;
+        reader.take(cap + 1).read_to_end(&mut bytes).map_err(io_error("the state"))?;
+        let state = MicrovmState::from_bytes(&bytes, Path::new("vmstate"))?;
+        let written = memory.metadata().map_err(|source| VmSnapshotError::Io { path: path.clone(), source })?.len();
+        if written != state.memory_bytes {
+            return Err(MachineError::MemorySize { expected: state.memory_bytes, found: written }.into());
+        }
+        drop(memory);
+        VmSnapshot::commit(writer, state, parent, extra)
     }
 
-    /// The machine: VM, memory, devices, vCPUs.
-    pub fn machine(&self) -> &Machine {
-        &self.machine
+    fn lock(&self) -> MutexGuard<'_, Monitor> {
+        self.monitor.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The console log.
-    pub fn serial(&self) -> &SerialLog {
-        &self.serial
+    /// The monitor's process ID, as the host sees it.
+    pub fn monitor_pid(&self) -> i32 {
+        self.lock().pid()
+    }
+
+    /// The console's log (empty when the monitor is gone).
+    pub fn console(&self) -> String {
+        self.lock().console().map(|(text, _)| text).unwrap_or_default()
     }
 
     /// The host Unix socket of the VM's vsock device (host-initiated connections; guest connections to port `P`
@@ -299,21 +241,25 @@ impl Microvm {
         &self.vsock_uds
     }
 
-    /// Whether a vCPU has stopped on its own (the guest rebooted or crashed).
+    /// Whether the guest has stopped on its own (it rebooted or crashed) or its monitor is gone.
     pub fn has_stopped(&self) -> bool {
-        self.machine.has_stopped()
+        !matches!(self.lock().status(), Ok(None))
     }
 
     /// Waits (up to `timeout`) for the guest agent on vsock and connects to it.
     pub fn connect_agent(&mut self, timeout: Duration) -> Result<AgentClient, BuildError> {
         let deadline = self.started + timeout;
         loop {
-            if self.has_stopped() {
-                let exit = match self.machine.pause() {
-                    Ok(exits) => exits.iter().map(describe).collect::<Vec<_>>().join(", "),
-                    Err(err) => err.to_string(),
-                };
-                return Err(BuildError::GuestDied { exit, console: self.console_tail(20) });
+            let status = self.lock().status();
+            match status {
+                Ok(None) => {}
+                Ok(Some(stopped)) => {
+                    return Err(BuildError::GuestDied {
+                        exit: stopped.exits.join(", "),
+                        console: self.console_tail(20),
+                    });
+                }
+                Err(e) => return Err(e.into()),
             }
             if let Some(client) = self.try_connect() {
                 return Ok(client);
@@ -342,29 +288,23 @@ impl Microvm {
 
     /// The console's last `lines` lines.
     pub fn console_tail(&self, lines: usize) -> String {
-        let text = String::from_utf8_lossy(&self.serial.contents()).into_owned();
+        let text = self.console();
         let all: Vec<&str> = text.lines().collect();
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
-    /// Stops every vCPU and device thread and removes the socket (as dropping it does).
+    /// Ends the monitor (stopping the vCPUs first) and removes its directory, as dropping it does.
     pub fn shutdown(self) {
-        drop(self);
+        self.monitor.into_inner().unwrap_or_else(PoisonError::into_inner).stop();
     }
 }
 
-impl Drop for Microvm {
-    fn drop(&mut self) {
-        // The machine stops and joins its vCPU and backend threads when it is dropped, after this.
-        let _ = std::fs::remove_file(&self.vsock_uds);
-    }
+fn memfd(name: &str) -> Result<File, VmSnapshotError> {
+    let fd = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+        .map_err(|e| VmSnapshotError::Io { path: PathBuf::from(name), source: e.into() })?;
+    Ok(File::from(fd))
 }
 
-fn describe(exit: &VcpuExit) -> String {
-    format!("{exit:?}")
-}
-
-fn unique() -> u64 {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+fn io_error(what: &'static str) -> impl FnOnce(std::io::Error) -> VmSnapshotError {
+    move |source| VmSnapshotError::Io { path: PathBuf::from(what), source }
 }

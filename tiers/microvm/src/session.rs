@@ -525,6 +525,14 @@ impl<H: AgentHost> Session<H> {
 
 /// With [`Net::Allow`](strata_core::Net::Allow): the host egress proxy on the guest's egress socket, then the
 /// agent's forwarder.
+/// Lets the monitor's unprivileged user connect to a socket the engine listens on in the VM's socket directory (a
+/// directory only that user and root can enter; connecting takes write permission on the socket).
+fn open_to_the_monitor(socket: &Path) -> Result<(), TierError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666))
+        .map_err(|err| internal_from("opening a socket to the monitor", err))
+}
+
 fn start_egress<H: AgentHost>(
     host: &H,
     client: &AgentClient,
@@ -537,6 +545,7 @@ fn start_egress<H: AgentHost>(
         .with_max_connections(DEFAULT_EGRESS_CONNECTIONS as usize);
     let proxy = EgressProxy::start(config)
         .map_err(|err| internal(format!("egress proxy: {}", strata_guest_proto::error_chain(&err))))?;
+    open_to_the_monitor(&path.socket)?;
     client
         .start_egress(path.listen_port, EGRESS_PORT, DEFAULT_EGRESS_CONNECTIONS)
         .map_err(|err| internal_from("starting the guest's egress forwarder", err))?;
@@ -637,6 +646,7 @@ impl<H: AgentHost> Sandbox for Session<H> {
         let listener = std::os::unix::net::UnixListener::bind(&socket)
             .map_err(|err| internal_from("listening for a port's stream", err))?;
         let _remove = RemoveOnDrop(&socket);
+        open_to_the_monitor(&socket)?;
         client.open_port(port, host_port).map_err(|err| match err {
             ClientError::Refused { message } if message.starts_with(strata_guest_proto::PORT_CLOSED) => {
                 TierError::PortClosed { port, reason: message }

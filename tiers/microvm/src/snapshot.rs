@@ -49,6 +49,9 @@ pub enum VmSnapshotError {
     /// The machine could not be saved or rebuilt, or the state file was refused.
     #[error(transparent)]
     Machine(#[from] MachineError),
+    /// The monitor process failed to save or restore the machine, or died.
+    #[error(transparent)]
+    Monitor(#[from] crate::monitor::MonitorError),
     /// The snapshot's manifest lacks one of our files.
     #[error("the snapshot has no {0} file")]
     MissingFile(&'static str),
@@ -118,7 +121,7 @@ impl VmSnapshot {
     }
 
     /// Writes the state file beside the memory file already in `writer`'s directory and seals the snapshot.
-    fn commit(
+    pub(crate) fn commit(
         writer: SnapshotWriter,
         state: MicrovmState,
         parent: Option<String>,

@@ -242,3 +242,108 @@ fn stopped_killed_and_crashed_monitors_leave_nothing_behind() {
     let left: Vec<_> = std::fs::read_dir(&config.run_dir).expect("run dir").collect();
     assert!(left.is_empty(), "VM directories left: {left:?}");
 }
+
+/// Counts forever: `rax` += 1, stored at `[0x4000]`, its low byte written to COM1.
+fn counter() -> Vec<u8> {
+    vec![
+        0x48, 0x31, 0xc0, // xor rax, rax
+        0x66, 0xba, 0xf8, 0x03, // mov dx, 0x3f8
+        0x48, 0xff, 0xc0, // loop: inc rax
+        0x48, 0x89, 0x04, 0x25, 0x00, 0x40, 0x00, 0x00, //       mov [0x4000], rax
+        0xee, //       out dx, al
+        0xeb, 0xf2, //       jmp loop
+    ]
+}
+
+fn console_len(monitor: &mut Monitor) -> u64 {
+    let (text, dropped) = monitor.console().expect("console");
+    text.len() as u64 + dropped
+}
+
+#[test]
+fn a_guest_saved_by_one_monitor_runs_on_in_a_forked_one() {
+    use std::os::fd::AsFd;
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = config(dir.path());
+    let mut parent = Monitor::start(&config, &spec(counter(), false, false), &[], 1, 2 << 20).expect("start");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while console_len(&mut parent) < 100 {
+        assert!(Instant::now() < deadline, "the counter did not count");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let state = tempfile::tempfile().expect("state file");
+    let memory = tempfile::tempfile().expect("memory file");
+    let state_bytes = parent.snapshot(&state, &memory).expect("snapshot");
+    assert_eq!(state.metadata().expect("stat").len(), state_bytes);
+    assert_eq!(memory.metadata().expect("stat").len(), 2 << 20, "the memory file is the guest's RAM");
+    // The parent resumed.
+    let before = console_len(&mut parent);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while console_len(&mut parent) == before {
+        assert!(Instant::now() < deadline, "the parent did not resume");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(parent.status().expect("status"), None);
+
+    let fork_spec = MachineSpec {
+        version: PROTOCOL_VERSION,
+        payload: Payload::Restore { fork: true },
+        vsock_socket: None,
+        guest_cid: None,
+        disks: Vec::new(),
+    };
+    let mut state_reader = &state;
+    std::io::Seek::rewind(&mut state_reader).expect("rewind");
+    let mut fork = Monitor::start(&config, &fork_spec, &[state.as_fd(), memory.as_fd()], 1, 2 << 20).expect("fork");
+    assert_ne!(fork.pid(), parent.pid());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while console_len(&mut fork) < 100 {
+        assert!(Instant::now() < deadline, "the fork did not run on");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(fork.status().expect("status"), None);
+    // A damaged state is refused by the monitor, which says why.
+    let broken = tempfile::tempfile().expect("file");
+    std::fs::write(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&broken)), b"STRATAVMgarbage")
+        .expect("write");
+    match Monitor::start(&config, &fork_spec, &[broken.as_fd(), memory.as_fd()], 1, 2 << 20) {
+        Err(MonitorError::Failed { stage, message }) => {
+            assert_eq!(stage, "start");
+            assert!(message.contains("state"), "{message}");
+        }
+        other => panic!("a damaged state was accepted: {other:?}"),
+    }
+    fork.stop();
+    parent.stop();
+}
+
+#[test]
+fn the_vsock_socket_answers_through_the_jail_and_its_worker_filter() {
+    use std::io::{Read, Write};
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut monitor =
+        Monitor::start(&config(dir.path()), &spec(vec![0xeb, 0xfe], false, true), &[], 1, 2 << 20).expect("start");
+    let socket = monitor.socket_dir().join("vsock.sock");
+    // The worker thread accepts host connections and reads their CONNECT line; a guest without a driver never
+    // answers, so the host waits — and the monitor lives on.
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        let mut stream = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
+        stream.write_all(b"CONNECT 1024\n").expect("write");
+        stream.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
+        let mut buf = [0u8; 16];
+        assert!(stream.read(&mut buf).is_err(), "an answer came from a guest without a driver");
+        streams.push(stream);
+    }
+    // A malformed line gets the connection closed, and nothing else.
+    let mut bad = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
+    bad.write_all(b"HELLO\n").expect("write");
+    bad.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut buf = [0u8; 16];
+    assert_eq!(bad.read(&mut buf).expect("read"), 0, "a malformed CONNECT was not closed");
+    assert_eq!(monitor.status().expect("status"), None);
+    drop(streams);
+    monitor.stop();
+}

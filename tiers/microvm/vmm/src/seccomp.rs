@@ -9,9 +9,9 @@
 //!   vsock socket (`unlink`, in `/run`, the only writable directory it sees).
 //! - [`ThreadKind::Vcpu`]: `KVM_RUN`, and what the devices do on its exits: the serial console and interrupt
 //!   eventfds (`write`), block reads (`pread64`), vsock's transmit path (an `AF_UNIX` stream `socket`, `connect`,
-//!   `write`, `shutdown`, `epoll_ctl`, the muxer's timer).
+//!   `sendto`/`recvfrom`, `shutdown`, `epoll_ctl`, the muxer's timer).
 //! - [`ThreadKind::Worker`]: a device backend (the vsock muxer): `poll`/`epoll_wait` on its host sockets,
-//!   `accept4`, `read`/`write`, `FIONBIO`, `epoll_ctl`, its timer, the interrupt eventfd.
+//!   `accept4`, `recvfrom`/`sendto`, `FIONBIO`, `epoll_ctl`, its timer, the interrupt eventfd.
 //!
 //! A thread inherits its creator's filters, and filters only narrow. So no filtered thread creates another: one
 //! **spawner** thread, started before anything is filtered, creates every vCPU and worker thread
@@ -32,8 +32,8 @@ use std::sync::{Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_debugregs, kvm_fpu, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msrs, kvm_pit_state2,
-    kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_fpu, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msrs,
+    kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
 };
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch,
@@ -72,6 +72,7 @@ const KVM_GET_SREGS: u64 = ioc(IOC_READ, 0x83, size_of::<kvm_sregs>());
 const KVM_GET_MSRS: u64 = ioc(IOC_READ | IOC_WRITE, 0x88, size_of::<kvm_msrs>());
 const KVM_GET_FPU: u64 = ioc(IOC_READ, 0x8c, size_of::<kvm_fpu>());
 const KVM_GET_LAPIC: u64 = ioc(IOC_READ, 0x8e, size_of::<kvm_lapic_state>());
+const KVM_GET_CPUID2: u64 = ioc(IOC_READ | IOC_WRITE, 0x91, size_of::<kvm_cpuid2>());
 const KVM_GET_MP_STATE: u64 = ioc(IOC_READ, 0x98, size_of::<kvm_mp_state>());
 const KVM_GET_VCPU_EVENTS: u64 = ioc(IOC_READ, 0x9f, size_of::<kvm_vcpu_events>());
 const KVM_GET_DEBUGREGS: u64 = ioc(IOC_READ, 0xa1, size_of::<kvm_debugregs>());
@@ -92,6 +93,7 @@ const SAVE_IOCTLS: &[u64] = &[
     KVM_GET_MSRS,
     KVM_GET_FPU,
     KVM_GET_LAPIC,
+    KVM_GET_CPUID2,
     KVM_GET_MP_STATE,
     KVM_GET_VCPU_EVENTS,
     KVM_GET_DEBUGREGS,
@@ -226,7 +228,15 @@ pub fn vcpu_rules() -> Rules {
     let mut rules = base();
     always(
         &mut rules,
-        &[libc::SYS_pread64, libc::SYS_connect, libc::SYS_shutdown, libc::SYS_epoll_ctl, libc::SYS_timerfd_settime],
+        &[
+            libc::SYS_pread64,
+            libc::SYS_connect,
+            libc::SYS_recvfrom,
+            libc::SYS_sendto,
+            libc::SYS_shutdown,
+            libc::SYS_epoll_ctl,
+            libc::SYS_timerfd_settime,
+        ],
     );
     ioctls(&mut rules, &[KVM_RUN]);
     when(&mut rules, libc::SYS_socket, vec![vec![eq(0, libc::AF_UNIX as u64)]]);
@@ -245,6 +255,8 @@ pub fn worker_rules() -> Rules {
             libc::SYS_epoll_pwait,
             libc::SYS_epoll_ctl,
             libc::SYS_accept4,
+            libc::SYS_recvfrom,
+            libc::SYS_sendto,
             libc::SYS_shutdown,
             libc::SYS_timerfd_settime,
         ],
@@ -483,6 +495,7 @@ mod tests {
         assert_eq!(KVM_GET_MSRS, 0xc008_ae88);
         assert_eq!(KVM_GET_FPU, 0x81a0_ae8c);
         assert_eq!(KVM_GET_LAPIC, 0x8400_ae8e);
+        assert_eq!(KVM_GET_CPUID2, 0xc008_ae91);
         assert_eq!(KVM_GET_MP_STATE, 0x8004_ae98);
         assert_eq!(KVM_GET_VCPU_EVENTS, 0x8040_ae9f);
         assert_eq!(KVM_GET_DEBUGREGS, 0x8080_aea1);

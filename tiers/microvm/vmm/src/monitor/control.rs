@@ -42,6 +42,16 @@ pub fn serve(ctl: OwnedFd) -> ! {
             }
         }
     };
+    // The largest file the monitor may write is a snapshot's memory file: a monitor taken over by its guest cannot
+    // fill the engine's disk through the files it is handed.
+    let largest =
+        machine.memory().size().max(crate::persist::MAX_STATE_BYTES + crate::persist::STATE_HEADER_LEN as u64);
+    let limit = libc::rlimit { rlim_cur: largest, rlim_max: largest };
+    // SAFETY: setrlimit(2) with a valid rlimit struct; it only lowers this process's own limit.
+    if unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &limit) } != 0 {
+        reply(&ctl, &failed("limits", std::io::Error::last_os_error().to_string()));
+        std::process::exit(1);
+    }
     if let Err(e) = seccomp::enter_vmm() {
         reply(&ctl, &failed("seccomp", e.to_string()));
         std::process::exit(1);
