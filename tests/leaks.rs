@@ -1,7 +1,8 @@
 //! No fd, thread or mapping leaks after 1,000 wasm and Python jobs; no fd, thread, child process, cgroup or
 //! mount leaks after 200 process-tier jobs and sessions (with jobs at once in them); none after 500 forks of a
-//! snapshot on each tier, nor after 500 live forks of a process-tier zygote. A binary of its own (no test
-//! harness), so nothing else runs in the process while it counts.
+//! snapshot on each tier, nor after 500 live forks of a process-tier zygote, nor after 100 microVM monitor
+//! processes (stopped, dropped, killed by their filter, saved and forked). A binary of its own (no test harness),
+//! so nothing else runs in the process while it counts.
 
 use std::time::Instant;
 
@@ -120,6 +121,7 @@ fn main() -> anyhow::Result<()> {
     process_tier(&engine, data.path())?;
     process_forks(&engine)?;
     zygote_forks(&engine)?;
+    monitors(&engine)?;
     println!("leaks: ok");
     Ok(())
 }
@@ -328,5 +330,73 @@ fn zygote_forks(engine: &Engine) -> anyhow::Result<()> {
     let after = host_resources(engine)?;
     println!("500 zygote forks in {:.2?}; before {before:?}, after {after:?}", started.elapsed());
     anyhow::ensure!(before == after, "zygote forks leaked: before {before:?}, after {after:?}");
+    Ok(())
+}
+
+/// 100 microVM monitor processes (tiny guests: stopped, dropped, killed by their seccomp filter, saved and forked)
+/// leave no fd, thread, child, cgroup or mount behind.
+fn monitors(engine: &Engine) -> anyhow::Result<()> {
+    use std::os::fd::AsFd;
+    use strata_tier_microvm::monitor::{Monitor, MonitorConfig};
+    use strata_vmm::proto::{BootImage, BootSpec, MachineSpec, PROTOCOL_VERSION, Payload, ThreadKind};
+    use strata_vmm::vstate::vcpu::cpuid::CpuidProfile;
+    if !std::path::Path::new("/dev/kvm").exists() {
+        println!("skip: monitors: /dev/kvm is absent");
+        return Ok(());
+    }
+    let run = tempfile::tempdir()?;
+    let config = MonitorConfig::new(run.path().join("run"));
+    let boot = |code: Vec<u8>| MachineSpec {
+        version: PROTOCOL_VERSION,
+        payload: Payload::Boot(BootSpec {
+            memory_bytes: 2 << 20,
+            vcpus: 1,
+            cpuid: CpuidProfile::Standard,
+            irqchip: false,
+            image: BootImage::Code { code, at: 0x1000 },
+            probe: false,
+        }),
+        vsock_socket: Some("vsock.sock".into()),
+        guest_cid: None,
+        disks: Vec::new(),
+    };
+    let spin = || boot(vec![0xeb, 0xfe]);
+    let fork = MachineSpec {
+        version: PROTOCOL_VERSION,
+        payload: Payload::Restore { fork: true },
+        vsock_socket: Some("vsock.sock".into()),
+        guest_cid: Some(7),
+        disks: Vec::new(),
+    };
+    let one = |i: usize| -> anyhow::Result<()> {
+        let mut monitor = Monitor::start(&config, &spin(), &[], 1, 2 << 20)?;
+        match i % 4 {
+            0 => monitor.stop(),
+            1 => drop(monitor),
+            2 => anyhow::ensure!(monitor.probe(ThreadKind::Vmm).is_err(), "the probe did not end the monitor"),
+            _ => {
+                let (state, memory) = (tempfile::tempfile()?, tempfile::tempfile()?);
+                monitor.snapshot(&state, &memory)?;
+                let mut reader = &state;
+                std::io::Seek::rewind(&mut reader)?;
+                Monitor::start(&config, &fork, &[state.as_fd(), memory.as_fd()], 1, 2 << 20)?.stop();
+                monitor.stop();
+            }
+        }
+        Ok(())
+    };
+    // Warm up: the embedded binary's memfd, the cgroup root.
+    one(0)?;
+    let before = host_resources(engine)?;
+    let started = Instant::now();
+    for i in 0..100 {
+        one(i)?;
+    }
+    let after = host_resources(engine)?;
+    println!("100 monitors in {:.2?}; before {before:?}, after {after:?}", started.elapsed());
+    anyhow::ensure!(before == after, "monitors leaked: before {before:?}, after {after:?}");
+    let left: Vec<_> = std::fs::read_dir(&config.run_dir)?.collect();
+    anyhow::ensure!(left.is_empty(), "VM directories left: {left:?}");
+    println!("leaks (microVM monitors): ok");
     Ok(())
 }

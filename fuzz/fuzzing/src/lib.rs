@@ -56,6 +56,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "port_routes", run: targets::port_routes::run },
     Target { name: "oci_layer", run: targets::oci_layer::run },
     Target { name: "dockerfile", run: targets::dockerfile::run },
+    Target { name: "vmm_control", run: targets::vmm_control::run },
 ];
 
 /// The target called `name`.

@@ -29,6 +29,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "policy_toml" => policy_toml(),
         "virtio_mmio" => virtio_mmio(),
         "virtio_block" | "virtio_vsock" => generated(),
+        "vmm_control" => vmm_control(),
         "e2b_connect" => e2b_connect(),
         "api_bodies" => api_bodies(),
         "wasm_cache_entry" => wasm_cache_entry(),
@@ -541,6 +542,50 @@ fn virtio_mmio() -> Vec<Seed> {
 }
 
 /// Inputs for the generator-driven targets: the generator makes well-formed requests of most bytes.
+fn vmm_control() -> Vec<Seed> {
+    use strata_vmm::proto::{
+        BootImage, BootSpec, DiskSpec, JailSpec, MachineSpec, Payload, Reply, Request, ThreadKind,
+    };
+    use strata_vmm::vstate::vcpu::cpuid::CpuidProfile;
+    let doc = |v: &dyn erased::Json| {
+        let mut out = vec![0u8];
+        out.extend(v.json());
+        out
+    };
+    let start = Request::Start(MachineSpec {
+        version: strata_vmm::proto::PROTOCOL_VERSION,
+        payload: Payload::Boot(BootSpec {
+            memory_bytes: 2 << 20,
+            vcpus: 1,
+            cpuid: CpuidProfile::Standard,
+            irqchip: true,
+            image: BootImage::Linux { cmdline: "console=ttyS0".into(), initramfs: true },
+            probe: false,
+        }),
+        vsock_socket: Some("vsock.sock".into()),
+        guest_cid: Some(3),
+        disks: vec![DiskSpec { id: Some("strata-root".into()), name: "root".into() }],
+    });
+    let jail = Request::Jail(JailSpec {
+        version: strata_vmm::proto::PROTOCOL_VERSION,
+        join_cgroup: vec!["/sys/fs/cgroup/strata/x/cgroup.procs".into()],
+        root_dir: "/run/strata/vm/root".into(),
+        socket_dir: "/run/strata/vm/sock".into(),
+        uid: 0x5354_0001,
+        gid: 0x5354_0001,
+    });
+    named(vec![
+        ("start", doc(&start)),
+        ("jail", doc(&jail)),
+        ("probe", doc(&Request::Probe(ThreadKind::Vcpu))),
+        ("status", doc(&Reply::Status { stopped: true, exits: vec!["Hlt".into()] })),
+        ("console", doc(&Reply::Console { text: "hello\n".into(), dropped: 0 })),
+        ("saved", doc(&Reply::Saved { state_bytes: 4096 })),
+        ("failed", doc(&Reply::Failed { stage: "start".into(), message: "no".into() })),
+        ("jailed", doc(&Reply::Jailed { host_pid: 42 })),
+    ])
+}
+
 fn generated() -> Vec<Seed> {
     named(vec![("zeros", vec![0; 96]), ("counting", (0u8..=255).collect()), ("ones", vec![0xff; 96])])
 }

@@ -286,9 +286,12 @@ impl Microvm {
         AgentClient::connect(stream, ClientConfig { timeout: Some(Duration::from_secs(10)) }).ok()
     }
 
-    /// The console's last `lines` lines.
+    /// The console's last `lines` lines; when the monitor is gone, why (a crash, its seccomp report).
     pub fn console_tail(&self, lines: usize) -> String {
-        let text = self.console();
+        let text = match self.lock().console() {
+            Ok((text, _)) => text,
+            Err(e) => return e.to_string(),
+        };
         let all: Vec<&str> = text.lines().collect();
         all[all.len().saturating_sub(lines)..].join("\n")
     }

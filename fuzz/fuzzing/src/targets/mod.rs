@@ -22,5 +22,6 @@ pub mod snapshot_wasm;
 pub mod virtio_block;
 pub mod virtio_mmio;
 pub mod virtio_vsock;
+pub mod vmm_control;
 pub mod warm_requests;
 pub mod wasm_cache_entry;
