@@ -338,36 +338,15 @@ fn zygote_forks(engine: &Engine) -> anyhow::Result<()> {
 fn monitors(engine: &Engine) -> anyhow::Result<()> {
     use std::os::fd::AsFd;
     use strata_tier_microvm::monitor::{Monitor, MonitorConfig};
-    use strata_vmm::proto::{BootImage, BootSpec, MachineSpec, PROTOCOL_VERSION, Payload, ThreadKind};
-    use strata_vmm::vstate::vcpu::cpuid::CpuidProfile;
+    use strata_vmm::proto::{MachineSpec, ThreadKind};
     if !std::path::Path::new("/dev/kvm").exists() {
         println!("skip: monitors: /dev/kvm is absent");
         return Ok(());
     }
     let run = tempfile::tempdir()?;
     let config = MonitorConfig::new(run.path().join("run"));
-    let boot = |code: Vec<u8>| MachineSpec {
-        version: PROTOCOL_VERSION,
-        payload: Payload::Boot(BootSpec {
-            memory_bytes: 2 << 20,
-            vcpus: 1,
-            cpuid: CpuidProfile::Standard,
-            irqchip: false,
-            image: BootImage::Code { code, at: 0x1000 },
-            probe: false,
-        }),
-        vsock_socket: Some("vsock.sock".into()),
-        guest_cid: None,
-        disks: Vec::new(),
-    };
-    let spin = || boot(vec![0xeb, 0xfe]);
-    let fork = MachineSpec {
-        version: PROTOCOL_VERSION,
-        payload: Payload::Restore { fork: true },
-        vsock_socket: Some("vsock.sock".into()),
-        guest_cid: Some(7),
-        disks: Vec::new(),
-    };
+    let spin = || MachineSpec::code(vec![0xeb, 0xfe], 0x1000, 2 << 20).with_vsock("vsock.sock");
+    let fork = MachineSpec { guest_cid: Some(7), ..MachineSpec::fork().with_vsock("vsock.sock") };
     let one = |i: usize| -> anyhow::Result<()> {
         let mut monitor = Monitor::start(&config, &spin(), &[], 1, 2 << 20)?;
         match i % 4 {

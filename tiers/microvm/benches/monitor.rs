@@ -23,10 +23,9 @@ use strata_tier_microvm::devices::bus::Bus;
 use strata_tier_microvm::devices::serial::{SERIAL_PORT_BASE, SERIAL_PORT_LEN, SerialDevice};
 use strata_tier_microvm::monitor::{Monitor, MonitorConfig};
 use strata_tier_microvm::vstate::memory::GuestMemory;
-use strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile;
 use strata_tier_microvm::vstate::vcpu::{Vcpu, VcpuConfig, VcpuExit};
 use strata_tier_microvm::vstate::vm::{Vm, VmConfig};
-use strata_vmm::proto::{BootImage, BootSpec, MachineSpec, PROTOCOL_VERSION, Payload};
+use strata_vmm::proto::MachineSpec;
 use vm_memory::GuestAddress;
 
 const CODE: u64 = 0x1000;
@@ -46,20 +45,7 @@ fn hello_code() -> Vec<u8> {
 }
 
 fn spec(code: Vec<u8>) -> MachineSpec {
-    MachineSpec {
-        version: PROTOCOL_VERSION,
-        payload: Payload::Boot(BootSpec {
-            memory_bytes: MEM_SIZE,
-            vcpus: 1,
-            cpuid: CpuidProfile::Standard,
-            irqchip: false,
-            image: BootImage::Code { code, at: CODE },
-            probe: false,
-        }),
-        vsock_socket: Some("vsock.sock".into()),
-        guest_cid: None,
-        disks: Vec::new(),
-    }
+    MachineSpec::code(code, CODE, MEM_SIZE).with_vsock("vsock.sock")
 }
 
 fn monitor_hello(config: &MonitorConfig) -> anyhow::Result<()> {

@@ -9,8 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use strata_tier_microvm::monitor::{MONITOR_ID_BASE, Monitor, MonitorConfig, MonitorError, Stopped};
-use strata_vmm::proto::{BootImage, BootSpec, MachineSpec, PROBE_ADDRESS, PROTOCOL_VERSION, Payload, ThreadKind};
-use strata_vmm::vstate::vcpu::cpuid::CpuidProfile;
+use strata_vmm::proto::{MachineSpec, PROBE_ADDRESS, Payload, ThreadKind};
 
 const CODE: u64 = 0x1000;
 const HLT: u8 = 0xf4;
@@ -34,20 +33,11 @@ fn print(text: &[u8]) -> Vec<u8> {
 }
 
 fn spec(code: Vec<u8>, probe: bool, vsock: bool) -> MachineSpec {
-    MachineSpec {
-        version: PROTOCOL_VERSION,
-        payload: Payload::Boot(BootSpec {
-            memory_bytes: 2 << 20,
-            vcpus: 1,
-            cpuid: CpuidProfile::Standard,
-            irqchip: false,
-            image: BootImage::Code { code, at: CODE },
-            probe,
-        }),
-        vsock_socket: vsock.then(|| "vsock.sock".to_owned()),
-        guest_cid: None,
-        disks: Vec::new(),
+    let mut spec = MachineSpec::code(code, CODE, 2 << 20);
+    if let Payload::Boot(boot) = &mut spec.payload {
+        boot.probe = probe;
     }
+    if vsock { spec.with_vsock("vsock.sock") } else { spec }
 }
 
 fn config(dir: &Path) -> MonitorConfig {
@@ -286,13 +276,7 @@ fn a_guest_saved_by_one_monitor_runs_on_in_a_forked_one() {
     }
     assert_eq!(parent.status().expect("status"), None);
 
-    let fork_spec = MachineSpec {
-        version: PROTOCOL_VERSION,
-        payload: Payload::Restore { fork: true },
-        vsock_socket: None,
-        guest_cid: None,
-        disks: Vec::new(),
-    };
+    let fork_spec = MachineSpec::fork();
     let mut state_reader = &state;
     std::io::Seek::rewind(&mut state_reader).expect("rewind");
     let mut fork = Monitor::start(&config, &fork_spec, &[state.as_fd(), memory.as_fd()], 1, 2 << 20).expect("fork");

@@ -153,6 +153,44 @@ pub struct MachineSpec {
     pub disks: Vec<DiskSpec>,
 }
 
+impl MachineSpec {
+    /// A new machine of one vCPU, without irqchip or devices but the console, running hand-made `code` at guest
+    /// address `at` (the tiny guests of tests and benches).
+    pub fn code(code: Vec<u8>, at: u64, memory_bytes: u64) -> MachineSpec {
+        MachineSpec {
+            version: PROTOCOL_VERSION,
+            payload: Payload::Boot(BootSpec {
+                memory_bytes,
+                vcpus: 1,
+                cpuid: CpuidProfile::Standard,
+                irqchip: false,
+                image: BootImage::Code { code, at },
+                probe: false,
+            }),
+            vsock_socket: None,
+            guest_cid: None,
+            disks: Vec::new(),
+        }
+    }
+
+    /// A fork of a saved machine (descriptors: the state, the memory).
+    pub fn fork() -> MachineSpec {
+        MachineSpec {
+            version: PROTOCOL_VERSION,
+            payload: Payload::Restore { fork: true },
+            vsock_socket: None,
+            guest_cid: None,
+            disks: Vec::new(),
+        }
+    }
+
+    /// The same, with a vsock device whose socket is `name` in [`RUN_DIR`].
+    pub fn with_vsock(mut self, name: &str) -> MachineSpec {
+        self.vsock_socket = Some(name.to_owned());
+        self
+    }
+}
+
 /// A read-only virtio-blk disk.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -313,20 +351,9 @@ mod tests {
     fn messages_and_descriptors_cross() {
         let (a, b) = pair();
         let file = tempfile::tempfile().expect("file");
-        let request = Request::Start(MachineSpec {
-            version: PROTOCOL_VERSION,
-            payload: Payload::Boot(BootSpec {
-                memory_bytes: 2 << 20,
-                vcpus: 1,
-                cpuid: CpuidProfile::Standard,
-                irqchip: false,
-                image: BootImage::Code { code: vec![0xf4], at: 0x1000 },
-                probe: false,
-            }),
-            vsock_socket: None,
-            guest_cid: None,
-            disks: vec![DiskSpec { id: Some("root".into()), name: "root".into() }],
-        });
+        let mut spec = MachineSpec::code(vec![0xf4], 0x1000, 2 << 20);
+        spec.disks.push(DiskSpec { id: Some("root".into()), name: "root".into() });
+        let request = Request::Start(spec);
         send(a.as_fd(), &request, &[file.as_fd()]).expect("send");
         let (got, fds) = recv::<Request>(b.as_fd()).expect("recv").expect("a message");
         assert_eq!(got, request);
@@ -343,20 +370,7 @@ mod tests {
         let huge = vec![b' '; MAX_MESSAGE + 10];
         nix::sys::socket::send(a.as_raw_fd(), &huge, MsgFlags::empty()).expect("send");
         assert!(matches!(recv::<Request>(b.as_fd()), Err(ProtoError::Malformed(_))));
-        let too_big = Request::Start(MachineSpec {
-            version: PROTOCOL_VERSION,
-            payload: Payload::Boot(BootSpec {
-                memory_bytes: 2 << 20,
-                vcpus: 1,
-                cpuid: CpuidProfile::Standard,
-                irqchip: false,
-                image: BootImage::Code { code: vec![0x90; MAX_MESSAGE], at: 0x1000 },
-                probe: false,
-            }),
-            vsock_socket: None,
-            guest_cid: None,
-            disks: Vec::new(),
-        });
+        let too_big = Request::Start(MachineSpec::code(vec![0x90; MAX_MESSAGE], 0x1000, 2 << 20));
         assert!(matches!(send(a.as_fd(), &too_big, &[]), Err(ProtoError::Malformed(_))));
     }
 }
