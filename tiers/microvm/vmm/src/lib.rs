@@ -8,6 +8,7 @@
 //!   never the host.
 //! - [`machine`]: a VM with its memory, vCPUs and devices, paused at a safe point and saved.
 //! - [`persist`]: the saved state's format and rebuilding a machine from it.
+//! - `test_utils` (feature `test-utils`): the guest side of the devices, for tests and benches.
 
 #![warn(missing_docs)]
 
@@ -15,4 +16,6 @@ pub mod boot;
 pub mod devices;
 pub mod machine;
 pub mod persist;
+#[cfg(feature = "test-utils")]
+pub mod test_utils;
 pub mod vstate;
