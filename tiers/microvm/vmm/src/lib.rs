@@ -8,7 +8,8 @@
 //!   never the host.
 //! - [`machine`]: a VM with its memory, vCPUs and devices, paused at a safe point and saved.
 //! - [`persist`]: the saved state's format and rebuilding a machine from it.
-//! - `test_utils` (feature `test-utils`): the guest side of the devices, for tests and benches.
+//! - `test_utils` (feature `test-utils`): the guest side of the devices, tiny hand-assembled guests and the rules
+//!   of tests sharing a process, for tests and benches.
 
 #![warn(missing_docs)]
 
