@@ -16,6 +16,7 @@ use strata_tier_microvm::devices::virtio::mmio::MmioTransport;
 use strata_tier_microvm::devices::virtio::persist::{MmioTransportConstructorArgs, Persist};
 use strata_tier_microvm::devices::virtio::vsock::{MAX_QUEUED_RESETS, VsockConfig, VsockDevice};
 use strata_vmm::test_utils::driver::*;
+use strata_vmm::test_utils::process::shared;
 use vm_memory::GuestMemoryMmap;
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -73,6 +74,7 @@ fn blk_request(
 
 #[test]
 fn blk_config_space_reports_capacity_and_limits() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let d = block_driver(&mem, &image);
@@ -86,6 +88,7 @@ fn blk_config_space_reports_capacity_and_limits() {
 
 #[test]
 fn blk_reads_known_sectors_byte_exact() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -114,6 +117,7 @@ fn blk_reads_known_sectors_byte_exact() {
 
 #[test]
 fn blk_batches_several_requests_per_notification() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -136,6 +140,7 @@ fn blk_batches_several_requests_per_notification() {
 
 #[test]
 fn blk_get_id_flush_write_and_unknown() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let original = std::fs::read(image.path()).unwrap();
@@ -160,6 +165,7 @@ fn blk_get_id_flush_write_and_unknown() {
 
 #[test]
 fn blk_out_of_range_reads_fail_without_touching_the_buffer() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -189,6 +195,7 @@ fn bad(what: &'static str, descs: Vec<(u16, u64, u32, u16, u16)>, expect: Option
 
 #[test]
 fn blk_malformed_chains_are_refused_without_writing_outside_them() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -309,6 +316,7 @@ fn blk_malformed_chains_are_refused_without_writing_outside_them() {
 
 #[test]
 fn blk_hostile_avail_ring_is_survived() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -330,6 +338,7 @@ fn blk_hostile_avail_ring_is_survived() {
 
 #[test]
 fn blk_snapshot_restore_continues_the_ring() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -364,6 +373,7 @@ fn blk_snapshot_restore_continues_the_ring() {
 
 #[test]
 fn blk_reset_and_reinit() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -456,6 +466,7 @@ fn host_connect(
 
 #[test]
 fn vsock_host_initiated_connection_carries_data_both_ways() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -538,6 +549,7 @@ fn vsock_host_initiated_connection_carries_data_both_ways() {
 
 #[test]
 fn vsock_host_half_close_lets_the_guest_answer() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -567,6 +579,7 @@ fn vsock_host_half_close_lets_the_guest_answer() {
 
 #[test]
 fn vsock_host_hang_up_delivers_everything_as_credit_allows() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -623,6 +636,7 @@ fn vsock_host_hang_up_delivers_everything_as_credit_allows() {
 
 #[test]
 fn vsock_host_initiated_connection_refused_by_guest() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -650,6 +664,7 @@ fn vsock_host_initiated_connection_refused_by_guest() {
 
 #[test]
 fn vsock_guest_initiated_connection() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let listener = UnixListener::bind(format!("{}_5000", setup.uds().display())).unwrap();
@@ -689,6 +704,7 @@ fn vsock_guest_initiated_connection() {
 
 #[test]
 fn vsock_hostile_packets_get_rst_or_are_dropped() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -742,6 +758,7 @@ fn vsock_hostile_packets_get_rst_or_are_dropped() {
 
 #[test]
 fn vsock_rx_buffers_without_room_for_a_header_are_returned_empty() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let device = VsockDevice::new(VsockConfig { guest_cid: GUEST_CID, uds_path: setup.uds() }).unwrap();
@@ -766,6 +783,7 @@ fn vsock_rx_buffers_without_room_for_a_header_are_returned_empty() {
 
 #[test]
 fn vsock_flood_is_bounded() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let device = VsockDevice::new(VsockConfig { guest_cid: GUEST_CID, uds_path: setup.uds() }).unwrap();
@@ -799,6 +817,7 @@ fn vsock_flood_is_bounded() {
 
 #[test]
 fn vsock_guest_overrunning_its_credit_is_reset() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -822,6 +841,7 @@ fn vsock_guest_overrunning_its_credit_is_reset() {
 
 #[test]
 fn vsock_device_reset_drops_connections() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -842,6 +862,7 @@ fn vsock_device_reset_drops_connections() {
 #[test]
 fn vsock_backend_thread_pushes_rx_and_signals() {
     use strata_tier_microvm::devices::virtio::mmio::BackendThread;
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -864,6 +885,7 @@ fn vsock_backend_thread_pushes_rx_and_signals() {
 #[test]
 fn vsock_snapshot_restore_sends_transport_reset() {
     use strata_tier_microvm::devices::virtio::vsock::persist::VsockConstructorArgs;
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -905,6 +927,7 @@ fn vsock_snapshot_restore_sends_transport_reset() {
 #[test]
 fn vsock_guest_streams_to_the_egress_port_reach_the_egress_proxy() {
     use strata_egress::{Allowlist, EgressConfig, EgressProxy};
+    let _shared = shared();
     let origin = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let origin_port = origin.local_addr().unwrap().port();
     std::thread::spawn(move || {
