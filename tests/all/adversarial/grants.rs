@@ -7,7 +7,7 @@
 //! of the image's own set-user-ID programs, renames and links from elsewhere, a fork of a zygote), each in a
 //! fresh grant. Wasm tier: WASI has no call that sets a mode or makes a node, and Strata's own commit of a
 //! scratch copy into the grant (escalation) writes only plain files, directories and links, never through a
-//! host link. The microVM tier's copy-back is tried in `tiers/microvm/tests/grants.rs` (over the real agent).
+//! host link. The microVM tier's copy-back is tried in `tiers/microvm/tests/all/grants.rs` (over the real agent).
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};

@@ -8,15 +8,11 @@
 //! — the agent's real forwarder (`strata_agent::egress`), the real vsock device and its muxer (which connects the
 //! guest's stream to port 1028 to the proxy's Unix socket `<uds>_1028`), the real proxy. The guest kernel's vsock
 //! stack is this bench's thread: it takes the forwarder's stream (a Unix socket, as when the agent runs as a host
-//! process) and carries its bytes as vsock packets through the in-process guest driver of `tests/devices.rs`,
+//! process) and carries its bytes as vsock packets through the in-process guest driver of `strata_vmm::test_utils`,
 //! giving credit as it writes them on. The peer, measured in the same run: the same transfer through the same
 //! proxy reached directly over TCP (no tunnel). Both print MB/s and the ratio.
 //!
 //! `STRATA_BENCH_MB` sets the bytes per figure (default 512).
-
-#[path = "../tests/devices.rs"]
-#[allow(dead_code, unused_imports)]
-mod devices;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -24,12 +20,12 @@ use std::os::unix::net::UnixListener;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use devices::driver::*;
 use strata_agent::egress::{EgressDial, Forwarder};
 use strata_benches::bulk_origin;
 use strata_egress::{Allowlist, EgressConfig, EgressProxy};
 use strata_guest_proto::EGRESS_PORT;
 use strata_tier_microvm::devices::virtio::vsock::{VsockConfig, VsockDevice};
+use strata_vmm::test_utils::driver::*;
 
 const GUEST_CID: u64 = 3;
 const GUEST_PORT: u32 = 50_000;

@@ -13,34 +13,23 @@
 //! memfd (`/proc/<pid>/smaps`: its code, heap, stacks, device buffers) of ten monitors running a spinning guest, and the keeper's `VmRSS`, against the target of the issue (≤ 5 MiB per
 //! VM, Firecracker's figure). Nothing here asserts a time. Iterations: `$STRATA_BENCH_ITERS`, else 200.
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use strata_benches::{Figures, latency, ratio};
-use strata_tier_microvm::boot::{self, BootProtocol, EntryPoint};
 use strata_tier_microvm::devices::bus::Bus;
-use strata_tier_microvm::devices::serial::{SERIAL_PORT_BASE, SERIAL_PORT_LEN, SerialDevice};
 use strata_tier_microvm::monitor::{Monitor, MonitorConfig};
-use strata_tier_microvm::vstate::memory::GuestMemory;
-use strata_tier_microvm::vstate::vcpu::{Vcpu, VcpuConfig, VcpuExit};
-use strata_tier_microvm::vstate::vm::{Vm, VmConfig};
+use strata_tier_microvm::vstate::vcpu::VcpuExit;
 use strata_vmm::proto::MachineSpec;
-use vm_memory::GuestAddress;
-
-const CODE: u64 = 0x1000;
-const MEM_SIZE: u64 = 2 << 20;
+use strata_vmm::test_utils::tiny::{CODE, HLT, MEM_SIZE, print, tiny_guest};
 /// The name of the guest RAM's memfd (`GuestMemory::new`).
 const GUEST_MEMFD: &str = "strata-guest-ram";
 /// Firecracker's figure for its VMM's own memory.
 const RSS_TARGET_KIB: u64 = 5 * 1024;
 
 fn hello_code() -> Vec<u8> {
-    let mut code = vec![0x66, 0xba, 0xf8, 0x03];
-    for &b in b"hello\n" {
-        code.extend([0xb0, b, 0xee]);
-    }
-    code.push(0xf4);
+    let mut code = print(b"hello\n");
+    code.push(HLT);
     code
 }
 
@@ -66,21 +55,10 @@ fn monitor_hello(config: &MonitorConfig) -> anyhow::Result<()> {
 }
 
 fn inprocess_hello() -> anyhow::Result<()> {
-    let mem = GuestMemory::new(MEM_SIZE)?;
-    boot::write_boot_tables(&mem, BootProtocol::Linux64)?;
-    mem.write(GuestAddress(CODE), &hello_code())?;
-    let mut vm = Vm::new(&VmConfig { irqchip: false })?;
-    vm.register_memory(&mem)?;
-    let device = SerialDevice::new(4096)?;
-    let serial = device.log();
-    let mut io = Bus::new();
-    io.insert(Arc::new(Mutex::new(device)), SERIAL_PORT_BASE, SERIAL_PORT_LEN)?;
-    let vcpu = Vcpu::new(&vm, 0, io, Bus::new())?;
-    vcpu.configure(&vm, &VcpuConfig::default())?;
-    vcpu.set_entry(&EntryPoint::long_mode(GuestAddress(CODE)))?;
-    let (_vcpu, exit) = vcpu.start()?.join()?;
+    let guest = tiny_guest(&hello_code(), false, Bus::new());
+    let (_vcpu, exit) = guest.vcpu.start()?.join()?;
     ensure!(exit.context("run")? == VcpuExit::Hlt, "the guest did not halt");
-    ensure!(serial.contents() == b"hello\n", "the guest printed {:?}", serial.contents());
+    ensure!(guest.serial.contents() == b"hello\n", "the guest printed {:?}", guest.serial.contents());
     Ok(())
 }
 

@@ -19,19 +19,16 @@
 //! p50. Nothing here asserts a figure. Iterations: `$STRATA_BENCH_ITERS`, else 500; forks: `$STRATA_BENCH_FORKS`,
 //! else 16.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use common::{counter_code, parts_with_memory, run_until, tiny_machine};
 use strata_benches::{Figures, latency, ratio};
 use strata_tier_microvm::machine::Machine;
 use strata_tier_microvm::persist::RestoreArgs;
 use strata_tier_microvm::snapshot::VmSnapshot;
 use strata_tier_microvm::vstate::vcpu::VcpuExit;
+use strata_vmm::test_utils::tiny::{self, counter_code, parts_with_memory, run_until, tiny_machine};
 use vm_memory::GuestAddress;
 
 fn counter(machine: &Machine) -> u64 {
@@ -41,7 +38,7 @@ fn counter(machine: &Machine) -> u64 {
 
 /// A paused counting guest that has counted to at least 50.
 fn paused_counter(irqchip: bool, memory_bytes: u64) -> anyhow::Result<Machine> {
-    let mut machine = if memory_bytes == common::MEM_SIZE {
+    let mut machine = if memory_bytes == tiny::MEM_SIZE {
         tiny_machine(&counter_code(), irqchip)
     } else {
         parts_with_memory(&counter_code(), irqchip, memory_bytes).machine()
@@ -118,7 +115,7 @@ fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let mut all: Vec<Figures> = Vec::new();
 
-    let mut machine = paused_counter(false, common::MEM_SIZE)?;
+    let mut machine = paused_counter(false, tiny::MEM_SIZE)?;
     let mut save = Figures::new("snapshot_save");
     for i in 0..iters + (iters / 10).max(1) {
         let dest = dir.path().join(format!("save-{i}"));
@@ -149,7 +146,7 @@ fn main() -> anyhow::Result<()> {
     let fork_p50_ms = fork.p_us(0.5) / 1000.0;
 
     let slow = (iters / 5).max(1);
-    let mut with_irqchip = paused_counter(true, common::MEM_SIZE)?;
+    let mut with_irqchip = paused_counter(true, tiny::MEM_SIZE)?;
     let path = dir.path().join("snap-irqchip");
     VmSnapshot::save(&mut with_irqchip, &path, None, &strata_core::SnapshotTrust::process_local())?;
     drop(with_irqchip);

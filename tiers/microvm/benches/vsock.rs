@@ -1,4 +1,4 @@
-//! Throughput of the virtio devices driven by the in-process guest driver of `tests/devices.rs`: vsock
+//! Throughput of the virtio devices driven by the in-process guest driver of `strata_vmm::test_utils`: vsock
 //! guest → host and host → guest (64 KiB packets, several per notification, a real Unix socket and a host thread
 //! on the other end), and virtio-blk reads of a page-cached file. Each figure is printed beside its peer measured
 //! in the same run (the same bytes through a bare Unix socket pair; `pread` of the same file into a buffer) and
@@ -6,18 +6,14 @@
 //!
 //! `STRATA_BENCH_MB` sets the bytes moved per figure (default 2048).
 
-#[path = "../tests/devices.rs"]
-#[allow(dead_code, unused_imports)]
-mod devices;
-
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use devices::driver::*;
 use strata_tier_microvm::devices::virtio::block::{BlockConfig, BlockDevice};
 use strata_tier_microvm::devices::virtio::vsock::{VsockConfig, VsockDevice};
+use strata_vmm::test_utils::driver::*;
 
 const PACKET: u32 = 64 * 1024;
 const PER_NOTIFY: usize = 8;
@@ -212,9 +208,7 @@ fn blk_read(file: &tempfile::NamedTempFile, total: u64) -> f64 {
     while done < total {
         for i in 0..BLK_PER_NOTIFY {
             let base = 0x100_0000 + i * 0x4_1000;
-            let mut header = [0u8; 16];
-            header[8..].copy_from_slice(&(offset / 512).to_le_bytes());
-            d.write_mem(base, &header);
+            d.write_blk_header(base, BLK_T_IN, offset / 512);
             let mut chain = vec![(base, 16, false)];
             for s in 0..u64::from(segments) {
                 chain.push((base + 0x1000 + s * 65536, 65536, true));

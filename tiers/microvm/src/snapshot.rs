@@ -215,7 +215,7 @@ impl VmSnapshot {
             return Err(MachineError::MemorySize { expected: self.state.memory_bytes, found }.into());
         }
         memory.fill_sparse_from(copy.file()).map_err(io_error(&path))?;
-        Ok(self.state.restore(memory, args)?)
+        Ok(Machine::restore(&self.state, memory, args)?)
     }
 
     /// Rebuilds the machine over the memory file's private copy ([`Snapshot::private_copy`], made once and
@@ -228,6 +228,6 @@ impl VmSnapshot {
         let copy = self.snapshot.private_copy(MEMORY_FILE)?;
         let file = copy.file().try_clone().map_err(io_error(&path))?;
         let memory = GuestMemory::from_open_file_private(file, &path).map_err(MachineError::from)?;
-        Ok(self.state.restore(memory, args)?)
+        Ok(Machine::restore(&self.state, memory, args)?)
     }
 }

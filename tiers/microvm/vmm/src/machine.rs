@@ -7,162 +7,31 @@
 //! value is not yet in `RAX`, an MMIO read, a string `out` with more to go) and returns `EINTR` before another guest
 //! instruction runs. Only then is the architectural state consistent: saved without that step, a restored guest
 //! would repeat or lose the access.
+//!
+//! **Restoring** ([`Machine::restore`]) builds a new machine from a saved state ([`crate::persist`]) and memory
+//! that already holds the guest's RAM.
 
 use std::fs::File;
-use std::io;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use crate::devices::bus::BusError;
-use crate::devices::serial::{SerialDevice, SerialError, SerialLog};
+use crate::devices::serial::{
+    DEFAULT_LOG_CAPACITY, SERIAL_GSI, SERIAL_PORT_BASE, SERIAL_PORT_LEN, SerialDevice, SerialLog,
+};
+use crate::devices::virtio::Interrupt;
 use crate::devices::virtio::block::BlockDevice;
-use crate::devices::virtio::block::persist::BlockPersistError;
-use crate::devices::virtio::mmio::{BackendThread, BackendThreadError, MmioTransport};
-use crate::devices::virtio::persist::{MmioPersistError, Persist};
+use crate::devices::virtio::mmio::{BackendThread, MMIO_LEN, MmioTransport};
+use crate::devices::virtio::persist::{MmioTransportConstructorArgs, Persist};
 use crate::devices::virtio::vsock::VsockDevice;
-use crate::devices::virtio::vsock::persist::VsockPersistError;
-use crate::persist::{DevicesState, MicrovmState, VirtioDeviceState, VirtioSlotState};
-use crate::vstate::memory::{GuestMemory, MemoryError};
-use crate::vstate::vcpu::{Vcpu, VcpuError, VcpuExit, VcpuThread};
-use crate::vstate::vm::{Vm, VmError, VmState};
+use crate::devices::virtio::vsock::persist::VsockConstructorArgs;
+pub use crate::error::MachineError;
+use crate::persist::{DevicesState, MicrovmState, RestoreArgs, VirtioDeviceState, VirtioSlotState};
+use crate::vstate::memory::GuestMemory;
+use crate::vstate::vcpu::{Vcpu, VcpuExit, VcpuThread};
+use crate::vstate::vm::{Vm, VmConfig, VmState};
 
 /// How many `KVM_RUN`s with `immediate_exit` a pause waits for a vCPU's pending I/O to complete (a string
 /// instruction may need a few).
 const MAX_IO_COMPLETIONS: usize = 16;
-
-/// Why a machine could not be paused, saved, or rebuilt from a saved state.
-#[derive(Debug, thiserror::Error)]
-pub enum MachineError {
-    /// A file could not be read or written.
-    #[error("cannot access {path}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: io::Error,
-    },
-    /// The state file does not start with [`STATE_MAGIC`](crate::persist::STATE_MAGIC) or is shorter than its header.
-    #[error("{path} is not a microVM state file")]
-    NotAState {
-        /// The file.
-        path: PathBuf,
-    },
-    /// The state file has another format version.
-    #[error("the state file has format version {found}; this build reads version {supported}")]
-    StateVersion {
-        /// The file's.
-        found: u32,
-        /// [`STATE_VERSION`](crate::persist::STATE_VERSION).
-        supported: u32,
-    },
-    /// The state body is larger than [`MAX_STATE_BYTES`](crate::persist::MAX_STATE_BYTES).
-    #[error("the state body is {size} bytes, more than the {max} accepted")]
-    StateTooLarge {
-        /// Its size.
-        size: u64,
-        /// [`MAX_STATE_BYTES`](crate::persist::MAX_STATE_BYTES).
-        max: u64,
-    },
-    /// The header's body length differs from what follows it (truncated or grown).
-    #[error("the state header announces {expected} bytes of body, the file has {found}")]
-    StateLength {
-        /// The header's length.
-        expected: u64,
-        /// What follows the header.
-        found: u64,
-    },
-    /// The body is not JSON of the expected shape.
-    #[error("the state body is malformed: {0}")]
-    StateFormat(String),
-    /// The state is well-formed but describes something this monitor refuses to build.
-    #[error("invalid microVM state: {0}")]
-    InvalidState(String),
-    /// The memory file's size differs from the state's memory size.
-    #[error("the memory file is {found} bytes, the state says {expected}")]
-    MemorySize {
-        /// The state's.
-        expected: u64,
-        /// The file's.
-        found: u64,
-    },
-    /// The machine's vCPUs are running: pause it first.
-    #[error("the machine is running; pause it before taking a snapshot")]
-    Running,
-    /// The machine has no vCPU to save.
-    #[error("the machine has no vCPUs")]
-    NoVcpus,
-    /// A vCPU could not be paused at a safe point.
-    #[error("vCPU {index} did not settle after its pending I/O: {exit}")]
-    NotQuiesced {
-        /// The vCPU.
-        index: u8,
-        /// What it did instead.
-        exit: String,
-    },
-    /// A vCPU's thread, state or creation failed.
-    #[error("vCPU {index}")]
-    Vcpu {
-        /// The vCPU.
-        index: u8,
-        /// Why.
-        #[source]
-        source: VcpuError,
-    },
-    /// Creating or configuring the VM failed.
-    #[error("VM")]
-    Vm(#[from] VmError),
-    /// Guest memory could not be created, mapped or copied.
-    #[error("guest memory")]
-    Memory(#[from] MemoryError),
-    /// A device could not be placed on a bus.
-    #[error("device placement")]
-    Bus(#[from] BusError),
-    /// The serial device could not be restored.
-    #[error("serial device")]
-    Serial(#[from] SerialError),
-    /// A virtio transport's state was refused.
-    #[error("virtio device {index} transport")]
-    Transport {
-        /// The device's position in the state.
-        index: usize,
-        /// Why.
-        #[source]
-        source: MmioPersistError,
-    },
-    /// A vsock device's state was refused.
-    #[error("virtio device {index} (vsock)")]
-    Vsock {
-        /// The device's position in the state.
-        index: usize,
-        /// Why.
-        #[source]
-        source: VsockPersistError,
-    },
-    /// A block device's state was refused.
-    #[error("virtio device {index} (block)")]
-    Block {
-        /// The device's position in the state.
-        index: usize,
-        /// Why.
-        #[source]
-        source: BlockPersistError,
-    },
-    /// A host resource a device needs was not given in [`RestoreArgs`](crate::persist::RestoreArgs).
-    #[error("virtio device {index} needs {what} in the restore arguments")]
-    MissingArg {
-        /// The device's position in the state.
-        index: usize,
-        /// What is missing.
-        what: &'static str,
-    },
-    /// A device's interrupt eventfd could not be created.
-    #[error("cannot create an interrupt eventfd")]
-    Interrupt(#[source] io::Error),
-    /// A device's backend thread could not start.
-    #[error("cannot start a device backend thread")]
-    Backend(#[from] BackendThreadError),
-}
 
 fn lock<T: ?Sized>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
@@ -396,6 +265,96 @@ impl Drop for Machine {
         for thread in self.running.drain(..) {
             let _ = thread.join();
         }
+    }
+}
+
+impl Machine {
+    /// Rebuilds the machine `state` describes over `memory` (already holding its RAM: a memfd filled with
+    /// [`GuestMemory::fill_sparse_from`], or a memory file mapped `MAP_PRIVATE` with
+    /// [`GuestMemory::from_open_file_private`]): a new VM (with an irqchip exactly when the state has one), its
+    /// state set, the devices rebuilt on the caller's buses, the vCPUs created from their state and left paused
+    /// ([`Machine::resume`] starts them). Host resources that are not state come in `args`.
+    pub fn restore(state: &MicrovmState, memory: GuestMemory, args: RestoreArgs) -> Result<Machine, MachineError> {
+        if memory.size() != state.memory_bytes {
+            return Err(MachineError::MemorySize { expected: state.memory_bytes, found: memory.size() });
+        }
+        let irqchip = state.vm.irqchip.is_some();
+        let RestoreArgs { kvm, mut io_bus, mut mmio_bus, vsock_uds, guest_cid, disks, serial_log } = args;
+        let mut vm = match kvm {
+            Some(kvm) => Vm::with_kvm(kvm, &VmConfig { irqchip })?,
+            None => Vm::new(&VmConfig { irqchip })?,
+        };
+        vm.register_memory(&memory)?;
+        state.vm.restore(&vm)?;
+
+        let mut devices = Devices::default();
+        if let Some(serial_state) = &state.devices.serial {
+            let log = serial_log.unwrap_or_else(|| SerialLog::new(DEFAULT_LOG_CAPACITY));
+            let serial = SerialDevice::from_state(serial_state, log)?;
+            if irqchip {
+                vm.register_irqfd(serial.interrupt_evt(), SERIAL_GSI)?;
+            }
+            let serial = Arc::new(Mutex::new(serial));
+            io_bus.insert(serial.clone(), SERIAL_PORT_BASE, SERIAL_PORT_LEN)?;
+            devices.serial = Some(serial);
+        }
+
+        let mut vsock_uds = vsock_uds;
+        let mut disks = disks.into_iter();
+        let mut backends = Vec::new();
+        for (index, slot) in state.devices.virtio.iter().enumerate() {
+            let interrupt = Interrupt::new().map_err(MachineError::Interrupt)?;
+            if irqchip {
+                vm.register_irqfd(interrupt.irqfd(), slot.gsi)?;
+            }
+            let mem = memory.mmap().clone();
+            let transport_error = |source| MachineError::Transport { index, source };
+            let transport = match &slot.device {
+                VirtioDeviceState::Vsock(device_state) => {
+                    let uds_path = vsock_uds.take().ok_or(MachineError::MissingArg { index, what: "vsock_uds" })?;
+                    let device = VsockDevice::restore(VsockConstructorArgs { uds_path, guest_cid }, device_state)
+                        .map_err(|source| MachineError::Vsock { index, source })?;
+                    let transport = MmioTransport::restore(
+                        MmioTransportConstructorArgs { mem, device, interrupt },
+                        &slot.transport,
+                    )
+                    .map_err(transport_error)?;
+                    let transport = Arc::new(Mutex::new(transport));
+                    mmio_bus.insert(transport.clone(), slot.base, MMIO_LEN)?;
+                    backends.push(BackendThread::spawn(transport.clone())?);
+                    VirtioTransport::Vsock(transport)
+                }
+                VirtioDeviceState::Block(device_state) => {
+                    let disk = disks.next().ok_or(MachineError::MissingArg { index, what: "a disk" })?;
+                    let device = BlockDevice::restore(disk, device_state)
+                        .map_err(|source| MachineError::Block { index, source })?;
+                    let transport = MmioTransport::restore(
+                        MmioTransportConstructorArgs { mem, device, interrupt },
+                        &slot.transport,
+                    )
+                    .map_err(transport_error)?;
+                    let transport = Arc::new(Mutex::new(transport));
+                    mmio_bus.insert(transport.clone(), slot.base, MMIO_LEN)?;
+                    VirtioTransport::Block(transport)
+                }
+            };
+            devices.virtio.push(VirtioSlot { base: slot.base, gsi: slot.gsi, transport });
+        }
+
+        let mut vcpus = Vec::with_capacity(state.vcpus.len());
+        for (index, vcpu_state) in state.vcpus.iter().enumerate() {
+            let index =
+                u8::try_from(index).map_err(|_| MachineError::InvalidState("vCPU index out of range".into()))?;
+            let vcpu_error = |source| MachineError::Vcpu { index, source };
+            let vcpu = Vcpu::new(&vm, index, io_bus.clone(), mmio_bus.clone()).map_err(vcpu_error)?;
+            vcpu.restore_state(vcpu_state).map_err(vcpu_error)?;
+            vcpus.push(vcpu);
+        }
+        let mut machine = Machine::new(vm, memory, vcpus, devices);
+        for backend in backends {
+            machine.add_backend(backend);
+        }
+        Ok(machine)
     }
 }
 

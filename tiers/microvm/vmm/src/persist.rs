@@ -15,32 +15,24 @@
 //! before anything reaches KVM: a damaged state is a typed [`MachineError`], never a panic or a huge allocation.
 //! The sealed snapshot directory around these files is the tier's (`strata-tier-microvm`'s `snapshot` module).
 //!
-//! **Restoring** ([`MicrovmState::restore`]) builds a new machine from a state and memory that already holds the
-//! guest's RAM.
+//! Rebuilding a machine from a state is `Machine::restore`, in the `machine` module.
 
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
 use crate::devices::bus::Bus;
-use crate::devices::serial::{
-    DEFAULT_LOG_CAPACITY, SERIAL_GSI, SERIAL_PORT_BASE, SERIAL_PORT_LEN, SerialDevice, SerialDeviceState, SerialLog,
-};
-use crate::devices::virtio::Interrupt;
-use crate::devices::virtio::block::BlockDevice;
+use crate::devices::serial::{SerialDeviceState, SerialLog};
 use crate::devices::virtio::block::persist::{BlockConstructorArgs, BlockState};
-use crate::devices::virtio::mmio::{BackendThread, MMIO_LEN, MmioTransport};
-use crate::devices::virtio::persist::{MmioTransportConstructorArgs, MmioTransportState, Persist};
-use crate::devices::virtio::vsock::VsockDevice;
-use crate::devices::virtio::vsock::persist::{VsockConstructorArgs, VsockState};
-use crate::machine::{Devices, Machine, MachineError, VirtioSlot, VirtioTransport};
-use crate::vstate::memory::{GuestMemory, ram_layout};
-use crate::vstate::vcpu::Vcpu;
+use crate::devices::virtio::mmio::MMIO_LEN;
+use crate::devices::virtio::persist::MmioTransportState;
+use crate::devices::virtio::vsock::persist::VsockState;
+use crate::error::MachineError;
+use crate::vstate::memory::ram_layout;
 use crate::vstate::vcpu::state::VcpuState;
-use crate::vstate::vm::{Vm, VmConfig, VmState};
+use crate::vstate::vm::VmState;
 
 /// The state file's name inside a snapshot directory.
 pub const STATE_FILE: &str = "vmstate";
@@ -235,96 +227,6 @@ impl MicrovmState {
         let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
         file.take(cap + 1).read_to_end(&mut bytes).map_err(io_error(path))?;
         MicrovmState::from_bytes(&bytes, path)
-    }
-}
-
-impl MicrovmState {
-    /// Rebuilds the machine this state describes over `memory` (already holding its RAM: a memfd filled with
-    /// [`GuestMemory::fill_sparse_from`], or a memory file mapped `MAP_PRIVATE` with
-    /// [`GuestMemory::from_open_file_private`]): a new VM (with an irqchip exactly when the state has one), its
-    /// state set, the devices rebuilt on the caller's buses, the vCPUs created from their state and left paused
-    /// ([`Machine::resume`] starts them). Host resources that are not state come in `args`.
-    pub fn restore(&self, memory: GuestMemory, args: RestoreArgs) -> Result<Machine, MachineError> {
-        if memory.size() != self.memory_bytes {
-            return Err(MachineError::MemorySize { expected: self.memory_bytes, found: memory.size() });
-        }
-        let state = self;
-        let irqchip = state.vm.irqchip.is_some();
-        let RestoreArgs { kvm, mut io_bus, mut mmio_bus, vsock_uds, guest_cid, disks, serial_log } = args;
-        let mut vm = match kvm {
-            Some(kvm) => Vm::with_kvm(kvm, &VmConfig { irqchip })?,
-            None => Vm::new(&VmConfig { irqchip })?,
-        };
-        vm.register_memory(&memory)?;
-        state.vm.restore(&vm)?;
-
-        let mut devices = Devices::default();
-        if let Some(serial_state) = &state.devices.serial {
-            let log = serial_log.unwrap_or_else(|| SerialLog::new(DEFAULT_LOG_CAPACITY));
-            let serial = SerialDevice::from_state(serial_state, log)?;
-            if irqchip {
-                vm.register_irqfd(serial.interrupt_evt(), SERIAL_GSI)?;
-            }
-            let serial = Arc::new(Mutex::new(serial));
-            io_bus.insert(serial.clone(), SERIAL_PORT_BASE, SERIAL_PORT_LEN)?;
-            devices.serial = Some(serial);
-        }
-
-        let mut vsock_uds = vsock_uds;
-        let mut disks = disks.into_iter();
-        let mut backends = Vec::new();
-        for (index, slot) in state.devices.virtio.iter().enumerate() {
-            let interrupt = Interrupt::new().map_err(MachineError::Interrupt)?;
-            if irqchip {
-                vm.register_irqfd(interrupt.irqfd(), slot.gsi)?;
-            }
-            let mem = memory.mmap().clone();
-            let transport_error = |source| MachineError::Transport { index, source };
-            let transport = match &slot.device {
-                VirtioDeviceState::Vsock(device_state) => {
-                    let uds_path = vsock_uds.take().ok_or(MachineError::MissingArg { index, what: "vsock_uds" })?;
-                    let device = VsockDevice::restore(VsockConstructorArgs { uds_path, guest_cid }, device_state)
-                        .map_err(|source| MachineError::Vsock { index, source })?;
-                    let transport = MmioTransport::restore(
-                        MmioTransportConstructorArgs { mem, device, interrupt },
-                        &slot.transport,
-                    )
-                    .map_err(transport_error)?;
-                    let transport = Arc::new(Mutex::new(transport));
-                    mmio_bus.insert(transport.clone(), slot.base, MMIO_LEN)?;
-                    backends.push(BackendThread::spawn(transport.clone())?);
-                    VirtioTransport::Vsock(transport)
-                }
-                VirtioDeviceState::Block(device_state) => {
-                    let disk = disks.next().ok_or(MachineError::MissingArg { index, what: "a disk" })?;
-                    let device = BlockDevice::restore(disk, device_state)
-                        .map_err(|source| MachineError::Block { index, source })?;
-                    let transport = MmioTransport::restore(
-                        MmioTransportConstructorArgs { mem, device, interrupt },
-                        &slot.transport,
-                    )
-                    .map_err(transport_error)?;
-                    let transport = Arc::new(Mutex::new(transport));
-                    mmio_bus.insert(transport.clone(), slot.base, MMIO_LEN)?;
-                    VirtioTransport::Block(transport)
-                }
-            };
-            devices.virtio.push(VirtioSlot { base: slot.base, gsi: slot.gsi, transport });
-        }
-
-        let mut vcpus = Vec::with_capacity(state.vcpus.len());
-        for (index, vcpu_state) in state.vcpus.iter().enumerate() {
-            let index = u8::try_from(index).map_err(|_| invalid("vCPU index out of range"))?;
-            let vcpu_error = |source| MachineError::Vcpu { index, source };
-            let vcpu = Vcpu::new(&vm, index, io_bus.clone(), mmio_bus.clone()).map_err(vcpu_error)?;
-            vcpu.restore_state(vcpu_state).map_err(vcpu_error)?;
-            vcpus.push(vcpu);
-        }
-        let mut machine = Machine::new(vm, memory, vcpus, devices);
-        for backend in backends {
-            machine.add_backend(backend);
-        }
-        Ok(machine)
     }
 }
 

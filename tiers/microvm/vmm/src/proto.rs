@@ -28,6 +28,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+pub use crate::seccomp::ThreadKind;
 use crate::vstate::vcpu::cpuid::CpuidProfile;
 
 /// The protocol version; the engine and the monitor it embeds always agree, the check catches a stale binary.
@@ -252,29 +253,6 @@ pub enum BootImage {
         /// Where it goes (and where the vCPU starts).
         at: u64,
     },
-}
-
-/// The kinds of thread in a monitor, each under its own seccomp filter ([`crate::seccomp`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ThreadKind {
-    /// The main thread: the control loop, pausing, saving, stopping.
-    Vmm,
-    /// A vCPU thread: `KVM_RUN` and the device work its exits do.
-    Vcpu,
-    /// A device backend thread: the vsock muxer's host sockets.
-    Worker,
-}
-
-impl ThreadKind {
-    /// Its name in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            ThreadKind::Vmm => "vmm",
-            ThreadKind::Vcpu => "vcpu",
-            ThreadKind::Worker => "worker",
-        }
-    }
 }
 
 /// Where the probe device sits on the MMIO bus: 256 MiB, inside the first GiB the boot page tables identity-map,

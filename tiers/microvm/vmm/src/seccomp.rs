@@ -38,8 +38,30 @@ use kvm_bindings::{
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch,
 };
+use serde::{Deserialize, Serialize};
 
-pub use crate::proto::ThreadKind;
+/// The kinds of thread in a monitor, each under its own seccomp filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ThreadKind {
+    /// The main thread: the control loop, pausing, saving, stopping.
+    Vmm,
+    /// A vCPU thread: `KVM_RUN` and the device work its exits do.
+    Vcpu,
+    /// A device backend thread: the vsock muxer's host sockets.
+    Worker,
+}
+
+impl ThreadKind {
+    /// Its name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            ThreadKind::Vmm => "vmm",
+            ThreadKind::Vcpu => "vcpu",
+            ThreadKind::Worker => "worker",
+        }
+    }
+}
 
 /// The exit status of a monitor one of whose threads made a call outside its filter (128 + `SIGSYS`).
 pub const SECCOMP_EXIT: i32 = 128 + libc::SIGSYS;

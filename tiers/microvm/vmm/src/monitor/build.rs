@@ -250,7 +250,7 @@ fn restore(
         serial_log: Some(serial.clone()),
         ..RestoreArgs::default()
     };
-    let machine = state.restore(memory, args).map_err(|e| format!("restore: {}", chain(&e)))?;
+    let machine = Machine::restore(&state, memory, args).map_err(|e| format!("restore: {}", chain(&e)))?;
     Ok(Built { machine, serial })
 }
 

@@ -1,433 +1,27 @@
-//! The virtio devices driven by a guest-side driver living in the test: the real virtio-mmio handshake through
-//! the MMIO bus, real descriptors in real guest memory (virtio-queue's `MockSplitQueue` for the descriptor
-//! table and the available ring), a real file behind virtio-blk and real Unix sockets behind virtio-vsock.
-//!
-//! The `driver` module is shared with `benches/vsock.rs`.
+//! The virtio devices driven by the guest-side driver of `strata_vmm::test_utils::driver`: the real virtio-mmio
+//! handshake through the MMIO bus, real descriptors in real guest memory (virtio-queue's `MockSplitQueue` for the
+//! descriptor table and the available ring), a real file behind virtio-blk and real Unix sockets behind
+//! virtio-vsock.
 
 #![allow(clippy::unwrap_used)]
-
-/// The guest side: a minimal virtio-mmio driver.
-pub(crate) mod driver {
-    use std::sync::{Arc, Mutex, MutexGuard};
-    use std::time::{Duration, Instant};
-
-    use strata_tier_microvm::devices::bus::Bus;
-    use strata_tier_microvm::devices::virtio::mmio::{MMIO_LEN, MmioTransport};
-    use strata_tier_microvm::devices::virtio::{Interrupt, VirtioDevice};
-    use virtio_queue::desc::RawDescriptor;
-    use virtio_queue::desc::split::Descriptor;
-    use virtio_queue::mock::{MockSplitQueue, UsedRing};
-    use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
-
-    /// Where the device sits on the MMIO bus.
-    pub const MMIO_BASE: u64 = 0xd000_0000;
-    /// Guest RAM.
-    pub const MEM_SIZE: u64 = 64 << 20;
-    /// Queue `i`'s rings live at `QUEUE_AREA * (i + 1)`.
-    pub const QUEUE_AREA: u64 = 0x1_0000;
-    /// Buffers start here.
-    pub const BUFFERS: u64 = 0x10_0000;
-
-    pub const F_NEXT: u16 = 1;
-    pub const F_WRITE: u16 = 2;
-
-    pub const STATUS: u64 = 0x70;
-    pub const ACK: u32 = 1;
-    pub const DRIVER: u32 = 2;
-    pub const DRIVER_OK: u32 = 4;
-    pub const FEATURES_OK: u32 = 8;
-
-    pub fn memory() -> GuestMemoryMmap {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).expect("guest memory")
-    }
-
-    /// One virtqueue as the driver sees it.
-    pub struct GuestQueue<'m> {
-        /// Descriptor table and available ring.
-        pub vq: MockSplitQueue<'m, GuestMemoryMmap>,
-        /// The used ring. (The mock's own is placed over the end of its available ring for queues larger than
-        /// a handful of entries: `SplitQueueRing::end` counts elements, not bytes.)
-        pub used: UsedRing<'m, GuestMemoryMmap>,
-        pub used_addr: u64,
-        pub size: u16,
-        next_desc: u16,
-        pub avail_idx: u16,
-        used_seen: u16,
-    }
-
-    impl<'m> GuestQueue<'m> {
-        fn new(mem: &'m GuestMemoryMmap, base: u64, size: u16) -> GuestQueue<'m> {
-            let vq = MockSplitQueue::create(mem, GuestAddress(base), size);
-            let used_addr = (vq.avail_addr().0 + 6 + 2 * u64::from(size) + 0xff) & !0xff;
-            let used = UsedRing::new(mem, GuestAddress(used_addr), size);
-            GuestQueue { vq, used, used_addr, size, next_desc: 0, avail_idx: 0, used_seen: 0 }
-        }
-
-        /// Writes descriptor `index` as is.
-        pub fn write_desc(&self, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
-            self.vq.desc_table().store(index, RawDescriptor::from(Descriptor::new(addr, len, flags, next))).unwrap();
-        }
-
-        /// Offers chain `head` in the available ring.
-        pub fn publish(&mut self, head: u16) {
-            self.vq.avail().ring().ref_at(usize::from(self.avail_idx % self.size)).unwrap().store(head);
-            self.avail_idx = self.avail_idx.wrapping_add(1);
-            self.vq.avail().idx().store(self.avail_idx);
-        }
-
-        /// Sets the available index the device sees to anything.
-        pub fn set_avail_idx(&mut self, idx: u16) {
-            self.avail_idx = idx;
-            self.vq.avail().idx().store(idx);
-        }
-
-        /// Builds a chain of (address, length, device-writable) buffers from the next free descriptors and
-        /// offers it; returns its head.
-        pub fn add_chain(&mut self, buffers: &[(u64, u32, bool)]) -> u16 {
-            let head = self.next_desc;
-            let count = buffers.len() as u16;
-            for (i, &(addr, len, writable)) in buffers.iter().enumerate() {
-                let index = (head + i as u16) % self.size;
-                let last = i as u16 + 1 == count;
-                let flags = if writable { F_WRITE } else { 0 } | if last { 0 } else { F_NEXT };
-                self.write_desc(index, addr, len, flags, if last { 0 } else { (index + 1) % self.size });
-            }
-            self.next_desc = (head + count) % self.size;
-            self.publish(head);
-            head
-        }
-
-        /// Used entries the device added since the last call: (head, length).
-        pub fn take_used(&mut self) -> Vec<(u16, u32)> {
-            let idx = self.used.idx().load();
-            let mut out = Vec::new();
-            while self.used_seen != idx {
-                let elem = self.used.ring().ref_at(usize::from(self.used_seen % self.size)).unwrap().load();
-                out.push((elem.id() as u16, elem.len()));
-                self.used_seen = self.used_seen.wrapping_add(1);
-            }
-            out
-        }
-
-        /// The used ring's index as the device left it.
-        pub fn used_idx(&self) -> u16 {
-            self.used.idx().load()
-        }
-    }
-
-    /// A driver bound to one device.
-    pub struct Driver<'m, D: VirtioDevice + 'static> {
-        pub mem: &'m GuestMemoryMmap,
-        pub bus: Bus,
-        pub transport: Arc<Mutex<MmioTransport<D>>>,
-        pub interrupt: Interrupt,
-        pub queues: Vec<GuestQueue<'m>>,
-    }
-
-    impl<'m, D: VirtioDevice + 'static> Driver<'m, D> {
-        /// Puts `device` behind a transport on a bus.
-        pub fn new(mem: &'m GuestMemoryMmap, device: D) -> Driver<'m, D> {
-            let interrupt = Interrupt::new().unwrap();
-            let transport = Arc::new(Mutex::new(MmioTransport::new(mem.clone(), device, interrupt.clone()).unwrap()));
-            Driver::with_transport(mem, transport)
-        }
-
-        /// A driver for an existing transport (a restored one, say).
-        pub fn with_transport(mem: &'m GuestMemoryMmap, transport: Arc<Mutex<MmioTransport<D>>>) -> Driver<'m, D> {
-            let interrupt = transport.lock().unwrap().interrupt().clone();
-            let mut bus = Bus::new();
-            bus.insert(transport.clone(), MMIO_BASE, MMIO_LEN).unwrap();
-            Driver { mem, bus, transport, interrupt, queues: Vec::new() }
-        }
-
-        pub fn transport(&self) -> MutexGuard<'_, MmioTransport<D>> {
-            self.transport.lock().unwrap()
-        }
-
-        pub fn read(&self, offset: u64) -> u32 {
-            let mut data = [0u8; 4];
-            assert!(self.bus.read(MMIO_BASE + offset, &mut data));
-            u32::from_le_bytes(data)
-        }
-
-        pub fn write(&self, offset: u64, value: u32) {
-            assert!(self.bus.write(MMIO_BASE + offset, &value.to_le_bytes()));
-        }
-
-        pub fn config(&self, offset: u64, len: usize) -> Vec<u8> {
-            let mut data = vec![0u8; len];
-            assert!(self.bus.read(MMIO_BASE + 0x100 + offset, &mut data));
-            data
-        }
-
-        /// The whole handshake: reset, ACKNOWLEDGE, DRIVER, accept every offered feature, FEATURES_OK, every
-        /// queue at `min(max, queue_size)`, DRIVER_OK. Returns the accepted features.
-        pub fn init(&mut self, num_queues: u32, queue_size: u16) -> u64 {
-            assert_eq!(self.read(0x000), 0x7472_6976, "magic");
-            assert_eq!(self.read(0x004), 2, "version");
-            self.write(STATUS, 0);
-            assert_eq!(self.read(STATUS), 0);
-            self.write(STATUS, ACK);
-            self.write(STATUS, ACK | DRIVER);
-            self.write(0x014, 0);
-            let low = self.read(0x010);
-            self.write(0x014, 1);
-            let high = self.read(0x010);
-            let features = u64::from(high) << 32 | u64::from(low);
-            self.write(0x024, 0);
-            self.write(0x020, low);
-            self.write(0x024, 1);
-            self.write(0x020, high);
-            self.write(STATUS, ACK | DRIVER | FEATURES_OK);
-            assert_eq!(self.read(STATUS), ACK | DRIVER | FEATURES_OK, "features accepted");
-            self.queues.clear();
-            for i in 0..num_queues {
-                self.write(0x030, i);
-                assert_eq!(self.read(0x044), 0, "queue {i} starts disabled");
-                let max = self.read(0x034) as u16;
-                assert!(max > 0, "queue {i} exists");
-                let size = max.min(queue_size);
-                let queue = GuestQueue::new(self.mem, QUEUE_AREA * (u64::from(i) + 1), size);
-                self.write(0x038, u32::from(size));
-                let (desc, avail, used) = (queue.vq.desc_table_addr().0, queue.vq.avail_addr().0, queue.used_addr);
-                for (offset, value) in [(0x080, desc), (0x090, avail), (0x0a0, used)] {
-                    self.write(offset, value as u32);
-                    self.write(offset + 4, (value >> 32) as u32);
-                }
-                self.write(0x044, 1);
-                assert_eq!(self.read(0x044), 1, "queue {i} enabled");
-                self.queues.push(queue);
-            }
-            self.write(STATUS, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
-            assert_eq!(self.read(STATUS), ACK | DRIVER | FEATURES_OK | DRIVER_OK, "device live");
-            features
-        }
-
-        pub fn notify(&self, queue: u32) {
-            self.write(0x050, queue);
-        }
-
-        /// Interrupts signalled on the irqfd since the last call (acknowledging them).
-        pub fn interrupts(&self) -> u64 {
-            let count = self.interrupt.irqfd().read().unwrap_or(0);
-            let status = self.read(0x060);
-            self.write(0x064, status);
-            count
-        }
-
-        pub fn write_mem(&self, addr: u64, bytes: &[u8]) {
-            self.mem.write_slice(bytes, GuestAddress(addr)).unwrap();
-        }
-
-        pub fn read_mem(&self, addr: u64, len: usize) -> Vec<u8> {
-            let mut out = vec![0u8; len];
-            self.mem.read_slice(&mut out, GuestAddress(addr)).unwrap();
-            out
-        }
-
-        /// Runs the backend (as a backend thread would) until `done` holds; panics after 5 s.
-        pub fn pump_until(&mut self, mut done: impl FnMut(&mut Self) -> bool) {
-            let deadline = Instant::now() + Duration::from_secs(5);
-            loop {
-                self.transport().process_backend();
-                if done(self) {
-                    return;
-                }
-                assert!(Instant::now() < deadline, "timed out waiting for the device");
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        }
-    }
-
-    /// A vsock packet header.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-    pub struct Hdr {
-        pub src_cid: u64,
-        pub dst_cid: u64,
-        pub src_port: u32,
-        pub dst_port: u32,
-        pub len: u32,
-        pub type_: u16,
-        pub op: u16,
-        pub flags: u32,
-        pub buf_alloc: u32,
-        pub fwd_cnt: u32,
-    }
-
-    impl Hdr {
-        pub fn to_bytes(self) -> [u8; 44] {
-            let mut b = [0u8; 44];
-            b[0..8].copy_from_slice(&self.src_cid.to_le_bytes());
-            b[8..16].copy_from_slice(&self.dst_cid.to_le_bytes());
-            b[16..20].copy_from_slice(&self.src_port.to_le_bytes());
-            b[20..24].copy_from_slice(&self.dst_port.to_le_bytes());
-            b[24..28].copy_from_slice(&self.len.to_le_bytes());
-            b[28..30].copy_from_slice(&self.type_.to_le_bytes());
-            b[30..32].copy_from_slice(&self.op.to_le_bytes());
-            b[32..36].copy_from_slice(&self.flags.to_le_bytes());
-            b[36..40].copy_from_slice(&self.buf_alloc.to_le_bytes());
-            b[40..44].copy_from_slice(&self.fwd_cnt.to_le_bytes());
-            b
-        }
-
-        pub fn from_bytes(b: &[u8]) -> Hdr {
-            let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
-            let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
-            let u16_at = |o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap());
-            Hdr {
-                src_cid: u64_at(0),
-                dst_cid: u64_at(8),
-                src_port: u32_at(16),
-                dst_port: u32_at(20),
-                len: u32_at(24),
-                type_: u16_at(28),
-                op: u16_at(30),
-                flags: u32_at(32),
-                buf_alloc: u32_at(36),
-                fwd_cnt: u32_at(40),
-            }
-        }
-    }
-
-    pub const OP_REQUEST: u16 = 1;
-    pub const OP_RESPONSE: u16 = 2;
-    pub const OP_RST: u16 = 3;
-    pub const OP_SHUTDOWN: u16 = 4;
-    pub const OP_RW: u16 = 5;
-    pub const OP_CREDIT_UPDATE: u16 = 6;
-    pub const OP_CREDIT_REQUEST: u16 = 7;
-    pub const HOST_CID: u64 = 2;
-    pub const RX: u32 = 0;
-    pub const TX: u32 = 1;
-
-    /// The guest half of a vsock driver: RX buffers (header + data descriptors) and TX slots.
-    pub struct VsockGuest {
-        pub cid: u64,
-        /// RX buffers by head index: (header address, data address).
-        rx_buffers: std::collections::HashMap<u16, (u64, u64)>,
-        pub rx_data_len: u32,
-        rx_base: u64,
-        tx_base: u64,
-        tx_slot: u64,
-        tx_slots: u64,
-    }
-
-    /// A packet the guest received.
-    #[derive(Debug, Clone, PartialEq, Eq)]
-    pub struct Received {
-        pub hdr: Hdr,
-        pub data: Vec<u8>,
-        pub used_len: u32,
-    }
-
-    impl VsockGuest {
-        pub const RX_AREA: u64 = 0x40_0000;
-        pub const TX_AREA: u64 = 0x200_0000;
-
-        pub fn new(cid: u64, rx_data_len: u32) -> VsockGuest {
-            VsockGuest {
-                cid,
-                rx_buffers: std::collections::HashMap::new(),
-                rx_data_len,
-                rx_base: VsockGuest::RX_AREA,
-                tx_base: VsockGuest::TX_AREA,
-                tx_slot: 0,
-                tx_slots: 64,
-            }
-        }
-
-        fn rx_stride(&self) -> u64 {
-            (u64::from(self.rx_data_len) + 64 + 0xfff) & !0xfff
-        }
-
-        /// Posts `count` RX buffers (a 44-byte header descriptor and a data descriptor each).
-        pub fn post_rx<D: VirtioDevice>(&mut self, d: &mut Driver<'_, D>, count: usize) {
-            for _ in 0..count {
-                let slot = d.queues[RX as usize].next_desc / 2;
-                let hdr = self.rx_base + u64::from(slot) * self.rx_stride();
-                let data = hdr + 64;
-                let head = d.queues[RX as usize].add_chain(&[(hdr, 44, true), (data, self.rx_data_len, true)]);
-                self.rx_buffers.insert(head, (hdr, data));
-            }
-        }
-
-        /// Packets the device delivered since the last call; their buffers are posted again.
-        pub fn recv<D: VirtioDevice>(&mut self, d: &mut Driver<'_, D>) -> Vec<Received> {
-            let used = d.queues[RX as usize].take_used();
-            let mut out = Vec::new();
-            for &(head, used_len) in &used {
-                let (hdr_addr, data_addr) = self.rx_buffers[&head];
-                let hdr = Hdr::from_bytes(&d.read_mem(hdr_addr, 44));
-                let len = hdr.len.min(self.rx_data_len) as usize;
-                let data = if used_len as usize >= 44 + len { d.read_mem(data_addr, len) } else { Vec::new() };
-                out.push(Received { hdr, data, used_len });
-            }
-            self.post_rx(d, used.len());
-            if !used.is_empty() {
-                d.notify(RX);
-            }
-            out
-        }
-
-        /// Queues a packet on TX without notifying; returns the chain head.
-        pub fn queue_tx<D: VirtioDevice>(&mut self, d: &mut Driver<'_, D>, hdr: Hdr, data: &[u8]) -> u16 {
-            let stride = 0x1_1000;
-            let base = self.tx_base + (self.tx_slot % self.tx_slots) * stride;
-            self.tx_slot += 1;
-            d.write_mem(base, &hdr.to_bytes());
-            if data.is_empty() {
-                d.queues[TX as usize].add_chain(&[(base, 44, false)])
-            } else {
-                d.write_mem(base + 64, data);
-                d.queues[TX as usize].add_chain(&[(base, 44, false), (base + 64, data.len() as u32, false)])
-            }
-        }
-
-        /// Sends one packet (queue + notify).
-        pub fn send<D: VirtioDevice>(&mut self, d: &mut Driver<'_, D>, hdr: Hdr, data: &[u8]) {
-            self.queue_tx(d, hdr, data);
-            d.notify(TX);
-        }
-
-        /// A STREAM header from this guest.
-        pub fn hdr(&self, op: u16, src_port: u32, dst_port: u32) -> Hdr {
-            Hdr {
-                src_cid: self.cid,
-                dst_cid: HOST_CID,
-                src_port,
-                dst_port,
-                type_: 1,
-                op,
-                buf_alloc: 256 * 1024,
-                ..Hdr::default()
-            }
-        }
-    }
-}
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use driver::*;
 use strata_tier_microvm::devices::virtio::Interrupt;
 use strata_tier_microvm::devices::virtio::block::{BlockConfig, BlockDevice, SECTOR_SIZE};
 use strata_tier_microvm::devices::virtio::mmio::MmioTransport;
 use strata_tier_microvm::devices::virtio::persist::{MmioTransportConstructorArgs, Persist};
 use strata_tier_microvm::devices::virtio::vsock::{MAX_QUEUED_RESETS, VsockConfig, VsockDevice};
+use strata_vmm::test_utils::driver::*;
+use strata_vmm::test_utils::process::shared;
 use vm_memory::GuestMemoryMmap;
 
 // ---------------------------------------------------------------------------------------------------------------
 // virtio-blk
 
-const T_IN: u32 = 0;
-const T_OUT: u32 = 1;
-const T_FLUSH: u32 = 4;
-const T_GET_ID: u32 = 8;
-const S_OK: u8 = 0;
-const S_IOERR: u8 = 1;
-const S_UNSUPP: u8 = 2;
 const DISK_SECTORS: u64 = 64;
 /// Where block requests put their header, data and status.
 const HEADER: u64 = BUFFERS;
@@ -457,13 +51,6 @@ fn block_driver<'m>(mem: &'m GuestMemoryMmap, image: &tempfile::NamedTempFile) -
     d
 }
 
-fn write_header(d: &Driver<'_, BlockDevice>, addr: u64, request_type: u32, sector: u64) {
-    let mut h = [0u8; 16];
-    h[..4].copy_from_slice(&request_type.to_le_bytes());
-    h[8..].copy_from_slice(&sector.to_le_bytes());
-    d.write_mem(addr, &h);
-}
-
 /// Submits a request (header at HEADER, the given data buffers, status at STATUS_BYTE) and returns (status,
 /// used length).
 fn blk_request(
@@ -472,7 +59,7 @@ fn blk_request(
     sector: u64,
     data: &[(u64, u32, bool)],
 ) -> (u8, u32) {
-    write_header(d, HEADER, request_type, sector);
+    d.write_blk_header(HEADER, request_type, sector);
     d.write_mem(STATUS_BYTE, &[0xee]);
     let mut chain = vec![(HEADER, 16, false)];
     chain.extend_from_slice(data);
@@ -487,6 +74,7 @@ fn blk_request(
 
 #[test]
 fn blk_config_space_reports_capacity_and_limits() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let d = block_driver(&mem, &image);
@@ -500,6 +88,7 @@ fn blk_config_space_reports_capacity_and_limits() {
 
 #[test]
 fn blk_reads_known_sectors_byte_exact() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -512,8 +101,8 @@ fn blk_reads_known_sectors_byte_exact() {
             buffers.push((addr, len, true));
             addr += 0x10000;
         }
-        let (status, used_len) = blk_request(&mut d, T_IN, sector, &buffers);
-        assert_eq!(status, S_OK);
+        let (status, used_len) = blk_request(&mut d, BLK_T_IN, sector, &buffers);
+        assert_eq!(status, BLK_S_OK);
         let total: u32 = lens.iter().sum();
         assert_eq!(used_len, total + 1, "used length is data + status");
         let mut offset = sector * SECTOR_SIZE;
@@ -528,13 +117,14 @@ fn blk_reads_known_sectors_byte_exact() {
 
 #[test]
 fn blk_batches_several_requests_per_notification() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
     let mut heads = Vec::new();
     for i in 0..8u64 {
         let header = HEADER + i * 0x20;
-        write_header(&d, header, T_IN, i * 2);
+        d.write_blk_header(header, BLK_T_IN, i * 2);
         let data = DATA + i * 0x1000;
         heads.push(d.queues[0].add_chain(&[(header, 16, false), (data, 1024, true), (STATUS_BYTE + i, 1, true)]));
     }
@@ -542,7 +132,7 @@ fn blk_batches_several_requests_per_notification() {
     let used = d.queues[0].take_used();
     assert_eq!(used.iter().map(|u| u.0).collect::<Vec<_>>(), heads);
     for i in 0..8u64 {
-        assert_eq!(d.read_mem(STATUS_BYTE + i, 1), [S_OK]);
+        assert_eq!(d.read_mem(STATUS_BYTE + i, 1), [BLK_S_OK]);
         let expected: Vec<u8> = (i * 1024..(i + 1) * 1024).map(sector_byte).collect();
         assert_eq!(d.read_mem(DATA + i * 0x1000, 1024), expected);
     }
@@ -550,41 +140,43 @@ fn blk_batches_several_requests_per_notification() {
 
 #[test]
 fn blk_get_id_flush_write_and_unknown() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let original = std::fs::read(image.path()).unwrap();
     let mut d = block_driver(&mem, &image);
 
     d.write_mem(DATA, &[CANARY; 32]);
-    let (status, used_len) = blk_request(&mut d, T_GET_ID, 0, &[(DATA, 32, true)]);
-    assert_eq!((status, used_len), (S_OK, 21));
+    let (status, used_len) = blk_request(&mut d, BLK_T_GET_ID, 0, &[(DATA, 32, true)]);
+    assert_eq!((status, used_len), (BLK_S_OK, 21));
     let mut expected = b"strata-root".to_vec();
     expected.resize(20, 0);
     expected.extend_from_slice(&[CANARY; 12]);
     assert_eq!(d.read_mem(DATA, 32), expected, "20-byte ID, nothing past it");
 
-    assert_eq!(blk_request(&mut d, T_FLUSH, 0, &[]), (S_OK, 1));
+    assert_eq!(blk_request(&mut d, BLK_T_FLUSH, 0, &[]), (BLK_S_OK, 1));
 
     d.write_mem(DATA, &[0xff; 512]);
-    assert_eq!(blk_request(&mut d, T_OUT, 0, &[(DATA, 512, false)]).0, S_IOERR, "the disk is read-only");
+    assert_eq!(blk_request(&mut d, BLK_T_OUT, 0, &[(DATA, 512, false)]).0, BLK_S_IOERR, "the disk is read-only");
     assert_eq!(std::fs::read(image.path()).unwrap(), original, "file untouched");
 
-    assert_eq!(blk_request(&mut d, 99, 0, &[(DATA, 512, true)]).0, S_UNSUPP);
+    assert_eq!(blk_request(&mut d, 99, 0, &[(DATA, 512, true)]).0, BLK_S_UNSUPP);
 }
 
 #[test]
 fn blk_out_of_range_reads_fail_without_touching_the_buffer() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
     for (sector, len) in [(DISK_SECTORS, 512u32), (DISK_SECTORS - 1, 1024), (u64::MAX, 512), (u64::MAX / 512, 512)] {
         d.write_mem(DATA, &vec![CANARY; len as usize]);
-        let (status, used_len) = blk_request(&mut d, T_IN, sector, &[(DATA, len, true)]);
-        assert_eq!((status, used_len), (S_IOERR, 1), "sector {sector}");
+        let (status, used_len) = blk_request(&mut d, BLK_T_IN, sector, &[(DATA, len, true)]);
+        assert_eq!((status, used_len), (BLK_S_IOERR, 1), "sector {sector}");
         assert_eq!(d.read_mem(DATA, len as usize), vec![CANARY; len as usize], "no short read into the buffer");
     }
     // The last sector itself is fine.
-    assert_eq!(blk_request(&mut d, T_IN, DISK_SECTORS - 1, &[(DATA, 512, true)]).0, S_OK);
+    assert_eq!(blk_request(&mut d, BLK_T_IN, DISK_SECTORS - 1, &[(DATA, 512, true)]).0, BLK_S_OK);
 }
 
 /// A malformed chain, described by its raw descriptors: (index, addr, len, flags, next), and the head to offer.
@@ -603,6 +195,7 @@ fn bad(what: &'static str, descs: Vec<(u16, u64, u32, u16, u16)>, expect: Option
 
 #[test]
 fn blk_malformed_chains_are_refused_without_writing_outside_them() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -612,16 +205,20 @@ fn blk_malformed_chains_are_refused_without_writing_outside_them() {
     let data = DATA;
     let st = STATUS_BYTE;
     let cases = vec![
-        bad("header too short", vec![(0, HEADER, 8, N, 1), (1, data, 512, W | N, 2), (2, st, 1, W, 0)], Some(S_IOERR)),
+        bad(
+            "header too short",
+            vec![(0, HEADER, 8, N, 1), (1, data, 512, W | N, 2), (2, st, 1, W, 0)],
+            Some(BLK_S_IOERR),
+        ),
         bad(
             "header write-only",
             vec![(0, HEADER, 16, W | N, 1), (1, data, 512, W | N, 2), (2, st, 1, W, 0)],
-            Some(S_IOERR),
+            Some(BLK_S_IOERR),
         ),
         bad(
             "header outside memory",
             vec![(0, OUTSIDE, 16, N, 1), (1, data, 512, W | N, 2), (2, st, 1, W, 0)],
-            Some(S_IOERR),
+            Some(BLK_S_IOERR),
         ),
         bad("status read-only", vec![(0, HEADER, 16, N, 1), (1, data, 512, W | N, 2), (2, st, 1, 0, 0)], None),
         bad("status zero-length", vec![(0, HEADER, 16, N, 1), (1, data, 512, W | N, 2), (2, st, 0, W, 0)], None),
@@ -630,31 +227,31 @@ fn blk_malformed_chains_are_refused_without_writing_outside_them() {
             vec![(0, HEADER, 16, N, 1), (1, data, 512, W | N, 2), (2, OUTSIDE, 1, W, 0)],
             None,
         ),
-        bad("only a status", vec![(0, st, 1, W, 0)], Some(S_IOERR)),
+        bad("only a status", vec![(0, st, 1, W, 0)], Some(BLK_S_IOERR)),
         bad(
             "data outside memory",
             vec![(0, HEADER, 16, N, 1), (1, OUTSIDE, 512, W | N, 2), (2, st, 1, W, 0)],
-            Some(S_IOERR),
+            Some(BLK_S_IOERR),
         ),
         bad(
             "data straddles the end of memory",
             vec![(0, HEADER, 16, N, 1), (1, MEM_SIZE - 512, 1024, W | N, 2), (2, st, 1, W, 0)],
-            Some(S_IOERR),
+            Some(BLK_S_IOERR),
         ),
         bad(
             "data read-only for IN",
             vec![(0, HEADER, 16, N, 1), (1, data, 512, N, 2), (2, st, 1, W, 0)],
-            Some(S_IOERR),
+            Some(BLK_S_IOERR),
         ),
         bad(
             "data not sector-sized",
             vec![(0, HEADER, 16, N, 1), (1, data, 500, W | N, 2), (2, st, 1, W, 0)],
-            Some(S_IOERR),
+            Some(BLK_S_IOERR),
         ),
         bad(
             "data above size_max",
             vec![(0, HEADER, 16, N, 1), (1, data, 1 << 20, W | N, 2), (2, st, 1, W, 0)],
-            Some(S_IOERR),
+            Some(BLK_S_IOERR),
         ),
         bad(
             "lengths overflow 32 bits",
@@ -673,7 +270,7 @@ fn blk_malformed_chains_are_refused_without_writing_outside_them() {
     for case in cases {
         // Canary the whole buffer arena.
         d.write_mem(BUFFERS, &vec![CANARY; 0x21_0000]);
-        write_header(&d, HEADER, T_IN, 0);
+        d.write_blk_header(HEADER, BLK_T_IN, 0);
         for &(index, addr, len, flags, next) in &case.descs {
             d.queues[0].write_desc(index, addr, len, flags, next);
         }
@@ -714,11 +311,12 @@ fn blk_malformed_chains_are_refused_without_writing_outside_them() {
     d.notify(0);
     assert_eq!(d.queues[0].take_used()[0].1, 0, "too many segments");
     // After all that, the device still serves a good request.
-    assert_eq!(blk_request(&mut d, T_IN, 3, &[(DATA, 512, true)]).0, S_OK);
+    assert_eq!(blk_request(&mut d, BLK_T_IN, 3, &[(DATA, 512, true)]).0, BLK_S_OK);
 }
 
 #[test]
 fn blk_hostile_avail_ring_is_survived() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
@@ -735,16 +333,17 @@ fn blk_hostile_avail_ring_is_survived() {
     assert_eq!(d.read_mem(STATUS_BYTE, 1), [CANARY]);
     // Back to sane: requests work again.
     d.queues[0].set_avail_idx(before);
-    assert_eq!(blk_request(&mut d, T_IN, 1, &[(DATA, 512, true)]).0, S_OK);
+    assert_eq!(blk_request(&mut d, BLK_T_IN, 1, &[(DATA, 512, true)]).0, BLK_S_OK);
 }
 
 #[test]
 fn blk_snapshot_restore_continues_the_ring() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
     for sector in 0..5 {
-        assert_eq!(blk_request(&mut d, T_IN, sector, &[(DATA, 512, true)]).0, S_OK);
+        assert_eq!(blk_request(&mut d, BLK_T_IN, sector, &[(DATA, 512, true)]).0, BLK_S_OK);
     }
     let (transport_state, block_state) = {
         let t = d.transport();
@@ -766,7 +365,7 @@ fn blk_snapshot_restore_continues_the_ring() {
     d.queues = queues;
     assert_eq!(d.read(0x070), ACK | DRIVER | FEATURES_OK | DRIVER_OK);
     d.write_mem(DATA, &[0; 512]);
-    assert_eq!(blk_request(&mut d, T_IN, 7, &[(DATA, 512, true)]).0, S_OK);
+    assert_eq!(blk_request(&mut d, BLK_T_IN, 7, &[(DATA, 512, true)]).0, BLK_S_OK);
     let expected: Vec<u8> = (7 * 512..8 * 512).map(sector_byte).collect();
     assert_eq!(d.read_mem(DATA, 512), expected);
     assert!(d.interrupts() >= 1, "the new interrupt line is used");
@@ -774,15 +373,16 @@ fn blk_snapshot_restore_continues_the_ring() {
 
 #[test]
 fn blk_reset_and_reinit() {
+    let _shared = shared();
     let mem = memory();
     let image = disk_image();
     let mut d = block_driver(&mem, &image);
-    assert_eq!(blk_request(&mut d, T_IN, 0, &[(DATA, 512, true)]).0, S_OK);
+    assert_eq!(blk_request(&mut d, BLK_T_IN, 0, &[(DATA, 512, true)]).0, BLK_S_OK);
     d.write(STATUS, 0);
     assert!(!d.transport().is_activated());
     d.notify(0);
     d.init(1, 64);
-    assert_eq!(blk_request(&mut d, T_IN, 9, &[(DATA, 512, true)]).0, S_OK);
+    assert_eq!(blk_request(&mut d, BLK_T_IN, 9, &[(DATA, 512, true)]).0, BLK_S_OK);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -866,6 +466,7 @@ fn host_connect(
 
 #[test]
 fn vsock_host_initiated_connection_carries_data_both_ways() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -948,6 +549,7 @@ fn vsock_host_initiated_connection_carries_data_both_ways() {
 
 #[test]
 fn vsock_host_half_close_lets_the_guest_answer() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -977,6 +579,7 @@ fn vsock_host_half_close_lets_the_guest_answer() {
 
 #[test]
 fn vsock_host_hang_up_delivers_everything_as_credit_allows() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -1033,6 +636,7 @@ fn vsock_host_hang_up_delivers_everything_as_credit_allows() {
 
 #[test]
 fn vsock_host_initiated_connection_refused_by_guest() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -1060,6 +664,7 @@ fn vsock_host_initiated_connection_refused_by_guest() {
 
 #[test]
 fn vsock_guest_initiated_connection() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let listener = UnixListener::bind(format!("{}_5000", setup.uds().display())).unwrap();
@@ -1099,6 +704,7 @@ fn vsock_guest_initiated_connection() {
 
 #[test]
 fn vsock_hostile_packets_get_rst_or_are_dropped() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -1152,6 +758,7 @@ fn vsock_hostile_packets_get_rst_or_are_dropped() {
 
 #[test]
 fn vsock_rx_buffers_without_room_for_a_header_are_returned_empty() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let device = VsockDevice::new(VsockConfig { guest_cid: GUEST_CID, uds_path: setup.uds() }).unwrap();
@@ -1176,6 +783,7 @@ fn vsock_rx_buffers_without_room_for_a_header_are_returned_empty() {
 
 #[test]
 fn vsock_flood_is_bounded() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let device = VsockDevice::new(VsockConfig { guest_cid: GUEST_CID, uds_path: setup.uds() }).unwrap();
@@ -1209,6 +817,7 @@ fn vsock_flood_is_bounded() {
 
 #[test]
 fn vsock_guest_overrunning_its_credit_is_reset() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -1232,6 +841,7 @@ fn vsock_guest_overrunning_its_credit_is_reset() {
 
 #[test]
 fn vsock_device_reset_drops_connections() {
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -1252,6 +862,7 @@ fn vsock_device_reset_drops_connections() {
 #[test]
 fn vsock_backend_thread_pushes_rx_and_signals() {
     use strata_tier_microvm::devices::virtio::mmio::BackendThread;
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -1274,6 +885,7 @@ fn vsock_backend_thread_pushes_rx_and_signals() {
 #[test]
 fn vsock_snapshot_restore_sends_transport_reset() {
     use strata_tier_microvm::devices::virtio::vsock::persist::VsockConstructorArgs;
+    let _shared = shared();
     let mem = memory();
     let setup = VsockSetup::new();
     let (mut d, mut guest) = setup.driver(&mem);
@@ -1315,6 +927,7 @@ fn vsock_snapshot_restore_sends_transport_reset() {
 #[test]
 fn vsock_guest_streams_to_the_egress_port_reach_the_egress_proxy() {
     use strata_egress::{Allowlist, EgressConfig, EgressProxy};
+    let _shared = shared();
     let origin = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let origin_port = origin.local_addr().unwrap().port();
     std::thread::spawn(move || {

@@ -8,13 +8,11 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const TIMEOUT: Duration = Duration::from_secs(60);
+use strata_vmm::test_utils::process::shared;
 
-fn strata_home() -> Option<std::path::PathBuf> {
-    std::env::var_os("STRATA_HOME")
-        .map(Into::into)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/strata")))
-}
+use crate::strata_home;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Boots our kernel with the initramfs (and `disk`, as a read-only virtio-blk `/dev/vda`) under qemu TCG until the
 /// agent says it listens; returns the console lines and when that happened. `None` (after a skip line) when
@@ -88,6 +86,7 @@ fn boot_until_ready(disk: Option<&std::path::Path>, append: &str) -> Option<(Vec
 
 #[test]
 fn the_agent_runs_as_pid_1_of_our_kernel() {
+    let _shared = shared();
     let Some((lines, ready)) = boot_until_ready(None, "strata.hostname=probe") else { return };
     let log = lines.join("\n");
     assert!(log.contains("Run /init as init process"), "the kernel did not start /init:\n{log}");
@@ -98,6 +97,7 @@ fn the_agent_runs_as_pid_1_of_our_kernel() {
 
 #[test]
 fn the_agent_moves_onto_the_debian_disk() {
+    let _shared = shared();
     let Some(home) = strata_home() else { return };
     let Ok(rootfs) = strata_rootfs_image::DebianImage::new(&home).and_then(|image| image.installed()) else {
         println!("skip: the Debian image is not built (strata images build debian)");

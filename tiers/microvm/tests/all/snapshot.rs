@@ -4,15 +4,12 @@
 //!
 //! Without `/dev/kvm` each test prints one `skip:` line and passes.
 
-mod common;
-
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::time::Duration;
 
-use common::*;
 use strata_core::{Persisted, SnapshotError, SnapshotTrust, SnapshotWriter, TierKind};
 use strata_tier_microvm::devices::serial::SerialLog;
 use strata_tier_microvm::devices::virtio::block::persist::BlockConstructorArgs;
@@ -22,6 +19,9 @@ use strata_tier_microvm::persist::{MEMORY_FILE, MicrovmState, RestoreArgs, STATE
 use strata_tier_microvm::snapshot::{VmSnapshot, VmSnapshotError};
 use strata_tier_microvm::vstate::vcpu::VcpuExit;
 use strata_tier_microvm::vstate::vcpu::state::VcpuState;
+use strata_vmm::test_utils::driver::{STATUS_LIVE, activate, write_reg};
+use strata_vmm::test_utils::process::{Held, kvm};
+use strata_vmm::test_utils::tiny::*;
 
 /// What these tests seal and open snapshots with: a key of this process.
 fn trust() -> SnapshotTrust {
@@ -521,7 +521,7 @@ fn snapshots_restores_and_forks_leave_nothing_behind() {
         let snap = VmSnapshot::save(&mut m, &dir.path().join("warm"), None, &trust()).expect("snapshot");
         drop(snap.fork(RestoreArgs::default()).expect("fork"));
     }
-    let before = (open_fds(), threads());
+    let before = Held::now();
     for i in 0..5 {
         let mut m = tiny_machine(&counter_code(), true);
         run_until(&mut m, Duration::from_secs(10), |m| counter(m) >= 3);
@@ -533,7 +533,8 @@ fn snapshots_restores_and_forks_leave_nothing_behind() {
         fork.resume().expect("resume");
         // Dropped while running: the machine stops and joins its threads.
     }
-    assert_eq!((open_fds(), threads()), before);
+    let left = Held::now().since(&before);
+    assert!(left.is_empty(), "left behind: {left:?}");
 }
 
 /// What an attacker who can write where snapshots live does, without the key: rewrite the manifest (capabilities

@@ -65,6 +65,7 @@ fn wget(port: u16) -> String {
 
 #[test]
 fn an_allowed_origin_is_reached_through_the_tunnel_and_logged() {
+    let _shared = shared();
     let origin = Origin::http("hello from the origin");
     let fixture = Fixture::new();
     let caps = with_net(&fixture, vec![format!("127.0.0.1:{}", origin.port)]);
@@ -96,6 +97,7 @@ fn an_allowed_origin_is_reached_through_the_tunnel_and_logged() {
 
 #[test]
 fn a_resumed_session_starts_its_egress_too() {
+    let _shared = shared();
     let origin = Origin::http("after a fork");
     let fixture = Fixture::new();
     // A fork's guest already holds its grants: none here.
@@ -114,6 +116,7 @@ fn a_resumed_session_starts_its_egress_too() {
 
 #[test]
 fn an_origin_not_in_the_allowlist_is_refused_and_logged() {
+    let _shared = shared();
     let origin = Origin::http("secret");
     let fixture = Fixture::new();
     let caps = with_net(&fixture, vec!["example.com".into()]);
@@ -130,6 +133,7 @@ fn an_origin_not_in_the_allowlist_is_refused_and_logged() {
 
 #[test]
 fn without_network_nothing_listens_and_no_proxy_is_set() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     let (port, socket) = session.with_host(|host| (host.egress.listen_port, host.egress.socket.clone())).expect("host");
@@ -143,6 +147,7 @@ fn without_network_nothing_listens_and_no_proxy_is_set() {
 
 #[test]
 fn a_tls_client_hello_with_another_sni_is_refused_through_the_tunnel() {
+    let _shared = shared();
     let origin = Origin::silent();
     let fixture = Fixture::new();
     let caps = with_net(&fixture, vec![format!("127.0.0.1:{}", origin.port)]);
@@ -183,6 +188,7 @@ except Exception as e:
 
 #[test]
 fn tunnels_are_capped_on_both_sides() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let caps = with_net(&fixture, vec!["example.com".into()]);
     let Some((mut session, _)) = fixture.session_with(&caps, &limits()) else { return };

@@ -4,7 +4,6 @@
 //! closing leaves no process behind. What needs a booted Linux (snapshot and fork of a real VM) runs on hardware
 //! KVM only: elsewhere its test prints one skip line.
 
-mod agent_process;
 mod egress;
 mod files;
 
@@ -22,6 +21,9 @@ use strata_tier_microvm::session::{AgentHost, EgressPath, Session};
 use strata_tier_microvm::snapshot::SnapshotExtra;
 use strata_tier_microvm::tier::{MicrovmTier, MicrovmTierConfig};
 use strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile;
+use strata_vmm::test_utils::process::{alone, shared};
+
+use crate::{KvmKind, agent_process, kvm_kind, strata_home};
 
 /// The agent as a host process: the session's guest in these tests.
 #[derive(Debug)]
@@ -159,6 +161,7 @@ fn alive(pid: u32) -> bool {
 
 #[test]
 fn several_jobs_run_in_turn_and_keep_their_files() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     let first = exec(&mut session, "echo 41 > state; echo \"$GREETING $TOKEN\"; pwd");
@@ -183,6 +186,7 @@ fn several_jobs_run_in_turn_and_keep_their_files() {
 #[test]
 fn a_port_the_guest_serves_is_reached_through_the_agent() {
     use std::io::{BufRead, BufReader, Read, Write};
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((session, _)) = fixture.session(&limits()) else { return };
     let server = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -213,6 +217,7 @@ fn a_port_the_guest_serves_is_reached_through_the_agent() {
 
 #[test]
 fn a_jobs_limits_hold_and_the_session_goes_on() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     let short = Limits { wall: Duration::from_millis(300), ..limits() };
@@ -249,6 +254,7 @@ fn a_jobs_limits_hold_and_the_session_goes_on() {
 
 #[test]
 fn rw_grants_come_back_after_exit_0_only() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     let (rw, ro) = (fixture.guest("rw"), fixture.guest("ro"));
@@ -265,6 +271,7 @@ fn rw_grants_come_back_after_exit_0_only() {
 
 #[test]
 fn files_follow_the_guest_path_rules() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     let note = format!("{}/note.txt", fixture.guest("rw"));
@@ -289,6 +296,7 @@ fn files_follow_the_guest_path_rules() {
 
 #[test]
 fn close_and_drop_end_the_agent() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((session, pid)) = fixture.session(&limits()) else { return };
     assert!(alive(pid));
@@ -303,6 +311,7 @@ fn close_and_drop_end_the_agent() {
 
 #[test]
 fn a_snapshot_records_caps_by_name_and_refuses_a_fork_without_secrets() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     assert_eq!(exec(&mut session, "echo setup > state").status, Status::Exited { code: 0 });
@@ -346,6 +355,7 @@ fn a_snapshot_records_caps_by_name_and_refuses_a_fork_without_secrets() {
 
 #[test]
 fn the_agent_refuses_to_quiesce_while_a_job_runs_and_acks_a_restore() {
+    let _shared = shared();
     let dir = tempfile::tempdir().expect("tempdir");
     let Some((agent, client)) = ProcessAgent::spawn(dir.path()) else { return };
     let request = ExecRequest {
@@ -368,33 +378,16 @@ fn the_agent_refuses_to_quiesce_while_a_job_runs_and_acks_a_restore() {
     assert!(!alive(pid));
 }
 
-fn kvm_kind() -> &'static str {
-    if !Path::new("/dev/kvm").exists() {
-        return "none";
-    }
-    let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let flags = cpuinfo.lines().find(|l| l.starts_with("flags")).unwrap_or("");
-    if flags.split_whitespace().any(|f| f == "vmx" || f == "svm") {
-        "hardware"
-    } else if Path::new("/sys/module/kvm_pvm").exists() {
-        "pvm"
-    } else {
-        "none"
-    }
-}
-
 /// A booted Linux sandbox snapshotted with a process left running, forked twice: state and the process carried
 /// into both forks, forks independent, fresh randomness in each, the clock never back. Hardware KVM only.
 #[test]
 fn a_booted_sandbox_snapshots_and_forks_on_hardware_kvm() {
-    if kvm_kind() != "hardware" {
+    let _alone = alone();
+    if kvm_kind() != KvmKind::Hardware {
         eprintln!("skip: snapshot and fork of a booted Linux guest: needs hardware KVM (this host: {})", kvm_kind());
         return;
     }
-    let Some(home) = std::env::var_os("STRATA_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/strata")))
-    else {
+    let Some(home) = strata_home() else {
         eprintln!("skip: no STRATA_HOME or HOME");
         return;
     };
@@ -461,6 +454,7 @@ fn a_booted_sandbox_snapshots_and_forks_on_hardware_kvm() {
 fn a_stdin_stream_reaches_the_job_as_written_and_one_held_open_is_stopped() {
     use std::io::Write;
     use std::sync::Mutex;
+    let _shared = shared();
 
     #[derive(Default)]
     struct Collect(Mutex<Vec<u8>>);
@@ -555,6 +549,7 @@ impl Screen {
 fn a_job_on_a_terminal_gets_the_agents_terminal_typed_input_and_resizes() {
     use std::io::Write;
     use strata_core::{StdinStream, Terminal, WindowSize};
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((session, _)) = fixture.session(&limits()) else { return };
     let screen = std::sync::Arc::new(Screen::default());

@@ -18,21 +18,9 @@ use strata_tier_microvm::vstate::memory::GuestMemory;
 use strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile;
 use strata_tier_microvm::vstate::vcpu::{Vcpu, VcpuConfig, VcpuExit};
 use strata_tier_microvm::vstate::vm::{Vm, VmConfig};
+use strata_vmm::test_utils::process::alone;
 
-fn kvm_kind() -> &'static str {
-    if !std::path::Path::new("/dev/kvm").exists() {
-        return "none";
-    }
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let flags = cpuinfo.lines().find(|l| l.starts_with("flags")).unwrap_or("");
-    if flags.split_whitespace().any(|f| f == "vmx" || f == "svm") {
-        "hardware"
-    } else if std::path::Path::new("/sys/module/kvm_pvm").exists() {
-        "pvm"
-    } else {
-        "none"
-    }
-}
+use crate::{KvmKind, kvm_kind, strata_home};
 
 /// Boots the installed kernel with a serial console and no root, for at most `limit`; returns the serial log, how
 /// the vCPU ended (or `None` when it was stopped at the limit) and how long it ran.
@@ -79,17 +67,15 @@ fn tail(log: &SerialLog, lines: usize) -> String {
 
 #[test]
 fn our_kernel_boots_to_user_space_on_hardware_kvm() {
-    let home = std::env::var_os("STRATA_HOME")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/strata")));
+    let _alone = alone();
     let Some(kernel) =
-        home.and_then(|h| strata_kernel_image::KernelImage::new(&h).ok()).and_then(|k| k.installed().ok())
+        strata_home().and_then(|h| strata_kernel_image::KernelImage::new(&h).ok()).and_then(|k| k.installed().ok())
     else {
         eprintln!("skip: the guest kernel is not built (strata images build kernel)");
         return;
     };
     match kvm_kind() {
-        "hardware" => {
+        KvmKind::Hardware => {
             let (log, exit, ran) = boot(&kernel.vmlinux, CpuidProfile::Standard, Duration::from_secs(20));
             let text = String::from_utf8_lossy(&log.contents()).into_owned();
             assert!(
@@ -98,7 +84,7 @@ fn our_kernel_boots_to_user_space_on_hardware_kvm() {
                 tail(&log, 30)
             );
         }
-        "pvm" => match std::env::var("STRATA_PVM_BOOT_SECONDS").ok().and_then(|s| s.parse::<u64>().ok()) {
+        KvmKind::Pvm => match std::env::var("STRATA_PVM_BOOT_SECONDS").ok().and_then(|s| s.parse::<u64>().ok()) {
             Some(seconds) => {
                 for profile in [CpuidProfile::Standard, CpuidProfile::PvmCompat] {
                     let (log, exit, ran) = boot(&kernel.vmlinux, profile, Duration::from_secs(seconds));
@@ -114,7 +100,9 @@ fn our_kernel_boots_to_user_space_on_hardware_kvm() {
                  cannot run a stock kernel (STRATA_PVM_BOOT_SECONDS=N measures how far it gets)"
             ),
         },
-        _ => eprintln!("skip: booting Linux needs /dev/kvm with hardware virtualisation; this host has none"),
+        KvmKind::None => {
+            eprintln!("skip: booting Linux needs /dev/kvm with hardware virtualisation; this host has none")
+        }
     }
 }
 
@@ -122,21 +110,13 @@ fn our_kernel_boots_to_user_space_on_hardware_kvm() {
 struct Inputs {
     home: std::path::PathBuf,
     kernel: strata_kernel_image::InstalledKernel,
-    kind: &'static str,
+    kind: KvmKind,
     scratch: tempfile::TempDir,
     initramfs: strata_rootfs_image::initramfs::InstalledInitramfs,
 }
 
-/// Tests that start VMs run one at a time: they count the process's vCPU threads afterwards.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static ONE: Mutex<()> = Mutex::new(());
-    ONE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 fn inputs() -> Option<Inputs> {
-    let home = std::env::var_os("STRATA_HOME")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/strata")))?;
+    let home = strata_home()?;
     let Some(kernel) = strata_kernel_image::KernelImage::new(&home).ok().and_then(|k| k.installed().ok()) else {
         eprintln!("skip: the guest kernel is not built (strata images build kernel)");
         return None;
@@ -146,7 +126,7 @@ fn inputs() -> Option<Inputs> {
         return None;
     };
     let kind = kvm_kind();
-    if kind == "none" {
+    if kind == KvmKind::None {
         eprintln!("skip: no /dev/kvm");
         return None;
     }
@@ -166,14 +146,14 @@ fn inputs() -> Option<Inputs> {
 #[test]
 fn a_microvm_reaches_its_agent_or_reports_why_not() {
     use strata_tier_microvm::builder::{BuildError, Microvm, MicrovmConfig};
-    let _one = one_at_a_time();
+    let _alone = alone();
     let Some(Inputs { home, kernel, kind, scratch, initramfs }) = inputs() else { return };
     let disk = strata_rootfs_image::DebianImage::new(&home)
         .and_then(|image| image.installed())
         .and_then(|rootfs| strata_rootfs_image::disk::ensure_disk_image(&rootfs, &|_| {}))
         .ok()
         .map(|disk| disk.path);
-    let cpuid = if kind == "pvm" { CpuidProfile::PvmCompat } else { CpuidProfile::Standard };
+    let cpuid = if kind == KvmKind::Pvm { CpuidProfile::PvmCompat } else { CpuidProfile::Standard };
     let config = MicrovmConfig {
         kernel: kernel.vmlinux,
         initramfs: initramfs.path,
@@ -185,9 +165,9 @@ fn a_microvm_reaches_its_agent_or_reports_why_not() {
     };
     let started = Instant::now();
     let mut vm = Microvm::boot(&config).expect("build the microVM");
-    let result = vm.connect_agent(Duration::from_secs(if kind == "pvm" { 120 } else { 20 }));
+    let result = vm.connect_agent(Duration::from_secs(if kind == KvmKind::Pvm { 120 } else { 20 }));
     match (kind, result) {
-        ("hardware", Ok(client)) => {
+        (KvmKind::Hardware, Ok(client)) => {
             let request = strata_guest_proto::ExecRequest {
                 argv: vec!["uname".into(), "-r".into()],
                 cwd: "/".into(),
@@ -199,7 +179,7 @@ fn a_microvm_reaches_its_agent_or_reports_why_not() {
             assert_eq!(String::from_utf8_lossy(&out).trim(), kernel.release);
             eprintln!("agent ready and a command run {:.1?} after boot", started.elapsed());
         }
-        ("pvm", Err(BuildError::GuestDied { exit, console })) => {
+        (KvmKind::Pvm, Err(BuildError::GuestDied { exit, console })) => {
             assert!(!console.is_empty(), "the console captured nothing");
             eprintln!(
                 "PVM: the guest stopped after {:.1?} as expected on this host ({exit}); console tail:\n{console}",
@@ -230,14 +210,14 @@ fn a_microvm_reaches_its_agent_or_reports_why_not() {
 fn the_tier_runs_a_job_or_reports_the_crash() {
     use strata_core::{Capabilities, ExecOptions, Job, Limits, Status, Tier};
     use strata_tier_microvm::tier::{MicrovmTier, MicrovmTierConfig};
-    let _one = one_at_a_time();
+    let _alone = alone();
     let Some(Inputs { kernel, kind, scratch, initramfs, .. }) = inputs() else { return };
     let tier = MicrovmTier::new(MicrovmTierConfig {
         kernel: kernel.vmlinux,
         initramfs: initramfs.path,
         root_disk: None,
         run_dir: scratch.path().to_owned(),
-        cpuid: if kind == "pvm" { CpuidProfile::PvmCompat } else { CpuidProfile::Standard },
+        cpuid: if kind == KvmKind::Pvm { CpuidProfile::PvmCompat } else { CpuidProfile::Standard },
         snapshots: strata_core::SnapshotTrust::process_local(),
     });
     let limits = Limits { memory: strata_core::ByteSize(256 << 20), ..Limits::default() };
@@ -245,8 +225,8 @@ fn the_tier_runs_a_job_or_reports_the_crash() {
     let started = Instant::now();
     let outcome = tier.run(&job, &Capabilities::default(), &limits, ExecOptions::default()).expect("run");
     match (kind, &outcome.status) {
-        ("hardware", Status::Exited { code: 0 }) => assert_eq!(outcome.stdout, b"hello\n"),
-        ("pvm", Status::Crashed { message }) => {
+        (KvmKind::Hardware, Status::Exited { code: 0 }) => assert_eq!(outcome.stdout, b"hello\n"),
+        (KvmKind::Pvm, Status::Crashed { message }) => {
             assert!(!outcome.stderr.is_empty(), "no console in stderr");
             eprintln!("PVM: crashed after {:.1?}: {message}", started.elapsed());
         }
@@ -266,7 +246,7 @@ fn a_booting_microvm_is_snapshotted_and_forked_with_its_devices() {
     use strata_tier_microvm::builder::{Microvm, MicrovmConfig};
     use strata_tier_microvm::persist::VirtioDeviceState;
     use strata_tier_microvm::snapshot::{SnapshotExtra, VmSnapshot};
-    let _one = one_at_a_time();
+    let _alone = alone();
     let Some(Inputs { home, kernel, kind, scratch, initramfs }) = inputs() else { return };
     let disk = strata_rootfs_image::DebianImage::new(&home)
         .and_then(|image| image.installed())
@@ -279,7 +259,7 @@ fn a_booting_microvm_is_snapshotted_and_forked_with_its_devices() {
         root_disk: disk.clone(),
         memory_bytes: 128 << 20,
         vcpus: 1,
-        cpuid: if kind == "pvm" { CpuidProfile::PvmCompat } else { CpuidProfile::Standard },
+        cpuid: if kind == KvmKind::Pvm { CpuidProfile::PvmCompat } else { CpuidProfile::Standard },
         run_dir: scratch.path().to_owned(),
     };
     let mut vm = Microvm::boot(&config).expect("boot");
@@ -291,7 +271,7 @@ fn a_booting_microvm_is_snapshotted_and_forked_with_its_devices() {
     let saved =
         vm.snapshot(&dest, None, extra, &strata_core::SnapshotTrust::process_local()).expect("snapshot a booting VM");
     eprintln!("saved a booting {kind} microVM in {:.1?}", started.elapsed());
-    assert!(!vm.has_stopped() || kind == "pvm", "the VM did not resume");
+    assert!(!vm.has_stopped() || kind == KvmKind::Pvm, "the VM did not resume");
     let state = saved.state();
     assert!(state.devices.serial.is_some(), "the serial console was not recorded");
     let kinds: Vec<&str> = state

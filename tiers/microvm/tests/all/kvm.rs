@@ -6,103 +6,19 @@
 
 use std::io::Cursor;
 use std::os::unix::fs::FileExt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use linux_loader::cmdline::Cmdline;
-use strata_tier_microvm::boot::{self, BootProtocol, CMDLINE_MAX_SIZE, EntryPoint};
+use strata_tier_microvm::boot::{self, BootProtocol, CMDLINE_MAX_SIZE};
 use strata_tier_microvm::devices::bus::{Bus, BusDevice};
-use strata_tier_microvm::devices::serial::{SERIAL_GSI, SERIAL_PORT_BASE, SERIAL_PORT_LEN, SerialDevice, SerialLog};
 use strata_tier_microvm::vstate::memory::{GuestMemory, MMIO_GAP_START};
 use strata_tier_microvm::vstate::vcpu::cpuid::CpuidProfile;
 use strata_tier_microvm::vstate::vcpu::{InternalErrorKind, Vcpu, VcpuConfig, VcpuExit};
 use strata_tier_microvm::vstate::vm::{Vm, VmConfig};
+use strata_vmm::test_utils::process::{Held, kvm};
+use strata_vmm::test_utils::tiny::*;
 use vm_memory::GuestAddress;
-
-/// Where the tiny guests' code goes (above the GDT, below the zero page and the page tables).
-const CODE: u64 = 0x1000;
-/// Guest RAM for the tiny guests.
-const MEM_SIZE: u64 = 2 << 20;
-/// An MMIO address inside the identity-mapped first GiB, above RAM.
-const MMIO_BASE: u64 = 0x1000_0000;
-
-/// KVM tests run one at a time: their timing checks should not compete for the host's two cores, and the leak
-/// check counts the process's fds and threads.
-fn kvm() -> Option<MutexGuard<'static, ()>> {
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    if !std::path::Path::new("/dev/kvm").exists() {
-        println!("skip: /dev/kvm is absent");
-        return None;
-    }
-    Some(ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner()))
-}
-
-struct TinyGuest {
-    vm: Vm,
-    mem: GuestMemory,
-    vcpu: Vcpu,
-    serial: SerialLog,
-}
-
-/// A VM with 2 MiB of RAM, COM1 on the port bus, `mmio` on the MMIO bus, `code` at [`CODE`], and one configured
-/// vCPU about to execute it in long mode.
-fn tiny_guest(code: &[u8], irqchip: bool, mmio: Bus) -> TinyGuest {
-    tiny_guest_with(code, irqchip, mmio, &VcpuConfig::default())
-}
-
-fn tiny_guest_with(code: &[u8], irqchip: bool, mmio: Bus, config: &VcpuConfig) -> TinyGuest {
-    let mem = GuestMemory::new(MEM_SIZE).expect("memory");
-    boot::write_boot_tables(&mem, BootProtocol::Linux64).expect("boot tables");
-    mem.write(GuestAddress(CODE), code).expect("code");
-    let mut vm = Vm::new(&VmConfig { irqchip }).expect("vm");
-    vm.register_memory(&mem).expect("register memory");
-    let (io, serial) = port_bus(&vm);
-    let vcpu = Vcpu::new(&vm, 0, io, mmio).expect("vcpu");
-    vcpu.configure(&vm, config).expect("configure");
-    vcpu.set_entry(&EntryPoint::long_mode(GuestAddress(CODE))).expect("entry");
-    TinyGuest { vm, mem, vcpu, serial }
-}
-
-/// A port bus with COM1, its interrupt wired to GSI 4 when the VM has an irqchip.
-fn port_bus(vm: &Vm) -> (Bus, SerialLog) {
-    let serial = SerialDevice::new(64 * 1024).expect("serial");
-    if vm.has_irqchip() {
-        vm.register_irqfd(serial.interrupt_evt(), SERIAL_GSI).expect("irqfd");
-    }
-    let log = serial.log();
-    let mut io = Bus::new();
-    io.insert(Arc::new(Mutex::new(serial)), SERIAL_PORT_BASE, SERIAL_PORT_LEN).expect("serial on the bus");
-    (io, log)
-}
-
-/// Runs the vCPU on its own thread and fails the test (after stopping it) if it takes longer than `limit`: a
-/// broken guest must end in a typed exit, never hang the test.
-fn run_with_deadline(vcpu: Vcpu, limit: Duration) -> (Vcpu, VcpuExit) {
-    let thread = vcpu.start().expect("start");
-    let deadline = Instant::now() + limit;
-    while !thread.is_finished() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let timed_out = !thread.is_finished();
-    if timed_out {
-        thread.kick().expect("kick");
-    }
-    let (vcpu, exit) = thread.join().expect("join");
-    assert!(!timed_out, "the vCPU ran past {limit:?} and had to be stopped");
-    (vcpu, exit.expect("run"))
-}
-
-/// `mov dx, 0x3f8`, then `mov al, b; out dx, al` per byte of `text`.
-fn print(text: &[u8]) -> Vec<u8> {
-    let mut code = vec![0x66, 0xba, 0xf8, 0x03]; // mov dx, 0x3f8
-    for &b in text {
-        code.extend([0xb0, b]); // mov al, b
-        code.push(0xee); // out dx, al
-    }
-    code
-}
-
-const HLT: u8 = 0xf4;
 
 #[test]
 fn a_guest_prints_hello_on_the_serial_port() {
@@ -365,7 +281,8 @@ fn a_kernel_booted_with_the_64_bit_protocol_finds_its_command_line() {
 
     let mut vm = Vm::new(&VmConfig { irqchip: false }).expect("vm");
     vm.register_memory(&mem).expect("memory");
-    let (io, serial) = port_bus(&vm);
+    let (io, serial) = serial_bus(&vm);
+    let serial = serial.lock().expect("serial").log();
     let vcpu = Vcpu::new(&vm, 0, io, Bus::new()).expect("vcpu");
     vcpu.configure(&vm, &VcpuConfig::default()).expect("configure");
     vcpu.set_entry(&loaded.entry).expect("entry");
@@ -377,23 +294,10 @@ fn a_kernel_booted_with_the_64_bit_protocol_finds_its_command_line() {
     );
 }
 
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").expect("fds").count()
-}
-
-/// vCPU threads of this process (the test harness's own threads come and go with the other tests).
-fn vcpu_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .expect("tasks")
-        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
-        .filter(|comm| comm.starts_with("strata-vcpu"))
-        .count()
-}
-
 #[test]
 fn a_torn_down_vm_leaves_no_fds_or_threads() {
     let Some(_kvm) = kvm() else { return };
-    let before = (open_fds(), vcpu_threads());
+    let before = Held::now();
     for _ in 0..20 {
         let mut code = print(b"x");
         code.push(HLT);
@@ -405,5 +309,6 @@ fn a_torn_down_vm_leaves_no_fds_or_threads() {
         thread.kick().expect("kick");
         drop(thread.join().expect("join"));
     }
-    assert_eq!((open_fds(), vcpu_threads()), before);
+    let left = Held::now().since(&before);
+    assert!(left.is_empty(), "left behind: {left:?}");
 }

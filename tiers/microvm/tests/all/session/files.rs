@@ -50,6 +50,7 @@ fn inotify_instances(pid: u32) -> usize {
 
 #[test]
 fn stat_and_list_dir_describe_links_without_following_them() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     let setup = "mkdir -p tree/sub outside && echo hi > tree/f && echo deep > tree/sub/g && echo secret > outside/s \
@@ -79,6 +80,7 @@ fn stat_and_list_dir_describe_links_without_following_them() {
 
 #[test]
 fn a_listing_over_its_cap_is_refused() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     assert_eq!(exec(&mut session, "mkdir many && cd many && touch a b c d e").status, Status::Exited { code: 0 });
@@ -91,6 +93,7 @@ fn a_listing_over_its_cap_is_refused() {
 
 #[test]
 fn make_dir_rename_and_remove_change_the_guest_and_spare_what_links_point_to() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((session, _)) = fixture.session(&limits()) else { return };
     let made = at(&fixture, "work/a/b/c");
@@ -130,6 +133,7 @@ fn make_dir_rename_and_remove_change_the_guest_and_spare_what_links_point_to() {
 
 #[test]
 fn a_watcher_sees_a_file_that_lives_for_10_ms() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     let watcher = session.watch(&at(&fixture, "work"), false).expect("watch");
@@ -148,6 +152,7 @@ fn a_watcher_sees_a_file_that_lives_for_10_ms() {
 
 #[test]
 fn a_recursive_watch_sees_files_in_directories_made_after_it_started() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, _)) = fixture.session(&limits()) else { return };
     let work = at(&fixture, "work");
@@ -175,6 +180,7 @@ fn a_recursive_watch_sees_files_in_directories_made_after_it_started() {
 
 #[test]
 fn dropping_the_watcher_ends_the_agents_watch() {
+    let _shared = shared();
     let fixture = Fixture::new();
     let Some((mut session, pid)) = fixture.session(&limits()) else { return };
     assert_eq!(inotify_instances(pid), 0);

@@ -5,32 +5,12 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use strata_tier_microvm::monitor::{MONITOR_ID_BASE, Monitor, MonitorConfig, MonitorError, Stopped};
 use strata_vmm::proto::{MachineSpec, PROBE_ADDRESS, Payload, ThreadKind};
-
-const CODE: u64 = 0x1000;
-const HLT: u8 = 0xf4;
-
-fn kvm() -> Option<MutexGuard<'static, ()>> {
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    if !Path::new("/dev/kvm").exists() {
-        println!("skip: /dev/kvm is absent");
-        return None;
-    }
-    Some(ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner()))
-}
-
-/// `mov dx, 0x3f8`, then `mov al, b; out dx, al` per byte of `text`.
-fn print(text: &[u8]) -> Vec<u8> {
-    let mut code = vec![0x66, 0xba, 0xf8, 0x03];
-    for &b in text {
-        code.extend([0xb0, b, 0xee]);
-    }
-    code
-}
+use strata_vmm::test_utils::process::{Held, kvm};
+use strata_vmm::test_utils::tiny::{CODE, HLT, counter_code, print};
 
 fn spec(code: Vec<u8>, probe: bool, vsock: bool) -> MachineSpec {
     let mut spec = MachineSpec::code(code, CODE, 2 << 20);
@@ -197,10 +177,6 @@ fn a_monitor_with_the_probe_refuses_more_ram_than_its_address() {
     }
 }
 
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").expect("fds").count()
-}
-
 #[test]
 fn stopped_killed_and_crashed_monitors_leave_nothing_behind() {
     let Some(_kvm) = kvm() else { return };
@@ -208,7 +184,7 @@ fn stopped_killed_and_crashed_monitors_leave_nothing_behind() {
     let config = config(dir.path());
     // The embedded binary's memfd is made once per process: make it before counting.
     drop(Monitor::start(&config, &spec(vec![HLT], false, false), &[], 1, 2 << 20).expect("start"));
-    let fds = open_fds();
+    let held = Held::now();
     let cgroups = config.cgroups.as_ref().map(|c| c.count());
     let mut pids = Vec::new();
     for round in 0..3 {
@@ -227,22 +203,11 @@ fn stopped_killed_and_crashed_monitors_leave_nothing_behind() {
     for pid in pids {
         assert!(!Path::new(&format!("/proc/{pid}")).exists(), "monitor {pid} is still there");
     }
-    assert_eq!(open_fds(), fds, "descriptors leaked");
+    let left = Held::now().since(&held);
+    assert!(left.is_empty(), "left behind: {left:?}");
     assert_eq!(config.cgroups.as_ref().map(|c| c.count()), cgroups, "cgroups leaked");
     let left: Vec<_> = std::fs::read_dir(&config.run_dir).expect("run dir").collect();
     assert!(left.is_empty(), "VM directories left: {left:?}");
-}
-
-/// Counts forever: `rax` += 1, stored at `[0x4000]`, its low byte written to COM1.
-fn counter() -> Vec<u8> {
-    vec![
-        0x48, 0x31, 0xc0, // xor rax, rax
-        0x66, 0xba, 0xf8, 0x03, // mov dx, 0x3f8
-        0x48, 0xff, 0xc0, // loop: inc rax
-        0x48, 0x89, 0x04, 0x25, 0x00, 0x40, 0x00, 0x00, //       mov [0x4000], rax
-        0xee, //       out dx, al
-        0xeb, 0xf2, //       jmp loop
-    ]
 }
 
 fn console_len(monitor: &mut Monitor) -> u64 {
@@ -256,7 +221,7 @@ fn a_guest_saved_by_one_monitor_runs_on_in_a_forked_one() {
     let Some(_kvm) = kvm() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let config = config(dir.path());
-    let mut parent = Monitor::start(&config, &spec(counter(), false, false), &[], 1, 2 << 20).expect("start");
+    let mut parent = Monitor::start(&config, &spec(counter_code(), false, false), &[], 1, 2 << 20).expect("start");
     let deadline = Instant::now() + Duration::from_secs(10);
     while console_len(&mut parent) < 100 {
         assert!(Instant::now() < deadline, "the counter did not count");

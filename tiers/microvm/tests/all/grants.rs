@@ -2,8 +2,6 @@
 //! as a host process over a Unix socket: its "guest" paths are a temporary directory here), and through a hostile
 //! fake agent whose listings and files must change nothing on the host.
 
-mod agent_process;
-
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
@@ -18,6 +16,9 @@ use strata_guest_proto::{
     PROTOCOL_VERSION, TreeEntry,
 };
 use strata_tier_microvm::grants::{self, GrantError};
+use strata_vmm::test_utils::process::shared;
+
+use crate::agent_process;
 
 /// The real agent in host mode.
 struct RealAgent {
@@ -106,6 +107,7 @@ fn host_grant() -> tempfile::TempDir {
 
 #[test]
 fn a_grant_goes_in_and_the_guests_changes_come_back() {
+    let _shared = shared();
     let Some(agent) = RealAgent::spawn() else { return };
     let host = host_grant();
     let guest_root = tempfile::tempdir().expect("tempdir");
@@ -141,6 +143,7 @@ fn a_grant_goes_in_and_the_guests_changes_come_back() {
 
 #[test]
 fn a_guest_path_that_is_not_empty_is_refused() {
+    let _shared = shared();
     let Some(agent) = RealAgent::spawn() else { return };
     let host = host_grant();
     let guest_root = tempfile::tempdir().expect("tempdir");
@@ -153,6 +156,7 @@ fn a_guest_path_that_is_not_empty_is_refused() {
 
 #[test]
 fn disk_limits_hold_both_ways_and_change_nothing() {
+    let _shared = shared();
     let Some(agent) = RealAgent::spawn() else { return };
     let host = host_grant();
     assert!(matches!(grants::scan(host.path(), 1000), Err(GrantError::TooLarge { .. })));
@@ -171,6 +175,7 @@ fn disk_limits_hold_both_ways_and_change_nothing() {
 
 #[test]
 fn links_on_the_host_are_never_followed_when_copying_back() {
+    let _shared = shared();
     let Some(agent) = RealAgent::spawn() else { return };
     let host = tempfile::tempdir().expect("tempdir");
     let outside = tempfile::tempdir().expect("tempdir");
@@ -235,6 +240,7 @@ fn link(path: &str, target: &str) -> TreeEntry {
 
 #[test]
 fn hostile_listings_and_files_change_nothing_on_the_host() {
+    let _shared = shared();
     let cases: Vec<(&str, Vec<TreeEntry>, Vec<u8>)> = vec![
         ("parent escape", vec![file("../escaped", 4)], b"evil".to_vec()),
         ("absolute", vec![file("/tmp/escaped", 4)], b"evil".to_vec()),
@@ -280,6 +286,7 @@ const SET_XATTRS: &str = "import os, struct, sys; \
 
 #[test]
 fn privileged_files_made_in_the_guest_come_back_as_plain_files() {
+    let _shared = shared();
     let Some(agent) = RealAgent::spawn() else { return };
     let host = tempfile::tempdir().expect("tempdir");
     let outside = tempfile::tempdir().expect("tempdir");
@@ -332,6 +339,7 @@ fn privileged_files_made_in_the_guest_come_back_as_plain_files() {
 
 #[test]
 fn a_hostile_listing_cannot_set_privilege_bits() {
+    let _shared = shared();
     let host = tempfile::tempdir().expect("tempdir");
     let entries = vec![
         TreeEntry { mode: 0o7777, ..dir("d") },
