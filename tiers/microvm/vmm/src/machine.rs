@@ -60,8 +60,7 @@ pub struct VirtioSlot {
 /// The devices a snapshot saves, as shared with the buses: the monitor registers each device here as it places it.
 #[derive(Debug, Clone, Default)]
 pub struct Devices {
-    /// COM1 (at [`SERIAL_PORT_BASE`](crate::devices::serial::SERIAL_PORT_BASE), GSI
-    /// [`SERIAL_GSI`](crate::devices::serial::SERIAL_GSI)).
+    /// COM1 (at [`SERIAL_PORT_BASE`], GSI [`SERIAL_GSI`]).
     pub serial: Option<Arc<Mutex<SerialDevice>>>,
     /// The virtio-mmio devices.
     pub virtio: Vec<VirtioSlot>,

@@ -6,7 +6,7 @@
 //! irqchip, both PICs, the IOAPIC and the PIT; the serial UART's registers; each virtio-mmio transport's registers
 //! and queues (addresses, sizes, `next_avail`/`next_used`) with its device's own state (vsock: the CID; blk:
 //! capacity and disk ID). Guest RAM goes to [`MEMORY_FILE`], laid end to end without the MMIO gap, as a sparse file
-//! ([`GuestMemory::write_sparse`]): a page of zeros is a hole. vsock connections are not saved: as in Firecracker
+//! ([`crate::vstate::memory::GuestMemory::write_sparse`]): a page of zeros is a hole. vsock connections are not saved: as in Firecracker
 //! the restored device starts without them and sends the guest a transport-reset event.
 //!
 //! **The state file** is a 20-byte header (magic `STRATAVM`, format version, body length; little endian) and a
@@ -71,7 +71,7 @@ pub struct RestoreArgs {
     /// The disk images for the block devices, in the order of the state's block devices; each must have the saved
     /// size.
     pub disks: Vec<BlockConstructorArgs>,
-    /// The console log for the restored serial device; a new one of [`DEFAULT_LOG_CAPACITY`] when `None`.
+    /// The console log for the restored serial device; a new one of [`DEFAULT_LOG_CAPACITY`](crate::devices::serial::DEFAULT_LOG_CAPACITY) when `None`.
     pub serial_log: Option<SerialLog>,
 }
 
