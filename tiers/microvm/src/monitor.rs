@@ -46,7 +46,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long any other request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// The first host user and group ID monitors run as (inside their user namespace they are root). Each monitor
-/// of this process gets the next of [`MONITOR_IDS`] IDs: no host file belongs to them.
+/// of this process gets the next of 65,536 IDs: no host file belongs to them.
 pub const MONITOR_ID_BASE: u32 = 0x5354_0000;
 /// How many IDs monitors cycle through.
 const MONITOR_IDS: u64 = 0x1_0000;
@@ -72,7 +72,7 @@ pub enum MonitorError {
     Crashed {
         /// How it ended.
         how: String,
-        /// What it wrote to standard error (its last [`STDERR_KEPT`] bytes).
+        /// What it wrote to standard error (its last 4 KiB).
         report: String,
         /// Whether a thread made a call outside its seccomp filter.
         seccomp: bool,
