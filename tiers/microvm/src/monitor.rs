@@ -418,6 +418,27 @@ impl Drop for Monitor {
     }
 }
 
+/// Removes the VM directories (`vm-<pid>-<n>`) that engines no longer running left in `run_dir` (an engine that
+/// was killed: its monitors ended when their control sockets closed, their directories stayed). Returns how many.
+pub fn remove_stale(run_dir: &std::path::Path) -> usize {
+    let Ok(entries) = fs::read_dir(run_dir) else { return 0 };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("vm-")).and_then(|n| n.split('-').next()) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if pid == std::process::id() || std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        if fs::remove_dir_all(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
     // SAFETY: pidfd_open(2) with a PID and no flags; the result is checked before it is owned.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0u32) };

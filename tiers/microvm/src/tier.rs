@@ -164,6 +164,8 @@ fn stamp(path: &Path) -> std::io::Result<Stamp> {
 impl MicrovmTier {
     /// The tier with these images.
     pub fn new(config: MicrovmTierConfig) -> MicrovmTier {
+        // The directories of monitors whose engine was killed.
+        crate::monitor::remove_stale(&config.run_dir);
         MicrovmTier { config, images: None, hashes: Mutex::new(HashMap::new()) }
     }
 

@@ -296,3 +296,32 @@ fn the_vsock_socket_answers_through_the_jail_and_its_worker_filter() {
     drop(streams);
     monitor.stop();
 }
+
+#[test]
+fn the_directories_of_dead_engines_are_removed_and_no_others() {
+    let _shared = strata_vmm::test_utils::process::shared();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dead = dir.path().join(format!("vm-{}-0", u32::MAX - 1));
+    let mine = dir.path().join(format!("vm-{}-7", std::process::id()));
+    let other = dir.path().join("not-a-vm");
+    for d in [&dead, &mine, &other] {
+        std::fs::create_dir_all(d.join("sock")).expect("mkdir");
+    }
+    assert_eq!(strata_tier_microvm::monitor::remove_stale(dir.path()), 1);
+    assert!(!dead.exists() && mine.exists() && other.exists());
+}
+
+#[test]
+fn a_monitor_outlives_the_thread_that_started_it() {
+    let Some(_kvm) = kvm() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = config(dir.path());
+    let mut monitor = std::thread::spawn(move || {
+        Monitor::start(&config, &spec(vec![0xeb, 0xfe], false, false), &[], 1, 2 << 20).expect("start")
+    })
+    .join()
+    .expect("the starting thread");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(monitor.status().expect("the monitor lives on"), None);
+    monitor.stop();
+}

@@ -43,8 +43,8 @@ pub fn keeper(ctl: OwnedFd) -> ! {
             fail(&ctl, "cgroup", format!("{}: {e}", file.display()));
         }
     }
-    // SAFETY: prctl(PR_SET_PDEATHSIG) takes an integer signal; it only changes this process's own attribute.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    // No parent-death signal here: it would follow the engine *thread* that started the keeper, which may end
+    // long before the engine does. The monitor ends when the engine's end of the control socket closes.
     // The monitor is PID 1 of a new PID namespace; its other namespaces are its own alone (a mount namespace
     // shared with the keeper would move the keeper's root too when the monitor pivots).
     if let Err(e) = unshare(CloneFlags::CLONE_NEWPID) {
@@ -112,6 +112,7 @@ fn map_ids(child: Pid, spec: &JailSpec) -> std::io::Result<()> {
 
 /// The monitor's side: the root, the user namespace, no capabilities; then it serves.
 fn enter(ctl: OwnedFd, spec: &JailSpec, to_keeper: OwnedFd, from_keeper: OwnedFd) -> ! {
+    // Killed with the keeper (single-threaded, so its one thread is the keeper's whole life).
     // SAFETY: prctl(PR_SET_PDEATHSIG) only changes this process's own attribute.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
     let namespaces = CloneFlags::CLONE_NEWNS

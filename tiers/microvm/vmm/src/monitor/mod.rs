@@ -5,8 +5,8 @@
 //! standard input. What happens then:
 //!
 //! 1. **The keeper** ([`jail::keeper`], host root, single-threaded) reads [`crate::proto::JailSpec`], joins the
-//!    VM's cgroup (memory, pids, CPU: the monitor inherits it), asks to be killed with the engine, enters a new
-//!    PID namespace and forks the monitor, its PID 1.
+//!    VM's cgroup (memory, pids, CPU: the monitor inherits it), enters a new PID namespace and forks the monitor,
+//!    its PID 1 (killed with the keeper).
 //! 2. **The monitor** (`jail::enter`), still host root, enters new mount, UTS, IPC, network and cgroup
 //!    namespaces of its own, makes every mount private,
 //!    mounts a small tmpfs as its root holding only `/run` (the VM's socket directory, bound from the engine's),
