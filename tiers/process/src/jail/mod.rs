@@ -834,12 +834,15 @@ impl Jail {
     }
 
     fn shutdown(&mut self) {
-        if let Some(pidfd) = &self.pidfd {
-            signal_pidfd(pidfd, Signal::SIGKILL);
-        }
+        let pid1_killed = self.pidfd.as_ref().map(|pidfd| signal_pidfd(pidfd, Signal::SIGKILL)).is_some();
         if let Some(mut keeper) = self.keeper.take() {
-            // The keeper's death also kills PID 1 (its parent-death signal), should PID 1 not have reported yet.
-            let _ = keeper.kill();
+            // With PID 1 killed, the keeper ends on its own once it has reaped it, which is after the kernel has torn
+            // down the jail's namespaces and taken PID 1 out of the cgroup: waiting for that leaves `kill_all`
+            // nothing to wait out. Without a PID 1 to kill (a jail that never got ready), the keeper is killed,
+            // and its death kills PID 1 (its parent-death signal).
+            if !pid1_killed {
+                let _ = keeper.kill();
+            }
             let _ = keeper.wait();
         }
         self.ended = true;
