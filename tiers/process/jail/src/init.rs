@@ -105,12 +105,26 @@ pub fn main() -> i32 {
     if let Err(errno) = unshare(namespaces) {
         return fail(&ctl, "unshare", errno.desc().to_owned());
     }
+    // PID 1's seccomp filters are compiled here while PID 1 builds the jail, and handed over through this pipe:
+    // installing them is PID 1's last step, so compiling them (a fraction of a millisecond) overlaps the mounts.
+    let (filters_r, filters_w) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
+        Ok(pipe) => pipe,
+        Err(errno) => return fail(&ctl, "seccomp", errno.desc().to_owned()),
+    };
     // SAFETY: this process is single-threaded (main has spawned no threads), so the child may run arbitrary code.
     match unsafe { fork() } {
         Err(errno) => fail(&ctl, "fork", errno.desc().to_owned()),
-        Ok(ForkResult::Child) => pid1(ctl, setup, restore, userns),
+        Ok(ForkResult::Child) => {
+            drop(filters_w);
+            pid1(ctl, setup, restore, userns, filters_r)
+        }
         Ok(ForkResult::Parent { child }) => {
-            drop((ctl, restore, userns));
+            drop((ctl, restore, userns, filters_r));
+            let compiled = if setup.zygote { seccomp::zygote_pid1_filters() } else { seccomp::filters() };
+            // A filter that did not compile (a bug) leaves the pipe empty: PID 1 fails at its seccomp step.
+            if let Ok(filters) = compiled {
+                let _ = filters.write_to(&mut fs::File::from(filters_w));
+            }
             // Killed already; reaped while PID 1 builds the jail.
             if let Some(holder) = holder {
                 holder.reap();
@@ -156,15 +170,20 @@ fn fail(ctl: &OwnedFd, stage: &str, message: String) -> i32 {
     1
 }
 
-fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>, userns: Option<UserNamespace>) -> i32 {
+/// PID 1: builds the jail (see [`build`]), installs the seccomp filters the keeper compiled and sends through
+/// `filters`, and serves the host's frames.
+fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>, userns: Option<UserNamespace>, filters: OwnedFd) -> i32 {
     // SAFETY: prctl with PR_SET_PDEATHSIG and a valid signal number only changes this process's attributes.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
     // The host's /proc is still mounted: its /proc/self names this process by its PID outside the namespace.
     let host_pid =
         fs::read_link("/proc/self").ok().and_then(|p| p.to_str().and_then(|s| s.parse::<i32>().ok())).unwrap_or(0);
     let mut notes = Vec::new();
-    let filters = if setup.zygote { seccomp::zygote_pid1_filters() } else { seccomp::filters() };
-    let built = build(&setup, restore, userns, &mut notes).and_then(|built| Ok((built, step("seccomp", filters)?)));
+    let built = build(&setup, restore, userns, &mut notes).and_then(|built| {
+        let filters = seccomp::JailFilters::read_from(&mut fs::File::from(filters))
+            .map_err(|e| format!("the keeper handed over no filters ({e})"));
+        Ok((built, step("seccomp", filters)?))
+    });
     let ((userns, upper), filters) = match built {
         Ok(built) => built,
         Err(StepError { stage, message }) => return fail(&ctl, &stage, message),
