@@ -121,15 +121,63 @@ pub fn process(
 ) -> anyhow::Result<Figures> {
     let mut figures = Figures::new(name);
     for i in 0..iters + warmup {
-        let t = Instant::now();
-        let out = cmd().stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).output()?;
-        let elapsed = t.elapsed();
-        check(&out).map_err(|e| anyhow::anyhow!("{name}: {e}: {}", String::from_utf8_lossy(&out.stderr)))?;
+        let elapsed = run_once(name, cmd, check)?;
         if i >= warmup {
             figures.record(elapsed);
         }
     }
     Ok(figures)
+}
+
+/// One contender of [`interleaved`]: the name of its figures and the command of one run.
+pub struct Contender<'a> {
+    /// The case's name in the figures.
+    pub name: &'static str,
+    /// Makes the command of one run.
+    pub cmd: &'a mut dyn FnMut() -> Command,
+}
+
+impl std::fmt::Debug for Contender<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Contender").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+/// Runs whole processes of several contenders in turn, one run of each per round, for `iters` rounds after
+/// `warmup` untimed ones, and returns their figures in the contenders' order. Taking turns, a machine whose speed
+/// drifts while the bench runs (other work starting or ending on it) moves every contender's figures alike, so the
+/// ratios between them hold; one contender after the other, they would compare different moments. `check` judges
+/// each run's output.
+pub fn interleaved(
+    iters: usize,
+    warmup: usize,
+    contenders: &mut [Contender<'_>],
+    check: &dyn Fn(&Output) -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<Figures>> {
+    let mut figures: Vec<Figures> = contenders.iter().map(|c| Figures::new(c.name)).collect();
+    for i in 0..iters + warmup {
+        for (contender, figures) in contenders.iter_mut().zip(&mut figures) {
+            let elapsed = run_once(contender.name, contender.cmd, check)?;
+            if i >= warmup {
+                figures.record(elapsed);
+            }
+        }
+    }
+    Ok(figures)
+}
+
+/// Runs `cmd` once as a whole process (stdin empty, output captured), checks its output and returns how long it
+/// took.
+fn run_once(
+    name: &str,
+    cmd: &mut dyn FnMut() -> Command,
+    check: &dyn Fn(&Output) -> anyhow::Result<()>,
+) -> anyhow::Result<Duration> {
+    let t = Instant::now();
+    let out = cmd().stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).output()?;
+    let elapsed = t.elapsed();
+    check(&out).map_err(|e| anyhow::anyhow!("{name}: {e}: {}", String::from_utf8_lossy(&out.stderr)))?;
+    Ok(elapsed)
 }
 
 /// `$STRATA_HOME`, else `~/.cache/strata`.

@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+mod console;
 mod daemon;
 mod docs;
 mod doctor;

@@ -4,19 +4,17 @@ use std::io::{IsTerminal, Write};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::mpsc::{Sender, channel};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use clap::Args;
 use strata_core::{
     Allowlist, ByteSize, Capabilities, Determinism, EnvVar, ExecOptions, Fuel, Grant, Job, Limits, LimitsOverride,
-    Outcome, OutputSink, PythonSource, Recorder, Snapshot, Status, StdinStream, Stream, TierKind, format_duration,
-    parse_duration,
+    Outcome, PythonSource, Recorder, Snapshot, Status, StdinStream, TierKind, format_duration, parse_duration,
 };
 use strata_engine::{Engine, EngineConfig, Policy, RunRequest, TierChoice, VmImage};
 
 use crate::Failure;
+use crate::console::Console;
 
 #[derive(Args)]
 pub(crate) struct RunArgs {
@@ -233,39 +231,6 @@ fn parse_env(s: &str) -> Result<EnvVar, String> {
 fn parse_egress_secret(s: &str) -> Result<strata_core::EgressSecret, Failure> {
     strata_core::EgressSecret::parse_spec(s, |var| std::env::var(var).ok())
         .map_err(|e| Failure::new("usage", format!("--egress-secret: {e}")))
-}
-
-/// Forwards guest output to this process's stdout/stderr from a thread of its own, so a slow or closed
-/// terminal or pipe never blocks the guest. Only the captured (capped) bytes pass through, so the queue is
-/// bounded by the output limit.
-struct TerminalSink {
-    queue: Sender<(Stream, Vec<u8>)>,
-}
-
-impl OutputSink for TerminalSink {
-    fn output(&self, stream: Stream, chunk: &[u8]) {
-        let _ = self.queue.send((stream, chunk.to_vec()));
-    }
-}
-
-fn spawn_writer() -> Result<(Arc<TerminalSink>, JoinHandle<()>), Failure> {
-    let (queue, chunks) = channel::<(Stream, Vec<u8>)>();
-    let writer = std::thread::Builder::new()
-        .name("strata-output".into())
-        .spawn(move || {
-            let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
-            let (mut out_ok, mut err_ok) = (true, true);
-            for (stream, chunk) in chunks {
-                // A reader that went away (EPIPE) stops that stream only; the guest is unaffected.
-                match stream {
-                    Stream::Stdout if out_ok => out_ok = out.write_all(&chunk).and_then(|()| out.flush()).is_ok(),
-                    Stream::Stderr if err_ok => err_ok = err.write_all(&chunk).is_ok(),
-                    _ => {}
-                }
-            }
-        })
-        .map_err(|e| Failure::new("internal", format!("cannot start the output thread: {e}")))?;
-    Ok((Arc::new(TerminalSink { queue }), writer))
 }
 
 /// The guest's stdin: this process's stdin when it is a pipe, a socket or a file, streamed into the job as it
@@ -506,7 +471,7 @@ fn execute_with<'a, T: AsOutcome>(
     (stdin, raw): (StdinInput, Option<crate::tty::RawTerminal>),
     job: impl FnOnce(RunRequest<'a>) -> Result<T, strata_engine::EngineError>,
 ) -> Result<T, Failure> {
-    let interrupts = Interrupts::catch()?;
+    let console = Console::start()?;
     let stream = match stdin {
         StdinInput::Terminal => Some(terminal_stream()?),
         _ => stdin_stream()?,
@@ -521,75 +486,19 @@ fn execute_with<'a, T: AsOutcome>(
         }
         (None, _) => request,
     };
-    let request = request.cancel(interrupts.token.clone());
+    let request = request.cancel(console.token());
     if json {
         let result = job(request);
-        interrupts.end();
+        console.finish(|| drop(raw));
         return Ok(result?);
     }
-    let (sink, writer) = spawn_writer()?;
-    let result = job(request.on_output(sink));
-    // The engine has dropped the sink with the job; the writer drains the queue and ends.
-    let _ = writer.join();
-    // The terminal as it was, before anything else is printed.
-    drop(raw);
-    interrupts.end();
+    let result = job(request.on_output(console.sink()));
+    // The console writes what output is still queued and ends; then the terminal as it was, before anything else
+    // is printed.
+    console.finish(|| drop(raw));
     let result = result?;
     report(result.outcome(), limits);
     Ok(result)
-}
-
-/// `SIGINT`, `SIGTERM`, `SIGHUP` and `SIGQUIT` while a job runs: each cancels the job, which then ends as a
-/// cancelled job does (its jail torn down, its scratch directory removed), and this process ends by that signal
-/// afterwards, as it would have at once without this. Blocked in this thread before any other starts (so every
-/// thread has them blocked) and taken by one thread's `sigwait`.
-struct Interrupts {
-    token: strata_core::CancelToken,
-    caught: Arc<std::sync::atomic::AtomicI32>,
-}
-
-impl Interrupts {
-    fn signals() -> nix::sys::signal::SigSet {
-        use nix::sys::signal::Signal;
-        let mut set = nix::sys::signal::SigSet::empty();
-        for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT] {
-            set.add(signal);
-        }
-        set
-    }
-
-    fn catch() -> Result<Interrupts, Failure> {
-        let signals = Interrupts::signals();
-        signals.thread_block().map_err(|e| Failure::new("internal", format!("cannot block signals: {e}")))?;
-        let token = strata_core::CancelToken::new();
-        let caught = Arc::new(std::sync::atomic::AtomicI32::new(0));
-        let (cancel, record) = (token.clone(), caught.clone());
-        std::thread::Builder::new()
-            .name("strata-signals".into())
-            .spawn(move || {
-                if let Ok(signal) = signals.wait() {
-                    record.store(signal as i32, std::sync::atomic::Ordering::SeqCst);
-                    cancel.cancel();
-                }
-            })
-            .map_err(|e| Failure::new("internal", format!("cannot start the signal thread: {e}")))?;
-        Ok(Interrupts { token, caught })
-    }
-
-    /// After the job: ends this process by the signal that cancelled it, if one did; where that signal is ignored
-    /// (a process started in the background of a non-interactive shell ignores `SIGINT`), with 128 + its number,
-    /// as a shell reports a process a signal ended.
-    fn end(&self) {
-        let caught = self.caught.load(std::sync::atomic::Ordering::SeqCst);
-        if let Ok(signal) = nix::sys::signal::Signal::try_from(caught) {
-            let _ = std::io::stdout().flush();
-            let mut set = nix::sys::signal::SigSet::empty();
-            set.add(signal);
-            let _ = set.thread_unblock();
-            let _ = nix::sys::signal::raise(signal);
-            std::process::exit(128 + caught);
-        }
-    }
 }
 
 /// What [`execute`] reports on.

@@ -129,6 +129,9 @@ impl ProcessTier {
         if !nix::unistd::geteuid().is_root() {
             return Err(unsupported("running without root: the jail needs mount, namespace and cgroup privileges"));
         }
+        // Every jail runs the embedded binary: its copy overlaps the checks below and what comes before the first
+        // jail.
+        jail::prepare_binary();
         let rootfs = config.rootfs.canonicalize().map_err(|source| TierError::Storage {
             what: "process tier root filesystem",
             path: config.rootfs.clone(),

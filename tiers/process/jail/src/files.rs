@@ -17,7 +17,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
 use nix::errno::Errno;
-use nix::fcntl::{AtFlags, OFlag, RenameFlags, openat, readlinkat, renameat2};
+use nix::fcntl::{AtFlags, OFlag, openat, readlinkat, renameat};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat, mkdirat};
 use nix::unistd::{UnlinkatFlags, unlinkat};
 
@@ -365,7 +365,7 @@ impl Files {
         let old_dir = self.open_dir(old.parent, None)?;
         let new_dir = self.open_dir(new.parent, None).map_err(|e| e.of_destination(to))?;
         fstatat(&old_dir, old.name, AtFlags::AT_SYMLINK_NOFOLLOW).map_err(FileFailure::new)?;
-        self.creating(|| renameat2(&old_dir, old.name, &new_dir, new.name, RenameFlags::empty()))
+        self.creating(|| renameat(&old_dir, old.name, &new_dir, new.name))
             .map_err(|e| FileFailure::new(e).of_destination(to))?;
         let (entry, _) = self
             .entry_at(new_dir.as_fd(), OsStr::new(new.name), to.to_owned())

@@ -1,17 +1,17 @@
 //! The jail's own processes: the keeper that the host spawns, and the PID 1 it forks into the new namespaces.
 //!
 //! The host starts `strata-jail` with the control socket as its stdin ([`CONTROL_FD`]) and sends
-//! [`HostFrame::Setup`]. The keeper moves itself into the sandbox's cgroup, unshares the mount, UTS, IPC, network,
-//! cgroup and PID namespaces and forks; its child is PID 1 of the new PID namespace. PID 1 creates the jobs' user
-//! namespace, builds the filesystem (a private tmpfs holding the overlay's upper layer over the idmapped read-only
-//! image, `/proc`, a minimal `/dev`, the grants), `pivot_root`s into it, brings up loopback in an otherwise empty
-//! network namespace, installs the seccomp filter on itself (every job inherits it; PID 1 is confined too) and
-//! answers [`JailFrame::Ready`]. Then it serves frames: each job is a child that joins the user namespace as its
-//! root, drops every capability and `execve`s. PID 1 reaps every process in the namespace. When the host closes
-//! the socket (or dies), PID 1 exits, and the kernel kills everything left in the namespace. When the jail has
-//! network, `Setup::egress_socket` is bind-mounted at [`forward::GUEST_SOCKET`] and PID 1's event loop also
-//! runs the [`forward`]er on the jail's `127.0.0.1:3128`. The host's file methods are frames PID 1 answers on
-//! the jail's tree ([`crate::files`]); its watches are inotify descriptors in the same event loop
+//! [`HostFrame::Setup`]. The keeper moves itself into the sandbox's cgroup, creates the jobs' user namespace,
+//! unshares the mount, UTS, IPC, network, cgroup and PID namespaces and forks; its child is PID 1 of the new PID
+//! namespace. PID 1 builds the filesystem (a private tmpfs holding the overlay's upper layer over the idmapped
+//! read-only image, `/proc`, a minimal `/dev`, the grants), `pivot_root`s into it, brings up loopback in an
+//! otherwise empty network namespace, installs the seccomp filter on itself (every job inherits it; PID 1 is
+//! confined too) and answers [`JailFrame::Ready`]. Then it serves frames: each job is a child that joins the user
+//! namespace as its root, drops every capability and `execve`s. PID 1 reaps every process in the namespace. When
+//! the host closes the socket (or dies), PID 1 exits, and the kernel kills everything left in the namespace. When
+//! the jail has network, `Setup::egress_socket` is bind-mounted at [`forward::GUEST_SOCKET`] and PID 1's event
+//! loop also runs the [`forward`]er on the jail's `127.0.0.1:3128`. The host's file methods are frames PID 1
+//! answers on the jail's tree ([`crate::files`]); its watches are inotify descriptors in the same event loop
 //! ([`crate::watch`]).
 //!
 //! Everything here runs single-threaded, so allocating after `fork` is sound.
@@ -90,6 +90,12 @@ pub fn main() -> i32 {
     // so (lowering it takes CAP_SYS_RESOURCE, which some hosts' root lacks); each job ranks itself first anyway
     // (see `Init::become_job`).
     let _ = fs::write(OOM_SCORE_ADJ, OOM_SCORE_ADJ_MIN);
+    // The jobs' user namespace, made before the PID namespace is: its holder is then named in this `/proc`, and
+    // PID 1 inherits the namespace's descriptor.
+    let (userns, holder) = match setup.id_map.map(UserNamespace::create).transpose() {
+        Ok(created) => created.unzip(),
+        Err(errno) => return fail(&ctl, "user namespace", errno.desc().to_owned()),
+    };
     let namespaces = CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWUTS
         | CloneFlags::CLONE_NEWIPC
@@ -99,12 +105,30 @@ pub fn main() -> i32 {
     if let Err(errno) = unshare(namespaces) {
         return fail(&ctl, "unshare", errno.desc().to_owned());
     }
+    // PID 1's seccomp filters are compiled here while PID 1 builds the jail, and handed over through this pipe:
+    // installing them is PID 1's last step, so compiling them (a fraction of a millisecond) overlaps the mounts.
+    let (filters_r, filters_w) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
+        Ok(pipe) => pipe,
+        Err(errno) => return fail(&ctl, "seccomp", errno.desc().to_owned()),
+    };
     // SAFETY: this process is single-threaded (main has spawned no threads), so the child may run arbitrary code.
     match unsafe { fork() } {
         Err(errno) => fail(&ctl, "fork", errno.desc().to_owned()),
-        Ok(ForkResult::Child) => pid1(ctl, setup, restore),
+        Ok(ForkResult::Child) => {
+            drop(filters_w);
+            pid1(ctl, setup, restore, userns, filters_r)
+        }
         Ok(ForkResult::Parent { child }) => {
-            drop((ctl, restore));
+            drop((ctl, restore, userns, filters_r));
+            let compiled = if setup.zygote { seccomp::zygote_pid1_filters() } else { seccomp::filters() };
+            // A filter that did not compile (a bug) leaves the pipe empty: PID 1 fails at its seccomp step.
+            if let Ok(filters) = compiled {
+                let _ = filters.write_to(&mut fs::File::from(filters_w));
+            }
+            // Killed already; reaped while PID 1 builds the jail.
+            if let Some(holder) = holder {
+                holder.reap();
+            }
             keep(child)
         }
     }
@@ -146,15 +170,20 @@ fn fail(ctl: &OwnedFd, stage: &str, message: String) -> i32 {
     1
 }
 
-fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
+/// PID 1: builds the jail (see [`build`]), installs the seccomp filters the keeper compiled and sends through
+/// `filters`, and serves the host's frames.
+fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>, userns: Option<UserNamespace>, filters: OwnedFd) -> i32 {
     // SAFETY: prctl with PR_SET_PDEATHSIG and a valid signal number only changes this process's attributes.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
     // The host's /proc is still mounted: its /proc/self names this process by its PID outside the namespace.
     let host_pid =
         fs::read_link("/proc/self").ok().and_then(|p| p.to_str().and_then(|s| s.parse::<i32>().ok())).unwrap_or(0);
     let mut notes = Vec::new();
-    let filters = if setup.zygote { seccomp::zygote_pid1_filters() } else { seccomp::filters() };
-    let built = build(&setup, restore, &mut notes).and_then(|built| Ok((built, step("seccomp", filters)?)));
+    let built = build(&setup, restore, userns, &mut notes).and_then(|built| {
+        let filters = seccomp::JailFilters::read_from(&mut fs::File::from(filters))
+            .map_err(|e| format!("the keeper handed over no filters ({e})"));
+        Ok((built, step("seccomp", filters)?))
+    });
     let ((userns, upper), filters) = match built {
         Ok(built) => built,
         Err(StepError { stage, message }) => return fail(&ctl, &stage, message),
@@ -227,11 +256,13 @@ fn pid1(ctl: OwnedFd, setup: Setup, restore: Option<OwnedFd>) -> i32 {
 }
 
 /// Builds the jail's filesystem and identity. Runs as PID 1, in the new namespaces, with full capabilities.
-/// `restore` is a [`tree`] file the upper layer starts from (a fork). Returns the jobs' user namespace, when one
-/// was asked for, and a descriptor of the upper directory (for snapshots).
+/// `restore` is a [`tree`] file the upper layer starts from (a fork); `userns` the jobs' user namespace, when
+/// one was asked for (the image and grants are mounted idmapped through it). Returns it, and a descriptor of the
+/// upper directory (for snapshots).
 fn build(
     setup: &Setup,
     restore: Option<OwnedFd>,
+    userns: Option<UserNamespace>,
     notes: &mut Vec<String>,
 ) -> Result<(Option<UserNamespace>, OwnedFd), StepError> {
     step(
@@ -248,19 +279,6 @@ fn build(
     for dir in [&upper, &work, &root] {
         step("scratch dirs", fs::DirBuilder::new().mode(0o755).create(dir))?;
     }
-    let userns = match setup.id_map {
-        Some(map) => {
-            // The host's /proc names processes by their host PIDs; this namespace's children need its own.
-            let proc = scratch.join("proc");
-            step("user namespace", fs::DirBuilder::new().mode(0o700).create(&proc))?;
-            let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-            step("user namespace", mount(Some("proc"), &proc, Some("proc"), flags, None::<&str>))?;
-            let created = UserNamespace::create(map, &proc);
-            step("user namespace", umount2(&proc, MntFlags::MNT_DETACH))?;
-            Some(step("user namespace", created)?)
-        }
-        None => None,
-    };
     if setup.lowers.is_empty() || setup.lowers.len() > MAX_LOWERS {
         let message = format!("{} layers (1 to {MAX_LOWERS})", setup.lowers.len());
         return Err(StepError { stage: "image layers".into(), message });

@@ -371,6 +371,61 @@ pub struct JailFilters {
     pub trace: Option<BpfProgram>,
 }
 
+/// The most instructions a classic BPF program may have (the kernel's `BPF_MAXINSNS`).
+const MAX_INSTRUCTIONS: usize = 4096;
+
+impl JailFilters {
+    /// Writes the filters to `out` as [`read_from`](JailFilters::read_from) reads them: for each of `allow`,
+    /// `enosys` and `trace`, its length (`u32::MAX` for no `trace`) and its instructions, little-endian.
+    pub fn write_to(&self, out: &mut impl std::io::Write) -> std::io::Result<()> {
+        let mut bytes = Vec::new();
+        for program in [Some(&self.allow), Some(&self.enosys), self.trace.as_ref()] {
+            let len = program.map_or(u32::MAX, |program| program.len() as u32);
+            bytes.extend_from_slice(&len.to_le_bytes());
+            for insn in program.into_iter().flatten() {
+                bytes.extend_from_slice(&insn.code.to_le_bytes());
+                bytes.extend_from_slice(&[insn.jt, insn.jf]);
+                bytes.extend_from_slice(&insn.k.to_le_bytes());
+            }
+        }
+        out.write_all(&bytes)
+    }
+
+    /// Reads filters [`write_to`](JailFilters::write_to) wrote; a program longer than the kernel takes, or input
+    /// that ends early, is an error.
+    pub fn read_from(input: &mut impl std::io::Read) -> std::io::Result<JailFilters> {
+        let mut read_program = || -> std::io::Result<Option<BpfProgram>> {
+            let mut len = [0u8; 4];
+            input.read_exact(&mut len)?;
+            let len = u32::from_le_bytes(len);
+            if len == u32::MAX {
+                return Ok(None);
+            }
+            let len = usize::try_from(len).unwrap_or(usize::MAX);
+            if len > MAX_INSTRUCTIONS {
+                return Err(std::io::Error::other(format!("a filter of {len} instructions")));
+            }
+            let mut bytes = vec![0u8; len * 8];
+            input.read_exact(&mut bytes)?;
+            let program = bytes
+                .chunks_exact(8)
+                .map(|insn| seccompiler::sock_filter {
+                    code: u16::from_le_bytes([insn[0], insn[1]]),
+                    jt: insn[2],
+                    jf: insn[3],
+                    k: u32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]),
+                })
+                .collect();
+            Ok(Some(program))
+        };
+        let missing = || std::io::Error::other("a filter is missing");
+        let allow = read_program()?.ok_or_else(missing)?;
+        let enosys = read_program()?.ok_or_else(missing)?;
+        let trace = read_program()?;
+        Ok(JailFilters { allow, enosys, trace })
+    }
+}
+
 /// What PID 1 of a zygote jail may do besides what every job may: trace the zygote and its forks, join the
 /// forks' namespaces and build their filesystems, and stack the zygote's own filter.
 const ZYGOTE_PID1: &[libc::c_long] = &[
@@ -531,6 +586,24 @@ mod tests {
         let f = filters().expect("filters");
         assert!(f.allow.len() > ALLOWED.len());
         assert!(!f.enosys.is_empty());
+    }
+
+    #[test]
+    fn filters_read_back_as_written() {
+        for filters in [filters().expect("filters"), zygote_pid1_filters().expect("zygote filters")] {
+            let mut bytes = Vec::new();
+            filters.write_to(&mut bytes).expect("write");
+            let read = JailFilters::read_from(&mut bytes.as_slice()).expect("read");
+            assert_eq!((read.allow, read.enosys, read.trace), (filters.allow, filters.enosys, filters.trace));
+        }
+    }
+
+    #[test]
+    fn filters_cut_short_or_too_long_are_refused() {
+        let mut bytes = Vec::new();
+        filters().expect("filters").write_to(&mut bytes).expect("write");
+        assert!(JailFilters::read_from(&mut &bytes[..bytes.len() - 1]).is_err());
+        assert!(JailFilters::read_from(&mut &(MAX_INSTRUCTIONS as u32 + 1).to_le_bytes()[..]).is_err());
     }
 
     #[test]

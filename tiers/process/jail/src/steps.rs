@@ -119,13 +119,13 @@ pub(crate) fn loopback_up() -> Result<(), Errno> {
         *dst = *src as libc::c_char;
     }
     // SAFETY: SIOCGIFFLAGS reads the flags of the named interface into `req`, which outlives the call.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS as _, &mut req) } < 0 {
         return Err(Errno::last());
     }
     // SAFETY: the union member ifru_flags is the one SIOCGIFFLAGS filled in.
     unsafe { req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
     // SAFETY: SIOCSIFFLAGS reads `req`, which outlives the call.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS as _, &req) } < 0 {
         return Err(Errno::last());
     }
     Ok(())

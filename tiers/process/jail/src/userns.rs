@@ -7,20 +7,33 @@
 //! a root process. The mount and network namespaces stay owned by the host's user namespace: even with a
 //! capability inside its own user namespace, a job could not mount or configure anything.
 //!
-//! PID 1 stays in the host's user namespace (it builds mounts); each job's process joins the jail's user
-//! namespace with `setns` before it drops every capability.
+//! The keeper creates the namespace; PID 1 stays in the host's user namespace (it builds mounts); each job's
+//! process joins the jail's user namespace with `setns` before it drops every capability.
 
 use std::fs;
-use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 use nix::errno::Errno;
-use nix::sched::{CloneFlags, unshare};
+use nix::sched::CloneFlags;
+use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::waitpid;
-use nix::unistd::{ForkResult, fork};
+use nix::unistd::Pid;
 
 use crate::proto::IdMap;
+
+/// The process a new [`UserNamespace`] was created in, killed once its ID maps were written: reap it with
+/// [`reap`](NamespaceHolder::reap) (it counts against its cgroup's processes until then).
+#[derive(Debug)]
+#[must_use = "the holder is a child process to reap"]
+pub struct NamespaceHolder(Pid);
+
+impl NamespaceHolder {
+    /// Waits for the (killed) holder to end and reaps it.
+    pub fn reap(self) {
+        let _ = waitpid(self.0, None);
+    }
+}
 
 /// A user namespace with a mapping `0..count` → `base..base+count`, held open by a descriptor.
 #[derive(Debug)]
@@ -30,35 +43,35 @@ pub struct UserNamespace {
 }
 
 impl UserNamespace {
-    /// Creates the namespace: a short-lived child unshares it, this process writes its ID maps and keeps a
-    /// descriptor to it, and the child exits. `proc` is a procfs of the caller's PID namespace (the child is
-    /// named by its PID there).
-    pub fn create(map: IdMap, proc: &Path) -> Result<UserNamespace, Errno> {
-        let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
-        let (done_r, done_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
-        // SAFETY: the caller (PID 1 while building the jail) is single-threaded.
-        match unsafe { fork() }? {
-            ForkResult::Child => {
-                drop((ready_r, done_w));
-                let ok = unshare(CloneFlags::CLONE_NEWUSER).is_ok();
-                let _ = fs::File::from(ready_w).write_all(if ok { b"y" } else { b"n" });
-                // Wait until the parent has its descriptor (it closes `done_w`).
-                let _ = fs::File::from(done_r).read(&mut [0u8; 1]);
-                // SAFETY: _exit ends this forked child without running the parent's exit handlers.
-                unsafe { libc::_exit(0) }
+    /// Creates the namespace: a child is cloned into it (`CLONE_NEWUSER`) and does nothing but wait to be killed;
+    /// this process writes the namespace's ID maps through `/proc/<child>`, keeps a descriptor to it and kills
+    /// the child. Nothing waits for the child to run: it is reaped with [`NamespaceHolder::reap`]. Its PID is
+    /// the one in this process's PID namespace, which the mounted `/proc` must show: call this before unsharing a
+    /// PID namespace. Must be called single-threaded.
+    pub fn create(map: IdMap) -> Result<(UserNamespace, NamespaceHolder), Errno> {
+        // SAFETY: a clone without CLONE_VM and without a new stack is a fork: the child runs on a copy of this
+        // single-threaded process's memory and only calls pause (async-signal-safe) until it is killed; it never
+        // leaves this block, allocates or takes a lock.
+        let pid = unsafe {
+            libc::syscall(libc::SYS_clone, libc::CLONE_NEWUSER | libc::SIGCHLD, 0usize, 0usize, 0usize, 0usize)
+        };
+        if pid < 0 {
+            return Err(Errno::last());
+        }
+        if pid == 0 {
+            loop {
+                // SAFETY: pause only waits for a signal; SIGKILL ends this child.
+                unsafe { libc::pause() };
             }
-            ForkResult::Parent { child } => {
-                drop((ready_w, done_r));
-                let mut answer = [0u8; 1];
-                let read = fs::File::from(ready_r).read(&mut answer).map_err(io_errno);
-                let result = match read {
-                    Ok(1) if answer[0] == b'y' => Self::adopt(&proc.join(child.as_raw().to_string()), map),
-                    Ok(_) => Err(Errno::EPERM),
-                    Err(errno) => Err(errno),
-                };
-                drop(done_w);
-                let _ = waitpid(child, None);
-                result
+        }
+        let holder = NamespaceHolder(Pid::from_raw(pid as i32));
+        let adopted = Self::adopt(&Path::new("/proc").join(pid.to_string()), map);
+        let _ = kill(holder.0, Signal::SIGKILL);
+        match adopted {
+            Ok(userns) => Ok((userns, holder)),
+            Err(errno) => {
+                holder.reap();
+                Err(errno)
             }
         }
     }

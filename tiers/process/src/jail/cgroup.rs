@@ -78,6 +78,9 @@ const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "cpuacct"];
 
 static SEQUENCE: AtomicU64 = AtomicU64::new(0);
 
+/// How long [`Cgroup::kill_all`] keeps killing what it finds in a v1 cgroup.
+const KILL_PATIENCE: Duration = Duration::from_millis(200);
+
 impl CgroupRoot {
     /// Finds the hierarchy to use from `/proc/self/mountinfo` and `/proc/self/cgroup`.
     pub fn detect() -> Result<CgroupRoot, CgroupError> {
@@ -169,7 +172,8 @@ impl CgroupRoot {
             let Ok(entries) = fs::read_dir(parent) else { continue };
             for entry in entries.flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                if !entry.path().is_dir() || owner_is_alive(&name) {
+                // The entry's type from the directory listing: no `stat` for each of the controller's files.
+                if !entry.file_type().is_ok_and(|kind| kind.is_dir()) || owner_is_alive(&name) {
                     continue;
                 }
                 let cgroup = Cgroup { version: self.version, dirs: vec![(controller, entry.path())] };
@@ -489,12 +493,14 @@ impl Cgroup {
             .collect()
     }
 
-    /// Kills every process in the cgroup and its child cgroups.
+    /// Kills every process in the cgroup and its child cgroups: on v1 until none is listed (a process forked
+    /// meanwhile is killed in the next pass), for at most 200 ms, checking every 200 µs.
     pub fn kill_all(&self) {
         if self.version == CgroupVersion::V2 && self.write("", "cgroup.kill", "1").is_ok() {
             return;
         }
-        for _ in 0..100 {
+        let deadline = Instant::now() + KILL_PATIENCE;
+        while Instant::now() < deadline {
             let pids = self.pids();
             if pids.is_empty() {
                 return;
@@ -502,7 +508,7 @@ impl Cgroup {
             for pid in pids {
                 let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
             }
-            std::thread::sleep(Duration::from_millis(2));
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 

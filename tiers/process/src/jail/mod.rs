@@ -314,10 +314,28 @@ impl<'a> DiskWatch<'a> {
     }
 }
 
+/// Starts copying the embedded `strata-jail` into its sealed memfd on a thread of its own, so that the first
+/// [`Jail::start`] of this process finds it ready (or waits only for the rest of the copy) instead of making it
+/// on its own path: the copy (1.6 MB into fresh shared memory) then overlaps what the caller does before the
+/// first jail. Errors are not lost: the first `Jail::start` reports them. Does nothing once the memfd exists.
+pub fn prepare_binary() {
+    if JAIL_MEMFD.get().is_some() {
+        return;
+    }
+    let spawned = std::thread::Builder::new().name("strata-jail-copy".into()).spawn(|| {
+        let _ = jail_binary();
+    });
+    if let Err(err) = spawned {
+        log::debug!("cannot copy the jail binary ahead ({err}); the first jail will");
+    }
+}
+
+/// The embedded binary in its sealed memfd, or why it could not be made: made once per process.
+static JAIL_MEMFD: OnceLock<Result<OwnedFd, String>> = OnceLock::new();
+
 /// The embedded binary in a sealed memfd, created once per process.
 fn jail_binary() -> Result<&'static OwnedFd, JailError> {
-    static BINARY: OnceLock<Result<OwnedFd, String>> = OnceLock::new();
-    BINARY
+    JAIL_MEMFD
         .get_or_init(|| {
             let fd = memfd_create("strata-jail", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
                 .map_err(|e| e.to_string())?;
@@ -339,10 +357,17 @@ fn jail_binary() -> Result<&'static OwnedFd, JailError> {
 impl Jail {
     /// Builds a jail and waits until it is ready for jobs.
     pub fn start(cgroups: &CgroupRoot, config: &JailConfig) -> Result<Jail, JailError> {
-        let binary = jail_binary()?;
         let (host_end, jail_end) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
             .map_err(|e| JailError::Spawn(e.into()))?;
         let cgroup = cgroups.create(&config.limits)?;
+        // After the cgroup: a copy started by `prepare_binary` has had that long to finish.
+        let binary = match jail_binary() {
+            Ok(binary) => binary,
+            Err(err) => {
+                cgroup.remove();
+                return Err(err);
+            }
+        };
         let mut command = Command::new(format!("/proc/self/fd/{}", binary.as_raw_fd()));
         // The control socket is the jail's stdin: no pre-exec code, so std spawns with posix_spawn (vfork-like)
         // instead of forking this process's whole address space.
@@ -834,12 +859,15 @@ impl Jail {
     }
 
     fn shutdown(&mut self) {
-        if let Some(pidfd) = &self.pidfd {
-            signal_pidfd(pidfd, Signal::SIGKILL);
-        }
+        let pid1_killed = self.pidfd.as_ref().map(|pidfd| signal_pidfd(pidfd, Signal::SIGKILL)).is_some();
         if let Some(mut keeper) = self.keeper.take() {
-            // The keeper's death also kills PID 1 (its parent-death signal), should PID 1 not have reported yet.
-            let _ = keeper.kill();
+            // With PID 1 killed, the keeper ends on its own once it has reaped it, which is after the kernel has torn
+            // down the jail's namespaces and taken PID 1 out of the cgroup: waiting for that leaves `kill_all`
+            // nothing to wait out. Without a PID 1 to kill (a jail that never got ready), the keeper is killed,
+            // and its death kills PID 1 (its parent-death signal).
+            if !pid1_killed {
+                let _ = keeper.kill();
+            }
             let _ = keeper.wait();
         }
         self.ended = true;
