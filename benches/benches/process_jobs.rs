@@ -4,6 +4,7 @@
 //! |----------------|-------------------------------------------------------|----------------------------------------|
 //! | `true_inproc`  | `Engine::execute` (process tier), `/bin/true`         | `bwrap … /bin/true`; bare `/bin/true`  |
 //! | `true_process` | `strata run --tier process -- /bin/true`              | the same two, run in turn with it      |
+//! | `true_daemon`  | the same command through a warm `strata daemon`       | the same two, run in turn with it      |
 //! | `print1`       | `Engine::execute` (process tier), `python3 -c print(1)`| `bwrap … python3 -c`; bare `python3 -c`|
 //! | `sandbox_exec` | `/bin/true` in a live sandbox (a lane of the jail)     | `true_inproc` (a fresh jail)           |
 //! | `jobs_8_*`     | 8 jobs at once in one sandbox                          | the same 8 in turn                     |
@@ -106,6 +107,47 @@ fn target(name: &str, what: &str, value: f64, unit: &str, limit: f64) {
     println!("{name:<26} {what:<36} {value:>8.2}{unit:<2}  target <= {limit}{unit}  {verdict}");
 }
 
+/// A `strata daemon` of the bench's own, on a socket in a temporary directory, stopped when dropped.
+struct WarmDaemon {
+    strata: PathBuf,
+    home: PathBuf,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl WarmDaemon {
+    /// Starts it with the environment the bench's `strata run` commands have (it serves only those).
+    fn start(strata: &Path, home: &Path) -> anyhow::Result<WarmDaemon> {
+        let dir = tempfile::tempdir()?;
+        let socket = dir.path().join("warm.sock");
+        let daemon = WarmDaemon { strata: strata.to_owned(), home: home.to_owned(), socket, _dir: dir };
+        let out = daemon.command(&["daemon", "start", "--idle", "10m"]).output()?;
+        anyhow::ensure!(out.status.success(), "daemon start: {}", String::from_utf8_lossy(&out.stderr).trim());
+        Ok(daemon)
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.strata);
+        c.env("STRATA_HOME", &self.home).env("STRATA_DAEMON", &self.socket).args(args);
+        c
+    }
+
+    /// Fails unless the daemon served every run handed to it (a refused run would have run cold).
+    fn check_served(&self, runs: usize) -> anyhow::Result<()> {
+        let out = self.command(&["daemon", "status", "--json"]).output()?;
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let served = status["served"].as_u64().unwrap_or(0);
+        anyhow::ensure!(served >= runs as u64, "the daemon served {served} of {runs}+ runs: {status}");
+        Ok(())
+    }
+}
+
+impl Drop for WarmDaemon {
+    fn drop(&mut self) {
+        let _ = self.command(&["daemon", "stop"]).output();
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let iters: usize = match std::env::var("STRATA_BENCH_ITERS") {
@@ -142,17 +184,33 @@ fn main() -> anyhow::Result<()> {
     // /bin/true.
     let name = "true";
     let inproc = strata_inproc(&engine, "true_inproc", &["/bin/true"], b"", iters)?;
-    // The whole processes in turn: the CLI (when built), bwrap (when installed), bare.
-    let mut cli_cmd = || {
+    // A warm daemon of the bench's own, which the CLI's second figure goes through.
+    let daemon = match &strata {
+        Some(strata) => match WarmDaemon::start(strata, &home) {
+            Ok(daemon) => Some(daemon),
+            Err(err) => {
+                println!("# strata run through the daemon: skipped: {err:#}");
+                None
+            }
+        },
+        None => None,
+    };
+    // The whole processes in turn: the CLI without and with the daemon (when built), bwrap (when installed), bare.
+    let strata_run = |socket: &Path| {
         let mut c = Command::new(strata.as_deref().unwrap_or(Path::new("strata")));
-        c.env("STRATA_HOME", &home).args(["run", "--tier", "process", "--", "/bin/true"]);
+        c.env("STRATA_HOME", &home).env("STRATA_DAEMON", socket).args(["run", "--tier", "process", "--", "/bin/true"]);
         c
     };
+    let mut cli_cmd = || strata_run(Path::new("off"));
+    let mut daemon_cmd = || strata_run(daemon.as_ref().map_or(Path::new("off"), |d| d.socket.as_path()));
     let mut bwrap_cmd = || bwrap(bwrap_bin.as_deref().unwrap_or(Path::new("bwrap")), &rootfs, &["/bin/true"]);
     let mut bare_cmd = || Command::new("/bin/true");
     let mut contenders = Vec::new();
     if strata.is_some() {
         contenders.push(Contender { name: "true_process", cmd: &mut cli_cmd });
+    }
+    if daemon.is_some() {
+        contenders.push(Contender { name: "true_daemon", cmd: &mut daemon_cmd });
     }
     if bwrap_bin.is_some() {
         contenders.push(Contender { name: "true_bwrap", cmd: &mut bwrap_cmd });
@@ -161,10 +219,18 @@ fn main() -> anyhow::Result<()> {
     let mut figures = interleaved(iters, (iters / 10).max(1), &mut contenders, &|out| exited_with(out, b""))?;
     let bare = figures.pop().expect("bare is always measured");
     let peer = bwrap_bin.is_some().then(|| figures.pop()).flatten();
+    let warm = daemon.is_some().then(|| figures.pop()).flatten();
     let cli = strata.is_some().then(|| figures.pop()).flatten();
+    if let Some(daemon) = &daemon {
+        daemon.check_served(iters)?;
+    }
+    drop(daemon);
     inproc.print("strata (in-process)");
     if let Some(cli) = &cli {
         cli.print("strata run --tier process (CLI)");
+    }
+    if let Some(warm) = &warm {
+        warm.print("the same through strata daemon");
     }
     if let Some(peer) = &peer {
         peer.print("bwrap (ro rootfs)");
@@ -179,6 +245,13 @@ fn main() -> anyhow::Result<()> {
             "{name:<26} ratio strata CLI/bwrap: p50 {:.2}x, p99 {:.2}x",
             cli.p_us(0.5) / peer.p_us(0.5),
             cli.p_us(0.99) / peer.p_us(0.99)
+        );
+    }
+    if let (Some(warm), Some(peer)) = (&warm, &peer) {
+        println!(
+            "{name:<26} ratio strata CLI through the daemon/bwrap: p50 {:.2}x, p99 {:.2}x",
+            warm.p_us(0.5) / peer.p_us(0.5),
+            warm.p_us(0.99) / peer.p_us(0.99)
         );
     }
 
@@ -251,6 +324,9 @@ fn main() -> anyhow::Result<()> {
         target("true_inproc", "p50 strata/bwrap", ms(&inproc) / ms(peer), "x", 1.5);
         if let Some(cli) = &cli {
             target("true_process", "p50 strata CLI/bwrap", ms(cli) / ms(peer), "x", 1.5);
+        }
+        if let Some(warm) = &warm {
+            target("true_daemon", "p50 strata CLI (daemon)/bwrap", ms(warm) / ms(peer), "x", 1.5);
         }
     }
     target("print1_inproc", "p50 overhead, strata - bare", ms(&py_inproc) - ms(&py_bare), "ms", 10.0);

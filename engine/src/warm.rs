@@ -2,7 +2,9 @@
 //! (the compiled code's metadata deserialised, the router's module list read) in one single-threaded process,
 //! and each `strata run` that finds it hands over its command line, working directory and standard streams; the
 //! daemon forks a child that runs that command exactly as the `strata` process would have, from the warm
-//! state, and reports how it ended. A zygote, as the process tier's numpy zygote and Android's are.
+//! state, and reports how it ended. A zygote, as the process tier's numpy zygote and Android's are. With
+//! [`Daemon::with_spares`] the children are forked ahead of their commands and prepare, while they wait, what a
+//! command of the default configuration does first (the CLI: its jail).
 //!
 //! What the child runs is the command-line tool's own code with the client's arguments, in the client's working
 //! directory and umask, writing to and reading from the client's own descriptors (passed with `SCM_RIGHTS`):
@@ -177,6 +179,9 @@ pub struct DaemonStatus {
     pub last_refusal: Option<String>,
     /// It exits after this many seconds without a job.
     pub idle_exit_s: u64,
+    /// Spare children waiting, prepared, for the next commands ([`Daemon::with_spares`]).
+    #[serde(default)]
+    pub spares: usize,
 }
 
 /// The identity of the running `strata` binary: its path's device, inode, size and modification time, and the
@@ -426,6 +431,23 @@ pub fn check_request(
 /// What the forked child runs: the command line, with the warm engine.
 pub type Handler = fn(Vec<String>, Engine) -> i32;
 
+/// What a spare child does with its copy of the warm engine before its command arrives ([`Daemon::with_spares`]).
+pub type Prepare = fn(&Engine);
+
+/// Spare children that died before a command reached them, in a row, after which the daemon makes no more
+/// spares (and forks a child per command, as without them).
+const SPARE_FAILURES: u32 = 3;
+
+/// How long the daemon, exiting, waits for a spare child to close what it prepared before killing it.
+const SPARE_EXIT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A child forked ahead of its command, prepared, waiting on `channel` for it.
+struct Spare {
+    pid: i32,
+    pidfd: OwnedFd,
+    channel: OwnedFd,
+}
+
 /// A job the daemon runs.
 struct Job {
     connection: OwnedFd,
@@ -446,6 +468,12 @@ pub struct Daemon {
     confinement: Vec<(String, String)>,
     engine: Option<Engine>,
     handler: Handler,
+    /// How many spare children to keep, and how each prepares.
+    spare_target: usize,
+    prepare: Option<Prepare>,
+    spares: Vec<Spare>,
+    /// Spares that died before their command, in a row.
+    spare_failures: u32,
     idle: Duration,
     started: Instant,
     served: u64,
@@ -504,12 +532,27 @@ impl Daemon {
             confinement: confinement("self").map_err(|e| WarmError::io("/proc/self", e))?,
             engine: Some(engine),
             handler,
+            spare_target: 0,
+            prepare: None,
+            spares: Vec::new(),
+            spare_failures: 0,
             idle,
             started: Instant::now(),
             served: 0,
             refused: 0,
             last_refusal: None,
         })
+    }
+
+    /// Keeps `count` children forked ahead of their commands, each of which runs `prepare` on its copy of the
+    /// engine and then waits: a command then starts in a child that has already done, off the command's path,
+    /// what every command of the default configuration does first (the CLI builds the jail a default process-tier
+    /// run would need: [`crate::Engine::process`] and `ProcessTier::prestart`). A child is still a fresh copy of
+    /// the warm state, used once; what it prepared is closed with it when the daemon exits unused.
+    pub fn with_spares(mut self, count: usize, prepare: Prepare) -> Daemon {
+        self.spare_target = count;
+        self.prepare = Some(prepare);
+        self
     }
 
     /// Serves clients until stopped, idle for the idle period, or its socket file is gone; then waits for the
@@ -522,12 +565,19 @@ impl Daemon {
             if jobs.is_empty() && (stopping || last_job.elapsed() >= self.idle || !self.owns_socket()) {
                 break;
             }
+            // Spares prepare while no job runs, so that a preparation never competes with a job for the CPUs.
+            if !stopping && jobs.is_empty() {
+                self.replenish(&mut jobs);
+            }
             let Some(listener) = self.listener.as_ref() else { break };
             let ready = {
                 let mut fds = vec![PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
                 for job in &jobs {
                     fds.push(PollFd::new(job.pidfd.as_fd(), PollFlags::POLLIN));
                     fds.push(PollFd::new(job.connection.as_fd(), PollFlags::POLLIN));
+                }
+                for spare in &self.spares {
+                    fds.push(PollFd::new(spare.pidfd.as_fd(), PollFlags::POLLIN));
                 }
                 // Wake at least once a second to notice the idle period and a removed socket file.
                 match poll(&mut fds, PollTimeout::from(1000u16)) {
@@ -536,6 +586,16 @@ impl Daemon {
                 }
                 fds.iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect::<Vec<bool>>()
             };
+            // A spare that ended before its command (its preparation failed badly, or it was killed).
+            let first_spare = 1 + 2 * jobs.len();
+            for index in (0..self.spares.len()).rev() {
+                if ready[first_spare + index] {
+                    let spare = self.spares.swap_remove(index);
+                    let status = waitpid(Pid::from_raw(spare.pid), None);
+                    self.spare_failures += 1;
+                    log::warn!("spare child {} ended before its command: {status:?}", spare.pid);
+                }
+            }
             // Jobs first, from the last so removing one keeps the others' indices.
             for index in (0..jobs.len()).rev() {
                 let (exited, client) = (ready[1 + 2 * index], ready[2 + 2 * index]);
@@ -563,7 +623,87 @@ impl Daemon {
         if self.owns_socket() {
             let _ = std::fs::remove_file(&self.path);
         }
+        self.close_spares();
         Ok(())
+    }
+
+    /// Forks spare children up to the target (none after [`SPARE_FAILURES`] died unused in a row).
+    fn replenish(&mut self, jobs: &mut Vec<Job>) {
+        let Some(prepare) = self.prepare else { return };
+        while self.spares.len() < self.spare_target && self.spare_failures < SPARE_FAILURES {
+            match self.fork_spare(prepare, jobs) {
+                Ok(spare) => self.spares.push(spare),
+                Err(err) => {
+                    self.spare_failures += 1;
+                    log::warn!("cannot fork a spare child: {err}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Forks one spare child: it prepares, then waits for its command (a [`RunRequest`] and the client's three
+    /// streams) on its end of a socket pair; the daemon closing that end ends it.
+    fn fork_spare(&mut self, prepare: Prepare, jobs: &mut Vec<Job>) -> Result<Spare, WarmError> {
+        let (ours, theirs) =
+            nix::sys::socket::socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+                .map_err(|e| WarmError::io("socketpair", e))?;
+        let handler = self.handler;
+        let mut ours = Some(ours);
+        let mut theirs = Some(theirs);
+        let pid = fork_single_threaded(|| {
+            // As a job's child: nothing of the daemon's but the engine and its own end of the pair.
+            let engine = self.engine.take();
+            self.listener = None;
+            self.spares.clear();
+            jobs.clear();
+            ours = None;
+            let (Some(engine), Some(theirs)) = (engine, theirs.take()) else { return 125 };
+            prepare(&engine);
+            match proto::recv::<RunRequest>(theirs.as_fd()) {
+                Ok(Some((run, fds))) if fds.len() == 3 => {
+                    drop(theirs);
+                    run_job(handler, run, fds, engine)
+                }
+                // The daemon is exiting (or sent something else): close what was prepared.
+                _ => {
+                    drop(engine);
+                    0
+                }
+            }
+        })?;
+        drop(theirs.take());
+        let channel = ours.take().ok_or_else(|| WarmError::Protocol("the spare's socket went missing".into()))?;
+        match pidfd_open(pid) {
+            Ok(pidfd) => Ok(Spare { pid, pidfd, channel }),
+            Err(err) => {
+                let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+                let _ = waitpid(Pid::from_raw(pid), None);
+                Err(WarmError::io("pidfd_open", err))
+            }
+        }
+    }
+
+    /// Ends the spare children: each closes what it prepared and exits (or is killed after
+    /// [`SPARE_EXIT_TIMEOUT`]).
+    fn close_spares(&mut self) {
+        let spares = std::mem::take(&mut self.spares);
+        let deadline = Instant::now() + SPARE_EXIT_TIMEOUT;
+        let mut waiting = Vec::new();
+        for Spare { pid, pidfd, channel } in spares {
+            drop(channel);
+            waiting.push((pid, pidfd));
+        }
+        for (pid, pidfd) in waiting {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+            let ended = matches!(poll(&mut fds, poll_timeout(left)), Ok(n) if n > 0);
+            if !ended {
+                log::warn!("spare child {pid} did not exit in time: killed");
+                signal_pidfd(&pidfd, Signal::SIGKILL);
+            }
+            let _ = waitpid(Pid::from_raw(pid), None);
+        }
     }
 
     /// Whether the socket file is still this daemon's.
@@ -656,33 +796,37 @@ impl Daemon {
         connection: &mut Option<OwnedFd>,
         jobs: &mut Vec<Job>,
     ) -> Result<(i32, OwnedFd), WarmError> {
+        // The oldest spare has had the longest to prepare.
+        while !self.spares.is_empty() {
+            let spare = self.spares.remove(0);
+            let fds_ref: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+            match proto::send(spare.channel.as_fd(), &run, &fds_ref) {
+                Ok(()) => {
+                    self.spare_failures = 0;
+                    return Ok((spare.pid, spare.pidfd));
+                }
+                Err(err) => {
+                    // Gone meanwhile (its pidfd says so at the next poll, but it is no longer watched): reap it.
+                    log::warn!("spare child {} did not take its command: {err}", spare.pid);
+                    signal_pidfd(&spare.pidfd, Signal::SIGKILL);
+                    let _ = waitpid(Pid::from_raw(spare.pid), None);
+                    self.spare_failures += 1;
+                }
+            }
+        }
         let handler = self.handler;
         let pid = fork_single_threaded(|| {
             // The child keeps nothing of the daemon's but the engine: its sockets and the other jobs' pidfds are
             // closed.
             let engine = self.engine.take();
             self.listener = None;
+            self.spares.clear();
             *connection = None;
             jobs.clear();
-            let setup = nix::unistd::dup2_stdin(&fds[0])
-                .and_then(|()| nix::unistd::dup2_stdout(&fds[1]))
-                .and_then(|()| nix::unistd::dup2_stderr(&fds[2]));
-            drop(fds);
-            if setup.is_err() {
-                return 125;
-            }
-            if let Err(err) = nix::unistd::chdir(&run.cwd) {
-                let _ = writeln!(std::io::stderr(), "strata: cannot enter {}: {}", run.cwd.display(), err.desc());
-                return 2;
-            }
-            nix::sys::stat::umask(Mode::from_bits_truncate(run.umask));
-            let code = match engine {
-                Some(engine) => handler(run.argv, engine),
+            match engine {
+                Some(engine) => run_job(handler, run, fds, engine),
                 None => 125,
-            };
-            let _ = std::io::stdout().flush();
-            let _ = std::io::stderr().flush();
-            code
+            }
         })?;
         match pidfd_open(pid) {
             Ok(pidfd) => Ok((pid, pidfd)),
@@ -705,8 +849,36 @@ impl Daemon {
             refused: self.refused,
             last_refusal: self.last_refusal.clone(),
             idle_exit_s: self.idle.as_secs(),
+            spares: self.spares.len(),
         }
     }
+}
+
+/// In a job's child: the client's streams as its own, its working directory and umask, then the handler with
+/// the warm engine; the job's exit code.
+fn run_job(handler: Handler, run: RunRequest, fds: Vec<OwnedFd>, engine: Engine) -> i32 {
+    let setup = nix::unistd::dup2_stdin(&fds[0])
+        .and_then(|()| nix::unistd::dup2_stdout(&fds[1]))
+        .and_then(|()| nix::unistd::dup2_stderr(&fds[2]));
+    drop(fds);
+    if setup.is_err() {
+        return 125;
+    }
+    if let Err(err) = nix::unistd::chdir(&run.cwd) {
+        let _ = writeln!(std::io::stderr(), "strata: cannot enter {}: {}", run.cwd.display(), err.desc());
+        return 2;
+    }
+    nix::sys::stat::umask(Mode::from_bits_truncate(run.umask));
+    let code = handler(run.argv, engine);
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    code
+}
+
+/// A poll timeout of `d`, rounded up to a millisecond and capped at the largest one poll takes.
+fn poll_timeout(d: Duration) -> PollTimeout {
+    let ms = d.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128);
+    i32::try_from(ms).ok().and_then(|ms| PollTimeout::try_from(ms).ok()).unwrap_or(PollTimeout::MAX)
 }
 
 #[cfg(test)]

@@ -116,11 +116,16 @@ fn print_status(path: &std::path::Path, status: Option<&DaemonStatus>, json: boo
     }
 }
 
+/// Children the daemon keeps forked and prepared ahead of their commands: two, so that while one command runs the
+/// next child is ready and the one after prepares.
+const SPARES: usize = 2;
+
 /// `start --foreground`: warms an engine of `strata run`'s default configuration and serves until stopped.
 fn serve(path: PathBuf, idle: Duration) -> Result<i32, Failure> {
     let engine = Engine::new(crate::run::engine_config(Policy::default(), None)?)?;
     engine.warm()?;
-    let daemon = Daemon::bind(&path, engine, run_in_child, idle).map_err(failure)?;
+    let daemon =
+        Daemon::bind(&path, engine, run_in_child, idle).map_err(failure)?.with_spares(SPARES, crate::run::prestart);
     log::info!("daemon ready on {} (pid {})", path.display(), std::process::id());
     daemon.serve().map_err(failure)?;
     Ok(0)

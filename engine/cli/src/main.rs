@@ -35,13 +35,13 @@ const USAGE_ERROR: u8 = 2;
                   (wasmtime), Linux programs in a jail on the process tier, with file grants, limits and a usage \
                   report."
 )]
-struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
-    command: Command,
+    pub(crate) command: Command,
 }
 
 #[derive(Subcommand)]
-enum Command {
+pub(crate) enum Command {
     /// Run a job: `strata run [OPTIONS] FILE [-- ARGS...]`, or `strata run --python -c CODE | -m MODULE`.
     Run(Box<run::RunCommand>),
     /// Re-run a job recorded by `strata run --record FILE` with the same inputs and check that its output and

@@ -267,18 +267,7 @@ pub(crate) fn prepare(args: RunArgs, warm: Option<Engine>) -> Result<Prepared, F
         Some(path) => Policy::from_file(path).map_err(strata_engine::EngineError::from)?,
         None => Policy::default(),
     };
-    let flags = LimitsOverride {
-        wall: args.timeout,
-        cpu: args.cpu,
-        fuel: args.fuel,
-        memory: args.memory,
-        output: args.output_limit,
-        pids: args.pids,
-        disk: args.disk,
-        vcpus: args.vcpus,
-        ..LimitsOverride::default()
-    };
-    let limits = flags.apply(&policy.limits);
+    let limits = limits_of(&args, &policy);
     if args.snapshot.is_some()
         && (!args.dirs.is_empty()
             || !args.grant_sets.is_empty()
@@ -293,24 +282,8 @@ pub(crate) fn prepare(args: RunArgs, warm: Option<Engine>) -> Result<Prepared, F
              `strata snapshot create`",
         ));
     }
-    let grants = policy.grants_with(&args.grant_sets, args.dirs).map_err(|err| {
-        let policy = args.policy.as_ref().map_or("the default policy".to_owned(), |path| path.display().to_string());
-        Failure::new("usage", format!("--grants: {policy}: {err}"))
-    })?;
-    let ungranted = if args.snapshot.is_none() { ungranted_host_paths(&args.args, &grants) } else { Vec::new() };
-    let caps = Capabilities {
-        grants,
-        env: args.env,
-        secrets: args.secrets,
-        egress_secrets: args.egress_secrets.iter().map(|s| parse_egress_secret(s)).collect::<Result<_, _>>()?,
-        net: policy.network.net_with(&args.allow_net.iter().fold(Allowlist::default(), |all, one| all.union(one))),
-        tools: Vec::new(),
-        user: args.user,
-        image: match &args.image {
-            Some(ImageChoice::Custom(name)) => Some(name.clone()),
-            _ => None,
-        },
-    };
+    let caps = caps_of(&args, &policy)?;
+    let ungranted = if args.snapshot.is_none() { ungranted_host_paths(&args.args, &caps.grants) } else { Vec::new() };
     let vm_image = match args.image {
         Some(ImageChoice::Vm(vm)) => Some(vm),
         _ => None,
@@ -347,6 +320,67 @@ pub(crate) fn prepare(args: RunArgs, warm: Option<Engine>) -> Result<Prepared, F
         }
     };
     Ok(Prepared { engine, job, caps, limits, tier: args.tier, snapshot, json: args.json, ungranted })
+}
+
+/// The limits of a run: the policy's, with the command line's flags over them.
+fn limits_of(args: &RunArgs, policy: &Policy) -> Limits {
+    let flags = LimitsOverride {
+        wall: args.timeout,
+        cpu: args.cpu,
+        fuel: args.fuel,
+        memory: args.memory,
+        output: args.output_limit,
+        pids: args.pids,
+        disk: args.disk,
+        vcpus: args.vcpus,
+        ..LimitsOverride::default()
+    };
+    flags.apply(&policy.limits)
+}
+
+/// The capabilities of a run: the policy's grants and network with the command line's.
+fn caps_of(args: &RunArgs, policy: &Policy) -> Result<Capabilities, Failure> {
+    let grants = policy.grants_with(&args.grant_sets, args.dirs.clone()).map_err(|err| {
+        let policy = args.policy.as_ref().map_or("the default policy".to_owned(), |path| path.display().to_string());
+        Failure::new("usage", format!("--grants: {policy}: {err}"))
+    })?;
+    Ok(Capabilities {
+        grants,
+        env: args.env.clone(),
+        secrets: args.secrets.clone(),
+        egress_secrets: args.egress_secrets.iter().map(|s| parse_egress_secret(s)).collect::<Result<_, _>>()?,
+        net: policy.network.net_with(&args.allow_net.iter().fold(Allowlist::default(), |all, one| all.union(one))),
+        tools: Vec::new(),
+        user: args.user.clone(),
+        image: match &args.image {
+            Some(ImageChoice::Custom(name)) => Some(name.clone()),
+            _ => None,
+        },
+    })
+}
+
+/// What a warm daemon's spare child prepares before its command arrives: the jail a command of the default
+/// configuration (`strata run -- COMMAND`, `--tier process`: no flag that changes the jail) runs in. A command
+/// whose jail would differ builds its own, so this only ever saves time. Failures are left for the command to
+/// meet (and report) itself.
+pub(crate) fn prestart(engine: &Engine) {
+    let Ok(cli) = <crate::Cli as clap::Parser>::try_parse_from(["strata", "run", "--", "true"]) else { return };
+    let crate::Command::Run(command) = cli.command else { return };
+    let policy = Policy::default();
+    let limits = limits_of(&command.run, &policy);
+    let Ok(caps) = caps_of(&command.run, &policy) else { return };
+    // Starting the tier builds a missing Debian image (minutes, with the network): never behind a user's back.
+    if !engine.images().debian().is_ok_and(|image| image.is_installed()) {
+        return;
+    }
+    match engine.process() {
+        Ok(tier) => {
+            if let Err(err) = tier.prestart(&caps, &limits) {
+                log::debug!("no jail prepared ahead: {err}");
+            }
+        }
+        Err(err) => log::debug!("no jail prepared ahead: {err}"),
+    }
 }
 
 pub(crate) fn run(command: RunCommand, warm: Option<Engine>) -> Result<i32, Failure> {

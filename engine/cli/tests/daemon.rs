@@ -342,3 +342,89 @@ fn the_daemon_is_private_stops_when_asked_or_idle_and_leaves_nothing() {
     wait_gone(pid);
     assert!(!idle.socket().exists(), "an idle daemon removes its socket");
 }
+
+/// The PIDs of `pid`'s descendants (children, their children, …).
+fn descendants(pid: i64) -> Vec<i64> {
+    let mut parents: Vec<(i64, i64)> = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(child) = entry.file_name().to_str().and_then(|n| n.parse::<i64>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else { continue };
+        // The fields after the command name, which may hold spaces: state, then the parent's PID.
+        let Some(ppid) = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)) else { continue };
+        if let Ok(ppid) = ppid.parse::<i64>() {
+            parents.push((child, ppid));
+        }
+    }
+    let mut found = vec![pid];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(parents.iter().filter(|(_, p)| *p == parent).map(|(c, _)| *c));
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+#[test]
+fn spare_children_prepare_the_default_jail_and_a_run_of_another_jail_builds_its_own() {
+    let daemon = Daemon::start("5m");
+    let cwd = tempfile::tempdir().expect("tempdir");
+    let mut cold = daemon.command(&["run", "--json", "--tier", "process", "--", "true"]);
+    cold.env("STRATA_DAEMON", "off");
+    let probe = run(cold, cwd.path(), b"");
+    if probe.code != Some(0) {
+        eprintln!("skip: the process tier cannot run on this host: {}", probe.stdout.trim());
+        return;
+    }
+    let pid = daemon.status()["pid"].as_i64().expect("pid");
+    let ready = |daemon: &Daemon| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while daemon.status()["spares"].as_u64() != Some(2) {
+            assert!(Instant::now() < deadline, "the daemon keeps two spares: {}", daemon.status());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Each spare has built its jail once a jail process runs beside it.
+        while descendants(pid).iter().filter(|p| jail_process(**p)).count() < 2 {
+            assert!(Instant::now() < deadline, "each spare prepares a jail: {:?}", descendants(pid));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    ready(&daemon);
+
+    // A default run takes a spare's jail and answers as a run without the daemon.
+    let before = daemon.served();
+    let warm = run(daemon.command(&["run", "--tier", "process", "--", "sh", "-c", "echo hi; exit 5"]), cwd.path(), b"");
+    assert_eq!((warm.code, warm.stdout.as_str()), (Some(5), "hi\n"), "{}", warm.stderr);
+    // One whose jail differs (a 1 MiB writable layer) builds its own: the spare's (1 GiB) would let this write.
+    let fill = "head -c 4000000 /dev/zero > /tmp/fill && echo wrote";
+    let small =
+        run(daemon.command(&["run", "--tier", "process", "--disk", "1MiB", "--", "sh", "-c", fill]), cwd.path(), b"");
+    assert_ne!(small.code, Some(0), "a 1 MiB layer cannot hold 4 MB: {} {}", small.stdout, small.stderr);
+    assert!(!small.stdout.contains("wrote"), "{}", small.stdout);
+    let big = run(daemon.command(&["run", "--tier", "process", "--", "sh", "-c", fill]), cwd.path(), b"");
+    assert_eq!((big.code, big.stdout.as_str()), (Some(0), "wrote\n"), "{}", big.stderr);
+    assert_eq!(daemon.served(), before + 3, "all three ran through the daemon");
+
+    // Stopping the daemon ends its spares and their jails, and their cgroups go with them.
+    daemon.idle();
+    ready(&daemon);
+    let left = descendants(pid);
+    let out = daemon.command(&["daemon", "stop"]).output().expect("stop");
+    assert!(out.status.success());
+    wait_gone(pid);
+    for child in &left {
+        wait_gone(*child);
+    }
+    let owners: Vec<String> = left.iter().map(|p| format!("{p}-")).collect();
+    let cgroups: Vec<String> = std::fs::read_dir("/sys/fs/cgroup/pids/strata")
+        .map(|dir| dir.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    let leaked: Vec<&String> = cgroups.iter().filter(|name| owners.iter().any(|o| name.starts_with(o))).collect();
+    assert!(leaked.is_empty(), "cgroups of the spares are removed: {leaked:?}");
+}
+
+/// Whether `pid` runs the embedded `strata-jail` (from its sealed memfd).
+fn jail_process(pid: i64) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|exe| exe.to_string_lossy().contains("strata-jail"))
+}

@@ -120,6 +120,17 @@ pub struct ProcessTier {
     /// Whether jails get a user namespace; cleared (with a warning) the first time the kernel refuses one or
     /// the idmapped image mount it needs.
     user_namespaces: AtomicBool,
+    /// A one-shot jail built ahead of its job ([`ProcessTier::prestart`]), with the configuration it was built
+    /// from: the next one-shot job whose jail would be built from the same configuration takes it.
+    spare: std::sync::Mutex<Option<Spare>>,
+}
+
+/// A jail built ahead of its job, and what it was built from.
+#[derive(Debug)]
+struct Spare {
+    config: JailConfig,
+    jail: Jail,
+    _hold: Option<strata_image_store::LayerHold>,
 }
 
 impl ProcessTier {
@@ -164,7 +175,7 @@ impl ProcessTier {
             log::info!("removed {stale} cgroups left by engines that were killed");
         }
         log::debug!("process tier: {}", cgroups.describe());
-        Ok(ProcessTier { config, cgroups, user_namespaces: AtomicBool::new(true) })
+        Ok(ProcessTier { config, cgroups, user_namespaces: AtomicBool::new(true), spare: std::sync::Mutex::new(None) })
     }
 
     /// Where the egress proxies' Unix sockets live while their jails run (see [`ProcessTierConfig::egress_dir`]).
@@ -268,6 +279,37 @@ impl ProcessTier {
         EgressProxy::start(EgressConfig::new(allowlist.clone()).with_unix_socket(socket).with_secrets(secrets))
             .map(Some)
             .map_err(|e| internal_from("egress proxy", e))
+    }
+
+    /// Builds, ahead of its job, the one-shot jail a job with these capabilities and limits would run in, and keeps
+    /// it for that job: the next [`Tier::run`] whose jail would be built from exactly the same configuration
+    /// (image layers, grants, limits, user mapping) takes it instead of building one, so the namespaces, overlay,
+    /// cgroup and seccomp filter are off that job's path. A warm process that forks a copy of itself per command
+    /// (`strata daemon`) prepares each copy this way before its command arrives. A job whose configuration differs
+    /// builds its own jail, as without a spare; the spare is closed with the tier. Capabilities that need an
+    /// egress proxy are not prepared (the proxy belongs to the job's jail alone).
+    pub fn prestart(&self, caps: &Capabilities, limits: &Limits) -> Result<(), TierError> {
+        if !matches!(caps.net, Net::Deny) {
+            return Ok(());
+        }
+        let image = self.root_image(caps)?;
+        let hold = self.hold(&image);
+        let config = self.jail_config(caps, limits, true, &image)?;
+        let jail = self.start_jail_with(config.clone(), caps)?;
+        // The jail as started (the user mapping may have been turned off on the way): what a job must match.
+        let config = JailConfig { id_map: jail.id_map(), ..config };
+        *self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(Spare { config, jail, _hold: hold });
+        Ok(())
+    }
+
+    /// The spare jail, when it was built from `config`.
+    fn take_spare(&self, config: &JailConfig) -> Option<Jail> {
+        let mut slot = self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !slot.as_ref().is_some_and(|spare| spare.config.same_jail(config) && !spare.jail.has_ended()) {
+            return None;
+        }
+        slot.take().map(|spare| spare.jail)
     }
 
     /// Whether jobs run in a user namespace (as an unprivileged host ID) rather than as host root.
@@ -396,7 +438,14 @@ impl Tier for ProcessTier {
         let image = self.root_image(caps)?;
         let _hold = self.hold(&image);
         let mut prepared = PreparedJob::new(job, caps, limits, &opts, &image)?;
-        let mut jail = self.start_jail(caps, limits, true, None, &image)?;
+        let spare = match caps.net {
+            Net::Deny => self.take_spare(&self.jail_config(caps, limits, true, &image)?),
+            _ => None,
+        };
+        let mut jail = match spare {
+            Some(jail) => jail,
+            None => self.start_jail(caps, limits, true, None, &image)?,
+        };
         prepared.add_env(jail.egress_secret_env());
         let stdin = opts.stdin.as_deref().unwrap_or_default();
         let outcome = run_in(Runner::Jail(&mut jail), prepared, caps, limits, stdin, &opts);

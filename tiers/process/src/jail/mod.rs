@@ -103,6 +103,42 @@ pub struct JailConfig {
     pub files_owner: Option<String>,
 }
 
+impl JailConfig {
+    /// Whether a jail built from `self` is the jail `other` describes: every field equal, and neither starting
+    /// from a snapshot's upper layer nor behind an egress proxy (those belong to one jail alone).
+    pub fn same_jail(&self, other: &JailConfig) -> bool {
+        // Destructured, so that a new field cannot be forgotten here.
+        let JailConfig {
+            lowers,
+            scratch_mount,
+            scratch_bytes,
+            binds,
+            hostname,
+            one_shot,
+            limits,
+            id_map,
+            restore_upper,
+            egress_socket,
+            zygote,
+            files_owner,
+        } = self;
+        restore_upper.is_none()
+            && other.restore_upper.is_none()
+            && egress_socket.is_none()
+            && other.egress_socket.is_none()
+            && *lowers == other.lowers
+            && *scratch_mount == other.scratch_mount
+            && *scratch_bytes == other.scratch_bytes
+            && *binds == other.binds
+            && *hostname == other.hostname
+            && *one_shot == other.one_shot
+            && *limits == other.limits
+            && *id_map == other.id_map
+            && *zygote == other.zygote
+            && *files_owner == other.files_owner
+    }
+}
+
 /// Why a jail could not be started or used.
 #[derive(Debug, thiserror::Error)]
 pub enum JailError {
