@@ -904,6 +904,13 @@ impl Engine {
         opts: ExecOptions,
     ) -> Result<Outcome, EngineError> {
         let route = self.route_job(choice, job, caps, limits, &opts)?;
+        if route.tier.kind() != TierKind::Process
+            && let Some(Ok(process)) = self.process.get()
+        {
+            // A jail built ahead for a Linux command ([`ProcessTier::prestart`]) is not this job's: closed
+            // meanwhile, not after it.
+            process.discard_spare();
+        }
         if self.may_escalate(choice, job, &route) {
             return self.run_escalating(route, job, caps, limits, opts);
         }

@@ -434,6 +434,10 @@ pub type Handler = fn(Vec<String>, Engine) -> i32;
 /// What a spare child does with its copy of the warm engine before its command arrives ([`Daemon::with_spares`]).
 pub type Prepare = fn(&Engine);
 
+/// Whether a command line should go to a spare child (what it prepared would serve it) rather than to a child
+/// forked for it ([`Daemon::with_spares`]).
+pub type Suits = fn(&[String]) -> bool;
+
 /// Spare children that died before a command reached them, in a row, after which the daemon makes no more
 /// spares (and forks a child per command, as without them).
 const SPARE_FAILURES: u32 = 3;
@@ -471,6 +475,7 @@ pub struct Daemon {
     /// How many spare children to keep, and how each prepares.
     spare_target: usize,
     prepare: Option<Prepare>,
+    suits: Option<Suits>,
     spares: Vec<Spare>,
     /// Spares that died before their command, in a row.
     spare_failures: u32,
@@ -534,6 +539,7 @@ impl Daemon {
             handler,
             spare_target: 0,
             prepare: None,
+            suits: None,
             spares: Vec::new(),
             spare_failures: 0,
             idle,
@@ -548,10 +554,13 @@ impl Daemon {
     /// engine and then waits: a command then starts in a child that has already done, off the command's path,
     /// what every command of the default configuration does first (the CLI builds the jail a default process-tier
     /// run would need: [`crate::Engine::process`] and `ProcessTier::prestart`). A child is still a fresh copy of
-    /// the warm state, used once; what it prepared is closed with it when the daemon exits unused.
-    pub fn with_spares(mut self, count: usize, prepare: Prepare) -> Daemon {
+    /// the warm state, used once; what it prepared is closed with it when the daemon exits unused. Only command
+    /// lines `suits` accepts go to a spare (what it prepared would serve them); the others to a child forked
+    /// for them, as without spares, so that they never pay for closing what they do not use.
+    pub fn with_spares(mut self, count: usize, prepare: Prepare, suits: Suits) -> Daemon {
         self.spare_target = count;
         self.prepare = Some(prepare);
+        self.suits = Some(suits);
         self
     }
 
@@ -797,7 +806,8 @@ impl Daemon {
         jobs: &mut Vec<Job>,
     ) -> Result<(i32, OwnedFd), WarmError> {
         // The oldest spare has had the longest to prepare.
-        while !self.spares.is_empty() {
+        let suits = self.suits.is_some_and(|suits| suits(&run.argv));
+        while suits && !self.spares.is_empty() {
             let spare = self.spares.remove(0);
             let fds_ref: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
             match proto::send(spare.channel.as_fd(), &run, &fds_ref) {

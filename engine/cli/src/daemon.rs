@@ -40,6 +40,10 @@ struct StartArgs {
     /// Serve in this process instead of the background (for a service manager); logs go to stderr.
     #[arg(long)]
     foreground: bool,
+    /// Children kept forked ahead of their commands, each holding the jail a default Linux command runs in
+    /// (0: fork one per command, when it arrives).
+    #[arg(long, default_value_t = SPARES)]
+    spares: usize,
 }
 
 fn socket() -> Result<PathBuf, Failure> {
@@ -55,8 +59,8 @@ fn failure(err: warm::WarmError) -> Failure {
 pub(crate) fn daemon(args: DaemonArgs) -> Result<i32, Failure> {
     let path = socket()?;
     match args.command {
-        DaemonCommand::Start(start) if start.foreground => serve(path, start.idle),
-        DaemonCommand::Start(start) => spawn(path, start.idle),
+        DaemonCommand::Start(start) if start.foreground => serve(path, start.idle, start.spares),
+        DaemonCommand::Start(start) => spawn(path, start.idle, start.spares),
         DaemonCommand::Stop => match warm::stop(&path) {
             Ok(()) => {
                 crate::progress::plain(&format!("strata: the daemon on {} is stopping", path.display()));
@@ -121,11 +125,14 @@ fn print_status(path: &std::path::Path, status: Option<&DaemonStatus>, json: boo
 const SPARES: usize = 2;
 
 /// `start --foreground`: warms an engine of `strata run`'s default configuration and serves until stopped.
-fn serve(path: PathBuf, idle: Duration) -> Result<i32, Failure> {
+fn serve(path: PathBuf, idle: Duration, spares: usize) -> Result<i32, Failure> {
     let engine = Engine::new(crate::run::engine_config(Policy::default(), None)?)?;
     engine.warm()?;
-    let daemon =
-        Daemon::bind(&path, engine, run_in_child, idle).map_err(failure)?.with_spares(SPARES, crate::run::prestart);
+    let daemon = Daemon::bind(&path, engine, run_in_child, idle).map_err(failure)?.with_spares(
+        spares,
+        crate::run::prestart,
+        crate::run::suits_spare,
+    );
     log::info!("daemon ready on {} (pid {})", path.display(), std::process::id());
     daemon.serve().map_err(failure)?;
     Ok(0)
@@ -140,7 +147,7 @@ fn run_in_child(argv: Vec<String>, engine: Engine) -> i32 {
 /// `start`: warms the caches in this process (compiling what is not compiled yet, with progress), then starts
 /// `strata daemon start --foreground` in the background, logging to `logs/daemon.log` under the home, and waits
 /// until it answers.
-fn spawn(path: PathBuf, idle: Duration) -> Result<i32, Failure> {
+fn spawn(path: PathBuf, idle: Duration, spares: usize) -> Result<i32, Failure> {
     if let Ok(status) = warm::status(&path) {
         crate::progress::plain(&format!("strata: a daemon (pid {}) already answers on {}", status.pid, path.display()));
         return Ok(0);
@@ -161,6 +168,7 @@ fn spawn(path: PathBuf, idle: Duration) -> Result<i32, Failure> {
         std::process::Command::new(exe)
             .args(["daemon", "start", "--foreground", "--idle"])
             .arg(format!("{}s", idle.as_secs().max(1)))
+            .arg(format!("--spares={spares}"))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)

@@ -359,6 +359,25 @@ fn caps_of(args: &RunArgs, policy: &Policy) -> Result<Capabilities, Failure> {
     })
 }
 
+/// Whether the command line `argv` (`strata run …`) looks like a Linux command, which a warm daemon's spare child
+/// (holding the jail [`prestart`] builds) should run: not Python, not a wasm module, not a fork of a snapshot, on
+/// the process tier or the router's choice. A guess only ever costs time: a spare's jail that a job does not take
+/// is closed beside the job, and a job that needs a jail and finds none builds its own.
+pub(crate) fn suits_spare(argv: &[String]) -> bool {
+    let Ok(cli) = <crate::Cli as clap::Parser>::try_parse_from(argv) else { return false };
+    let crate::Command::Run(command) = cli.command else { return false };
+    let run = &command.run;
+    let script = run.file.as_ref().is_some_and(|file| {
+        file.extension().is_some_and(|ext| ["wasm", "wat", "py"].iter().any(|known| ext.eq_ignore_ascii_case(known)))
+    });
+    !run.python
+        && run.code.is_none()
+        && run.module.is_none()
+        && run.snapshot.is_none()
+        && !script
+        && matches!(run.tier, TierChoice::Auto | TierChoice::Tier(TierKind::Process))
+}
+
 /// What a warm daemon's spare child prepares before its command arrives: the jail a command of the default
 /// configuration (`strata run -- COMMAND`, `--tier process`: no flag that changes the jail) runs in. A command
 /// whose jail would differ builds its own, so this only ever saves time. Failures are left for the command to
@@ -597,6 +616,23 @@ mod tests {
     use clap::Args;
     use strata_core::Limits;
     use strata_core::units::format_duration;
+
+    /// Linux commands go to a daemon's spare child (its jail would serve them); Python, wasm modules and forks
+    /// go to a child forked for them.
+    #[test]
+    fn only_linux_commands_suit_a_spare() {
+        let suits = |line: &str| super::suits_spare(&line.split(' ').map(str::to_owned).collect::<Vec<_>>());
+        assert!(suits("strata run -- true"));
+        assert!(suits("strata run --tier process -- sh -c x"));
+        assert!(suits("strata run --memory 64MiB ./tool -- a"));
+        assert!(!suits("strata run --python -c print(1)"));
+        assert!(!suits("strata run hello.wasm -- world"));
+        assert!(!suits("strata run analysis.PY"));
+        assert!(!suits("strata run --tier wasm -- true"));
+        assert!(!suits("strata run --snapshot dir -- true"));
+        assert!(!suits("strata images list"));
+        assert!(!suits("strata run --no-such-flag"));
+    }
 
     /// The defaults `strata run --help` prints are the default policy's, so the help cannot drift from it.
     #[test]

@@ -123,6 +123,17 @@ pub struct ProcessTier {
     /// A one-shot jail built ahead of its job ([`ProcessTier::prestart`]), with the configuration it was built
     /// from: the next one-shot job whose jail would be built from the same configuration takes it.
     spare: std::sync::Mutex<Option<Spare>>,
+    /// The thread closing a spare no job took ([`ProcessTier::discard_spare`]), joined when the tier is dropped.
+    closing: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for ProcessTier {
+    fn drop(&mut self) {
+        let closing = self.closing.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        if let Some(closing) = closing {
+            let _ = closing.join();
+        }
+    }
 }
 
 /// A jail built ahead of its job, and what it was built from.
@@ -175,7 +186,13 @@ impl ProcessTier {
             log::info!("removed {stale} cgroups left by engines that were killed");
         }
         log::debug!("process tier: {}", cgroups.describe());
-        Ok(ProcessTier { config, cgroups, user_namespaces: AtomicBool::new(true), spare: std::sync::Mutex::new(None) })
+        Ok(ProcessTier {
+            config,
+            cgroups,
+            user_namespaces: AtomicBool::new(true),
+            spare: std::sync::Mutex::new(None),
+            closing: std::sync::Mutex::new(None),
+        })
     }
 
     /// Where the egress proxies' Unix sockets live while their jails run (see [`ProcessTierConfig::egress_dir`]).
@@ -301,6 +318,23 @@ impl ProcessTier {
         *self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
             Some(Spare { config, jail, _hold: hold });
         Ok(())
+    }
+
+    /// Closes the spare jail, if there is one, on a thread of its own: the caller knows no job of this process
+    /// will take it (its job went to another tier), so its teardown overlaps that job instead of following it.
+    /// Joined when the tier is dropped.
+    pub fn discard_spare(&self) {
+        let Some(spare) = self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() else {
+            return;
+        };
+        // Should the thread not start, the closure (and the spare with it) is dropped here, closing it now.
+        let closing = std::thread::Builder::new().name("strata-spare-close".into()).spawn(move || drop(spare));
+        if let Ok(closing) = closing {
+            let previous = self.closing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).replace(closing);
+            if let Some(previous) = previous {
+                let _ = previous.join();
+            }
+        }
     }
 
     /// The spare jail, when it was built from `config`.
