@@ -119,6 +119,23 @@ pub(crate) struct ServeArgs {
     /// Log one JSON object per line instead of text.
     #[arg(long)]
     log_json: bool,
+
+    /// Join a fleet of nodes coordinated through etcd at these client URLs (comma-separated `http://host:port`):
+    /// placement across nodes, any node answers for any sandbox. Needs --node and --advertise.
+    #[arg(long, value_name = "URLS", value_delimiter = ',', requires_all = ["node", "advertise"])]
+    cluster: Vec<String>,
+
+    /// This node's name in the fleet (unique: letters, digits, '.', '_', ':', '-').
+    #[arg(long, value_name = "NAME", requires = "cluster")]
+    node: Option<String>,
+
+    /// The URL other nodes reach this node's API at (`http://host:port`).
+    #[arg(long, value_name = "URL", requires = "cluster")]
+    advertise: Option<String>,
+
+    /// How long a node that stops renewing its etcd lease stays in the fleet (its sandboxes are then lost).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    lease_ttl: Duration,
 }
 
 fn parse_size(text: &str) -> Result<strata_core::ByteSize, String> {
@@ -170,6 +187,13 @@ pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
             max_body: usize::try_from(args.max_body.0).unwrap_or(usize::MAX),
             max_connections: args.max_connections,
             max_connections_per_peer: args.max_connections_per_peer,
+        },
+        fleet: match (&args.node, &args.advertise) {
+            (Some(node), Some(advertise)) if !args.cluster.is_empty() => Some(strata_serve::fleet::FleetConfig {
+                lease_ttl: args.lease_ttl,
+                ..strata_serve::fleet::FleetConfig::new(args.cluster.clone(), node, advertise)
+            }),
+            _ => None,
         },
         ..ServeConfig::new(EngineConfig { policy, ..EngineConfig::from_env()? })
     };

@@ -40,6 +40,12 @@ pub struct ErrorDetail {
 }
 
 impl ApiError {
+    /// A create another node of the fleet answered ([`crate::fleet::forward`]): the fleet's middleware replaces
+    /// this with that node's answer, so no client sees it.
+    pub fn forwarded() -> ApiError {
+        ApiError::new(StatusCode::BAD_GATEWAY, "forwarded", "the request was answered by another node of the fleet")
+    }
+
     /// An error with this status, code and message.
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
         ApiError { status, code, message: message.into() }

@@ -44,6 +44,7 @@ pub mod capacity;
 pub mod connections;
 pub mod e2b;
 pub mod error;
+pub mod fleet;
 pub mod metrics;
 pub mod paused;
 pub mod ports;
@@ -124,6 +125,8 @@ pub struct ServeConfig {
     /// The most the home's caches may hold: pruned to it at start and every [`cache::PRUNE_INTERVAL`] ([`cache`]);
     /// `None`: never pruned by the server.
     pub cache_budget: Option<u64>,
+    /// The fleet this server is a node of ([`fleet`]); `None`: a server on its own.
+    pub fleet: Option<fleet::FleetConfig>,
 }
 
 impl ServeConfig {
@@ -149,6 +152,7 @@ impl ServeConfig {
             domain: None,
             templates: std::collections::BTreeMap::new(),
             cache_budget: None,
+            fleet: None,
         }
     }
 }
@@ -186,6 +190,9 @@ pub enum ServeError {
     /// The async runtime could not start or the server failed while serving.
     #[error("server I/O error")]
     Io(#[source] std::io::Error),
+    /// The server could not join its fleet (etcd unreachable, the node's name taken, a bad configuration).
+    #[error("cannot join the fleet: {0}")]
+    Fleet(#[from] fleet::FleetError),
 }
 
 /// What every request handler shares.
@@ -221,6 +228,8 @@ pub struct AppState {
     pub templates: std::collections::BTreeMap<String, strata_core::ImageName>,
     /// The sandboxes' terminals ([`pty`]).
     pub ptys: Arc<pty::Ptys>,
+    /// This node's membership of a fleet ([`fleet`]); `None`: a server on its own.
+    pub fleet: Option<Arc<fleet::Fleet>>,
     draining: AtomicBool,
 }
 
@@ -305,15 +314,31 @@ impl Server {
         if config.keys.is_none() {
             tracing::warn!("no API keys (--keys): every request is served as `anonymous`, on loopback only");
         }
+        let host = capacity::HostCapacity::host(
+            config.cpu_overcommit,
+            config.min_free_memory.unwrap_or_else(capacity::default_min_free_memory),
+        );
+        let fleet = match &config.fleet {
+            Some(fleet_config) => {
+                let memory = config.memory_budget.unwrap_or_else(|| {
+                    let available = capacity::MemoryProbe::host().available().unwrap_or(0);
+                    available.saturating_sub(config.min_free_memory.unwrap_or_else(capacity::default_min_free_memory))
+                });
+                let offer = fleet::Capacity {
+                    cpus: u32::try_from(host.cpus()).unwrap_or(u32::MAX),
+                    slots: config.cpu_overcommit,
+                    memory,
+                };
+                Some(fleet::Fleet::join(fleet_config.clone(), offer).await?)
+            }
+            None => None,
+        };
         let state = Arc::new(AppState {
             engine,
             policy: config.engine.policy.clone(),
-            registry: Arc::new(Registry::new(config.max_sandboxes, config.memory_budget, config.cpu_budget).with_host(
-                capacity::HostCapacity::host(
-                    config.cpu_overcommit,
-                    config.min_free_memory.unwrap_or_else(capacity::default_min_free_memory),
-                ),
-            )),
+            registry: Arc::new(
+                Registry::new(config.max_sandboxes, config.memory_budget, config.cpu_budget).with_host(host),
+            ),
             metrics: Metrics::default(),
             keys: config.keys,
             default_ttl: config.default_ttl,
@@ -326,9 +351,11 @@ impl Server {
             domain: config.domain.clone(),
             templates: config.templates.clone(),
             ptys: Arc::default(),
+            fleet,
             draining: AtomicBool::new(false),
         });
         spawn_reaper(&state, config.reap_interval, config.idle_timeout);
+        fleet::spawn(&state);
         spawn_sampler(&state);
         cache::spawn(&state, config.cache_budget);
         Ok(Server { listener, state })
@@ -372,6 +399,9 @@ impl Server {
             Ok::<(), ApiError>(())
         })
         .await;
+        if let Some(fleet) = &state.fleet {
+            fleet.leave().await;
+        }
         Ok(())
     }
 }
@@ -487,6 +517,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(ws::routes())
         .merge(pty::routes())
         .merge(e2b::control_routes())
+        .merge(fleet::api::routes())
         .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(authed)
@@ -498,12 +529,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(state.connections.limits().max_body))
         .layer(axum::middleware::from_fn(e2b_errors))
         .layer(axum::middleware::from_fn_with_state(state.clone(), e2b::ports::route))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), fleet::forward::route))
         .layer(axum::middleware::from_fn_with_state(state.clone(), request_log))
         .with_state(state)
 }
 
 /// Whether `path` is one of Strata's own (the native API, its document, `/metrics`) rather than an E2B route.
-fn native_path(path: &str) -> bool {
+pub(crate) fn native_path(path: &str) -> bool {
     path == "/v1" || path.starts_with("/v1/") || path == "/metrics"
 }
 

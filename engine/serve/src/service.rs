@@ -184,13 +184,49 @@ pub(crate) async fn start_sandbox(
     limits: Limits,
     ttl: Duration,
 ) -> Result<Arc<SandboxEntry>, ApiError> {
-    let mut reservation = reserve(state, principal, 1, &limits)?;
+    // In a fleet: where it goes (this node, as the id reserved and confirmed in etcd, or another one).
+    let id = match crate::fleet::forward::Placement::current() {
+        Some(placement) if state.fleet.is_some() => {
+            match placement.decide(state, limits.vcpus, limits.memory.0).await? {
+                crate::fleet::forward::Decision::Here(id) => id,
+                crate::fleet::forward::Decision::Forwarded => return Err(ApiError::forwarded()),
+            }
+        }
+        _ => match &state.fleet {
+            Some(fleet) => {
+                fleet.place_here(limits.vcpus, limits.memory.0).await.map_err(crate::fleet::forward::fleet_error)?
+            }
+            None => new_id("sb_"),
+        },
+    };
+    // This node's own admission (quotas, its budgets, its CPUs and free memory) is the last word.
+    let mut reservation = match reserve(state, principal, 1, &limits) {
+        Ok(reservation) => reservation,
+        Err(err) => {
+            if let Some(fleet) = &state.fleet {
+                crate::fleet::release_later(fleet, &id);
+            }
+            return Err(err);
+        }
+    };
     let started = Instant::now();
     let engine = state.engine.clone();
     let sandbox_limits = limits.clone();
-    let sandbox = blocking(move || engine.start(choice, &caps, &sandbox_limits).map_err(ApiError::from)).await?;
+    let sandbox = match blocking(move || engine.start(choice, &caps, &sandbox_limits).map_err(ApiError::from)).await {
+        Ok(sandbox) => sandbox,
+        Err(err) => {
+            if let Some(fleet) = &state.fleet {
+                crate::fleet::release_later(fleet, &id);
+            }
+            return Err(err);
+        }
+    };
     let tier = sandbox.tier();
-    let entry = reservation.commit(SandboxEntry::new(new_id("sb_"), principal.name.clone(), sandbox, limits, ttl));
+    let entry = reservation.commit(SandboxEntry::new(id, principal.name.clone(), sandbox, limits, ttl));
+    if let Some(fleet) = &state.fleet {
+        let (fleet, id) = (fleet.clone(), entry.id.clone());
+        entry.on_kill(move || crate::fleet::release_later(&fleet, &id));
+    }
     state.metrics.sandbox_created(tier);
     state.metrics.latency(tier.as_str(), "create", started.elapsed());
     tracing::info!(sandbox = %entry.id, %tier, "sandbox created");

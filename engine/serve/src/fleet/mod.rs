@@ -1,0 +1,495 @@
+//! Many `strata serve` nodes as one service, coordinated through etcd ([`strata_fleet`] is the protocol, without
+//! I/O; this module runs it).
+//!
+//! - **Membership.** A node registers `{prefix}nodes/{name}` under an etcd lease it keeps alive (TTL
+//!   [`FleetConfig::lease_ttl`]), with its capacity (CPUs, vCPU slots per CPU, memory it admits), then rewrites its
+//!   alloc to what it actually runs (nothing, after a start) and deletes the catalog entries of an earlier
+//!   incarnation of itself. A node that loses its lease (etcd expired it: a partition, a stall) kills what it runs —
+//!   the fleet has reported those sandboxes `sandbox_lost` — and registers again as a new incarnation.
+//! - **Placement.** A create goes through [`Fleet::place`]: the protocol's sorted first-fit over the nodes'
+//!   allocs, reserved in one transaction that checks the node's lease and its alloc's mod revision (the fencing
+//!   revision), so two nodes placing at once never over-commit a third. The chosen node confirms the reservation
+//!   before it creates anything; a node that cannot honour a placement refuses, the reservation is released and
+//!   the placer tries the next node ([`forward`]).
+//! - **Routing.** Any node answers any request for any sandbox: one it does not hold is looked up in the catalog
+//!   and the request forwarded, unchanged, to the owner (HTTP, WebSocket and E2B Connect streams alike); a
+//!   sandbox whose owner's lease is gone is `410 sandbox_lost`, never a hang or a silent 404.
+//!
+//! Every etcd call is bounded ([`FleetConfig::etcd_timeout`]): with etcd unreachable a node keeps serving the
+//! sandboxes it holds and refuses new placements with `503 fleet_unavailable`.
+
+pub mod api;
+pub mod forward;
+pub mod store;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use strata_fleet::{
+    AllocEntry, NodeRecord, Owner, PlanError, Protocol, Release, RequestError, SandboxRequest, View, valid_name,
+};
+
+pub use store::Store;
+
+use crate::AppState;
+
+/// How a node joins a fleet.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    /// etcd's client URLs (`http://host:port`).
+    pub endpoints: Vec<String>,
+    /// This node's name, unique in the fleet (letters, digits, `.`, `_`, `:`, `-`).
+    pub node: String,
+    /// The URL other nodes reach this node's API at (`http://host:port`).
+    pub advertise: String,
+    /// The lease's time to live: a node that stops renewing it is out of the fleet after this long.
+    pub lease_ttl: Duration,
+    /// The keys' prefix in etcd ([`strata_fleet::protocol::DEFAULT_PREFIX`] by default).
+    pub prefix: String,
+    /// How long one etcd request may take before it counts as failed.
+    pub etcd_timeout: Duration,
+}
+
+impl FleetConfig {
+    /// `node` at `advertise`, through etcd at `endpoints`, with a 5 s lease.
+    pub fn new(endpoints: Vec<String>, node: &str, advertise: &str) -> FleetConfig {
+        FleetConfig {
+            endpoints,
+            node: node.to_owned(),
+            advertise: advertise.to_owned(),
+            lease_ttl: Duration::from_secs(5),
+            prefix: strata_fleet::protocol::DEFAULT_PREFIX.to_owned(),
+            etcd_timeout: Duration::from_secs(2),
+        }
+    }
+
+    /// Checks the names and URLs.
+    pub fn validate(&self) -> Result<(), FleetError> {
+        if !valid_name(&self.node) {
+            return Err(FleetError::Config(format!(
+                "{:?} is not a node name (letters, digits, '.', '_', ':', '-'; at most 128)",
+                self.node
+            )));
+        }
+        if self.endpoints.is_empty() {
+            return Err(FleetError::Config("no etcd endpoint".into()));
+        }
+        for url in self.endpoints.iter().chain([&self.advertise]) {
+            forward::authority(url).map_err(|why| FleetError::Config(format!("{url:?}: {why}")))?;
+        }
+        if self.lease_ttl < Duration::from_secs(1) {
+            return Err(FleetError::Config("the lease TTL must be at least 1 s".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Why the fleet could not do something.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// The configuration is not usable.
+    #[error("fleet configuration: {0}")]
+    Config(String),
+    /// etcd could not be reached at all.
+    #[error("etcd at {endpoints} cannot be reached: {why}")]
+    Unreachable {
+        /// The endpoints.
+        endpoints: String,
+        /// Why.
+        why: String,
+    },
+    /// An etcd request failed or timed out.
+    #[error("etcd {what} failed: {why}")]
+    Etcd {
+        /// The request.
+        what: String,
+        /// Why.
+        why: String,
+    },
+    /// Another process holds this node's name.
+    #[error(
+        "node {0} is registered by another process (or by this node before a restart, and its lease has not expired)"
+    )]
+    NameTaken(String),
+    /// The request cannot be placed as asked.
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    /// No node can take the request.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// This node is not registered now (its lease was lost and it has not registered again yet).
+    #[error("this node is not registered in the fleet now (its lease was lost)")]
+    NotRegistered,
+    /// A reservation was released before this node confirmed it (its placer gave up).
+    #[error("the reservation of sandbox {0} is gone (its placer gave up)")]
+    ReservationLost(String),
+    /// The fleet's keys kept changing under a transaction.
+    #[error("the fleet's state kept changing; gave up after {0} attempts")]
+    Contended(usize),
+}
+
+/// Transactions retried on a failed compare before [`FleetError::Contended`].
+const ATTEMPTS: usize = 16;
+
+/// What a node offers the fleet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// CPUs sandboxes are packed onto.
+    pub cpus: u32,
+    /// vCPU slots per CPU (0: CPUs not admitted against).
+    pub slots: u32,
+    /// Bytes of memory limits admitted in all.
+    pub memory: u64,
+}
+
+/// This node's membership of a fleet.
+pub struct Fleet {
+    config: FleetConfig,
+    protocol: Protocol,
+    store: Store,
+    capacity: Capacity,
+    /// The current registration: its incarnation and lease (0 while not registered).
+    incarnation: AtomicU64,
+    lease: AtomicI64,
+    draining: AtomicBool,
+    /// The last time etcd renewed the lease.
+    renewed: Mutex<Instant>,
+    /// The runtime the node runs on, for work started off it (a sandbox's kill hook runs on a blocking thread).
+    runtime: Option<tokio::runtime::Handle>,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet").field("node", &self.config.node).field("store", &self.store).finish_non_exhaustive()
+    }
+}
+
+impl Fleet {
+    /// Connects to etcd, registers this node (waiting up to the lease's TTL for the lease of an earlier start
+    /// of it to expire) and cleans up what an earlier incarnation left. Nothing runs on this node yet, so its alloc
+    /// becomes empty.
+    pub async fn join(config: FleetConfig, capacity: Capacity) -> Result<Arc<Fleet>, FleetError> {
+        config.validate()?;
+        let store = Store::connect(&config.endpoints, config.etcd_timeout).await?;
+        let fleet = Arc::new(Fleet {
+            protocol: Protocol::new(&config.prefix),
+            store,
+            capacity,
+            incarnation: AtomicU64::new(0),
+            lease: AtomicI64::new(0),
+            draining: AtomicBool::new(false),
+            renewed: Mutex::new(Instant::now()),
+            runtime: tokio::runtime::Handle::try_current().ok(),
+            config,
+        });
+        fleet.register(&[]).await?;
+        Ok(fleet)
+    }
+
+    /// This node's name.
+    pub fn node(&self) -> &str {
+        &self.config.node
+    }
+
+    /// The fleet's configuration.
+    pub fn config(&self) -> &FleetConfig {
+        &self.config
+    }
+
+    /// The protocol (its keys).
+    pub fn protocol(&self) -> &Protocol {
+        &self.protocol
+    }
+
+    /// The etcd connection.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The current incarnation and lease; [`FleetError::NotRegistered`] while the node is out.
+    fn registration(&self) -> Result<(u64, i64), FleetError> {
+        let lease = self.lease.load(Ordering::SeqCst);
+        if lease == 0 {
+            return Err(FleetError::NotRegistered);
+        }
+        Ok((self.incarnation.load(Ordering::SeqCst), lease))
+    }
+
+    /// Whether this node is registered now.
+    pub fn registered(&self) -> bool {
+        self.lease.load(Ordering::SeqCst) != 0
+    }
+
+    fn record(&self, incarnation: u64) -> NodeRecord {
+        NodeRecord {
+            name: self.config.node.clone(),
+            advertise: self.config.advertise.clone(),
+            incarnation,
+            cpus: self.capacity.cpus,
+            slots: self.capacity.slots,
+            memory: self.capacity.memory,
+            draining: self.draining.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Registers as a new incarnation with a new lease, then makes the alloc `running` and removes stale
+    /// catalog entries.
+    async fn register(&self, running: &[AllocEntry]) -> Result<(), FleetError> {
+        self.lease.store(0, Ordering::SeqCst);
+        let incarnation = new_incarnation();
+        let deadline = Instant::now() + self.config.lease_ttl + Duration::from_secs(2);
+        let lease = loop {
+            let lease = self.store.grant(self.config.lease_ttl).await?;
+            let txn = self.protocol.register(&self.record(incarnation), lease)?;
+            if self.store.txn(&txn).await? {
+                break lease;
+            }
+            let _ = self.store.revoke(lease).await;
+            if Instant::now() >= deadline {
+                return Err(FleetError::NameTaken(self.config.node.clone()));
+            }
+            tracing::info!(node = %self.config.node, "the node's name is still registered (an earlier start?); waiting for its lease to expire");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        *self.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
+        for attempt in 0.. {
+            if attempt == ATTEMPTS {
+                return Err(FleetError::Contended(ATTEMPTS));
+            }
+            let mut kvs = self.store.range(&self.protocol.node_key(&self.config.node)).await?;
+            kvs.extend(self.store.range(&self.protocol.alloc_key(&self.config.node)).await?);
+            kvs.extend(self.store.range(&self.protocol.sandboxes_prefix()).await?);
+            let view = self.protocol.view(&kvs);
+            let cleanup = self.protocol.cleanup(&view, &self.config.node, incarnation, lease, running)?;
+            if cleanup.is_done() {
+                break;
+            }
+            if let Some(alloc) = &cleanup.alloc {
+                self.store.txn(alloc).await?;
+                continue;
+            }
+            for txn in &cleanup.catalog {
+                self.store.txn(txn).await?;
+            }
+        }
+        self.incarnation.store(incarnation, Ordering::SeqCst);
+        self.lease.store(lease, Ordering::SeqCst);
+        tracing::info!(node = %self.config.node, incarnation, lease, "registered in the fleet");
+        Ok(())
+    }
+
+    /// Marks the node as draining (no new placements) or not, in its record.
+    pub async fn set_draining(&self, draining: bool) -> Result<(), FleetError> {
+        self.draining.store(draining, Ordering::SeqCst);
+        let (incarnation, lease) = self.registration()?;
+        let txn = self.protocol.update(&self.record(incarnation), lease)?;
+        if !self.store.txn(&txn).await? {
+            return Err(FleetError::NotRegistered);
+        }
+        Ok(())
+    }
+
+    /// Whether this node is draining.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// The node records and allocs (what placement reads).
+    async fn placement_view(&self) -> Result<View, FleetError> {
+        let mut kvs = self.store.range(&self.protocol.nodes_prefix()).await?;
+        kvs.extend(self.store.range(&self.protocol.allocs_prefix()).await?);
+        Ok(self.protocol.view(&kvs))
+    }
+
+    /// Every node, as etcd has it now.
+    pub async fn nodes(&self) -> Result<View, FleetError> {
+        self.placement_view().await
+    }
+
+    /// Reserves room for `request` (placed whole on one node) on the first node that has it, skipping `exclude`:
+    /// the plan (node, its URL, the entries reserved) once its transaction went through.
+    pub async fn place(
+        &self,
+        request: &[SandboxRequest],
+        exclude: &BTreeSet<String>,
+    ) -> Result<strata_fleet::Plan, FleetError> {
+        self.registration()?;
+        for _ in 0..ATTEMPTS {
+            let view = self.placement_view().await?;
+            let plan = self.protocol.plan(&view, request, exclude)?;
+            if self.store.txn(&plan.txn).await? {
+                return Ok(plan);
+            }
+        }
+        Err(FleetError::Contended(ATTEMPTS))
+    }
+
+    /// Reserves and confirms room for one sandbox of `vcpus` and `memory` on this node (a sandbox made here for
+    /// a reason of its own: a resume, a fork of a snapshot this node holds): its id.
+    pub async fn place_here(&self, vcpus: u32, memory: u64) -> Result<String, FleetError> {
+        let view = self.placement_view().await?;
+        let others: BTreeSet<String> = view.nodes.keys().filter(|name| *name != self.node()).cloned().collect();
+        let id = crate::registry::new_id("sb_");
+        self.place(&[SandboxRequest { id: id.clone(), vcpus, memory }], &others).await?;
+        self.confirm(std::slice::from_ref(&id)).await?;
+        Ok(id)
+    }
+
+    /// Confirms the reservations `ids` on this node before it creates them ([`Protocol::confirm`]).
+    pub async fn confirm(&self, ids: &[String]) -> Result<(), FleetError> {
+        let (incarnation, lease) = self.registration()?;
+        let txn = self.protocol.confirm(&self.config.node, incarnation, lease, ids)?;
+        if self.store.txn(&txn).await? { Ok(()) } else { Err(FleetError::ReservationLost(ids.join(", "))) }
+    }
+
+    /// Gives up the reservation of `ids` on `node` as `incarnation`: whether it was released (`false`: the node
+    /// confirmed it meanwhile, so it took the sandboxes).
+    pub async fn release_reservation(&self, node: &str, incarnation: u64, ids: &[String]) -> Result<bool, FleetError> {
+        for _ in 0..ATTEMPTS {
+            let mut kvs = self.store.range(&self.protocol.alloc_key(node)).await?;
+            for id in ids {
+                kvs.extend(self.store.get(&self.protocol.sandbox_key(id)).await?);
+            }
+            let view = self.protocol.view(&kvs);
+            match self.protocol.release_reservation(&view, node, incarnation, ids)? {
+                Release::Taken => return Ok(false),
+                Release::Gone => return Ok(true),
+                Release::Txn(txn) => {
+                    if self.store.txn(&txn).await? {
+                        return Ok(true);
+                    }
+                }
+            }
+        }
+        Err(FleetError::Contended(ATTEMPTS))
+    }
+
+    /// Frees sandbox `id`, which ended on this node: out of the alloc and the catalog.
+    pub async fn release_sandbox(&self, id: &str) -> Result<(), FleetError> {
+        let incarnation = self.incarnation.load(Ordering::SeqCst);
+        for _ in 0..ATTEMPTS {
+            let mut kvs = self.store.range(&self.protocol.alloc_key(&self.config.node)).await?;
+            kvs.extend(self.store.get(&self.protocol.sandbox_key(id)).await?);
+            let view = self.protocol.view(&kvs);
+            match self.protocol.release_sandbox(&view, &self.config.node, incarnation, id) {
+                None => return Ok(()),
+                Some(txn) => {
+                    if self.store.txn(&txn).await? {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        Err(FleetError::Contended(ATTEMPTS))
+    }
+
+    /// Who holds sandbox `id`.
+    pub async fn lookup(&self, id: &str) -> Result<Owner, FleetError> {
+        if !valid_name(id) {
+            return Ok(Owner::Unknown);
+        }
+        let mut kvs: Vec<strata_fleet::KeyValue> =
+            self.store.get(&self.protocol.sandbox_key(id)).await?.into_iter().collect();
+        let view = self.protocol.view(&kvs);
+        if let Some(entry) = view.catalog.get(id) {
+            kvs.extend(self.store.get(&self.protocol.node_key(&entry.value.node)).await?);
+        }
+        let view = self.protocol.view(&kvs);
+        // A malformed entry is nobody's: the request is answered here (not found).
+        Ok(self.protocol.lookup(&view, &self.config.node, id).unwrap_or(Owner::Unknown))
+    }
+
+    /// Renews the lease once; on its loss, takes this node out (see [`spawn`]).
+    async fn renew(&self) -> Result<bool, FleetError> {
+        let (_, lease) = self.registration()?;
+        let ttl = self.store.keep_alive(lease).await?;
+        if ttl > 0 {
+            *self.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Leaves the fleet (a shutdown, after every sandbox was closed): frees the catalog entries this node still
+    /// holds, then revokes the lease, so its record goes at once.
+    pub async fn leave(&self) {
+        if let Ok(kvs) = self.store.range(&self.protocol.sandboxes_prefix()).await {
+            let view = self.protocol.view(&kvs);
+            for (id, entry) in &view.catalog {
+                if entry.value.node == self.config.node {
+                    let _ = self.release_sandbox(id).await;
+                }
+            }
+        }
+        let lease = self.lease.swap(0, Ordering::SeqCst);
+        if lease != 0 {
+            let _ = self.store.revoke(lease).await;
+        }
+    }
+}
+
+/// Frees sandbox `id` in etcd on the runtime, from anywhere (a blocking kill hook included); a failure is logged
+/// (the next cleanup of this node removes what is left).
+pub fn release_later(fleet: &Arc<Fleet>, id: &str) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current().or_else(|_| fleet.runtime.clone().ok_or(())) else {
+        return;
+    };
+    let (fleet, id) = (fleet.clone(), id.to_owned());
+    runtime.spawn(async move {
+        if let Err(err) = fleet.release_sandbox(&id).await {
+            tracing::warn!(sandbox = %id, error = %err, "cannot free the sandbox in the fleet");
+        }
+    });
+}
+
+/// A new incarnation: the time in microseconds, which only grows from one start of a node to the next.
+fn new_incarnation() -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    u64::try_from(now.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Keeps this node's lease alive while the server runs. When etcd says the lease expired (the node was out of
+/// touch longer than its TTL), or it has not been renewed for a whole TTL, the node is out: it stops placing,
+/// kills every sandbox it holds (the fleet reported them lost) and registers again as a new incarnation.
+pub fn spawn(state: &Arc<AppState>) {
+    let Some(fleet) = state.fleet.clone() else { return };
+    let weak: Weak<AppState> = Arc::downgrade(state);
+    tokio::spawn(async move {
+        let every = fleet.config.lease_ttl / 3;
+        loop {
+            tokio::time::sleep(every).await;
+            let Some(state) = weak.upgrade() else { return };
+            if state.draining() {
+                return;
+            }
+            let alive = match fleet.renew().await {
+                Ok(alive) => alive,
+                Err(FleetError::NotRegistered) => false,
+                Err(err) => {
+                    let since = fleet.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).elapsed();
+                    tracing::warn!(error = %err, since_ms = since.as_millis() as u64, "cannot renew the fleet lease");
+                    since < fleet.config.lease_ttl
+                }
+            };
+            if alive {
+                continue;
+            }
+            if fleet.registered() {
+                tracing::warn!(node = %fleet.node(), "the fleet lease is lost: killing this node's sandboxes and registering again");
+                fleet.lease.store(0, Ordering::SeqCst);
+                let lost = state.registry.take_all();
+                let _ = tokio::task::spawn_blocking(move || {
+                    for entry in lost {
+                        entry.kill();
+                    }
+                })
+                .await;
+            }
+            if let Err(err) = fleet.register(&[]).await {
+                tracing::warn!(error = %err, "cannot register in the fleet again yet");
+            }
+        }
+    });
+}
