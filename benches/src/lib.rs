@@ -3,6 +3,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod fleet;
 pub mod images;
 
 use std::path::{Path, PathBuf};

@@ -110,16 +110,16 @@ fn creates(request: &Request) -> bool {
 }
 
 /// The answer for a sandbox whose node is gone from the fleet.
-fn lost(request: &Request, id: &str, node: &str) -> Response {
+fn lost(path: &str, headers: &axum::http::HeaderMap, id: &str, node: &str) -> Response {
     let err = ApiError::new(
         StatusCode::GONE,
         "sandbox_lost",
         format!("sandbox {id} was on node {node}, which left the fleet (its lease expired); the sandbox is lost"),
     );
-    if crate::native_path(request.uri().path()) {
+    if crate::native_path(path) {
         return err.into_response();
     }
-    crate::e2b::E2bError::from(err).answer_to(request.uri().path(), request.headers())
+    crate::e2b::E2bError::from(err).answer_to(path, headers)
 }
 
 /// The fleet's middleware: forwards requests for sandboxes other nodes hold, answers `sandbox_lost` for those of
@@ -142,11 +142,21 @@ pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: N
         return next.run(request).await;
     }
     match fleet.lookup(&id).await {
-        Ok(Owner::Remote { advertise }) => match forward(fleet.node(), &advertise, request).await {
-            Ok(response) => response,
-            Err(err) => err.into_response(),
-        },
-        Ok(Owner::Lost { node }) => lost(&request, &id, &node),
+        Ok(Owner::Remote { advertise }) => {
+            let (path, headers) = (request.uri().path().to_owned(), request.headers().clone());
+            match forward(fleet.node(), &advertise, request).await {
+                Ok(response) => response,
+                Err(err) => {
+                    // The owner may be gone (and the sandbox lost): ask etcd, not what was remembered.
+                    fleet.forget_owner(&id);
+                    match fleet.lookup(&id).await {
+                        Ok(Owner::Lost { node }) => lost(&path, &headers, &id, &node),
+                        _ => err.into_response(),
+                    }
+                }
+            }
+        }
+        Ok(Owner::Lost { node }) => lost(request.uri().path(), request.headers(), &id, &node),
         Ok(Owner::Local | Owner::Unknown) => next.run(request).await,
         // etcd cannot say: answer from what this node holds (not found, in the API's own shape).
         Err(err) => {

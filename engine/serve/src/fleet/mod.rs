@@ -158,7 +158,19 @@ pub struct Fleet {
     renewed: Mutex<Instant>,
     /// The runtime the node runs on, for work started off it (a sandbox's kill hook runs on a blocking thread).
     runtime: Option<tokio::runtime::Handle>,
+    /// Placements through this node, one at a time: concurrent ones would only fail each other's fencing compare
+    /// in etcd and read again.
+    placing: tokio::sync::Mutex<()>,
+    /// Owners looked up lately ([`Fleet::lookup`]): a sandbox never moves between nodes, so an owner found stays
+    /// right until that node goes; an entry is used for [`OWNER_CACHE_TTL`] and dropped when forwarding to it fails.
+    owners: Mutex<std::collections::HashMap<String, (String, Instant)>>,
 }
+
+/// How long an owner looked up is used without asking etcd again.
+const OWNER_CACHE_TTL: Duration = Duration::from_secs(2);
+
+/// Owners remembered at most (the oldest are dropped first past this).
+const OWNER_CACHE_MAX: usize = 4096;
 
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -182,6 +194,8 @@ impl Fleet {
             draining: AtomicBool::new(false),
             renewed: Mutex::new(Instant::now()),
             runtime: tokio::runtime::Handle::try_current().ok(),
+            placing: tokio::sync::Mutex::new(()),
+            owners: Mutex::new(std::collections::HashMap::new()),
             config,
         });
         fleet.register(&[]).await?;
@@ -316,6 +330,7 @@ impl Fleet {
         exclude: &BTreeSet<String>,
     ) -> Result<strata_fleet::Plan, FleetError> {
         self.registration()?;
+        let _one_at_a_time = self.placing.lock().await;
         for _ in 0..ATTEMPTS {
             let view = self.placement_view().await?;
             let plan = self.protocol.plan(&view, request, exclude)?;
@@ -385,10 +400,15 @@ impl Fleet {
         Err(FleetError::Contended(ATTEMPTS))
     }
 
-    /// Who holds sandbox `id`.
+    /// Who holds sandbox `id`: a remote owner seen in the last [`OWNER_CACHE_TTL`] without asking etcd.
     pub async fn lookup(&self, id: &str) -> Result<Owner, FleetError> {
         if !valid_name(id) {
             return Ok(Owner::Unknown);
+        }
+        if let Some((advertise, seen)) = self.owners().get(id)
+            && seen.elapsed() < OWNER_CACHE_TTL
+        {
+            return Ok(Owner::Remote { advertise: advertise.clone() });
         }
         let mut kvs: Vec<strata_fleet::KeyValue> =
             self.store.get(&self.protocol.sandbox_key(id)).await?.into_iter().collect();
@@ -398,7 +418,26 @@ impl Fleet {
         }
         let view = self.protocol.view(&kvs);
         // A malformed entry is nobody's: the request is answered here (not found).
-        Ok(self.protocol.lookup(&view, &self.config.node, id).unwrap_or(Owner::Unknown))
+        let owner = self.protocol.lookup(&view, &self.config.node, id).unwrap_or(Owner::Unknown);
+        if let Owner::Remote { advertise } = &owner {
+            let mut owners = self.owners();
+            if owners.len() >= OWNER_CACHE_MAX {
+                owners.retain(|_, (_, seen)| seen.elapsed() < OWNER_CACHE_TTL);
+            }
+            if owners.len() < OWNER_CACHE_MAX {
+                owners.insert(id.to_owned(), (advertise.clone(), Instant::now()));
+            }
+        }
+        Ok(owner)
+    }
+
+    /// Forgets the owner of `id` (forwarding to it failed: look it up again).
+    pub fn forget_owner(&self, id: &str) {
+        self.owners().remove(id);
+    }
+
+    fn owners(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, (String, Instant)>> {
+        self.owners.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Renews the lease once; on its loss, takes this node out (see [`spawn`]).
