@@ -166,6 +166,10 @@ pub struct Fleet {
     owners: Mutex<std::collections::HashMap<String, (String, Instant)>>,
 }
 
+/// How often a node releases reservations on it that nobody confirmed: one still reserved a whole period later
+/// is released (a placer forwards at once; the node confirms before it creates).
+const RESERVATION_SWEEP: Duration = Duration::from_secs(15);
+
 /// How long an owner looked up is used without asking etcd again.
 const OWNER_CACHE_TTL: Duration = Duration::from_secs(2);
 
@@ -352,11 +356,45 @@ impl Fleet {
         Ok(id)
     }
 
-    /// Confirms the reservations `ids` on this node before it creates them ([`Protocol::confirm`]).
+    /// Confirms the reservations `ids` on this node before it creates them ([`Protocol::confirm`]). The answer
+    /// is read from the catalog, not from the transaction's reply: when it fails or gets no answer, an earlier
+    /// try held up on its way to etcd may have been applied since, so the entries are read back — `Active` on
+    /// this incarnation is confirmed, still `Reserved` is tried again, anything else is lost.
     pub async fn confirm(&self, ids: &[String]) -> Result<(), FleetError> {
         let (incarnation, lease) = self.registration()?;
         let txn = self.protocol.confirm(&self.config.node, incarnation, lease, ids)?;
-        if self.store.txn(&txn).await? { Ok(()) } else { Err(FleetError::ReservationLost(ids.join(", "))) }
+        let mut last = None;
+        for _ in 0..ATTEMPTS {
+            match self.store.txn(&txn).await {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(err) => last = Some(err),
+            }
+            let mut kvs = Vec::new();
+            for id in ids {
+                match self.store.get(&self.protocol.sandbox_key(id)).await {
+                    Ok(kv) => kvs.extend(kv),
+                    Err(err) => return Err(last.unwrap_or(err)),
+                }
+            }
+            let view = self.protocol.view(&kvs);
+            let ours = |state: strata_fleet::SandboxState| {
+                ids.iter().all(|id| {
+                    view.catalog.get(id).is_some_and(|entry| {
+                        entry.value.node == self.config.node
+                            && entry.value.incarnation == incarnation
+                            && entry.value.state == state
+                    })
+                })
+            };
+            if ours(strata_fleet::SandboxState::Active) {
+                return Ok(());
+            }
+            if !ours(strata_fleet::SandboxState::Reserved) {
+                return Err(FleetError::ReservationLost(ids.join(", ")));
+            }
+        }
+        Err(last.unwrap_or(FleetError::Contended(ATTEMPTS)))
     }
 
     /// Gives up the reservation of `ids` on `node` as `incarnation`: whether it was released (`false`: the node
@@ -451,6 +489,28 @@ impl Fleet {
         Ok(false)
     }
 
+    /// Releases the reservations on this node that were already reserved at the previous sweep (`seen`) and
+    /// still are: their placer is gone (or its forward lost), since a placer forwards at once and this node
+    /// confirms before it creates. Returns what is reserved now, for the next sweep.
+    async fn sweep_reservations(&self, seen: &BTreeSet<String>) -> Result<BTreeSet<String>, FleetError> {
+        let incarnation = self.incarnation.load(Ordering::SeqCst);
+        let mut kvs = self.store.range(&self.protocol.alloc_key(&self.config.node)).await?;
+        let view = self.protocol.view(&kvs);
+        if let Some(alloc) = view.allocs.get(&self.config.node) {
+            for entry in &alloc.value.entries {
+                kvs.extend(self.store.get(&self.protocol.sandbox_key(&entry.id)).await?);
+            }
+        }
+        let view = self.protocol.view(&kvs);
+        let reserved: BTreeSet<String> =
+            self.protocol.reservations(&view, &self.config.node, incarnation).into_iter().collect();
+        for id in reserved.intersection(seen) {
+            tracing::info!(sandbox = %id, "releasing a reservation nobody confirmed (its placer is gone)");
+            self.release_reservation(&self.config.node, incarnation, std::slice::from_ref(id)).await?;
+        }
+        Ok(reserved.difference(seen).cloned().collect())
+    }
+
     /// Leaves the fleet (a shutdown, after every sandbox was closed): frees the catalog entries this node still
     /// holds, then revokes the lease, so its record goes at once.
     pub async fn leave(&self) {
@@ -497,11 +557,20 @@ pub fn spawn(state: &Arc<AppState>) {
     let weak: Weak<AppState> = Arc::downgrade(state);
     tokio::spawn(async move {
         let every = fleet.config.lease_ttl / 3;
+        let mut reserved = BTreeSet::new();
+        let mut swept = Instant::now();
         loop {
             tokio::time::sleep(every).await;
             let Some(state) = weak.upgrade() else { return };
             if state.draining() {
                 return;
+            }
+            if fleet.registered() && swept.elapsed() >= RESERVATION_SWEEP {
+                swept = Instant::now();
+                match fleet.sweep_reservations(&reserved).await {
+                    Ok(now) => reserved = now,
+                    Err(err) => tracing::warn!(error = %err, "cannot sweep this node's reservations"),
+                }
             }
             let alive = match fleet.renew().await {
                 Ok(alive) => alive,
