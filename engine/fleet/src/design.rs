@@ -88,14 +88,15 @@
 //! is [`Owner::Local`] or [`Owner::Remote`]; one naming a node whose record is absent or of another incarnation is
 //! [`Owner::Lost`]; a reserved or absent entry is [`Owner::Unknown`].
 //!
-//! **Unknown outcomes.** A transaction whose answer is lost may or may not have been applied. The caller waits out
-//! a deadline longer than any request can stay in flight, then reads: a placer checks whether its ids are reserved
-//! on C; C, confirming, whether they are active. Every transaction's compares make a retry after such a read
-//! safe.
+//! **Unknown outcomes.** A transaction whose answer is lost may have been applied or not, and may even be applied
+//! later, after the caller stopped waiting (held up in a queue). So a caller decides from what it reads back, and
+//! every transaction's compares make a late one harmless: a placer checks whether its ids are reserved on C (a
+//! late reservation after it moved on fails on `Missing`, or is swept); C, confirming, reads back after a failure
+//! as after a timeout.
 //!
 //! # Found by the simulation
 //!
-//! The simulation found three rules the transactions alone do not give; each is now part of the protocol.
+//! The simulation found four rules the transactions alone do not give; each is now part of the protocol.
 //! - **A reservation gone after a forward may have lived.** A placer whose forward timed out found its ids gone
 //!   and placed them again on another node; but the first node had confirmed them, and the sandbox had already
 //!   ended and been released. One id then lived on two nodes, one after the other. Rule: after a forward, a
@@ -105,6 +106,11 @@
 //!   confirmation of a duplicated forward, and that sandbox had run and ended: it ran twice. Rule: a node creates an
 //!   id at most once per incarnation, answering duplicate forwards from what it took, so that the read-back is
 //!   unambiguous ([`Protocol::confirm`]).
+//! - **A failed confirmation does not mean refused.** A node's confirmation timed out; it read the ids still
+//!   reserved and confirmed again, which failed, so it refused. But the first had been held up on its way and was
+//!   applied in between: the placer, releasing, found the ids active and told its client "created", for sandboxes
+//!   nobody ran. Rule: a node reads back after a failed confirmation as after a lost answer, and only refuses
+//!   when the ids are neither reserved nor active on its incarnation.
 //! - **Registering with a lease that expired is an error, not a failed compare.** A node cut from etcd while it
 //!   waited to register found its new lease gone; etcd refuses a put naming it outright. Rule: on that error, grant
 //!   a new lease and register again.

@@ -442,10 +442,12 @@ impl Protocol {
     /// forwarded to it: every one must still be reserved on this very incarnation, and its own record must still
     /// stand; they become `Active`. The node creates them only when this succeeds.
     ///
-    /// A node creates an id at most once per incarnation: it remembers the ids it took (running or ended), answers
-    /// a duplicate forward of them "created" without confirming again, and confirms nothing twice at once. That is
-    /// what lets it read back the outcome of a confirmation whose answer was lost: the ids `Active` on this
-    /// incarnation then means this confirmation was applied, not an earlier one for sandboxes that have ended.
+    /// A node decides from the catalog, not from the answer: when the confirmation fails or gets no answer, it reads
+    /// the entries back (an earlier confirmation, held up on its way to etcd, may have been applied since): `Active`
+    /// on this incarnation means one of its confirmations was applied, and it creates the sandboxes; still
+    /// `Reserved`, it confirms again; anything else, it refuses. That read is unambiguous because a node creates an
+    /// id at most once per incarnation: it remembers the ids it took (running or ended), answers a duplicate
+    /// forward of them "created" without confirming again, and confirms one request from one task at a time.
     pub fn confirm(&self, node: &str, incarnation: u64, lease: i64, ids: &[String]) -> Result<Txn, RequestError> {
         check_name(node)?;
         check_ids(ids.iter().map(String::as_str))?;

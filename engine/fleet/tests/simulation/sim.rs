@@ -5,8 +5,8 @@
 //! (a forwarded create: confirm, then start), releases of ended sandboxes, a reservation sweep and lookups. etcd
 //! is [`Etcd`]; a node reaches it over a link with random delay and loss, and other nodes over a network with
 //! random delay, loss and duplication (losses stop with the main phase). A request to etcd times out after twice
-//! the link's longest delay, so a timed-out request was either applied (its answer lost) or never will be: the
-//! node then reads to find out.
+//! the link's longest delay: it was applied (its answer lost), or never will be, or, now and then, it is applied
+//! later still, after the node read back and decided without it.
 //!
 //! **Events.** Create requests (single sandboxes and forks) at random nodes, sandboxes ending, lookups, node
 //! crashes (all its sandboxes and tasks die; it restarts later as a new incarnation), partitions (the node's
@@ -131,6 +131,9 @@ pub struct Failure {
 struct Params {
     etcd_delay: u64,
     etcd_loss: u64,
+    /// Per mille of requests to etcd applied only after their deadline: the node timed out on them, read back,
+    /// and may have decided (and sent more) before they apply.
+    etcd_late: u64,
     etcd_timeout: u64,
     net_delay: u64,
     net_loss: u64,
@@ -489,6 +492,7 @@ impl World {
         let params = Params {
             etcd_delay,
             etcd_loss: rng.pick(&[0, 0, 5, 20, 50]),
+            etcd_late: rng.pick(&[0, 0, 5, 20]),
             etcd_timeout: 2 * etcd_delay + 1,
             net_delay: rng.range(1, 30),
             net_loss: rng.pick(&[0, 10, 50, 100]),
@@ -660,7 +664,14 @@ impl World {
             self.lose(n, process, req, deadline);
             return;
         }
-        let delay = self.rng.range(1, self.params.etcd_delay);
+        let timeout = self.params.etcd_timeout;
+        let delay = if self.lost(self.params.etcd_late) {
+            // Held up (in a queue, a retransmission): applied long after the node gave up waiting.
+            self.lose(n, process, req, deadline);
+            timeout + self.rng.range(1, 3 * timeout)
+        } else {
+            self.rng.range(1, self.params.etcd_delay)
+        };
         self.after(delay, Event::ToEtcd { node: n, process, req, deadline, body });
     }
 
@@ -1318,7 +1329,14 @@ impl World {
         let p = Rc::clone(&self.p);
         let (name, incarnation) = (self.nodes[c].name.clone(), confirm.incarnation);
         let created = match (&confirm.state, input) {
-            (ConfirmState::Confirming, Input::Etcd(Some(EtcdResp::Txn(ok)))) => ok,
+            (ConfirmState::Confirming, Input::Etcd(Some(EtcdResp::Txn(true)))) => true,
+            (ConfirmState::Confirming, Input::Etcd(Some(EtcdResp::Txn(false)))) => {
+                // Refused now, but an earlier confirmation held up on the way may have been applied: read back.
+                let keys = confirm.ids.iter().map(|i| p.sandbox_key(i)).collect();
+                self.call(c, id, EtcdReq::Read { prefixes: vec![], keys });
+                confirm.state = ConfirmState::Checking;
+                return Ok(Some(confirm));
+            }
             (ConfirmState::Confirming | ConfirmState::Checking, Input::Etcd(None)) => {
                 self.wake_later(c, id);
                 confirm.state = ConfirmState::Checking;
