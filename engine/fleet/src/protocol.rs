@@ -159,8 +159,10 @@ pub enum Release {
     Txn(Txn),
     /// The node confirmed the sandboxes: it took them, and the placement succeeded after all.
     Taken,
-    /// None of the sandboxes is reserved on that incarnation of the node any more (released, or cleaned up by a
-    /// node that restarted): nothing to release.
+    /// None of the sandboxes is reserved on that incarnation of the node any more: nothing to release. Either
+    /// someone released them (the node's sweep, or its cleanup after a restart), or the node took them and they
+    /// have already ended. A placer that forwarded them therefore places the request again under *new* ids: an
+    /// id that may have lived once is never placed twice.
     Gone,
 }
 
@@ -439,6 +441,13 @@ impl Protocol {
     /// What node `node`, registered as `incarnation` with `lease`, runs before it creates the sandboxes `ids`
     /// forwarded to it: every one must still be reserved on this very incarnation, and its own record must still
     /// stand; they become `Active`. The node creates them only when this succeeds.
+    ///
+    /// A node decides from the catalog, not from the answer: when the confirmation fails or gets no answer, it reads
+    /// the entries back (an earlier confirmation, held up on its way to etcd, may have been applied since): `Active`
+    /// on this incarnation means one of its confirmations was applied, and it creates the sandboxes; still
+    /// `Reserved`, it confirms again; anything else, it refuses. That read is unambiguous because a node creates an
+    /// id at most once per incarnation: it remembers the ids it took (running or ended), answers a duplicate
+    /// forward of them "created" without confirming again, and confirms one request from one task at a time.
     pub fn confirm(&self, node: &str, incarnation: u64, lease: i64, ids: &[String]) -> Result<Txn, RequestError> {
         check_name(node)?;
         check_ids(ids.iter().map(String::as_str))?;

@@ -280,7 +280,9 @@ mod tests {
         );
         let bad_name = NodeRecord { name: "a/b".into(), ..record() };
         assert!(matches!(NodeRecord::parse(key, "a/b", &bad_name.to_json()), Err(RecordError::BadName { .. })));
-        let twice = br#"{"incarnation":1,"entries":[{"id":"a","vcpus":1,"memory":1,"cpus":[]},{"id":"a","vcpus":1,"memory":1,"cpus":[]}]}"#;
+        let entry = r#"{"id":"a","vcpus":1,"memory":1,"cpus":[]}"#;
+        let twice = format!(r#"{{"incarnation":1,"entries":[{entry},{entry}]}}"#);
+        let twice = twice.as_bytes();
         assert_eq!(Alloc::parse(key, twice), Err(RecordError::DuplicateEntry { key: key.into(), id: "a".into() }));
         let state = br#"{"node":"n1","incarnation":1,"state":"gone"}"#;
         assert!(matches!(CatalogEntry::parse(key, state), Err(RecordError::Json { .. })));
