@@ -335,6 +335,7 @@ pub fn fleet_error(err: FleetError) -> ApiError {
         FleetError::ReservationLost(_) => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "placement_lost", err.to_string())
         }
+        FleetError::AlreadyTaken(_) => ApiError::new(StatusCode::CONFLICT, "already_created", err.to_string()),
         other => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "fleet_unavailable", other.to_string()),
     }
 }

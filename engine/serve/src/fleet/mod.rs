@@ -125,6 +125,9 @@ pub enum FleetError {
     /// A reservation was released before this node confirmed it (its placer gave up).
     #[error("the reservation of sandbox {0} is gone (its placer gave up)")]
     ReservationLost(String),
+    /// This node already took that id once (a second forward of one placement).
+    #[error("sandbox {0} was already created on this node")]
+    AlreadyTaken(String),
     /// The fleet's keys kept changing under a transaction.
     #[error("the fleet's state kept changing; gave up after {0} attempts")]
     Contended(usize),
@@ -164,6 +167,10 @@ pub struct Fleet {
     /// Owners looked up lately ([`Fleet::lookup`]): a sandbox never moves between nodes, so an owner found stays
     /// right until that node goes; an entry is used for [`OWNER_CACHE_TTL`] and dropped when forwarding to it fails.
     owners: Mutex<std::collections::HashMap<String, (String, Instant)>>,
+    /// The ids this incarnation took (confirmed) whose catalog entry is not yet deleted: a node creates an id at
+    /// most once, so a second forward of one is refused rather than confirmed from an earlier `Active` entry.
+    /// Once an entry is deleted a second confirmation fails on its own, so the id is forgotten then.
+    taken: Mutex<std::collections::HashSet<String>>,
 }
 
 /// How often a node releases reservations on it that nobody confirmed: one still reserved a whole period later
@@ -200,6 +207,7 @@ impl Fleet {
             runtime: tokio::runtime::Handle::try_current().ok(),
             placing: tokio::sync::Mutex::new(()),
             owners: Mutex::new(std::collections::HashMap::new()),
+            taken: Mutex::new(std::collections::HashSet::new()),
             config,
         });
         fleet.register(&[]).await?;
@@ -292,6 +300,7 @@ impl Fleet {
                 self.store.txn(txn).await?;
             }
         }
+        self.taken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
         self.incarnation.store(incarnation, Ordering::SeqCst);
         self.lease.store(lease, Ordering::SeqCst);
         tracing::info!(node = %self.config.node, incarnation, lease, "registered in the fleet");
@@ -362,6 +371,13 @@ impl Fleet {
     /// this incarnation is confirmed, still `Reserved` is tried again, anything else is lost.
     pub async fn confirm(&self, ids: &[String]) -> Result<(), FleetError> {
         let (incarnation, lease) = self.registration()?;
+        {
+            let mut taken = self.taken.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(id) = ids.iter().find(|id| taken.contains(*id)) {
+                return Err(FleetError::AlreadyTaken(id.clone()));
+            }
+            taken.extend(ids.iter().cloned());
+        }
         let txn = self.protocol.confirm(&self.config.node, incarnation, lease, ids)?;
         let mut last = None;
         for _ in 0..ATTEMPTS {
@@ -426,13 +442,15 @@ impl Fleet {
             let mut kvs = self.store.range(&self.protocol.alloc_key(&self.config.node)).await?;
             kvs.extend(self.store.get(&self.protocol.sandbox_key(id)).await?);
             let view = self.protocol.view(&kvs);
-            match self.protocol.release_sandbox(&view, &self.config.node, incarnation, id) {
-                None => return Ok(()),
-                Some(txn) => {
-                    if self.store.txn(&txn).await? {
-                        return Ok(());
-                    }
-                }
+            let released = match self.protocol.release_sandbox(&view, &self.config.node, incarnation, id) {
+                None => true,
+                Some(txn) => self.store.txn(&txn).await?,
+            };
+            if released {
+                // Its catalog entry is gone, so a late second forward of it can no longer be confirmed: the id
+                // need not be remembered (what bounds `taken` by the sandboxes alive).
+                self.taken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(id);
+                return Ok(());
             }
         }
         Err(FleetError::Contended(ATTEMPTS))

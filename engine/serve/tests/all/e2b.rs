@@ -249,7 +249,7 @@ async fn e2b_protocol_by_hand() {
 
 /// A venv with the pinned E2B SDK under `$STRATA_HOME/e2b-sdk`, installed once; `None` (with a line saying why)
 /// when it cannot be made here.
-fn sdk_python() -> Option<PathBuf> {
+pub(crate) fn sdk_python() -> Option<PathBuf> {
     let home = strata_engine::strata_home()?;
     let venv = home.join("e2b-sdk-2.63.0");
     let python = venv.join("bin/python");

@@ -5,6 +5,7 @@ mod cache;
 mod e2b;
 mod e2b_files;
 mod e2b_secrets;
+mod fleet;
 mod images;
 mod interpreter;
 mod lifecycle;
