@@ -268,7 +268,7 @@ impl Protocol {
 
     /// Parses key-values read into a [`View`].
     pub fn view(&self, kvs: &[KeyValue]) -> View {
-        View::parse(self, kvs)
+        View::parse(self.prefix(), kvs)
     }
 
     /// Registers a node: puts its record with its lease, if no record of that name exists. Two processes with

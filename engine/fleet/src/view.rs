@@ -1,4 +1,5 @@
-//! What a node read from etcd, parsed: the [`View`] every decision of [`crate::Protocol`] is taken from.
+//! What a node read from etcd, parsed: the [`View`] every decision of the protocol (`crate::Protocol`) is taken
+//! from.
 //!
 //! A view is built from the key-values of any ranges and gets ([`View::parse`]); it does not need to be one
 //! consistent snapshot, because every transaction compares what its decision rested on. A malformed value is
@@ -7,7 +8,6 @@
 
 use std::collections::BTreeMap;
 
-use crate::protocol::Protocol;
 use crate::records::{Alloc, CatalogEntry, NodeRecord, RecordError, SandboxState, valid_name};
 use crate::txn::KeyValue;
 
@@ -41,19 +41,19 @@ pub struct View {
 }
 
 impl View {
-    /// Parses the key-values of the fleet under `protocol`'s prefix; other keys are ignored. A later key-value of
+    /// Parses the key-values of the fleet under `prefix` (the protocol's, ending with `/`); other keys are ignored. A later key-value of
     /// one key replaces an earlier one.
-    pub fn parse(protocol: &Protocol, kvs: &[KeyValue]) -> View {
+    pub fn parse(prefix: &str, kvs: &[KeyValue]) -> View {
         let mut view = View::default();
         for kv in kvs {
-            view.insert(protocol, kv);
+            view.insert(prefix, kv);
         }
         view
     }
 
     /// Adds one key-value read.
-    pub fn insert(&mut self, protocol: &Protocol, kv: &KeyValue) {
-        let Some(rest) = kv.key.strip_prefix(protocol.prefix()) else { return };
+    pub fn insert(&mut self, prefix: &str, kv: &KeyValue) {
+        let Some(rest) = kv.key.strip_prefix(prefix) else { return };
         let (kind, name) = match rest.split_once('/') {
             Some((kind @ ("nodes" | "alloc" | "sandboxes"), name)) => (kind, name),
             _ => return,
@@ -99,6 +99,7 @@ mod tests {
     #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
     use super::*;
+    use crate::protocol::Protocol;
 
     fn kv(key: &str, value: &[u8], mod_revision: i64) -> KeyValue {
         KeyValue { key: key.into(), value: value.to_vec(), create_revision: 2, mod_revision, version: 1, lease: 0 }
@@ -134,10 +135,10 @@ mod tests {
         let p = Protocol::default();
         let entry = CatalogEntry { node: "n".into(), incarnation: 1, state: SandboxState::Reserved };
         let mut view = p.view(&[kv("/strata/sandboxes/a", b"bad", 5)]);
-        view.insert(&p, &kv("/strata/sandboxes/a", &entry.to_json(), 6));
+        view.insert(p.prefix(), &kv("/strata/sandboxes/a", &entry.to_json(), 6));
         assert!(view.malformed.is_empty());
         assert_eq!(view.catalog["a"].mod_revision, 6);
-        view.insert(&p, &kv("/strata/sandboxes/a", b"bad", 7));
+        view.insert(p.prefix(), &kv("/strata/sandboxes/a", b"bad", 7));
         assert!(view.catalog.is_empty() && view.malformed.contains_key("/strata/sandboxes/a"));
     }
 }

@@ -40,7 +40,7 @@ pub struct ErrorDetail {
 }
 
 impl ApiError {
-    /// A create another node of the fleet answered ([`crate::fleet::forward`]): the fleet's middleware replaces
+    /// A create another node of the fleet answered ([`crate::fleet::placement`]): the fleet's middleware replaces
     /// this with that node's answer, so no client sees it.
     pub fn forwarded() -> ApiError {
         ApiError::new(StatusCode::BAD_GATEWAY, "forwarded", "the request was answered by another node of the fleet")

@@ -529,7 +529,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(state.connections.limits().max_body))
         .layer(axum::middleware::from_fn(e2b_errors))
         .layer(axum::middleware::from_fn_with_state(state.clone(), e2b::ports::route))
-        .layer(axum::middleware::from_fn_with_state(state.clone(), fleet::forward::route))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), fleet::route::route))
         .layer(axum::middleware::from_fn_with_state(state.clone(), request_log))
         .with_state(state)
 }

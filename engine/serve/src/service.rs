@@ -185,16 +185,16 @@ pub(crate) async fn start_sandbox(
     ttl: Duration,
 ) -> Result<Arc<SandboxEntry>, ApiError> {
     // In a fleet: where it goes (this node, as the id reserved and confirmed in etcd, or another one).
-    let id = match crate::fleet::forward::Placement::current() {
+    let id = match crate::fleet::placement::Placement::current() {
         Some(placement) if state.fleet.is_some() => {
             match placement.decide(state, limits.vcpus, limits.memory.0).await? {
-                crate::fleet::forward::Decision::Here(id) => id,
-                crate::fleet::forward::Decision::Forwarded => return Err(ApiError::forwarded()),
+                crate::fleet::placement::Decision::Here(id) => id,
+                crate::fleet::placement::Decision::Forwarded => return Err(ApiError::forwarded()),
             }
         }
         _ => match &state.fleet {
             Some(fleet) => {
-                fleet.place_here(limits.vcpus, limits.memory.0).await.map_err(crate::fleet::forward::fleet_error)?
+                fleet.place_here(limits.vcpus, limits.memory.0).await.map_err(crate::fleet::placement::fleet_error)?
             }
             None => new_id("sb_"),
         },

@@ -12,7 +12,8 @@ use axum::routing::{get, post};
 use serde::Serialize;
 use strata_fleet::Bins;
 
-use super::forward::{fleet_error, forward};
+use super::placement::fleet_error;
+use super::proxy::forward;
 use crate::{ApiError, AppState};
 
 /// The routes (behind the API's authentication).
@@ -108,7 +109,7 @@ async fn drain(State(state): State<Arc<AppState>>, Path(name): Path<String>, req
             Err(err) => fleet_error(err).into_response(),
         };
     }
-    if request.headers().contains_key(super::forward::HOP) {
+    if request.headers().contains_key(super::proxy::HOP) {
         return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("this node is not {name}")).into_response();
     }
     let view = match fleet.nodes().await {

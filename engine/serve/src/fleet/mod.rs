@@ -10,7 +10,7 @@
 //!   allocs, reserved in one transaction that checks the node's lease and its alloc's mod revision (the fencing
 //!   revision), so two nodes placing at once never over-commit a third. The chosen node confirms the reservation
 //!   before it creates anything; a node that cannot honour a placement refuses, the reservation is released and
-//!   the placer tries the next node ([`forward`]).
+//!   the placer tries the next node ([`placement`]).
 //! - **Routing.** Any node answers any request for any sandbox: one it does not hold is looked up in the catalog
 //!   and the request forwarded, unchanged, to the owner (HTTP, WebSocket and E2B Connect streams alike); a
 //!   sandbox whose owner's lease is gone is `410 sandbox_lost`, never a hang or a silent 404.
@@ -19,7 +19,9 @@
 //! sandboxes it holds and refuses new placements with `503 fleet_unavailable`.
 
 pub mod api;
-pub mod forward;
+pub mod placement;
+pub mod proxy;
+pub mod route;
 pub mod store;
 
 use std::collections::BTreeSet;
@@ -77,7 +79,7 @@ impl FleetConfig {
             return Err(FleetError::Config("no etcd endpoint".into()));
         }
         for url in self.endpoints.iter().chain([&self.advertise]) {
-            forward::authority(url).map_err(|why| FleetError::Config(format!("{url:?}: {why}")))?;
+            proxy::authority(url).map_err(|why| FleetError::Config(format!("{url:?}: {why}")))?;
         }
         if self.lease_ttl < Duration::from_secs(1) {
             return Err(FleetError::Config("the lease TTL must be at least 1 s".into()));
@@ -456,7 +458,7 @@ impl Fleet {
         Err(FleetError::Contended(ATTEMPTS))
     }
 
-    /// Who holds sandbox `id`: a remote owner seen in the last [`OWNER_CACHE_TTL`] without asking etcd.
+    /// Who holds sandbox `id`: a remote owner seen in the last 2 s without asking etcd.
     pub async fn lookup(&self, id: &str) -> Result<Owner, FleetError> {
         if !valid_name(id) {
             return Ok(Owner::Unknown);

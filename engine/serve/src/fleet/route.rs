@@ -1,0 +1,125 @@
+//! The fleet's middleware: requests for sandboxes other nodes hold are forwarded to them ([`super::proxy`]),
+//! those of nodes gone are answered `410 sandbox_lost`, and creates are placed on the fleet
+//! ([`super::placement`]).
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use strata_fleet::Owner;
+
+use super::Fleet;
+use super::placement::Placement;
+use super::proxy::{HOP, PLACED, forward};
+use crate::{ApiError, AppState};
+
+/// The sandbox a request is for, by its path (`/v1/sandboxes/{id}…`, E2B's `/sandboxes/{id}…` and
+/// `/v2/sandboxes/{id}…`) or, for the in-sandbox agent and ports, by E2B's `E2b-Sandbox-Id` header or a Host name
+/// `{port}-{id}.{domain}`.
+fn sandbox_of(state: &AppState, request: &Request) -> Option<String> {
+    let path = request.uri().path();
+    let under = ["/v1/sandboxes/", "/v2/sandboxes/", "/sandboxes/"];
+    if let Some(rest) = under.iter().find_map(|prefix| path.strip_prefix(prefix)) {
+        let id = rest.split('/').next().unwrap_or("");
+        // `/sandboxes/metrics` is the batch of the key's own sandboxes.
+        return (!id.is_empty() && id != "metrics").then(|| id.to_owned());
+    }
+    let headers = request.headers();
+    if let Some(id) = headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()) {
+        return Some(id.to_owned());
+    }
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok())?;
+    let (id, _) = crate::ports::from_host(host, state.domain.as_deref()?)?;
+    Some(id.to_owned())
+}
+
+/// Whether the request creates sandboxes (and so is placed on the fleet).
+fn creates(request: &Request) -> bool {
+    request.method() == Method::POST && matches!(request.uri().path(), "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes")
+}
+
+/// The answer for a sandbox whose node is gone from the fleet.
+fn lost(path: &str, headers: &axum::http::HeaderMap, id: &str, node: &str) -> Response {
+    let err = ApiError::new(
+        StatusCode::GONE,
+        "sandbox_lost",
+        format!("sandbox {id} was on node {node}, which left the fleet (its lease expired); the sandbox is lost"),
+    );
+    if crate::native_path(path) {
+        return err.into_response();
+    }
+    crate::e2b::E2bError::from(err).answer_to(path, headers)
+}
+
+/// The fleet's middleware: forwards requests for sandboxes other nodes hold, answers `sandbox_lost` for those of
+/// nodes gone, and places creates ([`Placement`]). Without a fleet, or for a request another node forwarded, it
+/// does nothing.
+pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let Some(fleet) = state.fleet.clone() else { return next.run(request).await };
+    if request.headers().contains_key(HOP) {
+        let placed = request.headers().get(PLACED).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        return match placed {
+            Some(id) if creates(&request) => Placement::scope(Placement::forwarded(id), next.run(request)).await,
+            _ => next.run(request).await,
+        };
+    }
+    if creates(&request) {
+        return place(&state, &fleet, request, next).await;
+    }
+    let Some(id) = sandbox_of(&state, &request) else { return next.run(request).await };
+    if state.registry.get_any(&id).is_some() || state.paused.get_any(&id).is_some() {
+        return next.run(request).await;
+    }
+    match fleet.lookup(&id).await {
+        Ok(Owner::Remote { advertise }) => {
+            let (path, headers) = (request.uri().path().to_owned(), request.headers().clone());
+            match forward(fleet.node(), &advertise, request).await {
+                Ok(response) => response,
+                Err(err) => {
+                    // The owner may be gone (and the sandbox lost): ask etcd, not what was remembered.
+                    fleet.forget_owner(&id);
+                    match fleet.lookup(&id).await {
+                        Ok(Owner::Lost { node }) => lost(&path, &headers, &id, &node),
+                        _ => err.into_response(),
+                    }
+                }
+            }
+        }
+        Ok(Owner::Lost { node }) => lost(request.uri().path(), request.headers(), &id, &node),
+        Ok(Owner::Local | Owner::Unknown) => next.run(request).await,
+        // etcd cannot say: answer from what this node holds (not found, in the API's own shape).
+        Err(err) => {
+            tracing::warn!(sandbox = %id, error = %err, "cannot look the sandbox up in the fleet");
+            next.run(request).await
+        }
+    }
+}
+
+/// Reads the whole body (up to the server's body limit) so the create can be sent on as it came.
+async fn buffered(state: &AppState, request: Request) -> Result<(axum::http::request::Parts, Bytes), Response> {
+    let (parts, body) = request.into_parts();
+    let limit = state.connections.limits().max_body;
+    match axum::body::to_bytes(body, limit).await {
+        Ok(bytes) => Ok((parts, bytes)),
+        Err(_) => Err(ApiError::too_large(Some(limit)).into_response()),
+    }
+}
+
+/// Runs the create handler with a [`Placement`] in scope; when the handler's `start_sandbox` placed the sandbox
+/// on another node, that node's answer is the answer.
+async fn place(state: &AppState, fleet: &Arc<Fleet>, request: Request, next: Next) -> Response {
+    let (parts, body) = match buffered(state, request).await {
+        Ok(both) => both,
+        Err(response) => return response,
+    };
+    let placement = Placement::client(fleet.clone(), parts.clone(), body.clone());
+    let request = Request::from_parts(parts, Body::from(body));
+    let response = Placement::scope(placement.clone(), next.run(request)).await;
+    match placement.take_forwarded() {
+        Some(forwarded) => forwarded,
+        None => response,
+    }
+}
