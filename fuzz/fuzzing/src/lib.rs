@@ -57,6 +57,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "oci_layer", run: targets::oci_layer::run },
     Target { name: "dockerfile", run: targets::dockerfile::run },
     Target { name: "vmm_control", run: targets::vmm_control::run },
+    Target { name: "fleet_records", run: targets::fleet_records::run },
 ];
 
 /// The target called `name`.

@@ -30,6 +30,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "virtio_mmio" => virtio_mmio(),
         "virtio_block" | "virtio_vsock" => generated(),
         "vmm_control" => vmm_control(),
+        "fleet_records" => fleet_records(),
         "e2b_connect" => e2b_connect(),
         "api_bodies" => api_bodies(),
         "wasm_cache_entry" => wasm_cache_entry(),
@@ -747,4 +748,41 @@ fn egress_proxy() -> Vec<Seed> {
         ("connect-plain", b"CONNECT ORIGIN HTTP/1.1\r\nHost: x\r\n\r\nSSH-2.0-x\r\n".to_vec()),
         ("refused", b"CONNECT pypi.org:443 HTTP/1.1\r\n\r\n".to_vec()),
     ])
+}
+
+fn fleet_records() -> Vec<Seed> {
+    use strata_fleet::{Alloc, AllocEntry, CatalogEntry, NodeRecord, SandboxState};
+    let record = |name: &str, draining: bool| NodeRecord {
+        name: name.into(),
+        advertise: format!("http://127.0.0.1:300{}", name.len()),
+        incarnation: 7,
+        cpus: 2,
+        slots: 2,
+        memory: 1 << 30,
+        draining,
+    };
+    let alloc = Alloc {
+        incarnation: 7,
+        entries: vec![AllocEntry { id: "sb_a".into(), vcpus: 1, memory: 1 << 20, cpus: vec![0] }],
+    };
+    let entry = CatalogEntry { node: "n1".into(), incarnation: 7, state: SandboxState::Active };
+    let mut fleet = Script::default();
+    fleet.u8(5);
+    for (kind, name, value) in [
+        (0u8, "n1", record("n1", false).to_json()),
+        (1, "n1", alloc.to_json()),
+        (0, "n2", record("n2", true).to_json()),
+        (1, "n2", Alloc { incarnation: 7, entries: vec![] }.to_json()),
+        (2, "sb_a", entry.to_json()),
+    ] {
+        fleet.u8(kind).block(name.as_bytes()).block(&value).u8(3);
+    }
+    fleet.u8(1).u8(1).u32(1 << 20).u8(0).block(b"sb_a");
+    let mut garbage = Script::default();
+    garbage.u8(3);
+    for (kind, name, value) in [(0u8, "n1", &b"{\"name\":1}"[..]), (1, "n1", b"[]"), (2, "../x", b"{\"node\":\"n1\"}")]
+    {
+        garbage.u8(kind).block(name.as_bytes()).block(value).u8(0);
+    }
+    named(vec![("fleet", fleet.bytes), ("garbage", garbage.bytes)])
 }

@@ -9,6 +9,7 @@ pub mod egress_allowlist;
 pub mod egress_proxy;
 pub mod egress_request;
 pub mod egress_sni;
+pub mod fleet_records;
 pub mod jail_frames;
 pub mod kernel_events;
 pub mod oci_layer;
