@@ -870,9 +870,18 @@ async fn fork_sandboxes(
     ttl: Duration,
 ) -> Result<Vec<Arc<SandboxEntry>>, ApiError> {
     let mut reservation = reserve(state, principal, count, &limits)?;
+    let ids: Vec<String> = (0..count).map(|_| new_id("sb_")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        if let Err(err) = crate::service::fleet_reserve(state, id, &limits).await {
+            for id in &ids[..i] {
+                crate::service::fleet_abandon(state, id);
+            }
+            return Err(err);
+        }
+    }
     let engine = state.engine.clone();
     let started = Instant::now();
-    let sandboxes = blocking(move || {
+    let forked = blocking(move || {
         let mut sandboxes = Vec::with_capacity(count);
         for _ in 0..count {
             match engine.fork(choice, &snapshot.snapshot) {
@@ -887,14 +896,24 @@ async fn fork_sandboxes(
         }
         Ok(sandboxes)
     })
-    .await?;
+    .await;
+    let sandboxes = match forked {
+        Ok(sandboxes) => sandboxes,
+        Err(err) => {
+            for id in &ids {
+                crate::service::fleet_abandon(state, id);
+            }
+            return Err(err);
+        }
+    };
     let mut entries = Vec::with_capacity(count);
-    for sandbox in sandboxes {
+    for (sandbox, id) in sandboxes.into_iter().zip(ids) {
         let tier = sandbox.tier();
         state.metrics.sandbox_created(tier);
         state.metrics.latency(tier.as_str(), "fork", started.elapsed() / count as u32);
-        let entry = SandboxEntry::new(new_id("sb_"), principal.name.clone(), sandbox, limits.clone(), ttl);
-        entries.push(reservation.commit(entry));
+        let entry = reservation.commit(SandboxEntry::new(id, principal.name.clone(), sandbox, limits.clone(), ttl));
+        crate::service::fleet_follow(state, &entry);
+        entries.push(entry);
     }
     Ok(entries)
 }

@@ -243,12 +243,22 @@ pub(crate) async fn start_fork(
     ttl: Duration,
 ) -> Result<Arc<SandboxEntry>, ApiError> {
     let mut reservation = crate::service::reserve(state, principal, 1, &limits)?;
+    crate::service::fleet_reserve(state, &id, &limits).await?;
     let (engine, snapshot) = (state.engine.clone(), snapshot.clone());
     let started = Instant::now();
-    let sandbox =
-        blocking(move || engine.fork(TierChoice::Tier(snapshot.tier), &snapshot).map_err(ApiError::from)).await?;
+    let forked =
+        blocking(move || engine.fork(TierChoice::Tier(snapshot.tier), &snapshot).map_err(ApiError::from)).await;
+    let sandbox = match forked {
+        Ok(sandbox) => sandbox,
+        Err(err) => {
+            crate::service::fleet_abandon(state, &id);
+            return Err(err);
+        }
+    };
     let tier = sandbox.tier();
     state.metrics.sandbox_created(tier);
     state.metrics.latency(tier.as_str(), "fork", started.elapsed());
-    Ok(reservation.commit(SandboxEntry::new(id, principal.name.clone(), sandbox, limits, ttl)))
+    let entry = reservation.commit(SandboxEntry::new(id, principal.name.clone(), sandbox, limits, ttl));
+    crate::service::fleet_follow(state, &entry);
+    Ok(entry)
 }

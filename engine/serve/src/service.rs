@@ -175,6 +175,32 @@ pub(crate) fn reserve(
     })
 }
 
+/// In a fleet, reserves and confirms sandbox `id` on this node (made here for a reason of its own: a fork of a
+/// snapshot this node holds, a resume), so that every node finds it and placement counts it; nothing without one.
+pub(crate) async fn fleet_reserve(state: &AppState, id: &str, limits: &Limits) -> Result<(), ApiError> {
+    match &state.fleet {
+        Some(fleet) => {
+            fleet.place_here(id, limits.vcpus, limits.memory.0).await.map_err(crate::fleet::placement::fleet_error)
+        }
+        None => Ok(()),
+    }
+}
+
+/// In a fleet, frees sandbox `id` (reserved, then not made) in etcd.
+pub(crate) fn fleet_abandon(state: &AppState, id: &str) {
+    if let Some(fleet) = &state.fleet {
+        crate::fleet::release_later(fleet, id);
+    }
+}
+
+/// In a fleet, frees `entry`'s sandbox in etcd when it is killed.
+pub(crate) fn fleet_follow(state: &AppState, entry: &SandboxEntry) {
+    if let Some(fleet) = &state.fleet {
+        let (fleet, id) = (fleet.clone(), entry.id.clone());
+        entry.on_kill(move || crate::fleet::release_later(&fleet, &id));
+    }
+}
+
 /// Starts a sandbox for `principal` (what `POST /v1/sandboxes` and the E2B layer do).
 pub(crate) async fn start_sandbox(
     state: &Arc<AppState>,
@@ -192,20 +218,17 @@ pub(crate) async fn start_sandbox(
                 crate::fleet::placement::Decision::Forwarded => return Err(ApiError::forwarded()),
             }
         }
-        _ => match &state.fleet {
-            Some(fleet) => {
-                fleet.place_here(limits.vcpus, limits.memory.0).await.map_err(crate::fleet::placement::fleet_error)?
-            }
-            None => new_id("sb_"),
-        },
+        _ => {
+            let id = new_id("sb_");
+            fleet_reserve(state, &id, &limits).await?;
+            id
+        }
     };
     // This node's own admission (quotas, its budgets, its CPUs and free memory) is the last word.
     let mut reservation = match reserve(state, principal, 1, &limits) {
         Ok(reservation) => reservation,
         Err(err) => {
-            if let Some(fleet) = &state.fleet {
-                crate::fleet::release_later(fleet, &id);
-            }
+            fleet_abandon(state, &id);
             return Err(err);
         }
     };
@@ -215,18 +238,13 @@ pub(crate) async fn start_sandbox(
     let sandbox = match blocking(move || engine.start(choice, &caps, &sandbox_limits).map_err(ApiError::from)).await {
         Ok(sandbox) => sandbox,
         Err(err) => {
-            if let Some(fleet) = &state.fleet {
-                crate::fleet::release_later(fleet, &id);
-            }
+            fleet_abandon(state, &id);
             return Err(err);
         }
     };
     let tier = sandbox.tier();
     let entry = reservation.commit(SandboxEntry::new(id, principal.name.clone(), sandbox, limits, ttl));
-    if let Some(fleet) = &state.fleet {
-        let (fleet, id) = (fleet.clone(), entry.id.clone());
-        entry.on_kill(move || crate::fleet::release_later(&fleet, &id));
-    }
+    fleet_follow(state, &entry);
     state.metrics.sandbox_created(tier);
     state.metrics.latency(tier.as_str(), "create", started.elapsed());
     tracing::info!(sandbox = %entry.id, %tier, "sandbox created");

@@ -356,15 +356,13 @@ impl Fleet {
         Err(FleetError::Contended(ATTEMPTS))
     }
 
-    /// Reserves and confirms room for one sandbox of `vcpus` and `memory` on this node (a sandbox made here for
-    /// a reason of its own: a resume, a fork of a snapshot this node holds): its id.
-    pub async fn place_here(&self, vcpus: u32, memory: u64) -> Result<String, FleetError> {
+    /// Reserves and confirms room for sandbox `id` of `vcpus` and `memory` on this node (a sandbox made here for
+    /// a reason of its own: a fork of a snapshot this node holds, a resume, a create outside a create route).
+    pub async fn place_here(&self, id: &str, vcpus: u32, memory: u64) -> Result<(), FleetError> {
         let view = self.placement_view().await?;
         let others: BTreeSet<String> = view.nodes.keys().filter(|name| *name != self.node()).cloned().collect();
-        let id = crate::registry::new_id("sb_");
-        self.place(&[SandboxRequest { id: id.clone(), vcpus, memory }], &others).await?;
-        self.confirm(std::slice::from_ref(&id)).await?;
-        Ok(id)
+        self.place(&[SandboxRequest { id: id.to_owned(), vcpus, memory }], &others).await?;
+        self.confirm(&[id.to_owned()]).await
     }
 
     /// Confirms the reservations `ids` on this node before it creates them ([`Protocol::confirm`]). The answer
@@ -570,8 +568,9 @@ fn new_incarnation() -> u64 {
 }
 
 /// Keeps this node's lease alive while the server runs. When etcd says the lease expired (the node was out of
-/// touch longer than its TTL), or it has not been renewed for a whole TTL, the node is out: it stops placing,
-/// kills every sandbox it holds (the fleet reported them lost) and registers again as a new incarnation.
+/// touch longer than its TTL while etcd was up), the node is out: it stops placing, kills every sandbox it holds
+/// (the fleet reported them lost) and registers again as a new incarnation. While etcd cannot be reached at all
+/// the node keeps serving what it holds (placements fail on their own).
 pub fn spawn(state: &Arc<AppState>) {
     let Some(fleet) = state.fleet.clone() else { return };
     let weak: Weak<AppState> = Arc::downgrade(state);
@@ -595,10 +594,13 @@ pub fn spawn(state: &Arc<AppState>) {
             let alive = match fleet.renew().await {
                 Ok(alive) => alive,
                 Err(FleetError::NotRegistered) => false,
+                // etcd cannot be reached: the node keeps what it holds. Only etcd says a lease expired (and it
+                // expires none while it has no quorum: a new leader extends them), so the node learns it on
+                // reconnecting, if it did.
                 Err(err) => {
                     let since = fleet.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).elapsed();
                     tracing::warn!(error = %err, since_ms = since.as_millis() as u64, "cannot renew the fleet lease");
-                    since < fleet.config.lease_ttl
+                    true
                 }
             };
             if alive {

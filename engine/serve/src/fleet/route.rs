@@ -90,10 +90,18 @@ pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: N
         }
         Ok(Owner::Lost { node }) => lost(request.uri().path(), request.headers(), &id, &node),
         Ok(Owner::Local | Owner::Unknown) => next.run(request).await,
-        // etcd cannot say: answer from what this node holds (not found, in the API's own shape).
+        // etcd cannot say where it is: not "not found", which would be wrong if another node holds it.
         Err(err) => {
             tracing::warn!(sandbox = %id, error = %err, "cannot look the sandbox up in the fleet");
-            next.run(request).await
+            let err = ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "fleet_unavailable",
+                format!("cannot tell which node holds sandbox {id}: {err}"),
+            );
+            if crate::native_path(request.uri().path()) {
+                return err.into_response();
+            }
+            crate::e2b::E2bError::from(err).answer_to(request.uri().path(), request.headers())
         }
     }
 }

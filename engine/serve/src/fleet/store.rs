@@ -122,17 +122,17 @@ impl Store {
         Ok(response.id())
     }
 
-    /// Renews `lease` once: its remaining time to live, 0 when it has expired.
+    /// Renews `lease` once: its remaining time to live, 0 (or less) when etcd says it has expired. A stream that
+    /// ends without an answer is an error (the connection), never an expiry.
     pub async fn keep_alive(&self, lease: i64) -> Result<i64, FleetError> {
-        self.call("lease keep-alive", |mut client| async move {
-            let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
-            keeper.keep_alive().await?;
-            match stream.message().await? {
-                Some(response) => Ok(response.ttl()),
-                None => Ok(0),
-            }
-        })
-        .await
+        let ttl = self
+            .call("lease keep-alive", |mut client| async move {
+                let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
+                keeper.keep_alive().await?;
+                Ok(stream.message().await?.map(|response| response.ttl()))
+            })
+            .await?;
+        ttl.ok_or_else(|| FleetError::Etcd { what: "lease keep-alive".into(), why: "no answer".into() })
     }
 
     /// Ends `lease` now: its keys go at once.
