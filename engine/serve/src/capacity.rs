@@ -18,6 +18,8 @@
 
 use std::path::PathBuf;
 
+use strata_fleet::Bins;
+
 /// Where free memory is read from.
 #[derive(Debug, Clone)]
 pub enum MemoryProbe {
@@ -78,12 +80,11 @@ pub enum Short {
     },
 }
 
-/// The host's CPUs as bins of vCPU slots, and its free-memory floor.
+/// The host's CPUs as bins of vCPU slots ([`strata_fleet::Bins`]: the same rule a fleet places by across nodes),
+/// and its free-memory floor.
 #[derive(Debug, Clone)]
 pub struct HostCapacity {
-    /// Slots used, per CPU.
-    used: Vec<u32>,
-    slots: u32,
+    bins: Bins,
     min_free: u64,
     probe: MemoryProbe,
 }
@@ -92,7 +93,8 @@ impl HostCapacity {
     /// `cpus` CPUs of `slots` vCPU slots each (0 slots: CPUs are not admitted against), keeping `min_free` bytes of
     /// memory free as `probe` reads it.
     pub fn new(cpus: usize, slots: u32, min_free: u64, probe: MemoryProbe) -> HostCapacity {
-        HostCapacity { used: vec![0; cpus.max(1)], slots, min_free, probe }
+        let cpus = u32::try_from(cpus).unwrap_or(strata_fleet::MAX_CPUS).min(strata_fleet::MAX_CPUS);
+        HostCapacity { bins: Bins::new(cpus, slots), min_free, probe }
     }
 
     /// This host: the CPUs this process may run on, and `/proc/meminfo`.
@@ -103,17 +105,17 @@ impl HostCapacity {
 
     /// The host's CPUs.
     pub fn cpus(&self) -> usize {
-        self.used.len()
+        self.bins.cpus() as usize
     }
 
     /// vCPU slots in use, over every CPU.
     pub fn slots_used(&self) -> u64 {
-        self.used.iter().map(|&u| u64::from(u)).sum()
+        self.bins.slots_used()
     }
 
     /// vCPU slots in use and in all.
     pub fn slots(&self) -> (u64, u64) {
-        (self.slots_used(), u64::from(self.slots).saturating_mul(self.used.len() as u64))
+        self.bins.slots()
     }
 
     /// Checks free memory for `memory` more bytes of limits.
@@ -129,42 +131,25 @@ impl HostCapacity {
 
     /// Places `count` sandboxes of `vcpus` each (sorted first-fit, all or nothing): the CPUs of each.
     pub fn place(&mut self, vcpus: u32, count: usize) -> Result<Vec<Vec<usize>>, Short> {
-        self.place_all(&vec![vcpus; count]).ok_or(Short::Cpu { vcpus, count, cpus: self.cpus(), slots: self.slots })
+        self.place_all(&vec![vcpus; count]).ok_or(Short::Cpu {
+            vcpus,
+            count,
+            cpus: self.cpus(),
+            slots: self.bins.slots_per_cpu(),
+        })
     }
 
     /// Places sandboxes of these widths, largest first, each onto the lowest-numbered CPUs with a free slot; the
-    /// CPUs of each, in the order given; `None`, with nothing placed, unless all fit.
+    /// CPUs of each, in the order given; `None`, with nothing placed, unless all fit ([`Bins::place_all`]).
     pub fn place_all(&mut self, widths: &[u32]) -> Option<Vec<Vec<usize>>> {
-        let mut placed = vec![Vec::new(); widths.len()];
-        if self.slots == 0 {
-            return Some(placed);
-        }
-        let mut order: Vec<usize> = (0..widths.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(widths[i]));
-        for i in order {
-            let want = widths[i] as usize;
-            let cpus: Vec<usize> = (0..self.used.len()).filter(|&c| self.used[c] < self.slots).take(want).collect();
-            if cpus.len() < want {
-                for cpus in &placed {
-                    self.release(cpus);
-                }
-                return None;
-            }
-            for &c in &cpus {
-                self.used[c] += 1;
-            }
-            placed[i] = cpus;
-        }
-        Some(placed)
+        let placed = self.bins.place_all(widths)?;
+        Some(placed.into_iter().map(|cpus| cpus.into_iter().map(|c| c as usize).collect()).collect())
     }
 
     /// Gives back one sandbox's slots.
     pub fn release(&mut self, cpus: &[usize]) {
-        for &c in cpus {
-            if let Some(used) = self.used.get_mut(c) {
-                *used = used.saturating_sub(1);
-            }
-        }
+        let cpus: Vec<u32> = cpus.iter().filter_map(|&c| u32::try_from(c).ok()).collect();
+        self.bins.release(&cpus);
     }
 }
 
