@@ -30,6 +30,17 @@ fn placed(nodes: &Value, node: &str) -> u64 {
         .map_or(0, |n| n["sandboxes"].as_u64().unwrap_or(0))
 }
 
+/// The node's `/metrics` text.
+fn metrics(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+    let head = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(head.as_bytes()).expect("send");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read");
+    response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default()
+}
+
 fn code(body: &Value) -> &str {
     body["error"]["code"].as_str().unwrap_or("")
 }
@@ -71,6 +82,18 @@ fn creates_spread_by_capacity_and_any_node_answers_for_any_sandbox() {
     assert_eq!((status, outcome["stdout"].as_str()), (200, Some("42\n")), "{outcome}");
     let (status, info) = nodes[0].get(&format!("/v1/sandboxes/{last}"));
     assert_eq!((status, info["id"].as_str()), (200, Some(last.as_str())), "{info}");
+
+    // n1's figures count what it forwarded and placed.
+    let metrics = metrics(&nodes[0].addr);
+    for line in [
+        "strata_fleet_registered{node=\"n1\"} 1",
+        &format!("strata_fleet_placements_total{{node=\"n1\",result=\"here\"}} {slots}"),
+        &format!("strata_fleet_placements_total{{node=\"n1\",result=\"elsewhere\"}} {}", 2 * slots),
+        // The first exec and the GET above.
+        "strata_fleet_forwarded_total{node=\"n1\"} 2",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
 
     // A WebSocket job through a node that does not hold the sandbox.
     let ws = websocket_job(&nodes[0].addr, last, "print(x * 2)");
@@ -154,8 +177,10 @@ fn with_etcd_down_to_one_member_nodes_serve_what_they_hold_and_refuse_placements
         return;
     }
     let mut etcd = Etcd::start(3);
-    let n1 = node("n1", &etcd);
-    let n2 = node("n2", &etcd);
+    // A longer lease than the other tests': the outage and the election after it take a few seconds under load.
+    let args = ["--lease-ttl", "8s", "--cpu-overcommit", "1"];
+    let n1 = Node::start(strata(), "n1", &etcd, &args);
+    let n2 = Node::start(strata(), "n2", &etcd, &args);
     let (status, body) = n1.create();
     assert_eq!(status, 201, "{body}");
     let id = body["id"].as_str().expect("id").to_owned();

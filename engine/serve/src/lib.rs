@@ -572,6 +572,9 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         state.registry.host_slots(),
     );
     state.connections.render_metrics(&mut text);
+    if let Some(fleet) = &state.fleet {
+        fleet.render_metrics(&mut text);
+    }
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 

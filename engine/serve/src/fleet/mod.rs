@@ -173,11 +173,33 @@ pub struct Fleet {
     /// most once, so a second forward of one is refused rather than confirmed from an earlier `Active` entry.
     /// Once an entry is deleted a second confirmation fails on its own, so the id is forgotten then.
     taken: Mutex<std::collections::HashSet<String>>,
+    /// Counters for `/metrics` ([`Fleet::render_metrics`]).
+    pub counters: Counters,
+}
+
+/// What a node counts of its part in the fleet.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Requests for sandboxes of other nodes, forwarded to them.
+    pub forwarded: AtomicU64,
+    /// Requests answered `410 sandbox_lost`.
+    pub lost: AtomicU64,
+    /// Creates placed on this node (reserved and confirmed here).
+    pub placed_here: AtomicU64,
+    /// Creates placed on another node and forwarded there.
+    pub placed_elsewhere: AtomicU64,
+    /// Forwarded creates another node refused (then tried on the next).
+    pub refused: AtomicU64,
+    /// Times the lease was lost (the node killed what it held and registered again).
+    pub leases_lost: AtomicU64,
 }
 
 /// How often a node releases reservations on it that nobody confirmed: one still reserved a whole period later
 /// is released (a placer forwards at once; the node confirms before it creates).
 const RESERVATION_SWEEP: Duration = Duration::from_secs(15);
+
+/// The pause before renewing again after a renewal failed.
+const RENEW_RETRY: Duration = Duration::from_millis(200);
 
 /// How long an owner looked up is used without asking etcd again.
 const OWNER_CACHE_TTL: Duration = Duration::from_secs(2);
@@ -210,6 +232,7 @@ impl Fleet {
             placing: tokio::sync::Mutex::new(()),
             owners: Mutex::new(std::collections::HashMap::new()),
             taken: Mutex::new(std::collections::HashSet::new()),
+            counters: Counters::default(),
             config,
         });
         fleet.register(&[]).await?;
@@ -529,6 +552,34 @@ impl Fleet {
         Ok(reserved.difference(seen).cloned().collect())
     }
 
+    /// Appends the node's fleet figures to a Prometheus text exposition.
+    pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write;
+        let c = &self.counters;
+        let node = &self.config.node;
+        let _ = writeln!(out, "# HELP strata_fleet_registered Whether this node is registered in its fleet now.");
+        let _ = writeln!(out, "# TYPE strata_fleet_registered gauge");
+        let _ = writeln!(out, "strata_fleet_registered{{node=\"{node}\"}} {}", u8::from(self.registered()));
+        let _ = writeln!(out, "# HELP strata_fleet_draining Whether this node takes no new placements.");
+        let _ = writeln!(out, "# TYPE strata_fleet_draining gauge");
+        let _ = writeln!(out, "strata_fleet_draining{{node=\"{node}\"}} {}", u8::from(self.draining()));
+        let counters = [
+            ("strata_fleet_forwarded_total", "Requests for other nodes' sandboxes, forwarded to them.", &c.forwarded),
+            ("strata_fleet_lost_total", "Requests answered sandbox_lost (the owner left the fleet).", &c.lost),
+            ("strata_fleet_leases_lost_total", "Times this node lost its lease and registered again.", &c.leases_lost),
+        ];
+        for (name, help, value) in counters {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            let _ = writeln!(out, "{name}{{node=\"{node}\"}} {}", value.load(Ordering::Relaxed));
+        }
+        let name = "strata_fleet_placements_total";
+        let _ =
+            writeln!(out, "# HELP {name} Creates placed through this node, by where they went.\n# TYPE {name} counter");
+        for (result, value) in [("here", &c.placed_here), ("elsewhere", &c.placed_elsewhere), ("refused", &c.refused)] {
+            let _ = writeln!(out, "{name}{{node=\"{node}\",result=\"{result}\"}} {}", value.load(Ordering::Relaxed));
+        }
+    }
+
     /// Leaves the fleet (a shutdown, after every sandbox was closed): frees the catalog entries this node still
     /// holds, then revokes the lease, so its record goes at once.
     pub async fn leave(&self) {
@@ -578,8 +629,10 @@ pub fn spawn(state: &Arc<AppState>) {
         let every = fleet.config.lease_ttl / 3;
         let mut reserved = BTreeSet::new();
         let mut swept = Instant::now();
+        let mut pause = every;
         loop {
-            tokio::time::sleep(every).await;
+            tokio::time::sleep(pause).await;
+            pause = every;
             let Some(state) = weak.upgrade() else { return };
             if state.draining() {
                 return;
@@ -600,6 +653,8 @@ pub fn spawn(state: &Arc<AppState>) {
                 Err(err) => {
                     let since = fleet.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).elapsed();
                     tracing::warn!(error = %err, since_ms = since.as_millis() as u64, "cannot renew the fleet lease");
+                    // Sooner than the period: when etcd comes back, the lease is renewed before it can expire.
+                    pause = RENEW_RETRY.min(every);
                     true
                 }
             };
@@ -607,6 +662,7 @@ pub fn spawn(state: &Arc<AppState>) {
                 continue;
             }
             if fleet.registered() {
+                fleet.counters.leases_lost.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(node = %fleet.node(), "the fleet lease is lost: killing this node's sandboxes and registering again");
                 fleet.lease.store(0, Ordering::SeqCst);
                 let lost = state.registry.take_all();

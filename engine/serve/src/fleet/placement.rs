@@ -3,6 +3,7 @@
 //! node, to which the create is forwarded with its reservation.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use axum::body::{Body, Bytes};
@@ -100,6 +101,7 @@ impl Placement {
             let plan = fleet.place(&request, &exclude).await.map_err(fleet_error)?;
             if plan.node == fleet.node() {
                 fleet.confirm(std::slice::from_ref(&id)).await.map_err(fleet_error)?;
+                fleet.counters.placed_here.fetch_add(1, Ordering::Relaxed);
                 return Ok(Decision::Here(id));
             }
             let mut forwarded = Request::from_parts(parts.clone(), Body::from(body.clone()));
@@ -111,6 +113,7 @@ impl Placement {
                 && response.status().is_success()
             {
                 // The node confirmed the reservation before it created the sandbox.
+                fleet.counters.placed_elsewhere.fetch_add(1, Ordering::Relaxed);
                 let response = answer.unwrap_or_else(IntoResponse::into_response);
                 *self.inner.forwarded.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(response);
                 return Ok(Decision::Forwarded);
@@ -134,6 +137,7 @@ impl Placement {
                 Ok(response) => response.status().to_string(),
                 Err(err) => err.message.clone(),
             };
+            fleet.counters.refused.fetch_add(1, Ordering::Relaxed);
             tracing::info!(node = %plan.node, sandbox = %id, %why, "the node refused a placement; trying another");
             exclude.insert(plan.node.clone());
         }

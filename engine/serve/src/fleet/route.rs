@@ -42,7 +42,8 @@ fn creates(request: &Request) -> bool {
 }
 
 /// The answer for a sandbox whose node is gone from the fleet.
-fn lost(path: &str, headers: &axum::http::HeaderMap, id: &str, node: &str) -> Response {
+fn lost(fleet: &Fleet, path: &str, headers: &axum::http::HeaderMap, id: &str, node: &str) -> Response {
+    fleet.counters.lost.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let err = ApiError::new(
         StatusCode::GONE,
         "sandbox_lost",
@@ -75,6 +76,7 @@ pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: N
     }
     match fleet.lookup(&id).await {
         Ok(Owner::Remote { advertise }) => {
+            fleet.counters.forwarded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let (path, headers) = (request.uri().path().to_owned(), request.headers().clone());
             match forward(fleet.node(), &advertise, request).await {
                 Ok(response) => response,
@@ -82,13 +84,13 @@ pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: N
                     // The owner may be gone (and the sandbox lost): ask etcd, not what was remembered.
                     fleet.forget_owner(&id);
                     match fleet.lookup(&id).await {
-                        Ok(Owner::Lost { node }) => lost(&path, &headers, &id, &node),
+                        Ok(Owner::Lost { node }) => lost(&fleet, &path, &headers, &id, &node),
                         _ => err.into_response(),
                     }
                 }
             }
         }
-        Ok(Owner::Lost { node }) => lost(request.uri().path(), request.headers(), &id, &node),
+        Ok(Owner::Lost { node }) => lost(&fleet, request.uri().path(), request.headers(), &id, &node),
         Ok(Owner::Local | Owner::Unknown) => next.run(request).await,
         // etcd cannot say where it is: not "not found", which would be wrong if another node holds it.
         Err(err) => {
