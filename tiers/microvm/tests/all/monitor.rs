@@ -67,20 +67,33 @@ fn every_monitor_thread_is_jailed_and_filtered() {
     let code = vec![0xeb, 0xfe];
     let monitor = Monitor::start(&config(dir.path()), &spec(code, false, true), &[], 1, 2 << 20).expect("start");
     let pid = monitor.pid().to_string();
-    let tasks: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .expect("tasks")
-        .map(|e| e.expect("task").file_name().to_string_lossy().into_owned())
-        .collect();
-    let mut names = BTreeSet::new();
-    for task in &tasks {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/task/{task}/status")).expect("status");
-        let name = status_field(&status, "Name").unwrap_or("?").to_owned();
-        assert_eq!(status_field(&status, "Seccomp"), Some("2"), "thread {name} has no filter");
-        assert_eq!(status_field(&status, "NoNewPrivs"), Some("1"), "thread {name}");
-        for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
-            assert_eq!(status_field(&status, caps), Some("0000000000000000"), "thread {name}: {caps}");
+    // The monitor answers `start` before its vCPU thread has necessarily been spawned: wait for every kind.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let tasks = loop {
+        let tasks: Vec<(String, String)> = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .expect("tasks")
+            .filter_map(|e| {
+                let task = e.expect("task").file_name().to_string_lossy().into_owned();
+                let status = std::fs::read_to_string(format!("/proc/{pid}/task/{task}/status")).ok()?;
+                Some((task, status))
+            })
+            .collect();
+        let has =
+            |prefix: &str| tasks.iter().any(|(_, s)| status_field(s, "Name").is_some_and(|n| n.starts_with(prefix)));
+        if (has("strata-vcpu") && has("strata-virtio")) || Instant::now() > deadline {
+            break tasks;
         }
-        let uid = status_field(&status, "Uid").expect("Uid");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let mut names = BTreeSet::new();
+    for (_, status) in &tasks {
+        let name = status_field(status, "Name").unwrap_or("?").to_owned();
+        assert_eq!(status_field(status, "Seccomp"), Some("2"), "thread {name} has no filter");
+        assert_eq!(status_field(status, "NoNewPrivs"), Some("1"), "thread {name}");
+        for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+            assert_eq!(status_field(status, caps), Some("0000000000000000"), "thread {name}: {caps}");
+        }
+        let uid = status_field(status, "Uid").expect("Uid");
         let first: u32 = uid.split_whitespace().next().expect("uid").parse().expect("a number");
         assert!(first >= MONITOR_ID_BASE, "thread {name} runs as host user {first}");
         names.insert(name);
