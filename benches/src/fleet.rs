@@ -1,10 +1,11 @@
 //! A fleet on one machine for tests and benches: a three-member etcd cluster (Debian's `etcd`, on loopback ports,
 //! its data in a temporary directory) and `strata serve` nodes joined to it, as processes; plain HTTP/1.1 and a
-//! WebSocket job over raw sockets, so that what is measured is the servers, not a client library.
+//! WebSocket job over raw sockets, so that what is measured is the servers, not a client library. A fleet over
+//! mutual TLS ([`Pki`], [`Etcd::start_tls`], [`Node::start_tls`]) is reached with `curl`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -35,6 +36,141 @@ pub fn request(addr: &str, method: &str, path: &str, body: &Value) -> (u16, Valu
     (status, serde_json::from_str(body).unwrap_or(Value::Null))
 }
 
+/// A certificate and its key, as files.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// A CA in a temporary directory, made with `openssl` the way the README shows operators; it issues
+/// certificates for loopback (`IP:127.0.0.1`, `DNS:localhost`) usable as server and client certificates.
+#[derive(Debug)]
+pub struct Pki {
+    dir: tempfile::TempDir,
+    issued: std::sync::atomic::AtomicU32,
+}
+
+fn openssl(args: &[&str], dir: &Path) {
+    let out = Command::new("openssl").args(args).current_dir(dir).output().expect("run openssl");
+    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+impl Pki {
+    /// A new CA named `name`.
+    pub fn new(name: &str) -> Pki {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let subject = format!("/CN={name}");
+        openssl(
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-nodes",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+                "-days",
+                "30",
+                "-subj",
+                &subject,
+            ],
+            dir.path(),
+        );
+        Pki { dir, issued: std::sync::atomic::AtomicU32::new(0) }
+    }
+
+    /// The CA's certificate.
+    pub fn ca(&self) -> PathBuf {
+        self.dir.path().join("ca.pem")
+    }
+
+    /// A new certificate and key for `name` (each call a new key and serial, in new files).
+    pub fn issue(&self, name: &str) -> Identity {
+        let n = self.issued.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let dir = self.dir.path();
+        let base = format!("{name}-{n}");
+        let ext = format!("{base}.ext");
+        std::fs::write(
+            dir.join(&ext),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n\
+             basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n",
+        )
+        .expect("ext");
+        let (key, csr, cert) = (format!("{base}.key"), format!("{base}.csr"), format!("{base}.pem"));
+        openssl(
+            &[
+                "req",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-nodes",
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+                "-subj",
+                &format!("/CN={name}"),
+            ],
+            dir,
+        );
+        openssl(
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &cert,
+                "-days",
+                "30",
+                "-extfile",
+                &ext,
+            ],
+            dir,
+        );
+        Identity { cert: dir.join(cert), key: dir.join(key) }
+    }
+}
+
+/// A request with `curl` (for TLS): the status and the body as JSON; status 0 and curl's error as a JSON string
+/// when no answer came (a refused handshake). `extra` adds curl arguments (`--cacert`, `--cert`, `-H`).
+pub fn curl(url: &str, method: &str, body: &Value, extra: &[&str]) -> (u16, Value) {
+    let mut command = Command::new("curl");
+    command.args([
+        "-sS",
+        "--max-time",
+        "60",
+        "-X",
+        method,
+        "-w",
+        "\n%{http_code}",
+        "-H",
+        "content-type: application/json",
+    ]);
+    if !body.is_null() {
+        command.args(["--data-binary", &body.to_string()]);
+    }
+    let out = command.args(extra).arg(url).output().expect("run curl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (body, status) = text.rsplit_once('\n').unwrap_or(("", &text));
+    let status: u16 = status.trim().parse().unwrap_or(0);
+    if status == 0 {
+        return (0, Value::String(String::from_utf8_lossy(&out.stderr).into_owned()));
+    }
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
 /// Whether `etcd` can run here; else the one skip line.
 pub fn etcd_available() -> bool {
     let found = Command::new("etcd").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
@@ -59,15 +195,43 @@ struct Member {
 pub struct Etcd {
     dir: tempfile::TempDir,
     members: Vec<Member>,
+    /// With mutual TLS: the members' certificate (server and peer) and the CA clients' certificates chain to.
+    tls: Option<(Identity, PathBuf)>,
 }
 
 impl Etcd {
     pub fn start(size: usize) -> Etcd {
+        Etcd::launch_all(size, None)
+    }
+
+    /// A cluster that serves clients and peers over mutual TLS with certificates of `pki`: a client must present
+    /// a certificate of that CA.
+    pub fn start_tls(size: usize, pki: &Pki) -> Etcd {
+        Etcd::launch_all(size, Some((pki.issue("etcd"), pki.ca())))
+    }
+
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() { "https" } else { "http" }
+    }
+
+    /// etcdctl's TLS arguments (its client certificate is the members' own).
+    fn ctl_args(&self) -> Vec<String> {
+        match &self.tls {
+            Some((identity, ca)) => vec![
+                format!("--cacert={}", ca.display()),
+                format!("--cert={}", identity.cert.display()),
+                format!("--key={}", identity.key.display()),
+            ],
+            None => Vec::new(),
+        }
+    }
+
+    fn launch_all(size: usize, tls: Option<(Identity, PathBuf)>) -> Etcd {
         let dir = tempfile::tempdir().expect("tempdir");
         let members: Vec<Member> = (0..size)
             .map(|i| Member { name: format!("etcd{i}"), client: free_port(), peer: free_port(), child: None })
             .collect();
-        let mut etcd = Etcd { dir, members };
+        let mut etcd = Etcd { dir, members, tls };
         for i in 0..size {
             etcd.launch(i, "new");
         }
@@ -76,8 +240,9 @@ impl Etcd {
     }
 
     fn initial_cluster(&self) -> String {
+        let scheme = self.scheme();
         let each: Vec<String> =
-            self.members.iter().map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer)).collect();
+            self.members.iter().map(|m| format!("{}={scheme}://127.0.0.1:{}", m.name, m.peer)).collect();
         each.join(",")
     }
 
@@ -86,18 +251,33 @@ impl Etcd {
         let member = &self.members[i];
         let data = self.dir.path().join(&member.name);
         let log = std::fs::File::create(self.dir.path().join(format!("{}.log", member.name))).expect("log");
-        let child = Command::new("etcd")
+        let scheme = self.scheme();
+        let mut command = Command::new("etcd");
+        if let Some((identity, ca)) = &self.tls {
+            let (cert, key, ca) = (identity.cert.display(), identity.key.display(), ca.display());
+            command.args([
+                format!("--cert-file={cert}"),
+                format!("--key-file={key}"),
+                format!("--trusted-ca-file={ca}"),
+                "--client-cert-auth".into(),
+                format!("--peer-cert-file={cert}"),
+                format!("--peer-key-file={key}"),
+                format!("--peer-trusted-ca-file={ca}"),
+                "--peer-client-cert-auth".into(),
+            ]);
+        }
+        let child = command
             .args(["--name", &member.name, "--data-dir"])
             .arg(&data)
             .args([
                 "--listen-client-urls",
-                &format!("http://127.0.0.1:{}", member.client),
+                &format!("{scheme}://127.0.0.1:{}", member.client),
                 "--advertise-client-urls",
-                &format!("http://127.0.0.1:{}", member.client),
+                &format!("{scheme}://127.0.0.1:{}", member.client),
                 "--listen-peer-urls",
-                &format!("http://127.0.0.1:{}", member.peer),
+                &format!("{scheme}://127.0.0.1:{}", member.peer),
                 "--initial-advertise-peer-urls",
-                &format!("http://127.0.0.1:{}", member.peer),
+                &format!("{scheme}://127.0.0.1:{}", member.peer),
                 "--initial-cluster",
                 &cluster,
                 "--initial-cluster-state",
@@ -117,7 +297,8 @@ impl Etcd {
     }
 
     pub fn endpoints(&self) -> String {
-        let each: Vec<String> = self.members.iter().map(|m| format!("http://127.0.0.1:{}", m.client)).collect();
+        let scheme = self.scheme();
+        let each: Vec<String> = self.members.iter().map(|m| format!("{scheme}://127.0.0.1:{}", m.client)).collect();
         each.join(",")
     }
 
@@ -127,7 +308,9 @@ impl Etcd {
         loop {
             let ok = Command::new("etcdctl")
                 .env("ETCDCTL_API", "3")
-                .args(["--endpoints", &self.endpoints(), "--command-timeout=1s", "put", "/health-probe", "1"])
+                .args(["--endpoints", &self.endpoints(), "--command-timeout=1s"])
+                .args(self.ctl_args())
+                .args(["put", "/health-probe", "1"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .status()
@@ -177,6 +360,8 @@ pub struct Node {
     pub addr: String,
     child: Option<Child>,
     log: Arc<Mutex<String>>,
+    /// The CA its certificate chains to, when it serves over TLS (then reached with `curl`).
+    ca: Option<PathBuf>,
 }
 
 impl Node {
@@ -195,6 +380,52 @@ impl Node {
         Node::spawn(strata, name, addr, &args)
     }
 
+    /// Node `name` of a fleet over mutual TLS: its certificate from `pki` (the fleet CA), https:// URLs.
+    pub fn start_tls(strata: &Path, name: &str, etcd: &Etcd, pki: &Pki, extra: &[&str]) -> Node {
+        let identity = pki.issue(name);
+        Node::start_with(strata, name, etcd, &identity, &pki.ca(), extra)
+    }
+
+    /// A node of a fleet over TLS with `identity` and `fleet_ca` as given (a rogue's, for one), on a free port.
+    pub fn start_with(
+        strata: &Path,
+        name: &str,
+        etcd: &Etcd,
+        identity: &Identity,
+        fleet_ca: &Path,
+        extra: &[&str],
+    ) -> Node {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut args: Vec<String> = vec!["--cluster".into(), etcd.endpoints(), "--node".into(), name.into()];
+        args.extend(["--advertise".into(), format!("https://{addr}")]);
+        args.extend(["--tls-cert".into(), identity.cert.display().to_string()]);
+        args.extend(["--tls-key".into(), identity.key.display().to_string()]);
+        args.extend(["--fleet-ca".into(), fleet_ca.display().to_string()]);
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        Node::spawn_tls(strata, name, addr, &args, Some(fleet_ca.to_owned()))
+    }
+
+    /// Runs `strata serve` with TLS arguments and returns as soon as it is up or has exited (a node that cannot
+    /// join exits): `Err(log)` when it exited.
+    pub fn try_start(strata: &Path, name: &str, args: &[String], ca: &Path) -> Result<Node, String> {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut node = Node::launch(strata, addr, args, Some(ca.to_owned()));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if node.healthy() {
+                return Ok(node);
+            }
+            if let Some(child) = &mut node.child
+                && child.try_wait().ok().flatten().is_some()
+            {
+                std::thread::sleep(Duration::from_millis(200));
+                return Err(node.log());
+            }
+            assert!(Instant::now() < deadline, "node {name} neither started nor exited: {}", node.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// A `strata serve` on its own (no fleet), with `extra` arguments: the peer of fleet figures.
     pub fn standalone(strata: &Path, extra: &[&str]) -> Node {
         let addr = format!("127.0.0.1:{}", free_port());
@@ -203,6 +434,50 @@ impl Node {
     }
 
     fn spawn(strata: &Path, name: &str, addr: String, args: &[String]) -> Node {
+        Node::spawn_tls(strata, name, addr, args, None)
+    }
+
+    fn spawn_tls(strata: &Path, name: &str, addr: String, args: &[String], ca: Option<PathBuf>) -> Node {
+        let node = Node::launch(strata, addr, args, ca);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if node.healthy() {
+                return node;
+            }
+            assert!(Instant::now() < deadline, "node {name} did not start: {}", node.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn healthy(&self) -> bool {
+        TcpStream::connect(&self.addr).is_ok() && self.request("GET", "/health", &Value::Null).0 == 204
+    }
+
+    /// The node's base URL.
+    pub fn url(&self) -> String {
+        let scheme = if self.ca.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// A request to the node (plain, or with `curl` trusting its CA); `extra` adds curl arguments over TLS.
+    pub fn request_with(&self, method: &str, path: &str, body: &Value, extra: &[&str]) -> (u16, Value) {
+        match &self.ca {
+            None => request(&self.addr, method, path, body),
+            Some(ca) => {
+                let ca = ca.display().to_string();
+                let mut args = vec!["--cacert", ca.as_str()];
+                args.extend_from_slice(extra);
+                curl(&format!("{}{path}", self.url()), method, body, &args)
+            }
+        }
+    }
+
+    /// A request to the node.
+    pub fn request(&self, method: &str, path: &str, body: &Value) -> (u16, Value) {
+        self.request_with(method, path, body, &[])
+    }
+
+    fn launch(strata: &Path, addr: String, args: &[String], ca: Option<PathBuf>) -> Node {
         let mut child = Command::new(strata)
             .args(["serve", "--listen", &addr])
             .args(args)
@@ -219,15 +494,7 @@ impl Node {
                 sink.lock().expect("log").push_str(&format!("{line}\n"));
             }
         });
-        let node = Node { addr, child: Some(child), log };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if TcpStream::connect(&node.addr).is_ok() && request(&node.addr, "GET", "/health", &Value::Null).0 == 204 {
-                return node;
-            }
-            assert!(Instant::now() < deadline, "node {name} did not start: {}", node.log());
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        Node { addr, child: Some(child), log, ca }
     }
 
     /// What the node logged so far.
@@ -242,12 +509,12 @@ impl Node {
 
     /// `GET path`.
     pub fn get(&self, path: &str) -> (u16, Value) {
-        request(&self.addr, "GET", path, &Value::Null)
+        self.request("GET", path, &Value::Null)
     }
 
     /// `POST path` with a JSON body.
     pub fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        request(&self.addr, "POST", path, &body)
+        self.request("POST", path, &body)
     }
 
     /// Creates a wasm sandbox (TTL 120 s).
@@ -267,7 +534,7 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         if let Some(child) = &self.child {
-            let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+            let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).stderr(Stdio::null()).status();
         }
         if let Some(mut child) = self.child.take() {
             let deadline = Instant::now() + Duration::from_secs(20);

@@ -120,8 +120,9 @@ pub(crate) struct ServeArgs {
     #[arg(long)]
     log_json: bool,
 
-    /// Join a fleet of nodes coordinated through etcd at these client URLs (comma-separated `http://host:port`):
-    /// placement across nodes, any node answers for any sandbox. Needs --node and --advertise.
+    /// Join a fleet of nodes coordinated through etcd at these client URLs (comma-separated `http://host:port`,
+    /// all loopback; `https://host:port` with --tls-cert, --tls-key and --fleet-ca): placement across nodes, any
+    /// node answers for any sandbox. Needs --node and --advertise.
     #[arg(long, value_name = "URLS", value_delimiter = ',', requires_all = ["node", "advertise"])]
     cluster: Vec<String>,
 
@@ -129,13 +130,31 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "NAME", requires = "cluster")]
     node: Option<String>,
 
-    /// The URL other nodes reach this node's API at (`http://host:port`).
+    /// The URL other nodes reach this node's API at (`http://host:port`; `https://` with --fleet-ca).
     #[arg(long, value_name = "URL", requires = "cluster")]
     advertise: Option<String>,
 
     /// How long a node that stops renewing its etcd lease stays in the fleet (its sandboxes are then lost).
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     lease_ttl: Duration,
+
+    /// Serve clients over TLS with this certificate chain (PEM, leaf first); reloaded when the file changes.
+    /// In a fleet with --fleet-ca it is also this node's certificate towards the other nodes and etcd.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+
+    /// The fleet's CA (PEM): node certificates chain to it. Nodes forward to each other and talk to etcd over
+    /// mutual TLS; only a connection presenting a certificate of this CA is taken for a node's.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    fleet_ca: Option<PathBuf>,
+
+    /// The CA etcd's certificates chain to, when it is not --fleet-ca.
+    #[arg(long, value_name = "FILE", requires = "fleet_ca")]
+    etcd_ca: Option<PathBuf>,
 }
 
 fn parse_size(text: &str) -> Result<strata_core::ByteSize, String> {
@@ -191,7 +210,16 @@ pub(crate) fn serve(args: ServeArgs) -> Result<i32, Failure> {
         fleet: match (&args.node, &args.advertise) {
             (Some(node), Some(advertise)) if !args.cluster.is_empty() => Some(strata_serve::fleet::FleetConfig {
                 lease_ttl: args.lease_ttl,
+                etcd_ca: args.etcd_ca.clone(),
                 ..strata_serve::fleet::FleetConfig::new(args.cluster.clone(), node, advertise)
+            }),
+            _ => None,
+        },
+        tls: match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(strata_serve::tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                fleet_ca: args.fleet_ca.clone(),
             }),
             _ => None,
         },

@@ -2,13 +2,14 @@
 //! loopback ports), as processes. Creates through one node spread by capacity; any node answers for any sandbox
 //! (exec, files, a WebSocket job, the operations API); a SIGKILLed node's sandboxes are `sandbox_lost` within its
 //! lease's TTL and it rejoins cleanly; with one etcd member down the fleet goes on, with two it refuses new
-//! placements (a typed error) while every node keeps serving what it holds, and recovers when etcd does.
+//! placements (a typed error) while every node keeps serving what it holds, and recovers when etcd does. A fleet
+//! over mutual TLS works the same through any node and refuses a rogue (another CA's certificate) everywhere.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use strata_benches::fleet::{Etcd, Node, etcd_available, request, websocket_job};
+use strata_benches::fleet::{Etcd, Node, Pki, etcd_available, request, websocket_job};
 
 /// Node `name` of the fleet on `etcd`: a 3 s lease, and two vCPU slots (this host's two CPUs, one slot each), so
 /// capacity runs out after a few sandboxes.
@@ -215,4 +216,122 @@ fn with_etcd_down_to_one_member_nodes_serve_what_they_hold_and_refuse_placements
     }
     let (status, outcome) = n2.post(&exec, json!({"python": "print('after')"}));
     assert_eq!((status, outcome["stdout"].as_str()), (200, Some("after\n")), "{outcome}");
+}
+
+/// The serial of the certificate a TLS server at `addr` presents now (`openssl s_client`), or of a PEM file.
+fn serial(addr: Option<&str>, ca: &Path, file: Option<&Path>) -> String {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let pem = match (addr, file) {
+        (Some(addr), _) => {
+            let out = Command::new("openssl")
+                .args(["s_client", "-connect", addr, "-CAfile"])
+                .arg(ca)
+                .stdin(Stdio::null())
+                .stderr(Stdio::null())
+                .output()
+                .expect("s_client");
+            out.stdout
+        }
+        (None, Some(file)) => std::fs::read(file).expect("read"),
+        (None, None) => unreachable!("an address or a file"),
+    };
+    let mut x509 = Command::new("openssl")
+        .args(["x509", "-noout", "-serial"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("x509");
+    x509.stdin.take().expect("stdin").write_all(&pem).expect("pem");
+    String::from_utf8_lossy(&x509.wait_with_output().expect("x509").stdout).trim().to_owned()
+}
+
+#[test]
+fn a_fleet_over_mutual_tls_answers_through_any_node_and_refuses_a_rogue_everywhere() {
+    if !etcd_available() {
+        return;
+    }
+    let (pki, rogue) = (Pki::new("strata fleet CA"), Pki::new("rogue CA"));
+    let etcd = Etcd::start_tls(1, &pki);
+    let n1_identity = pki.issue("n1");
+    let n1 = Node::start_with(strata(), "n1", &etcd, &n1_identity, &pki.ca(), NODE_ARGS);
+    let n2 = Node::start_tls(strata(), "n2", &etcd, &pki, NODE_ARGS);
+    assert!(n1.log().contains("strata serve listening"), "{}", n1.log());
+    assert!(!n1.log().contains("without TLS"), "a fleet over mutual TLS says nothing of running without: {}", n1.log());
+
+    // A create through n1 lands on n1 (first fit by name); n2 forwards to it over mutual TLS.
+    let (status, created) = n1.create();
+    assert_eq!(status, 201, "{created}\n{}", n1.log());
+    let id = created["id"].as_str().expect("id").to_owned();
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let (status, outcome) = n2.post(&exec, json!({"python": "print(6 * 7)"}));
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("42\n")), "{outcome}\n{}", n2.log());
+
+    // Plain HTTP to a TLS node gets no answer.
+    assert_eq!(request(&n1.addr, "GET", "/health", &Value::Null).0, 0);
+    // A client (no certificate) saying it is a node is refused, on a forward and on a placement alike.
+    let (status, body) =
+        n2.request_with("POST", &exec, &json!({"python": "print(1)"}), &["-H", "x-strata-fleet-hop: n1"]);
+    assert_eq!((status, code(&body)), (403, "not_a_node"), "{body}");
+    let forged = ["-H", "x-strata-fleet-hop: n1", "-H", "x-strata-fleet-placed: sbx-forged"];
+    let (status, body) = n2.request_with("POST", "/v1/sandboxes", &json!({"tier": "wasm"}), &forged);
+    assert_eq!((status, code(&body)), (403, "not_a_node"), "{body}");
+    // A client certificate of another CA fails the handshake, at a node and at etcd.
+    let intruder = rogue.issue("intruder");
+    let (cert, key) = (intruder.cert.display().to_string(), intruder.key.display().to_string());
+    let (status, body) = n1.request_with("GET", "/health", &Value::Null, &["--cert", &cert, "--key", &key]);
+    assert_eq!(status, 0, "a rogue certificate was accepted: {body}");
+
+    // A rogue node: with the rogue CA it cannot verify etcd; with the fleet's CA file but its own certificate,
+    // etcd refuses it. Neither joins, so none is ever placed on or forwarded to.
+    for (ca, why) in [(rogue.ca(), "rogue CA"), (pki.ca(), "fleet CA, rogue certificate")] {
+        let args: Vec<String> = vec![
+            "--cluster".into(),
+            etcd.endpoints(),
+            "--node".into(),
+            "rogue".into(),
+            "--advertise".into(),
+            "https://127.0.0.1:1".into(),
+            "--tls-cert".into(),
+            intruder.cert.display().to_string(),
+            "--tls-key".into(),
+            intruder.key.display().to_string(),
+            "--fleet-ca".into(),
+            ca.display().to_string(),
+        ];
+        match Node::try_start(strata(), "rogue", &args, &ca) {
+            Ok(_) => panic!("a rogue node ({why}) joined the fleet"),
+            Err(log) => assert!(log.contains("cannot join the fleet"), "{why}: {log}"),
+        }
+    }
+    let (_, nodes) = n2.get("/v1/nodes");
+    let names: Vec<&str> =
+        nodes["nodes"].as_array().expect("nodes").iter().filter_map(|n| n["name"].as_str()).collect();
+    assert_eq!(names, ["n1", "n2"], "{nodes}");
+
+    // n1's certificate is replaced on disk: new connections get the new one, without a restart, and n1 goes on
+    // placing (its etcd connection is made again with it) and being forwarded to.
+    let before = serial(Some(&n1.addr), &pki.ca(), None);
+    assert_eq!(before, serial(None, &pki.ca(), Some(&n1_identity.cert)));
+    let renewed = pki.issue("n1");
+    std::fs::copy(&renewed.key, &n1_identity.key).expect("key");
+    std::fs::copy(&renewed.cert, &n1_identity.cert).expect("cert");
+    let wanted = serial(None, &pki.ca(), Some(&renewed.cert));
+    assert_ne!(before, wanted);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while serial(Some(&n1.addr), &pki.ca(), None) != wanted {
+        assert!(Instant::now() < deadline, "the certificate was not reloaded: {}", n1.log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !n1.log().contains("etcd reconnected") {
+        assert!(Instant::now() < deadline, "etcd was not reconnected: {}", n1.log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (status, created) = n1.create();
+    assert_eq!(status, 201, "{created}\n{}", n1.log());
+    let second = created["id"].as_str().expect("id");
+    let (status, outcome) = n2.post(&format!("/v1/sandboxes/{second}/exec"), json!({"python": "print('renewed')"}));
+    assert_eq!((status, outcome["stdout"].as_str()), (200, Some("renewed\n")), "{outcome}");
 }

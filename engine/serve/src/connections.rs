@@ -43,6 +43,7 @@ use tokio::time::Sleep;
 use tower::ServiceExt;
 
 use crate::registry::lock;
+use crate::tls::{NodePeer, Tls};
 
 /// The largest request body by default (files, jobs).
 pub const DEFAULT_MAX_BODY: usize = 64 << 20;
@@ -88,6 +89,7 @@ enum Closed {
     TotalCap,
     HeaderTimeout,
     KeepAliveTimeout,
+    TlsHandshake,
 }
 
 impl Closed {
@@ -97,6 +99,7 @@ impl Closed {
             Closed::TotalCap => "total_cap",
             Closed::HeaderTimeout => "header_timeout",
             Closed::KeepAliveTimeout => "keep_alive_timeout",
+            Closed::TlsHandshake => "tls_handshake",
         }
     }
 }
@@ -409,6 +412,7 @@ pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
     table: Arc<Connections>,
+    tls: Option<Arc<Tls>>,
     too_large: TooLarge,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -443,8 +447,10 @@ pub(crate) async fn serve(
         // Small streamed frames (Connect envelopes, WebSocket chunks) must not wait for Nagle's delayed ACK.
         let _ = tcp.set_nodelay(true);
         let (app, table, stop, open) = (app.clone(), table.clone(), stop_rx.clone(), open_rx.clone());
+        // The configuration of the moment: a reload applies to the connections accepted after it.
+        let acceptor = tls.as_ref().map(|tls| tls.acceptor());
         tokio::spawn(async move {
-            connection(tcp, peer, slot, app, table, too_large, stop).await;
+            connection(tcp, peer, slot, app, table, acceptor, too_large, stop).await;
             drop(open);
         });
     }
@@ -482,26 +488,70 @@ fn is_connection_error(err: &io::Error) -> bool {
     )
 }
 
-/// Serves one connection under its watchdog.
+/// Serves one connection under its watchdog, after its TLS handshake when the server has TLS (the handshake
+/// must be done within the header timeout).
+#[allow(clippy::too_many_arguments)]
 async fn connection(
     tcp: TcpStream,
     peer: SocketAddr,
     slot: Slot,
     app: Router,
     table: Arc<Connections>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     too_large: TooLarge,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let limits = table.limits.clone();
     let activity = Arc::new(Activity::new());
     let socket =
         Socket { tcp, activity: activity.clone(), write_timeout: limits.write_timeout, stalled: None, _slot: slot };
+    let Some(acceptor) = tls else {
+        return serve_connection(socket, false, peer, activity, app, table, too_large, stop).await;
+    };
+    match tokio::time::timeout(limits.header_timeout, acceptor.accept(socket)).await {
+        Ok(Ok(stream)) => {
+            // A certificate was presented and verified against the fleet CA (one that does not verify fails the
+            // handshake): another node's connection.
+            let node = stream.get_ref().1.peer_certificates().is_some_and(|certs| !certs.is_empty());
+            serve_connection(stream, node, peer, activity, app, table, too_large, stop).await;
+        }
+        Ok(Err(err)) => {
+            table.count(Closed::TlsHandshake);
+            tracing::debug!(%peer, error = %err, "TLS handshake failed");
+        }
+        Err(_) => {
+            table.count(Closed::TlsHandshake);
+            tracing::debug!(%peer, "TLS handshake not done within the header timeout");
+        }
+    }
+}
+
+/// Serves the requests of one connection (plain or TLS) under its watchdog; `node` marks each request with
+/// [`NodePeer`].
+#[allow(clippy::too_many_arguments)]
+async fn serve_connection<S>(
+    io: S,
+    node: bool,
+    peer: SocketAddr,
+    activity: Arc<Activity>,
+    app: Router,
+    table: Arc<Connections>,
+    too_large: TooLarge,
+    mut stop: watch::Receiver<bool>,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let limits = table.limits.clone();
     let service_activity = activity.clone();
     let (max_body, body_timeout) = (limits.max_body, limits.body_timeout);
     let service = hyper::service::service_fn(move |request: Request<Incoming>| {
         let in_flight = service_activity.request_started();
         let app = app.clone();
         async move {
+            let mut request = request;
+            if node {
+                request.extensions_mut().insert(NodePeer);
+            }
             let response = if request.body().size_hint().lower() > max_body as u64 {
                 let mut response = too_large(request.uri().path(), request.headers(), max_body);
                 response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -526,7 +576,7 @@ async fn connection(
     // No hyper timer: the watchdog below times headers from their first byte, which hyper's cannot.
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.header_read_timeout(None);
-    let conn = builder.serve_connection(TokioIo::new(socket), service).with_upgrades();
+    let conn = builder.serve_connection(TokioIo::new(io), service).with_upgrades();
     let mut conn = std::pin::pin!(conn);
     let mut stopping = false;
     loop {

@@ -51,6 +51,7 @@ pub mod ports;
 pub mod pty;
 pub mod registry;
 mod service;
+pub mod tls;
 pub mod usage;
 pub mod ws;
 
@@ -127,6 +128,9 @@ pub struct ServeConfig {
     pub cache_budget: Option<u64>,
     /// The fleet this server is a node of ([`fleet`]); `None`: a server on its own.
     pub fleet: Option<fleet::FleetConfig>,
+    /// Serve clients over TLS with this certificate ([`tls`]); with a fleet CA, the fleet's nodes talk to each
+    /// other and to etcd over mutual TLS. `None`: plain HTTP.
+    pub tls: Option<tls::TlsFiles>,
 }
 
 impl ServeConfig {
@@ -153,6 +157,7 @@ impl ServeConfig {
             templates: std::collections::BTreeMap::new(),
             cache_budget: None,
             fleet: None,
+            tls: None,
         }
     }
 }
@@ -193,6 +198,9 @@ pub enum ServeError {
     /// The server could not join its fleet (etcd unreachable, the node's name taken, a bad configuration).
     #[error("cannot join the fleet: {0}")]
     Fleet(#[from] fleet::FleetError),
+    /// The TLS certificate, key or CA could not be used.
+    #[error("TLS: {0}")]
+    Tls(#[from] tls::TlsError),
 }
 
 /// What every request handler shares.
@@ -275,6 +283,7 @@ impl AppState {
 pub struct Server {
     listener: TcpListener,
     state: Arc<AppState>,
+    tls: Option<Arc<tls::Tls>>,
 }
 
 impl Server {
@@ -308,6 +317,14 @@ impl Server {
         let snapshot_dir = base.join(registry::new_id(&format!("server-{}-", std::process::id())));
         std::fs::create_dir_all(&snapshot_dir)
             .map_err(|source| ServeError::StateDir { path: snapshot_dir.clone(), source })?;
+        let tls = match &config.tls {
+            Some(files) => {
+                let tls = tls::Tls::load(files.clone())?;
+                tls.spawn_reload();
+                Some(tls)
+            }
+            None => None,
+        };
         let listener = TcpListener::bind(config.listen)
             .await
             .map_err(|source| ServeError::Bind { addr: config.listen, source })?;
@@ -329,7 +346,7 @@ impl Server {
                     slots: config.cpu_overcommit,
                     memory,
                 };
-                Some(fleet::Fleet::join(fleet_config.clone(), offer).await?)
+                Some(fleet::Fleet::join(fleet_config.clone(), offer, tls.clone()).await?)
             }
             None => None,
         };
@@ -358,7 +375,7 @@ impl Server {
         fleet::spawn(&state);
         spawn_sampler(&state);
         cache::spawn(&state, config.cache_budget);
-        Ok(Server { listener, state })
+        Ok(Server { listener, state, tls })
     }
 
     /// The address it listens on.
@@ -391,7 +408,7 @@ impl Server {
                 tracing::error!(error = %err, "draining failed");
             }
         };
-        connections::serve(self.listener, app, state.connections.clone(), too_large, graceful).await;
+        connections::serve(self.listener, app, state.connections.clone(), self.tls, too_large, graceful).await;
         // Anything created while the last requests finished.
         let last = state.clone();
         let _ = service::blocking(move || {

@@ -13,7 +13,6 @@ use serde::Serialize;
 use strata_fleet::Bins;
 
 use super::placement::fleet_error;
-use super::proxy::forward;
 use crate::{ApiError, AppState};
 
 /// The routes (behind the API's authentication).
@@ -117,7 +116,7 @@ async fn drain(State(state): State<Arc<AppState>>, Path(name): Path<String>, req
         Err(err) => return fleet_error(err).into_response(),
     };
     match view.nodes.get(&name) {
-        Some(record) => match forward(fleet.node(), &record.value.advertise, request).await {
+        Some(record) => match fleet.forward(&record.value.advertise, request).await {
             Ok(response) => response,
             Err(err) => err.into_response(),
         },

@@ -36,15 +36,16 @@ use strata_fleet::{
 pub use store::Store;
 
 use crate::AppState;
+use crate::tls::Tls;
 
 /// How a node joins a fleet.
 #[derive(Debug, Clone)]
 pub struct FleetConfig {
-    /// etcd's client URLs (`http://host:port`).
+    /// etcd's client URLs (`http://host:port`, or `https://host:port` in a fleet with mutual TLS).
     pub endpoints: Vec<String>,
     /// This node's name, unique in the fleet (letters, digits, `.`, `_`, `:`, `-`).
     pub node: String,
-    /// The URL other nodes reach this node's API at (`http://host:port`).
+    /// The URL other nodes reach this node's API at (`http://host:port`, or `https://` with mutual TLS).
     pub advertise: String,
     /// The lease's time to live: a node that stops renewing it is out of the fleet after this long.
     pub lease_ttl: Duration,
@@ -52,6 +53,8 @@ pub struct FleetConfig {
     pub prefix: String,
     /// How long one etcd request may take before it counts as failed.
     pub etcd_timeout: Duration,
+    /// The CA etcd's server certificates chain to, when it is not the fleet CA.
+    pub etcd_ca: Option<std::path::PathBuf>,
 }
 
 impl FleetConfig {
@@ -64,11 +67,14 @@ impl FleetConfig {
             lease_ttl: Duration::from_secs(5),
             prefix: strata_fleet::protocol::DEFAULT_PREFIX.to_owned(),
             etcd_timeout: Duration::from_secs(2),
+            etcd_ca: None,
         }
     }
 
-    /// Checks the names and URLs.
-    pub fn validate(&self) -> Result<(), FleetError> {
+    /// Checks the names and URLs against the TLS the node has: with mutual TLS (a certificate and a fleet CA)
+    /// every URL is `https://`; without, every URL is `http://` and loopback (traffic that never leaves the
+    /// machine), and the fleet runs with a warning.
+    pub fn validate(&self, tls: Option<&Tls>) -> Result<(), FleetError> {
         if !valid_name(&self.node) {
             return Err(FleetError::Config(format!(
                 "{:?} is not a node name (letters, digits, '.', '_', ':', '-'; at most 128)",
@@ -78,8 +84,35 @@ impl FleetConfig {
         if self.endpoints.is_empty() {
             return Err(FleetError::Config("no etcd endpoint".into()));
         }
+        let mutual = match tls {
+            Some(tls) if tls.has_fleet_ca() => true,
+            Some(_) => {
+                return Err(FleetError::Config(
+                    "a node serving over TLS talks to its fleet over mutual TLS: pass --fleet-ca (the CA node \
+                     certificates chain to)"
+                        .into(),
+                ));
+            }
+            None => false,
+        };
         for url in self.endpoints.iter().chain([&self.advertise]) {
-            proxy::authority(url).map_err(|why| FleetError::Config(format!("{url:?}: {why}")))?;
+            let parsed = proxy::NodeUrl::parse(url).map_err(|why| FleetError::Config(format!("{url:?}: {why}")))?;
+            if mutual && !parsed.tls {
+                return Err(FleetError::Config(format!(
+                    "{url:?}: a fleet with mutual TLS names its nodes and etcd members by https:// URLs"
+                )));
+            }
+            if !mutual && parsed.tls {
+                return Err(FleetError::Config(format!(
+                    "{url:?}: an https:// URL needs this node to speak mutual TLS: pass --tls-cert, --tls-key and --fleet-ca"
+                )));
+            }
+            if !mutual && !parsed.is_loopback() {
+                return Err(FleetError::Config(format!(
+                    "{url:?} is not a loopback address: a fleet whose traffic leaves the machine runs over mutual \
+                     TLS (pass --tls-cert, --tls-key and --fleet-ca, and https:// URLs)"
+                )));
+            }
         }
         if self.lease_ttl < Duration::from_secs(1) {
             return Err(FleetError::Config("the lease TTL must be at least 1 s".into()));
@@ -153,7 +186,11 @@ pub struct Capacity {
 pub struct Fleet {
     config: FleetConfig,
     protocol: Protocol,
-    store: Store,
+    /// The etcd connection, made again when the node's certificate is reloaded ([`Fleet::refresh_store`]).
+    store: std::sync::RwLock<Store>,
+    /// The node's TLS (`None`: a loopback fleet in plain HTTP), and the generation the store was made with.
+    tls: Option<Arc<Tls>>,
+    store_generation: AtomicU64,
     capacity: Capacity,
     /// The current registration: its incarnation and lease (0 while not registered).
     incarnation: AtomicU64,
@@ -209,7 +246,7 @@ const OWNER_CACHE_MAX: usize = 4096;
 
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Fleet").field("node", &self.config.node).field("store", &self.store).finish_non_exhaustive()
+        f.debug_struct("Fleet").field("node", &self.config.node).field("store", &self.store()).finish_non_exhaustive()
     }
 }
 
@@ -217,12 +254,25 @@ impl Fleet {
     /// Connects to etcd, registers this node (waiting up to the lease's TTL for the lease of an earlier start
     /// of it to expire) and cleans up what an earlier incarnation left. Nothing runs on this node yet, so its alloc
     /// becomes empty.
-    pub async fn join(config: FleetConfig, capacity: Capacity) -> Result<Arc<Fleet>, FleetError> {
-        config.validate()?;
-        let store = Store::connect(&config.endpoints, config.etcd_timeout).await?;
+    pub async fn join(
+        config: FleetConfig,
+        capacity: Capacity,
+        tls: Option<Arc<Tls>>,
+    ) -> Result<Arc<Fleet>, FleetError> {
+        config.validate(tls.as_deref())?;
+        if tls.is_none() {
+            tracing::warn!(
+                node = %config.node,
+                "the fleet runs without TLS: its nodes and etcd are all on loopback; any other address needs mutual TLS"
+            );
+        }
+        let generation = tls.as_ref().map_or(0, |tls| tls.generation());
+        let store = Store::connect(&config.endpoints, config.etcd_timeout, etcd_tls(&config, tls.as_deref())?).await?;
         let fleet = Arc::new(Fleet {
             protocol: Protocol::new(&config.prefix),
-            store,
+            store: std::sync::RwLock::new(store),
+            tls,
+            store_generation: AtomicU64::new(generation),
             capacity,
             incarnation: AtomicU64::new(0),
             lease: AtomicI64::new(0),
@@ -255,8 +305,45 @@ impl Fleet {
     }
 
     /// The etcd connection.
-    pub fn store(&self) -> &Store {
-        &self.store
+    pub fn store(&self) -> Store {
+        self.store.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Whether the fleet's traffic is mutual TLS (else a loopback fleet in plain HTTP).
+    pub fn mutual_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// Connects to etcd again when the node's certificate was reloaded since the store was made, so that new
+    /// etcd connections present the new certificate; on failure the old store stays and the next call tries again.
+    async fn refresh_store(&self) {
+        let Some(tls) = &self.tls else { return };
+        let generation = tls.generation();
+        if generation == self.store_generation.load(Ordering::SeqCst) {
+            return;
+        }
+        let connected = match etcd_tls(&self.config, Some(tls)) {
+            Ok(options) => Store::connect(&self.config.endpoints, self.config.etcd_timeout, options).await,
+            Err(err) => Err(err),
+        };
+        match connected {
+            Ok(store) => {
+                *self.store.write().unwrap_or_else(std::sync::PoisonError::into_inner) = store;
+                self.store_generation.store(generation, Ordering::SeqCst);
+                tracing::info!(node = %self.config.node, generation, "etcd reconnected with the reloaded certificate");
+            }
+            Err(err) => tracing::warn!(error = %err, "cannot reconnect to etcd with the reloaded certificate"),
+        }
+    }
+
+    /// Sends `request` to the node at `advertise` ([`proxy::forward`]) over this node's TLS, if any.
+    pub async fn forward(
+        &self,
+        advertise: &str,
+        request: axum::extract::Request,
+    ) -> Result<axum::response::Response, crate::ApiError> {
+        let connector = self.tls.as_ref().and_then(|tls| tls.connector());
+        proxy::forward(&self.config.node, advertise, connector.as_ref(), request).await
     }
 
     /// The current incarnation and lease; [`FleetError::NotRegistered`] while the node is out.
@@ -292,12 +379,12 @@ impl Fleet {
         let incarnation = new_incarnation();
         let deadline = Instant::now() + self.config.lease_ttl + Duration::from_secs(2);
         let lease = loop {
-            let lease = self.store.grant(self.config.lease_ttl).await?;
+            let lease = self.store().grant(self.config.lease_ttl).await?;
             let txn = self.protocol.register(&self.record(incarnation), lease)?;
-            if self.store.txn(&txn).await? {
+            if self.store().txn(&txn).await? {
                 break lease;
             }
-            let _ = self.store.revoke(lease).await;
+            let _ = self.store().revoke(lease).await;
             if Instant::now() >= deadline {
                 return Err(FleetError::NameTaken(self.config.node.clone()));
             }
@@ -309,20 +396,20 @@ impl Fleet {
             if attempt == ATTEMPTS {
                 return Err(FleetError::Contended(ATTEMPTS));
             }
-            let mut kvs = self.store.range(&self.protocol.node_key(&self.config.node)).await?;
-            kvs.extend(self.store.range(&self.protocol.alloc_key(&self.config.node)).await?);
-            kvs.extend(self.store.range(&self.protocol.sandboxes_prefix()).await?);
+            let mut kvs = self.store().range(&self.protocol.node_key(&self.config.node)).await?;
+            kvs.extend(self.store().range(&self.protocol.alloc_key(&self.config.node)).await?);
+            kvs.extend(self.store().range(&self.protocol.sandboxes_prefix()).await?);
             let view = self.protocol.view(&kvs);
             let cleanup = self.protocol.cleanup(&view, &self.config.node, incarnation, lease, running)?;
             if cleanup.is_done() {
                 break;
             }
             if let Some(alloc) = &cleanup.alloc {
-                self.store.txn(alloc).await?;
+                self.store().txn(alloc).await?;
                 continue;
             }
             for txn in &cleanup.catalog {
-                self.store.txn(txn).await?;
+                self.store().txn(txn).await?;
             }
         }
         self.taken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
@@ -337,7 +424,7 @@ impl Fleet {
         self.draining.store(draining, Ordering::SeqCst);
         let (incarnation, lease) = self.registration()?;
         let txn = self.protocol.update(&self.record(incarnation), lease)?;
-        if !self.store.txn(&txn).await? {
+        if !self.store().txn(&txn).await? {
             return Err(FleetError::NotRegistered);
         }
         Ok(())
@@ -350,8 +437,8 @@ impl Fleet {
 
     /// The node records and allocs (what placement reads).
     async fn placement_view(&self) -> Result<View, FleetError> {
-        let mut kvs = self.store.range(&self.protocol.nodes_prefix()).await?;
-        kvs.extend(self.store.range(&self.protocol.allocs_prefix()).await?);
+        let mut kvs = self.store().range(&self.protocol.nodes_prefix()).await?;
+        kvs.extend(self.store().range(&self.protocol.allocs_prefix()).await?);
         Ok(self.protocol.view(&kvs))
     }
 
@@ -372,7 +459,7 @@ impl Fleet {
         for _ in 0..ATTEMPTS {
             let view = self.placement_view().await?;
             let plan = self.protocol.plan(&view, request, exclude)?;
-            if self.store.txn(&plan.txn).await? {
+            if self.store().txn(&plan.txn).await? {
                 return Ok(plan);
             }
         }
@@ -404,14 +491,14 @@ impl Fleet {
         let txn = self.protocol.confirm(&self.config.node, incarnation, lease, ids)?;
         let mut last = None;
         for _ in 0..ATTEMPTS {
-            match self.store.txn(&txn).await {
+            match self.store().txn(&txn).await {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(err) => last = Some(err),
             }
             let mut kvs = Vec::new();
             for id in ids {
-                match self.store.get(&self.protocol.sandbox_key(id)).await {
+                match self.store().get(&self.protocol.sandbox_key(id)).await {
                     Ok(kv) => kvs.extend(kv),
                     Err(err) => return Err(last.unwrap_or(err)),
                 }
@@ -440,16 +527,16 @@ impl Fleet {
     /// confirmed it meanwhile, so it took the sandboxes).
     pub async fn release_reservation(&self, node: &str, incarnation: u64, ids: &[String]) -> Result<bool, FleetError> {
         for _ in 0..ATTEMPTS {
-            let mut kvs = self.store.range(&self.protocol.alloc_key(node)).await?;
+            let mut kvs = self.store().range(&self.protocol.alloc_key(node)).await?;
             for id in ids {
-                kvs.extend(self.store.get(&self.protocol.sandbox_key(id)).await?);
+                kvs.extend(self.store().get(&self.protocol.sandbox_key(id)).await?);
             }
             let view = self.protocol.view(&kvs);
             match self.protocol.release_reservation(&view, node, incarnation, ids)? {
                 Release::Taken => return Ok(false),
                 Release::Gone => return Ok(true),
                 Release::Txn(txn) => {
-                    if self.store.txn(&txn).await? {
+                    if self.store().txn(&txn).await? {
                         return Ok(true);
                     }
                 }
@@ -462,12 +549,12 @@ impl Fleet {
     pub async fn release_sandbox(&self, id: &str) -> Result<(), FleetError> {
         let incarnation = self.incarnation.load(Ordering::SeqCst);
         for _ in 0..ATTEMPTS {
-            let mut kvs = self.store.range(&self.protocol.alloc_key(&self.config.node)).await?;
-            kvs.extend(self.store.get(&self.protocol.sandbox_key(id)).await?);
+            let mut kvs = self.store().range(&self.protocol.alloc_key(&self.config.node)).await?;
+            kvs.extend(self.store().get(&self.protocol.sandbox_key(id)).await?);
             let view = self.protocol.view(&kvs);
             let released = match self.protocol.release_sandbox(&view, &self.config.node, incarnation, id) {
                 None => true,
-                Some(txn) => self.store.txn(&txn).await?,
+                Some(txn) => self.store().txn(&txn).await?,
             };
             if released {
                 // Its catalog entry is gone, so a late second forward of it can no longer be confirmed: the id
@@ -490,10 +577,10 @@ impl Fleet {
             return Ok(Owner::Remote { advertise: advertise.clone() });
         }
         let mut kvs: Vec<strata_fleet::KeyValue> =
-            self.store.get(&self.protocol.sandbox_key(id)).await?.into_iter().collect();
+            self.store().get(&self.protocol.sandbox_key(id)).await?.into_iter().collect();
         let view = self.protocol.view(&kvs);
         if let Some(entry) = view.catalog.get(id) {
-            kvs.extend(self.store.get(&self.protocol.node_key(&entry.value.node)).await?);
+            kvs.extend(self.store().get(&self.protocol.node_key(&entry.value.node)).await?);
         }
         let view = self.protocol.view(&kvs);
         // A malformed entry is nobody's: the request is answered here (not found).
@@ -522,7 +609,7 @@ impl Fleet {
     /// Renews the lease once; on its loss, takes this node out (see [`spawn`]).
     async fn renew(&self) -> Result<bool, FleetError> {
         let (_, lease) = self.registration()?;
-        let ttl = self.store.keep_alive(lease).await?;
+        let ttl = self.store().keep_alive(lease).await?;
         if ttl > 0 {
             *self.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
             return Ok(true);
@@ -535,11 +622,11 @@ impl Fleet {
     /// confirms before it creates. Returns what is reserved now, for the next sweep.
     async fn sweep_reservations(&self, seen: &BTreeSet<String>) -> Result<BTreeSet<String>, FleetError> {
         let incarnation = self.incarnation.load(Ordering::SeqCst);
-        let mut kvs = self.store.range(&self.protocol.alloc_key(&self.config.node)).await?;
+        let mut kvs = self.store().range(&self.protocol.alloc_key(&self.config.node)).await?;
         let view = self.protocol.view(&kvs);
         if let Some(alloc) = view.allocs.get(&self.config.node) {
             for entry in &alloc.value.entries {
-                kvs.extend(self.store.get(&self.protocol.sandbox_key(&entry.id)).await?);
+                kvs.extend(self.store().get(&self.protocol.sandbox_key(&entry.id)).await?);
             }
         }
         let view = self.protocol.view(&kvs);
@@ -583,7 +670,7 @@ impl Fleet {
     /// Leaves the fleet (a shutdown, after every sandbox was closed): frees the catalog entries this node still
     /// holds, then revokes the lease, so its record goes at once.
     pub async fn leave(&self) {
-        if let Ok(kvs) = self.store.range(&self.protocol.sandboxes_prefix()).await {
+        if let Ok(kvs) = self.store().range(&self.protocol.sandboxes_prefix()).await {
             let view = self.protocol.view(&kvs);
             for (id, entry) in &view.catalog {
                 if entry.value.node == self.config.node {
@@ -593,7 +680,7 @@ impl Fleet {
         }
         let lease = self.lease.swap(0, Ordering::SeqCst);
         if lease != 0 {
-            let _ = self.store.revoke(lease).await;
+            let _ = self.store().revoke(lease).await;
         }
     }
 }
@@ -637,6 +724,7 @@ pub fn spawn(state: &Arc<AppState>) {
             if state.draining() {
                 return;
             }
+            fleet.refresh_store().await;
             if fleet.registered() && swept.elapsed() >= RESERVATION_SWEEP {
                 swept = Instant::now();
                 match fleet.sweep_reservations(&reserved).await {
@@ -678,4 +766,39 @@ pub fn spawn(state: &Arc<AppState>) {
             }
         }
     });
+}
+
+/// etcd's TLS options for this node: its certificate as client identity, the etcd CA (else the fleet CA) to verify
+/// the members; `None` without TLS.
+fn etcd_tls(config: &FleetConfig, tls: Option<&Tls>) -> Result<Option<etcd_client::TlsOptions>, FleetError> {
+    let Some(tls) = tls else { return Ok(None) };
+    let pem = tls.pem();
+    let ca = match &config.etcd_ca {
+        Some(path) => std::fs::read(path).map_err(|e| FleetError::Config(format!("{}: {e}", path.display())))?,
+        None => pem.ca.clone().ok_or_else(|| FleetError::Config("no fleet CA".into()))?,
+    };
+    Ok(Some(
+        etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(ca))
+            .identity(etcd_client::Identity::from_pem(pem.cert, pem.key)),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FleetConfig;
+
+    #[test]
+    fn a_fleet_without_tls_stays_on_loopback_and_names_no_https_url() {
+        let config = |etcd: &str, advertise: &str| FleetConfig::new(vec![etcd.into()], "n1", advertise);
+        config("http://127.0.0.1:2379", "http://localhost:3000").validate(None).expect("loopback");
+        for (etcd, advertise) in [
+            ("http://10.0.0.2:2379", "http://127.0.0.1:3000"),
+            ("http://127.0.0.1:2379", "http://192.168.1.4:3000"),
+            ("https://127.0.0.1:2379", "http://127.0.0.1:3000"),
+        ] {
+            let err = config(etcd, advertise).validate(None).expect_err("refused").to_string();
+            assert!(err.contains("TLS"), "{etcd} {advertise}: {err}");
+        }
+    }
 }

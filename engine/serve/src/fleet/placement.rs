@@ -12,7 +12,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use strata_fleet::SandboxRequest;
 
-use super::proxy::{PLACED, forward};
+use super::proxy::PLACED;
 use super::{Fleet, FleetError};
 use crate::{ApiError, AppState};
 
@@ -108,7 +108,7 @@ impl Placement {
             if let Ok(value) = HeaderValue::from_str(&id) {
                 forwarded.headers_mut().insert(PLACED, value);
             }
-            let answer = forward(fleet.node(), &plan.advertise, forwarded).await;
+            let answer = fleet.forward(&plan.advertise, forwarded).await;
             if let Ok(response) = &answer
                 && response.status().is_success()
             {

@@ -13,7 +13,8 @@ use strata_fleet::Owner;
 
 use super::Fleet;
 use super::placement::Placement;
-use super::proxy::{HOP, PLACED, forward};
+use super::proxy::{HOP, PLACED};
+use crate::tls::NodePeer;
 use crate::{ApiError, AppState};
 
 /// The sandbox a request is for, by its path (`/v1/sandboxes/{id}…`, E2B's `/sandboxes/{id}…` and
@@ -60,6 +61,21 @@ fn lost(fleet: &Fleet, path: &str, headers: &axum::http::HeaderMap, id: &str, no
 /// does nothing.
 pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let Some(fleet) = state.fleet.clone() else { return next.run(request).await };
+    let internal = request.headers().contains_key(HOP) || request.headers().contains_key(PLACED);
+    // In a fleet over mutual TLS only a node (a connection whose certificate chains to the fleet CA) may say a
+    // request was forwarded; in a loopback fleet without TLS the headers are harmless (a hop only stops
+    // forwarding, and a placement is confirmed in etcd before anything is created).
+    if internal && fleet.mutual_tls() && request.extensions().get::<NodePeer>().is_none() {
+        let err = ApiError::new(
+            StatusCode::FORBIDDEN,
+            "not_a_node",
+            format!("{HOP} and {PLACED} are accepted only from the fleet's nodes (over mutual TLS)"),
+        );
+        if crate::native_path(request.uri().path()) {
+            return err.into_response();
+        }
+        return crate::e2b::E2bError::from(err).answer_to(request.uri().path(), request.headers());
+    }
     if request.headers().contains_key(HOP) {
         let placed = request.headers().get(PLACED).and_then(|v| v.to_str().ok()).map(str::to_owned);
         return match placed {
@@ -78,7 +94,7 @@ pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: N
         Ok(Owner::Remote { advertise }) => {
             fleet.counters.forwarded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let (path, headers) = (request.uri().path().to_owned(), request.headers().clone());
-            match forward(fleet.node(), &advertise, request).await {
+            match fleet.forward(&advertise, request).await {
                 Ok(response) => response,
                 Err(err) => {
                     // The owner may be gone (and the sandbox lost): ask etcd, not what was remembered.

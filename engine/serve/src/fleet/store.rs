@@ -32,13 +32,21 @@ impl std::fmt::Debug for Store {
 }
 
 impl Store {
-    /// Connects to the cluster at `endpoints` (`http://host:port`); each request gives up after `timeout`.
-    pub async fn connect(endpoints: &[String], timeout: Duration) -> Result<Store, FleetError> {
+    /// Connects to the cluster at `endpoints` (`http://host:port`, or `https://` with `tls`: mutual TLS); each
+    /// request gives up after `timeout`.
+    pub async fn connect(
+        endpoints: &[String],
+        timeout: Duration,
+        tls: Option<etcd_client::TlsOptions>,
+    ) -> Result<Store, FleetError> {
         let joined = endpoints.join(",");
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(timeout)
             .with_timeout(timeout)
             .with_keep_alive(Duration::from_secs(2), timeout);
+        if let Some(tls) = tls {
+            options = options.with_tls(tls);
+        }
         let client = tokio::time::timeout(timeout, Client::connect(endpoints, Some(options)))
             .await
             .map_err(|_| FleetError::Unreachable { endpoints: joined.clone(), why: "no answer".into() })?

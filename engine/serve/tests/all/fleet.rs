@@ -1,12 +1,18 @@
 //! The official E2B SDK (Python, pinned) against a node of a fleet that does not hold its sandbox: the create is
 //! placed on the other node and forwarded there, and every later call (commands over Connect streams, files,
 //! kill) is forwarded to the owner, its answer unchanged. Two in-process nodes and a three-member etcd.
+//!
+//! And the fleet's TLS on its own: a node forwards only to a server whose certificate chains to the fleet CA, and
+//! certificates reload when their files change (a broken replacement is not used).
 
 use std::time::Duration;
 
+use axum::body::Body;
+use axum::extract::Request;
 use serde_json::Value;
-use strata_benches::fleet::{Etcd, etcd_available, free_port};
-use strata_serve::fleet::FleetConfig;
+use strata_benches::fleet::{Etcd, Pki, etcd_available, free_port};
+use strata_serve::fleet::{FleetConfig, proxy};
+use strata_serve::tls::{Tls, TlsFiles};
 
 use crate::e2b::{SDK_KEY, run_sdk_script, sdk_python};
 use crate::util::{TestServer, process_tier};
@@ -70,4 +76,72 @@ async fn the_e2b_sdk_works_through_a_node_that_does_not_hold_its_sandbox() {
     n1.stop().await;
     n2.stop().await;
     drop(etcd);
+}
+
+fn files(identity: &strata_benches::fleet::Identity, ca: std::path::PathBuf) -> TlsFiles {
+    TlsFiles { cert: identity.cert.clone(), key: identity.key.clone(), fleet_ca: Some(ca) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_forwards_only_to_a_server_whose_certificate_chains_to_the_fleet_ca() {
+    let (pki, rogue) = (Pki::new("strata fleet CA"), Pki::new("rogue CA"));
+    let ours = Tls::load(files(&pki.issue("n1"), pki.ca())).expect("load");
+    let connector = ours.connector().expect("a fleet CA gives a connector");
+    // A server with another CA's certificate (at an address the catalog might name) gets no request; a node's
+    // gets it.
+    for (identity, is_node) in [(rogue.issue("n2"), false), (pki.issue("n2"), true)] {
+        let ca = pki.ca();
+        let server = TestServer::with(move |config| config.tls = Some(files(&identity, ca))).await;
+        let advertise = server.base.replace("http://", "https://");
+        let request = Request::get("/health").body(Body::empty()).expect("request");
+        let answer = proxy::forward("n1", &advertise, Some(&connector), request).await;
+        match (answer, is_node) {
+            (Ok(response), true) => assert_eq!(response.status(), 204),
+            (Err(err), false) => assert!(err.to_string().contains("TLS"), "{err}"),
+            (Ok(response), false) => panic!("a rogue certificate was accepted: {}", response.status()),
+            (Err(err), true) => panic!("a node's certificate was refused: {err}"),
+        }
+        // Plain HTTP is not forwarded to an https:// node without a connector.
+        let request = Request::get("/health").body(Body::empty()).expect("request");
+        assert!(proxy::forward("n1", &advertise, None, request).await.is_err());
+        server.stop().await;
+    }
+}
+
+#[test]
+fn certificates_reload_when_their_files_change_and_a_broken_replacement_is_kept_out() {
+    let pki = Pki::new("strata fleet CA");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let install = |identity: &strata_benches::fleet::Identity| {
+        std::fs::copy(&identity.cert, dir.path().join("cert.pem")).expect("cert");
+        std::fs::copy(&identity.key, dir.path().join("key.pem")).expect("key");
+    };
+    let first = pki.issue("n1");
+    install(&first);
+    let tls_files =
+        TlsFiles { cert: dir.path().join("cert.pem"), key: dir.path().join("key.pem"), fleet_ca: Some(pki.ca()) };
+    let tls = Tls::load(tls_files).expect("load");
+    assert_eq!(tls.generation(), 1);
+    assert!(!tls.reload_if_changed().expect("unchanged"), "nothing changed");
+    // Not a certificate: refused, the one in use kept.
+    std::fs::write(dir.path().join("cert.pem"), "not a certificate\n").expect("write");
+    assert!(tls.reload_if_changed().is_err());
+    assert_eq!(tls.generation(), 1);
+    assert_eq!(tls.pem().cert, std::fs::read(&first.cert).expect("read"));
+    // A certificate whose key is another's: refused too.
+    let second = pki.issue("n1");
+    std::fs::copy(&second.cert, dir.path().join("cert.pem")).expect("cert");
+    let err = tls.reload_if_changed().expect_err("a key that does not match");
+    assert!(err.to_string().contains("TLS configuration"), "{err}");
+    assert_eq!(tls.generation(), 1);
+    // The matching key arrives: the new pair is used.
+    std::fs::copy(&second.key, dir.path().join("key.pem")).expect("key");
+    assert!(tls.reload_if_changed().expect("reload"));
+    assert_eq!(tls.generation(), 2);
+    assert_eq!(tls.pem().cert, std::fs::read(&second.cert).expect("read"));
+    // A key file over the size bound is refused before it is parsed.
+    std::fs::write(dir.path().join("key.pem"), vec![b'A'; (1 << 20) + 1]).expect("write");
+    let err = tls.reload_if_changed().expect_err("too large");
+    assert!(err.to_string().contains("larger than"), "{err}");
+    assert_eq!(tls.generation(), 2);
 }

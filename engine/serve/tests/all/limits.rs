@@ -481,3 +481,57 @@ async fn requests_in_flight_and_streams_outlive_the_keep_alive_timeout() {
     assert_eq!(server.delete(&format!("/sandboxes/{sandbox}")).await, 204);
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_handshakes_not_done_within_the_header_timeout_are_closed() {
+    let _ = engine();
+    let pki = strata_benches::fleet::Pki::new("strata test CA");
+    let identity = pki.issue("server");
+    let server = TestServer::alone(move |config| {
+        config.connections.header_timeout = Duration::from_secs(1);
+        config.tls = Some(strata_serve::tls::TlsFiles {
+            cert: identity.cert.clone(),
+            key: identity.key.clone(),
+            fleet_ca: None,
+        });
+    })
+    .await;
+    let before = held(&server);
+    let mut tasks = Vec::new();
+    for n in 0..10 {
+        let mut stream = connect_from(&server, "127.0.0.1").await;
+        tasks.push(tokio::spawn(async move {
+            let started = Instant::now();
+            // Half of them trickle the start of a ClientHello a byte at a time; the others send nothing.
+            let trickle = n % 2 == 0;
+            let hello = [0x16u8, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03];
+            let mut buf = [0u8; 1024];
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            let mut sent = 0;
+            while started.elapsed() < Duration::from_secs(8) {
+                tokio::select! {
+                    read = stream.read(&mut buf) => match read {
+                        Ok(0) | Err(_) => return Some(started.elapsed()),
+                        Ok(_) => {}
+                    },
+                    _ = tick.tick() => if trickle && sent < hello.len() {
+                        if stream.write_all(&hello[sent..=sent]).await.is_err() {
+                            return Some(started.elapsed());
+                        }
+                        sent += 1;
+                    },
+                }
+            }
+            None
+        }));
+    }
+    for (n, task) in tasks.into_iter().enumerate() {
+        let at = task.await.expect("task").unwrap_or_else(|| panic!("connection {n} was still open after 8 s"));
+        assert!(at >= Duration::from_millis(900) && at < Duration::from_secs(5), "connection {n} closed after {at:?}");
+    }
+    assert_no_leak("slow TLS handshakes", &server, before).await;
+    let mut metrics = String::new();
+    server.state.connections.render_metrics(&mut metrics);
+    assert!(metrics.contains("strata_connections_closed_total{reason=\"tls_handshake\"} 10"), "{metrics}");
+    server.stop().await;
+}
