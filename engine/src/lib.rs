@@ -648,6 +648,18 @@ impl Engine {
         Ok(self.snapshots.open(dir).map_err(TierError::Snapshot)?)
     }
 
+    /// A writer of a snapshot at `destination` sealed with this engine's key, within its bounds: for a snapshot
+    /// received from another node of a fleet ([`strata_core::snapshot::SnapshotWriter::commit_copy`] checks its
+    /// files against the manifest it came with).
+    pub fn snapshot_writer(&self, destination: &Path) -> Result<strata_core::snapshot::SnapshotWriter, EngineError> {
+        Ok(self.snapshots.writer(destination).map_err(TierError::Snapshot)?)
+    }
+
+    /// The bounds a snapshot is held to (files, sizes), checked before the work they would cost is done.
+    pub fn snapshot_bounds(&self) -> SnapshotBounds {
+        *self.snapshots.bounds()
+    }
+
     /// Loads what a one-shot job of the default limits would load first, without running one: the router's list of
     /// what the wasm build of Python can import, the Python runtime's compiled code (the plain runtime one-shot
     /// jobs run, and the snapshot-ready one sessions and forks run). Starts no thread once everything is cached

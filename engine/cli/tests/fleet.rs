@@ -335,3 +335,84 @@ fn a_fleet_over_mutual_tls_answers_through_any_node_and_refuses_a_rogue_everywhe
     let (status, outcome) = n2.post(&format!("/v1/sandboxes/{second}/exec"), json!({"python": "print('renewed')"}));
     assert_eq!((status, outcome["stdout"].as_str()), (200, Some("renewed\n")), "{outcome}");
 }
+
+#[test]
+fn snapshots_are_reachable_from_every_node_and_a_full_holder_has_its_snapshot_fetched() {
+    if !etcd_available() {
+        return;
+    }
+    let etcd = Etcd::start(1);
+    let mut n1 = node("n1", &etcd);
+    let n2 = node("n2", &etcd);
+    let (_, list) = n1.get("/v1/nodes");
+    let slots = list["nodes"][0]["cpus"].as_u64().unwrap_or(0);
+    assert!(slots >= 2, "{list}");
+    // A sandbox on n1 with state, snapshotted through n2 (forwarded to n1, which records it in etcd).
+    let (status, body) = n1.create();
+    assert_eq!(status, 201, "{body}");
+    let source = body["id"].as_str().expect("id").to_owned();
+    let (status, outcome) = n1.post(&format!("/v1/sandboxes/{source}/exec"), json!({"python": "x = 41"}));
+    assert_eq!(status, 200, "{outcome}");
+    let (status, snap) = n2.post(&format!("/v1/sandboxes/{source}/snapshot"), json!({}));
+    assert_eq!(status, 201, "{snap}");
+    let snap = snap["id"].as_str().expect("snapshot id").to_owned();
+    // Its manifest, through the node that does not hold it.
+    let (status, manifest) = n2.get(&format!("/v1/snapshots/{snap}/manifest"));
+    assert_eq!((status, manifest["format"].as_u64()), (200, Some(2)), "{manifest}");
+    assert!(!manifest["files"].as_array().expect("files").is_empty(), "{manifest}");
+
+    // A fork asked of n2 goes to the holder while it has room: made on n1, no copy.
+    let fork = |node: &Node| {
+        let (status, body) = node.post(&format!("/v1/snapshots/{snap}/fork"), json!({"count": 1}));
+        (status, body["sandboxes"][0]["id"].as_str().unwrap_or_default().to_owned(), body)
+    };
+    let check = |node: &Node, id: &str| {
+        let (status, outcome) = node.post(&format!("/v1/sandboxes/{id}/exec"), json!({"python": "print(x + 1)"}));
+        assert_eq!((status, outcome["stdout"].as_str()), (200, Some("42\n")), "{outcome}");
+    };
+    let mut on_n1 = 1;
+    while on_n1 < slots {
+        let (status, id, body) = fork(&n2);
+        assert_eq!(status, 201, "{body}\n{}", n1.log());
+        check(&n2, &id);
+        on_n1 += 1;
+    }
+    let (_, list) = n2.get("/v1/nodes");
+    assert_eq!((placed(&list, "n1"), placed(&list, "n2")), (slots, 0), "{list}");
+    assert!(!n2.log().contains("fetched a copy"), "{}", n2.log());
+    // n1 is full: n2 fetches the snapshot, checks it against its manifest, and forks it itself.
+    let (status, id, body) = fork(&n2);
+    assert_eq!(status, 201, "{body}\n{}", n2.log());
+    check(&n1, &id);
+    let (_, list) = n2.get("/v1/nodes");
+    assert_eq!((placed(&list, "n1"), placed(&list, "n2")), (slots, 1), "{list}");
+    assert!(n2.log().contains("fetched a copy of the snapshot"), "{}", n2.log());
+    // A second fork there uses the copy.
+    let (status, id, body) = fork(&n2);
+    assert_eq!(status, 201, "{body}");
+    check(&n2, &id);
+    assert_eq!(n2.log().matches("fetched a copy of the snapshot").count(), 1, "{}", n2.log());
+
+    // Deleted through n2: gone from n1, and n2's copy forks no more.
+    let (status, _) = n2.request("DELETE", &format!("/v1/snapshots/{snap}"), &Value::Null);
+    assert_eq!(status, 204);
+    for node in [&n2, &n1] {
+        let (status, _, body) = fork(node);
+        assert_eq!((status, code(&body)), (404, "snapshot_not_found"), "{body}");
+    }
+
+    // A snapshot whose node is killed is lost on the others, typed.
+    let (status, outcome) = n1.post(&format!("/v1/sandboxes/{source}/snapshot"), json!({}));
+    assert_eq!(status, 201, "{outcome}");
+    let second = outcome["id"].as_str().expect("id").to_owned();
+    n1.kill();
+    let deadline = Instant::now() + Duration::from_secs(8);
+    loop {
+        let (status, body) = n2.get(&format!("/v1/snapshots/{second}/manifest"));
+        if (status, code(&body)) == (410, "snapshot_lost") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never lost: {status} {body}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -179,6 +179,27 @@ pub struct Manifest {
     pub meta: serde_json::Value,
 }
 
+impl Manifest {
+    /// Parses a manifest received from elsewhere (another node of a fleet sending one of its snapshots), at most
+    /// 1 MiB, and checks everything it says against itself and `bounds` as an opened one is (format, plain unique
+    /// paths, sha256 shapes, sizes and their sum) — before a byte of its files is fetched. `origin` names it in
+    /// errors. Its files are then checked by [`SnapshotWriter::commit_copy`].
+    pub fn parse_received(origin: &Path, bytes: &[u8], bounds: &SnapshotBounds) -> Result<Manifest, SnapshotError> {
+        if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(too_large(
+                origin,
+                format!("a manifest of {} bytes (at most {MAX_MANIFEST_BYTES})", bytes.len()),
+            ));
+        }
+        parse_manifest(origin, bytes, bounds)
+    }
+
+    /// The manifest's bytes as sent to another node (JSON; [`Manifest::parse_received`] reads them).
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
 /// Why a snapshot could not be written or was refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -1180,11 +1201,36 @@ impl SnapshotWriter {
     /// Hashes every file the tier wrote (within the bounds, checked from `stat` first), writes the manifest and
     /// its seal, syncs and renames the directory into place.
     pub fn commit(
+        self,
+        tier: TierKind,
+        parent: Option<String>,
+        persists: Vec<Persisted>,
+        meta: serde_json::Value,
+    ) -> Result<Snapshot, SnapshotError> {
+        self.seal_files(tier, parent, persists, meta, None)
+    }
+
+    /// Commits files received from elsewhere (another node of a fleet) as a copy of the snapshot `source`
+    /// describes ([`Manifest::parse_received`]): the same tier, parent, state and meta, sealed with this host's key
+    /// under a new id, if the directory holds exactly `source`'s files — the same names, sizes and sha256. Any
+    /// difference is refused before anything is sealed, and the writer's files are removed.
+    pub fn commit_copy(self, source: &Manifest) -> Result<Snapshot, SnapshotError> {
+        self.seal_files(
+            source.tier,
+            source.parent.clone(),
+            source.persists.clone(),
+            source.meta.clone(),
+            Some(&source.files),
+        )
+    }
+
+    fn seal_files(
         mut self,
         tier: TierKind,
         parent: Option<String>,
         persists: Vec<Persisted>,
         meta: serde_json::Value,
+        expected: Option<&[ManifestFile]>,
     ) -> Result<Snapshot, SnapshotError> {
         let staging = self.staging.clone();
         let root = open_root(&staging)?;
@@ -1238,6 +1284,31 @@ impl SnapshotWriter {
             }
             files.push(ManifestFile { path: name, size, sha256 });
             stamps.push(FileStamp::of_stat(&st));
+        }
+        if let Some(expected) = expected {
+            let mut wanted = expected.to_vec();
+            wanted.sort_by(|a, b| a.path.cmp(&b.path));
+            for (got, want) in files.iter().zip(&wanted) {
+                let path = staging.join(&want.path);
+                if got.path != want.path {
+                    return Err(SnapshotError::MissingFile(path));
+                }
+                if got.size != want.size {
+                    return Err(SnapshotError::SizeMismatch { path, expected: want.size, found: got.size });
+                }
+                if got.sha256 != want.sha256 {
+                    return Err(SnapshotError::Checksum(path));
+                }
+            }
+            match files.len().cmp(&wanted.len()) {
+                std::cmp::Ordering::Less => {
+                    return Err(SnapshotError::MissingFile(staging.join(&wanted[files.len()].path)));
+                }
+                std::cmp::Ordering::Greater => {
+                    return Err(SnapshotError::UnlistedFile(staging.join(&files[wanted.len()].path)));
+                }
+                std::cmp::Ordering::Equal => {}
+            }
         }
         let mut persists = persists;
         persists.sort();
@@ -1420,6 +1491,73 @@ mod tests {
         assert_eq!(names, ["snap"]);
         let err = trust().writer(&root.path().join("snap")).expect_err("exists");
         assert_eq!(err.code(), "snapshot_exists");
+    }
+
+    #[test]
+    fn a_copy_is_sealed_here_only_when_its_files_are_exactly_the_manifests() {
+        let from = tempfile::tempdir().expect("tempdir");
+        let source = snapshot(from.path(), &trust());
+        let sent = source.manifest.to_json();
+        let here = tempfile::tempdir().expect("tempdir");
+        let received =
+            Manifest::parse_received(Path::new("n1:snap"), &sent, &SnapshotBounds::default()).expect("parse");
+        assert_eq!(received, source.manifest);
+        // Another host's key: the copy is sealed with it, and opens there.
+        let other = SnapshotTrust::new(SnapshotKey::from_bytes([9; 32]));
+        let copy_files = |dir: &Path, damage: Option<(&str, &[u8])>| {
+            for file in &received.files {
+                let bytes = std::fs::read(source.file(&file.path)).expect("read");
+                let bytes = match damage {
+                    Some((name, replacement)) if name == file.path => replacement.to_vec(),
+                    _ => bytes,
+                };
+                write(dir, &file.path, &bytes);
+            }
+        };
+        // One file altered (same size), one truncated, one missing, one extra: each refused, nothing left behind.
+        let memory_altered = [8u8; 10_000];
+        type Fill<'a> = Box<dyn Fn(&Path) + 'a>;
+        let cases: [(&str, Fill); 4] = [
+            ("altered", Box::new(|dir: &Path| copy_files(dir, Some(("memory", &memory_altered))))),
+            ("truncated", Box::new(|dir: &Path| copy_files(dir, Some(("memory", &[7u8; 10]))))),
+            ("missing", Box::new(|dir: &Path| write(dir, "memory", &[7u8; 10_000]))),
+            (
+                "extra",
+                Box::new(|dir: &Path| {
+                    copy_files(dir, None);
+                    write(dir, "zz-extra", b"x");
+                }),
+            ),
+        ];
+        for (what, fill) in cases {
+            let writer = other.writer(&here.path().join(what)).expect("writer");
+            fill(writer.dir());
+            let err = writer.commit_copy(&received).expect_err(what);
+            assert_eq!(err.code(), "snapshot_invalid", "{what}: {err}");
+            assert!(std::fs::read_dir(here.path()).expect("list").next().is_none(), "{what} left files");
+        }
+        let writer = other.writer(&here.path().join("copy")).expect("writer");
+        copy_files(writer.dir(), None);
+        let copy = writer.commit_copy(&received).expect("an exact copy");
+        assert_eq!(
+            (copy.tier, &copy.manifest.files, &copy.manifest.meta),
+            (source.tier, &source.manifest.files, &source.manifest.meta)
+        );
+        assert_ne!(copy.manifest.id, source.manifest.id);
+        other.open(&here.path().join("copy")).expect("the copy opens under this host's key");
+        // A manifest whose shape is wrong is refused before any file is fetched.
+        let mut bad = source.manifest.clone();
+        bad.files[0].path = "../escape".into();
+        bad.total_bytes = bad.files.iter().map(|f| f.size).sum();
+        assert!(Manifest::parse_received(Path::new("n1"), &bad.to_json(), &SnapshotBounds::default()).is_err());
+        let tight = SnapshotBounds { max_total_bytes: 100, ..SnapshotBounds::default() };
+        assert_eq!(
+            Manifest::parse_received(Path::new("n1"), &sent, &tight).expect_err("bounds").code(),
+            "snapshot_too_large"
+        );
+        assert!(
+            Manifest::parse_received(Path::new("n1"), &vec![b' '; (1 << 20) + 1], &SnapshotBounds::default()).is_err()
+        );
     }
 
     #[test]

@@ -251,6 +251,17 @@ impl Protocol {
         format!("{}sandboxes/", self.prefix)
     }
 
+    /// `{prefix}snapshots/`: the snapshot catalog.
+    pub fn snapshots_prefix(&self) -> String {
+        format!("{}snapshots/", self.prefix)
+    }
+
+    /// `{prefix}snapshots/{id}`: which node holds snapshot `id` (no lease: a snapshot of a node gone is lost, not
+    /// unknown).
+    pub fn snapshot_key(&self, id: &str) -> String {
+        format!("{}snapshots/{id}", self.prefix)
+    }
+
     /// `{prefix}nodes/{node}`.
     pub fn node_key(&self, node: &str) -> String {
         format!("{}nodes/{node}", self.prefix)
@@ -562,11 +573,70 @@ impl Protocol {
     ///
     /// View: the sandbox's catalog entry and the record of the node it names.
     pub fn lookup(&self, view: &View, this_node: &str, id: &str) -> Result<Owner, RecordError> {
-        let key = self.sandbox_key(id);
-        if let Some(error) = view.malformed.get(&key) {
+        self.owner_in(view, &view.catalog, &self.sandbox_key(id), this_node, id)
+    }
+
+    /// Which node holds snapshot `id`, as seen from node `this_node`.
+    ///
+    /// View: the snapshot's catalog entry and the record of the node it names.
+    pub fn lookup_snapshot(&self, view: &View, this_node: &str, id: &str) -> Result<Owner, RecordError> {
+        self.owner_in(view, &view.snapshots, &self.snapshot_key(id), this_node, id)
+    }
+
+    /// What node `node`, registered as `incarnation` with `lease`, runs when it has taken snapshot `id`: the
+    /// snapshot catalog names it, while its record stands.
+    pub fn hold_snapshot(&self, node: &str, incarnation: u64, lease: i64, id: &str) -> Result<Txn, RequestError> {
+        check_name(node)?;
+        check_name(id)?;
+        let value = CatalogEntry { node: node.to_owned(), incarnation, state: SandboxState::Active }.to_json();
+        Ok(Txn {
+            compares: vec![Compare::Lease { key: self.node_key(node), lease }],
+            success: vec![Op::Put { key: self.snapshot_key(id), value, lease: None }],
+        })
+    }
+
+    /// What node `node` runs when snapshot `id`, which it held as `incarnation`, is deleted: deletes its entry if
+    /// it still names this incarnation of this node.
+    pub fn drop_snapshot(&self, node: &str, incarnation: u64, id: &str) -> Result<Txn, RequestError> {
+        check_name(node)?;
+        check_name(id)?;
+        let key = self.snapshot_key(id);
+        let value = CatalogEntry { node: node.to_owned(), incarnation, state: SandboxState::Active }.to_json();
+        Ok(Txn { compares: vec![Compare::Value { key: key.clone(), value }], success: vec![Op::Delete { key }] })
+    }
+
+    /// The snapshot catalog entries naming an earlier incarnation of `node` (whose snapshots went with it), as
+    /// transactions deleting them unless they changed meanwhile.
+    ///
+    /// View: the snapshot catalog.
+    pub fn stale_snapshots(&self, view: &View, node: &str, incarnation: u64) -> Vec<Txn> {
+        let stale: Vec<(String, i64)> = view
+            .snapshots
+            .iter()
+            .filter(|(_, e)| e.value.node == node && e.value.incarnation != incarnation)
+            .map(|(id, e)| (self.snapshot_key(id), e.mod_revision))
+            .collect();
+        stale
+            .chunks(MAX_TXN_OPS)
+            .map(|chunk| Txn {
+                compares: chunk.iter().map(|(key, rev)| Compare::ModRevision { key: key.clone(), rev: *rev }).collect(),
+                success: chunk.iter().map(|(key, _)| Op::Delete { key: key.clone() }).collect(),
+            })
+            .collect()
+    }
+
+    fn owner_in(
+        &self,
+        view: &View,
+        entries: &std::collections::BTreeMap<String, crate::view::Versioned<CatalogEntry>>,
+        key: &str,
+        this_node: &str,
+        id: &str,
+    ) -> Result<Owner, RecordError> {
+        if let Some(error) = view.malformed.get(key) {
             return Err(error.clone());
         }
-        let Some(entry) = view.catalog.get(id).filter(|e| e.value.state == SandboxState::Active) else {
+        let Some(entry) = entries.get(id).filter(|e| e.value.state == SandboxState::Active) else {
             return Ok(Owner::Unknown);
         };
         let node = &entry.value.node;
@@ -610,6 +680,7 @@ mod tests {
             let mut kvs = self.etcd.range(&self.p.nodes_prefix());
             kvs.extend(self.etcd.range(&self.p.allocs_prefix()));
             kvs.extend(self.etcd.range(&self.p.sandboxes_prefix()));
+            kvs.extend(self.etcd.range(&self.p.snapshots_prefix()));
             self.p.view(&kvs)
         }
 
@@ -649,6 +720,39 @@ mod tests {
         fn state(&self, id: &str) -> Option<SandboxState> {
             self.view().catalog.get(id).map(|e| e.value.state)
         }
+    }
+
+    #[test]
+    fn a_snapshot_is_found_on_its_node_lost_with_it_and_gone_once_dropped() {
+        let mut f = Fleet::new();
+        let lease = f.node("n1", 1, 2, 1, GIB);
+        f.node("n2", 1, 2, 1, GIB);
+        assert!(f.run(&f.p.hold_snapshot("n1", 1, lease, "snap_a").unwrap()));
+        assert!(f.run(&f.p.hold_snapshot("n1", 1, lease, "snap_b").unwrap()));
+        let view = f.view();
+        assert_eq!(f.p.lookup_snapshot(&view, "n1", "snap_a").unwrap(), Owner::Local);
+        assert_eq!(
+            f.p.lookup_snapshot(&view, "n2", "snap_a").unwrap(),
+            Owner::Remote { advertise: "http://n1:8080".into() }
+        );
+        assert_eq!(f.p.lookup_snapshot(&view, "n2", "snap_x").unwrap(), Owner::Unknown);
+        // A sandbox id is not a snapshot, nor the other way round.
+        assert_eq!(f.p.lookup(&view, "n2", "snap_a").unwrap(), Owner::Unknown);
+        // Another incarnation of n1 does not drop what it does not hold.
+        assert!(!f.run(&f.p.drop_snapshot("n1", 2, "snap_b").unwrap()));
+        assert!(f.run(&f.p.drop_snapshot("n1", 1, "snap_b").unwrap()));
+        assert_eq!(f.p.lookup_snapshot(&f.view(), "n2", "snap_b").unwrap(), Owner::Unknown);
+        // n1 goes (its lease ends): its snapshot is lost, not unknown; a record of a stale lease cannot hold one.
+        f.etcd.revoke(lease).unwrap();
+        assert_eq!(f.p.lookup_snapshot(&f.view(), "n2", "snap_a").unwrap(), Owner::Lost { node: "n1".into() });
+        assert!(!f.run(&f.p.hold_snapshot("n1", 1, lease, "snap_c").unwrap()));
+        // It comes back as incarnation 2 and deletes the entries of incarnation 1.
+        f.node("n1", 2, 2, 1, GIB);
+        let stale = f.p.stale_snapshots(&f.view(), "n1", 2);
+        assert_eq!(stale.len(), 1);
+        assert!(f.run(&stale[0]));
+        assert_eq!(f.p.lookup_snapshot(&f.view(), "n2", "snap_a").unwrap(), Owner::Unknown);
+        assert!(f.p.stale_snapshots(&f.view(), "n1", 2).is_empty());
     }
 
     fn sandboxes(prefix: &str, count: usize, vcpus: u32, memory: u64) -> Vec<SandboxRequest> {

@@ -36,6 +36,8 @@ pub struct View {
     pub allocs: BTreeMap<String, Versioned<Alloc>>,
     /// Catalog entries by sandbox id.
     pub catalog: BTreeMap<String, Versioned<CatalogEntry>>,
+    /// Snapshot catalog entries by snapshot id (always [`crate::SandboxState::Active`]: the node that holds it).
+    pub snapshots: BTreeMap<String, Versioned<CatalogEntry>>,
     /// Keys of the fleet whose values are malformed, with why.
     pub malformed: BTreeMap<String, RecordError>,
 }
@@ -55,7 +57,7 @@ impl View {
     pub fn insert(&mut self, prefix: &str, kv: &KeyValue) {
         let Some(rest) = kv.key.strip_prefix(prefix) else { return };
         let (kind, name) = match rest.split_once('/') {
-            Some((kind @ ("nodes" | "alloc" | "sandboxes"), name)) => (kind, name),
+            Some((kind @ ("nodes" | "alloc" | "sandboxes" | "snapshots"), name)) => (kind, name),
             _ => return,
         };
         self.malformed.remove(&kv.key);
@@ -74,6 +76,9 @@ impl View {
             "alloc" => Alloc::parse(key, &kv.value).map(|a| {
                 self.allocs.insert(name.to_owned(), versioned(a, kv));
             }),
+            "snapshots" => CatalogEntry::parse(key, &kv.value).map(|e| {
+                self.snapshots.insert(name.to_owned(), versioned(e, kv));
+            }),
             _ => CatalogEntry::parse(key, &kv.value).map(|e| {
                 self.catalog.insert(name.to_owned(), versioned(e, kv));
             }),
@@ -82,6 +87,7 @@ impl View {
             match kind {
                 "nodes" => drop(self.nodes.remove(name)),
                 "alloc" => drop(self.allocs.remove(name)),
+                "snapshots" => drop(self.snapshots.remove(name)),
                 _ => drop(self.catalog.remove(name)),
             }
             self.malformed.insert(key.to_owned(), error);

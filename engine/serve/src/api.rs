@@ -60,6 +60,8 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/v1/snapshots", get(list_snapshots))
         .route("/v1/snapshots/{id}", axum::routing::delete(delete_snapshot))
         .route("/v1/snapshots/{id}/fork", post(fork))
+        .route("/v1/snapshots/{id}/manifest", get(snapshot_manifest))
+        .route("/v1/snapshots/{id}/file", get(snapshot_file))
         .route("/v1/run", post(run))
 }
 
@@ -328,7 +330,7 @@ pub struct OutcomeDoc {
     paths(
         create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout, set_network,
         pause_sandbox, resume_sandbox,
-        snapshot, list_snapshots, delete_snapshot, fork, run, fork_live, list_files, port, metrics, crate::pty::create,
+        snapshot, list_snapshots, delete_snapshot, fork, snapshot_manifest, snapshot_file, run, fork_live, list_files, port, metrics, crate::pty::create,
         crate::pty::list, crate::pty::resize, crate::pty::kill, crate::pty::attach
     ),
     components(schemas(
@@ -739,14 +741,16 @@ async fn take_snapshot(
     let target = dir.clone();
     let snapshot = blocking(move || entry.snapshot(&target)).await?;
     state.metrics.latency(tier.as_str(), "snapshot", started.elapsed());
-    Ok(state.registry.add_snapshot(SnapshotEntry {
+    let entry = state.registry.add_snapshot(SnapshotEntry {
         id: snap_id,
         owner: principal.name.clone(),
         source: id,
         created: std::time::SystemTime::now(),
         snapshot,
         dir,
-    }))
+    });
+    crate::fleet::snapshots::hold(state, &entry.id).await;
+    Ok(entry)
 }
 
 /// The forks made by `POST /v1/sandboxes/{id}/fork`, and the snapshot they were made from.
@@ -832,6 +836,7 @@ async fn delete_snapshot(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let entry = state.registry.remove_snapshot(&id, &principal.name)?;
+    crate::fleet::snapshots::release(&state, &id).await;
     blocking(move || {
         std::fs::remove_dir_all(&entry.dir)
             .map_err(|e| ApiError::internal(format!("cannot remove snapshot {}: {e}", entry.id)))
@@ -840,11 +845,60 @@ async fn delete_snapshot(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(get, path = "/v1/snapshots/{id}/manifest", tag = "snapshots",
+    responses((status = 200, description = "the snapshot's sealed manifest (JSON: format, tier, files with their \
+        sizes and sha256, meta): what a node of a fleet fetching the snapshot checks the files against"),
+        (status = 404, body = ErrorBody)))]
+async fn snapshot_manifest(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let entry = state.registry.snapshot(&id, &principal.name)?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], entry.snapshot.manifest.to_json()).into_response())
+}
+
+/// `GET /v1/snapshots/{id}/file?path=…`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotFileQuery {
+    /// A file the manifest lists.
+    pub path: String,
+}
+
+#[utoipa::path(get, path = "/v1/snapshots/{id}/file", tag = "snapshots", params(("path" = String, Query,
+        description = "a file the manifest lists")),
+    responses((status = 200, description = "the file's bytes, as verified when the snapshot was opened"),
+        (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn snapshot_file(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    query: Result<Query<SnapshotFileQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query?;
+    let entry = state.registry.snapshot(&id, &principal.name)?;
+    let Some(size) = entry.snapshot.listed(&query.path).map(|f| f.size) else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "file_not_found",
+            format!("snapshot {id} lists no file {:?}", query.path),
+        ));
+    };
+    let path = query.path.clone();
+    let file = blocking(move || entry.snapshot.open_file(&path).map_err(ApiError::from)).await?;
+    let body = crate::fleet::snapshots::file_body(file);
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream"), (header::CONTENT_LENGTH, &size.to_string())], body)
+        .into_response())
+}
+
 #[utoipa::path(post, path = "/v1/snapshots/{id}/fork", tag = "snapshots", request_body = ForkRequest,
     responses((status = 201, body = ForkResponse), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody)))]
 async fn fork(
     State(state): Shared,
     Extension(principal): Extension<Principal>,
+    remote: Option<Extension<crate::fleet::snapshots::RemoteSnapshot>>,
+    headers: axum::http::HeaderMap,
     Path(id): Path<String>,
     body: Result<Json<ForkRequest>, JsonRejection>,
 ) -> Result<(StatusCode, Json<ForkResponse>), ApiError> {
@@ -853,7 +907,13 @@ async fn fork(
         return Err(ApiError::bad_request("invalid_count", format!("count must be between 1 and {MAX_FORKS}")));
     }
     let ttl = ttl(&state, req.ttl)?;
-    let snapshot = state.registry.snapshot(&id, &principal.name)?;
+    // A snapshot another node of the fleet holds, which has no room for the forks: fetched and forked here.
+    let snapshot = match (state.registry.snapshot(&id, &principal.name), remote) {
+        (Err(_), Some(Extension(remote))) => {
+            crate::fleet::snapshots::fetch(&state, &principal, &headers, &id, &remote.advertise).await?
+        }
+        (found, _) => found?,
+    };
     let limits = state.engine.default_limits().clone();
     let forks = fork_sandboxes(&state, &principal, snapshot, TierChoice::Auto, req.count, limits, ttl).await?;
     Ok((StatusCode::CREATED, Json(ForkResponse { sandboxes: forks.iter().map(|e| SandboxInfo::of(e)).collect() })))

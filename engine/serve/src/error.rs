@@ -171,6 +171,12 @@ impl From<TierError> for ApiError {
     }
 }
 
+impl From<strata_core::SnapshotError> for ApiError {
+    fn from(err: strata_core::SnapshotError) -> ApiError {
+        TierError::Snapshot(err).into()
+    }
+}
+
 impl From<EngineError> for ApiError {
     fn from(err: EngineError) -> ApiError {
         let err = match err {

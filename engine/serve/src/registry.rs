@@ -405,6 +405,8 @@ pub struct SnapshotEntry {
 struct Inner {
     sandboxes: HashMap<String, Arc<SandboxEntry>>,
     snapshots: HashMap<String, Arc<SnapshotEntry>>,
+    /// Copies of snapshots other nodes of the fleet hold, fetched to fork here (not listed as this node's).
+    copies: HashMap<String, Arc<SnapshotEntry>>,
     /// Live and reserved sandboxes per owner.
     per_owner: HashMap<String, usize>,
     /// Live and reserved sandboxes in all.
@@ -688,6 +690,28 @@ impl Registry {
             Some(entry) if entry.owner == owner => Ok(entry.clone()),
             _ => Err(RegistryError::SnapshotNotFound(id.to_owned())),
         }
+    }
+
+    /// Whether this node holds snapshot `id` (whoever owns it).
+    pub fn holds_snapshot(&self, id: &str) -> bool {
+        lock(&self.inner).snapshots.contains_key(id)
+    }
+
+    /// Keeps a copy of a snapshot another node holds ([`crate::fleet::snapshots`]); an earlier copy of it goes.
+    pub fn add_copy(&self, entry: SnapshotEntry) -> (Arc<SnapshotEntry>, Option<Arc<SnapshotEntry>>) {
+        let entry = Arc::new(entry);
+        let replaced = lock(&self.inner).copies.insert(entry.id.clone(), entry.clone());
+        (entry, replaced)
+    }
+
+    /// The copy of snapshot `id` if `owner` may use it.
+    pub fn copy(&self, id: &str, owner: &str) -> Option<Arc<SnapshotEntry>> {
+        lock(&self.inner).copies.get(id).filter(|entry| entry.owner == owner).cloned()
+    }
+
+    /// Takes the copy of snapshot `id` out (its original is gone); the caller removes its directory.
+    pub fn remove_copy(&self, id: &str) -> Option<Arc<SnapshotEntry>> {
+        lock(&self.inner).copies.remove(id)
     }
 
     /// The snapshots of `owner`, oldest first.

@@ -22,6 +22,7 @@ pub mod api;
 pub mod placement;
 pub mod proxy;
 pub mod route;
+pub mod snapshots;
 pub mod store;
 
 use std::collections::BTreeSet;
@@ -412,6 +413,11 @@ impl Fleet {
                 self.store().txn(txn).await?;
             }
         }
+        // The snapshots of an earlier incarnation went with its state directory.
+        let snapshots = self.store().range(&self.protocol.snapshots_prefix()).await?;
+        for txn in self.protocol.stale_snapshots(&self.protocol.view(&snapshots), &self.config.node, incarnation) {
+            self.store().txn(&txn).await?;
+        }
         self.taken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
         self.incarnation.store(incarnation, Ordering::SeqCst);
         self.lease.store(lease, Ordering::SeqCst);
@@ -597,6 +603,39 @@ impl Fleet {
         Ok(owner)
     }
 
+    /// Records in etcd that this node holds snapshot `id`, so that every node finds it.
+    pub async fn hold_snapshot(&self, id: &str) -> Result<(), FleetError> {
+        let (incarnation, lease) = self.registration()?;
+        let txn = self.protocol.hold_snapshot(&self.config.node, incarnation, lease, id)?;
+        if self.store().txn(&txn).await? { Ok(()) } else { Err(FleetError::NotRegistered) }
+    }
+
+    /// Deletes the entry of snapshot `id` this node held (deleted, or the node leaves); an entry that names
+    /// another incarnation or node is left alone.
+    pub async fn drop_snapshot(&self, id: &str) -> Result<(), FleetError> {
+        let kv = self.store().get(&self.protocol.snapshot_key(id)).await?;
+        let view = self.protocol.view(&kv.into_iter().collect::<Vec<_>>());
+        let Some(entry) = view.snapshots.get(id).filter(|e| e.value.node == self.config.node) else { return Ok(()) };
+        let txn = self.protocol.drop_snapshot(&self.config.node, entry.value.incarnation, id)?;
+        self.store().txn(&txn).await?;
+        Ok(())
+    }
+
+    /// Which node holds snapshot `id` (its entry and that node's record, read from etcd).
+    pub async fn lookup_snapshot(&self, id: &str) -> Result<Owner, FleetError> {
+        if !valid_name(id) {
+            return Ok(Owner::Unknown);
+        }
+        let mut kvs: Vec<strata_fleet::KeyValue> =
+            self.store().get(&self.protocol.snapshot_key(id)).await?.into_iter().collect();
+        let view = self.protocol.view(&kvs);
+        if let Some(entry) = view.snapshots.get(id) {
+            kvs.extend(self.store().get(&self.protocol.node_key(&entry.value.node)).await?);
+        }
+        let view = self.protocol.view(&kvs);
+        Ok(self.protocol.lookup_snapshot(&view, &self.config.node, id).unwrap_or(Owner::Unknown))
+    }
+
     /// Forgets the owner of `id` (forwarding to it failed: look it up again).
     pub fn forget_owner(&self, id: &str) {
         self.owners().remove(id);
@@ -675,6 +714,15 @@ impl Fleet {
             for (id, entry) in &view.catalog {
                 if entry.value.node == self.config.node {
                     let _ = self.release_sandbox(id).await;
+                }
+            }
+        }
+        // Its snapshots went with its state directory.
+        if let Ok(kvs) = self.store().range(&self.protocol.snapshots_prefix()).await {
+            let view = self.protocol.view(&kvs);
+            for (id, entry) in &view.snapshots {
+                if entry.value.node == self.config.node {
+                    let _ = self.drop_snapshot(id).await;
                 }
             }
         }

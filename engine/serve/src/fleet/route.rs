@@ -37,6 +37,92 @@ fn sandbox_of(state: &AppState, request: &Request) -> Option<String> {
     Some(id.to_owned())
 }
 
+/// The snapshot a request is for, by its path (`/v1/snapshots/{id}…`).
+fn snapshot_of(request: &Request) -> Option<String> {
+    let rest = request.uri().path().strip_prefix("/v1/snapshots/")?;
+    let id = rest.split('/').next().unwrap_or("");
+    (!id.is_empty()).then(|| id.to_owned())
+}
+
+/// A request for a snapshot: served here when this node holds it; else forwarded to the node that does, except a
+/// fork that node has no room for (`503`), which is made here from a copy ([`super::snapshots`]).
+async fn snapshot(state: &Arc<AppState>, fleet: &Arc<Fleet>, id: String, request: Request, next: Next) -> Response {
+    if state.registry.holds_snapshot(&id) {
+        return next.run(request).await;
+    }
+    match fleet.lookup_snapshot(&id).await {
+        Ok(Owner::Remote { advertise }) => {
+            fleet.counters.forwarded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let forks = request.method() == Method::POST && request.uri().path().ends_with("/fork");
+            if !forks {
+                return fleet.forward(&advertise, request).await.unwrap_or_else(IntoResponse::into_response);
+            }
+            let (parts, body) = match buffered(state, request).await {
+                Ok(both) => both,
+                Err(response) => return response,
+            };
+            let again = || Request::from_parts(parts.clone(), Body::from(body.clone()));
+            let answer = match fleet.forward(&advertise, again()).await {
+                Ok(response) => full(response).await,
+                Err(err) => {
+                    tracing::info!(snapshot = %id, error = %err, "the snapshot's node did not answer a fork; forking a copy here");
+                    Err(())
+                }
+            };
+            match answer {
+                Ok(response) => response,
+                // The holder is full (or cannot be reached): fork here from a copy.
+                Err(()) => {
+                    let mut request = again();
+                    request.extensions_mut().insert(super::snapshots::RemoteSnapshot { advertise });
+                    next.run(request).await
+                }
+            }
+        }
+        Ok(Owner::Lost { node }) => {
+            super::snapshots::forget_copy(state, &id);
+            ApiError::new(
+                StatusCode::GONE,
+                "snapshot_lost",
+                format!(
+                    "snapshot {id} was on node {node}, which left the fleet (its lease expired); the snapshot is lost"
+                ),
+            )
+            .into_response()
+        }
+        Ok(Owner::Local | Owner::Unknown) => {
+            super::snapshots::forget_copy(state, &id);
+            next.run(request).await
+        }
+        Err(err) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "fleet_unavailable",
+            format!("cannot tell which node holds snapshot {id}: {err}"),
+        )
+        .into_response(),
+    }
+}
+
+/// The holder's answer to a fork, or `Err` when it says it has no room (`503`, or `429 server_at_capacity`: its
+/// own admission; a key's quota, `429 quota_exceeded`, is the answer).
+async fn full(response: Response) -> Result<Response, ()> {
+    match response.status() {
+        StatusCode::SERVICE_UNAVAILABLE => Err(()),
+        StatusCode::TOO_MANY_REQUESTS => {
+            let (parts, body) = response.into_parts();
+            let Ok(bytes) = axum::body::to_bytes(body, 64 << 10).await else { return Err(()) };
+            let code = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
+            if code.as_deref() == Some("server_at_capacity") {
+                return Err(());
+            }
+            Ok(Response::from_parts(parts, Body::from(bytes)))
+        }
+        _ => Ok(response),
+    }
+}
+
 /// Whether the request creates sandboxes (and so is placed on the fleet).
 fn creates(request: &Request) -> bool {
     request.method() == Method::POST && matches!(request.uri().path(), "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes")
@@ -85,6 +171,9 @@ pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: N
     }
     if creates(&request) {
         return place(&state, &fleet, request, next).await;
+    }
+    if let Some(id) = snapshot_of(&request) {
+        return snapshot(&state, &fleet, id, request, next).await;
     }
     let Some(id) = sandbox_of(&state, &request) else { return next.run(request).await };
     if state.registry.get_any(&id).is_some() || state.paused.get_any(&id).is_some() {
