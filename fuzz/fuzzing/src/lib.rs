@@ -47,6 +47,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "api_bodies", run: targets::api_bodies::run },
     Target { name: "wasm_cache_entry", run: targets::wasm_cache_entry::run },
     Target { name: "snapshot_open", run: targets::snapshot_open::run },
+    Target { name: "snapshot_transfer", run: targets::snapshot_transfer::run },
     Target { name: "snapshot_wasm", run: targets::snapshot_wasm::run },
     Target { name: "snapshot_vm_state", run: targets::snapshot_vm_state::run },
     Target { name: "snapshot_upper_tree", run: targets::snapshot_upper_tree::run },

@@ -31,6 +31,7 @@ pub fn of(name: &str) -> Vec<Seed> {
         "virtio_block" | "virtio_vsock" => generated(),
         "vmm_control" => vmm_control(),
         "fleet_records" => fleet_records(),
+        "snapshot_transfer" => snapshot_transfer(),
         "e2b_connect" => e2b_connect(),
         "api_bodies" => api_bodies(),
         "wasm_cache_entry" => wasm_cache_entry(),
@@ -767,13 +768,14 @@ fn fleet_records() -> Vec<Seed> {
     };
     let entry = CatalogEntry { node: "n1".into(), incarnation: 7, state: SandboxState::Active };
     let mut fleet = Script::default();
-    fleet.u8(5);
+    fleet.u8(6);
     for (kind, name, value) in [
         (0u8, "n1", record("n1", false).to_json()),
         (1, "n1", alloc.to_json()),
         (0, "n2", record("n2", true).to_json()),
         (1, "n2", Alloc { incarnation: 7, entries: vec![] }.to_json()),
         (2, "sb_a", entry.to_json()),
+        (3, "snap_a", entry.to_json()),
     ] {
         fleet.u8(kind).block(name.as_bytes()).block(&value).u8(3);
     }
@@ -785,4 +787,35 @@ fn fleet_records() -> Vec<Seed> {
         garbage.u8(kind).block(name.as_bytes()).block(value).u8(0);
     }
     named(vec![("fleet", fleet.bytes), ("garbage", garbage.bytes)])
+}
+
+fn snapshot_transfer() -> Vec<Seed> {
+    let real = |script: &mut Script| {
+        script.u8(2).block(b"memory").block(&[7u8; 300]).block(b"fs/upper.tree").block(b"tree bytes");
+    };
+    // The real snapshot sent whole.
+    let mut whole = Script::default();
+    whole.u8(0);
+    real(&mut whole);
+    whole.u8(0);
+    // The real manifest with a file altered in transit (same size) and one left out.
+    let mut altered = Script::default();
+    altered.u8(2);
+    real(&mut altered);
+    altered.u8(0).u8(2).block(b"memory").block(&[8u8; 300]).block(b"fs/upper.tree").block(b"tree bytez");
+    let mut missing = Script::default();
+    missing.u8(2);
+    real(&mut missing);
+    missing.u8(0).u8(1).block(b"memory").block(&[7u8; 300]);
+    // A manifest edited in transit: a byte of a size, a byte of a path.
+    let mut edited = Script::default();
+    edited.u8(0);
+    real(&mut edited);
+    edited.u8(2).u16(120).u8(b'9').u16(60).u8(b'.');
+    named(vec![
+        ("whole", whole.bytes),
+        ("altered", altered.bytes),
+        ("missing", missing.bytes),
+        ("edited", edited.bytes),
+    ])
 }

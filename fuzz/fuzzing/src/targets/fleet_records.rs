@@ -2,7 +2,8 @@
 //! etcd — parsed into a view and decided on by the protocol, as every node does before it places, confirms,
 //! releases, cleans up or looks a sandbox up.
 //!
-//! Input: up to 32 key-values, each a kind byte (node record, alloc, catalog entry, or a key outside the fleet),
+//! Input: up to 32 key-values, each a kind byte (node record, alloc, catalog entry, snapshot entry, or a key outside
+//! the fleet),
 //! a name block, a value block, a mod revision and a lease; then a request (count and sizes) and a sandbox id.
 //!
 //! Oracles: parsing never panics and a malformed value lands in `malformed`, never in the view; a plan names a
@@ -24,13 +25,14 @@ pub fn run(data: &[u8]) {
     let mut kvs = Vec::new();
     let count = input.u8() % 33;
     for revision in 0..i64::from(count) {
-        let kind = input.u8() % 4;
+        let kind = input.u8() % 5;
         let name = String::from_utf8_lossy(input.block()).into_owned();
         let value = input.block().to_vec();
         let key = match kind {
             0 => protocol.node_key(&name),
             1 => protocol.alloc_key(&name),
             2 => protocol.sandbox_key(&name),
+            3 => protocol.snapshot_key(&name),
             _ => format!("/elsewhere/{name}"),
         };
         let lease = i64::from(input.u8());
@@ -84,7 +86,13 @@ pub fn run(data: &[u8]) {
             Owner::Local | Owner::Lost { .. } | Owner::Unknown => {}
         }
     }
+    if let Ok(Owner::Remote { advertise }) = protocol.lookup_snapshot(&view, &this, &id) {
+        assert!(view.nodes.values().any(|n| n.value.advertise == advertise), "a holder of the view");
+    }
     let incarnation = view.nodes.get(&this).map_or(1, |n| n.value.incarnation);
+    for txn in protocol.stale_snapshots(&view, &this, incarnation + 1) {
+        assert!(txn.success.len() <= MAX_TXN_OPS && txn.compares.len() == txn.success.len());
+    }
     if let Ok(cleanup) = protocol.cleanup(&view, &this, incarnation + 1, 7, &[]) {
         for txn in cleanup.alloc.iter().chain(&cleanup.catalog) {
             assert!(txn.success.len() <= MAX_TXN_OPS, "{} ops", txn.success.len());

@@ -17,6 +17,7 @@ pub mod policy_toml;
 pub mod port_routes;
 pub mod replay_recording;
 pub mod snapshot_open;
+pub mod snapshot_transfer;
 pub mod snapshot_upper_tree;
 pub mod snapshot_vm_state;
 pub mod snapshot_wasm;
