@@ -888,7 +888,7 @@ async fn e2b_bodies_over_the_limit_are_refused_in_e2b_shapes() {
 /// A terminal through the Python SDK: `pty.create` starts `bash -i -l` with `TERM=xterm-256color` on a terminal of
 /// the asked size, `send_stdin` types, `resize` resizes (the shell sees it), `exit 3` ends it with its code, and
 /// `kill` ends one at once, reported as killed.
-const PTY_SCRIPT: &str = r#"
+pub(crate) const PTY_SCRIPT: &str = r#"
 import threading, time
 from e2b import Sandbox, CommandExitException
 from e2b.sandbox.commands.command_handle import PtySize
@@ -929,7 +929,7 @@ print("PTY OK")
 "#;
 
 /// [`PTY_SCRIPT`] with the JS SDK (`sendInput`).
-const JS_PTY_SCRIPT: &str = r#"
+pub(crate) const JS_PTY_SCRIPT: &str = r#"
 import { Sandbox } from 'e2b'
 const check = (ok, what) => { if (!ok) { console.error(what); process.exit(1) } }
 const sbx = await Sandbox.create()

@@ -14,7 +14,7 @@ use strata_benches::fleet::{Etcd, Pki, etcd_available, free_port};
 use strata_serve::fleet::{FleetConfig, proxy};
 use strata_serve::tls::{Tls, TlsFiles};
 
-use crate::e2b::{SDK_KEY, run_sdk_script, sdk_python};
+use crate::e2b::{JS_PTY_SCRIPT, PTY_SCRIPT, SDK_KEY, both_sdks, run_sdk_script, sdk_python};
 use crate::util::{TestServer, process_tier};
 
 const FLEET_SCRIPT: &str = r#"
@@ -63,9 +63,21 @@ async fn the_e2b_sdk_works_through_a_node_that_does_not_hold_its_sandbox() {
     let dir = tempfile::tempdir().expect("tempdir");
     run_sdk_script(&n1, &python, &["-c".as_ref(), FLEET_SCRIPT.as_ref()], dir.path(), "FLEET OK").await;
     // The sandbox lived on n2 (and the SDK killed it there).
+    let created = |metrics: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("strata_sandboxes_created_total{tier=\"process\"} "))
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     let metrics = n2.client.get(n2.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
-    assert!(metrics.contains("strata_sandboxes_created_total{tier=\"process\"} 1"), "{metrics}");
+    assert_eq!(created(&metrics), 1, "{metrics}");
     assert!(n2.state.registry.list(None).is_empty(), "the SDK killed its sandbox on n2");
+    // A terminal (E2B's PTY over Connect streams) through both SDKs, through n1 to sandboxes on n2.
+    both_sdks(&n1, PTY_SCRIPT, "PTY OK", JS_PTY_SCRIPT, "pty.mjs", "JS PTY OK").await;
+    let metrics = n2.client.get(n2.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
+    assert!(created(&metrics) >= 2, "the terminals ran on n2: {metrics}");
+    assert!(n2.state.registry.list(None).is_empty(), "the SDKs killed their sandboxes on n2");
     let (status, nodes) = {
         let response = n2.client.get(n2.url("/v1/nodes")).header("X-API-Key", SDK_KEY).send().await.expect("nodes");
         (response.status().as_u16(), response.json::<Value>().await.expect("json"))
