@@ -56,6 +56,9 @@ pub struct FleetConfig {
     pub etcd_timeout: Duration,
     /// The CA etcd's server certificates chain to, when it is not the fleet CA.
     pub etcd_ca: Option<std::path::PathBuf>,
+    /// How often the node releases reservations on it that nobody confirmed: one still reserved a whole period
+    /// later is released (a placer forwards at once; the node confirms before it creates). 15 s by default.
+    pub reservation_sweep: Duration,
 }
 
 impl FleetConfig {
@@ -69,6 +72,7 @@ impl FleetConfig {
             prefix: strata_fleet::protocol::DEFAULT_PREFIX.to_owned(),
             etcd_timeout: Duration::from_secs(2),
             etcd_ca: None,
+            reservation_sweep: RESERVATION_SWEEP,
         }
     }
 
@@ -232,8 +236,7 @@ pub struct Counters {
     pub leases_lost: AtomicU64,
 }
 
-/// How often a node releases reservations on it that nobody confirmed: one still reserved a whole period later
-/// is released (a placer forwards at once; the node confirms before it creates).
+/// [`FleetConfig::reservation_sweep`] by default.
 const RESERVATION_SWEEP: Duration = Duration::from_secs(15);
 
 /// The pause before renewing again after a renewal failed.
@@ -773,7 +776,7 @@ pub fn spawn(state: &Arc<AppState>) {
                 return;
             }
             fleet.refresh_store().await;
-            if fleet.registered() && swept.elapsed() >= RESERVATION_SWEEP {
+            if fleet.registered() && swept.elapsed() >= fleet.config.reservation_sweep {
                 swept = Instant::now();
                 match fleet.sweep_reservations(&reserved).await {
                     Ok(now) => reserved = now,

@@ -157,3 +157,42 @@ fn certificates_reload_when_their_files_change_and_a_broken_replacement_is_kept_
     assert!(err.to_string().contains("larger than"), "{err}");
     assert_eq!(tls.generation(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_nobody_confirms_is_released_by_its_node() {
+    if !etcd_available() {
+        return;
+    }
+    let etcd = tokio::task::spawn_blocking(|| Etcd::start(1)).await.expect("etcd");
+    let start = |name: &'static str| {
+        let (endpoints, port) = (etcd.endpoints(), free_port());
+        TestServer::with(move |config| {
+            config.listen = format!("127.0.0.1:{port}").parse().expect("addr");
+            config.fleet = Some(FleetConfig {
+                lease_ttl: Duration::from_secs(3),
+                reservation_sweep: Duration::from_millis(500),
+                ..FleetConfig::new(vec![endpoints], name, &format!("http://127.0.0.1:{port}"))
+            });
+        })
+    };
+    let n1 = start("n1").await;
+    let n2 = start("n2").await;
+    // n1 places a sandbox on n2 and then never forwards it (a placer that died right after its reservation).
+    let fleet = n1.state.fleet.clone().expect("a fleet");
+    let request = [strata_fleet::SandboxRequest { id: "sb_orphan".into(), vcpus: 1, memory: 64 << 20 }];
+    let plan = fleet.place(&request, &["n1".to_owned()].into_iter().collect()).await.expect("placed");
+    assert_eq!(plan.node, "n2");
+    let held = |view: &strata_fleet::View| view.allocs.get("n2").is_some_and(|a| a.value.entry("sb_orphan").is_some());
+    assert!(held(&fleet.nodes().await.expect("nodes")), "reserved on n2");
+    // n2 sees it reserved at one sweep and releases it at the next: its room and the catalog entry are free.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while held(&fleet.nodes().await.expect("nodes")) {
+        assert!(std::time::Instant::now() < deadline, "the reservation was never released");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let kv = fleet.store().get(&fleet.protocol().sandbox_key("sb_orphan")).await.expect("get");
+    assert!(kv.is_none(), "the catalog entry is gone: {kv:?}");
+    n1.stop().await;
+    n2.stop().await;
+    drop(etcd);
+}
