@@ -7,6 +7,7 @@
 //! | `create_forwarded` | create + delete through n1, placed on n2 (n1 drains)  | the same on one node without a fleet|
 //! | `creates_per_s`    | creates (+ deletes) per second through n1, 4 clients  | the same on one node without a fleet|
 //! | `exec_hop`         | a job in n2's sandbox sent to n1 (one forwarding hop) | the same job sent to n2 directly    |
+//! | `exec_hop_tls`     | the same over TLS, the hop over mutual TLS (two nodes) | the same job sent to n2 over TLS    |
 //!
 //! Sandboxes are wasm Python sessions (the cheapest to make, so the fleet's own cost shows); jobs are
 //! `print(1)`. Nothing here asserts a time: the figures are for reading.
@@ -17,7 +18,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use serde_json::{Value, json};
-use strata_benches::fleet::{Etcd, Node, etcd_available, request};
+use strata_benches::fleet::{Etcd, Node, Pki, etcd_available, request};
 use strata_benches::{Figures, find_strata, latency, ratio, throughput};
 
 /// One create and delete of a wasm sandbox through `via`.
@@ -97,5 +98,28 @@ fn main() -> anyhow::Result<()> {
     let direct = latency("exec_direct", iters, || exec(n2, &id))?;
     let hop = latency("exec_hop", iters, || exec(n1, &id))?;
     print_pair("exec_hop", &hop, &direct, "sent to the owner");
+    drop(nodes);
+    drop(etcd);
+
+    // The same over TLS: clients to nodes over TLS, node to node and node to etcd over mutual TLS. Every request
+    // is a new connection (a TLS handshake), and so is every forwarded one.
+    let pki = Pki::new("strata bench fleet CA");
+    let etcd = Etcd::start_tls(1, &pki);
+    let t1 = Node::start_tls(strata, "n1", &etcd, &pki, &[]);
+    let t2 = Node::start_tls(strata, "n2", &etcd, &pki, &[]);
+    let (status, body) = t1.post("/v1/nodes/n1/drain", Value::Null);
+    anyhow::ensure!(status == 200, "drain: {status} {body}");
+    let (status, body) = t1.post("/v1/sandboxes", json!({"tier": "wasm", "ttl": 600}));
+    anyhow::ensure!(status == 201, "create: {status} {body}");
+    let id = body["id"].as_str().context("id")?.to_owned();
+    let exec_tls = |node: &Node| {
+        let (status, outcome) = node.post(&format!("/v1/sandboxes/{id}/exec"), json!({"python": "print(1)"}));
+        anyhow::ensure!(status == 200 && outcome["stdout"] == "1\n", "exec: {status} {outcome}");
+        Ok(())
+    };
+    let direct_tls = latency("exec_direct_tls", iters, || exec_tls(&t2))?;
+    let hop_tls = latency("exec_hop_tls", iters, || exec_tls(&t1))?;
+    print_pair("exec_hop_tls", &hop_tls, &direct_tls, "sent to the owner over TLS");
+    ratio("exec_hop_tls", &hop_tls, &hop, "the hop without TLS");
     Ok(())
 }

@@ -143,6 +143,44 @@ impl Pki {
     }
 }
 
+/// One HTTP/1.1 request over TLS on a fresh connection (the server's certificate verified against `ca`, for the
+/// name `127.0.0.1`): the status and the body as JSON; status 0 when the handshake or the request failed.
+pub fn request_tls(addr: &str, ca: &Path, method: &str, path: &str, body: &Value) -> (u16, Value) {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_file_iter(ca).expect("the CA file") {
+        roots.add(cert.expect("a CA certificate")).expect("a usable CA");
+    }
+    #[allow(deprecated)] // ring: the provider the tree already builds (see engine/serve/src/tls.rs)
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from(addr.rsplit_once(':').map_or(addr, |(h, _)| h).to_owned())
+        .expect("a server name");
+    let connection = rustls::ClientConnection::new(std::sync::Arc::new(config), name).expect("a TLS client");
+    let Ok(tcp) = TcpStream::connect(addr) else { return (0, Value::Null) };
+    tcp.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    let mut stream = rustls::StreamOwned::new(connection, tcp);
+    let body = if body.is_null() { String::new() } else { body.to_string() };
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n",
+        body.len()
+    );
+    if stream.write_all(head.as_bytes()).and_then(|()| stream.write_all(body.as_bytes())).is_err() {
+        return (0, Value::Null);
+    }
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let response = String::from_utf8_lossy(&response);
+    let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
 /// A request with `curl` (for TLS): the status and the body as JSON; status 0 and curl's error as a JSON string
 /// when no answer came (a refused handshake). `extra` adds curl arguments (`--cacert`, `--cert`, `-H`).
 pub fn curl(url: &str, method: &str, body: &Value, extra: &[&str]) -> (u16, Value) {
@@ -463,6 +501,7 @@ impl Node {
     pub fn request_with(&self, method: &str, path: &str, body: &Value, extra: &[&str]) -> (u16, Value) {
         match &self.ca {
             None => request(&self.addr, method, path, body),
+            Some(ca) if extra.is_empty() => request_tls(&self.addr, ca, method, path, body),
             Some(ca) => {
                 let ca = ca.display().to_string();
                 let mut args = vec!["--cacert", ca.as_str()];
