@@ -127,6 +127,10 @@ pub fn transfer(data: &[u8]) -> Option<bool> {
     Some(sealed)
 }
 
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -137,8 +141,4 @@ mod tests {
         assert_eq!(super::transfer(&seeds["seed-altered"]), Some(false));
         assert_eq!(super::transfer(&seeds["seed-missing"]), Some(false));
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -19,12 +19,11 @@
 //! (the engine starts it); the engine trusts nothing in replies: a monitor may be a guest's by then. A reply that
 //! does not parse, or a closed socket, is a crashed monitor.
 
-use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 
 use nix::errno::Errno;
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use nix::sys::socket::MsgFlags;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -269,43 +268,15 @@ pub fn send<T: Serialize>(socket: BorrowedFd<'_>, message: &T, fds: &[BorrowedFd
         return Err(ProtoError::Malformed(format!("{} descriptors in one message (at most {MAX_FDS})", fds.len())));
     }
     let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
-    let iov = [IoSlice::new(&doc)];
-    let cmsgs = [ControlMessage::ScmRights(&raw)];
-    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
-    loop {
-        match sendmsg::<()>(socket.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
-            Ok(_) => return Ok(()),
-            Err(Errno::EINTR) => continue,
-            Err(errno) => return Err(errno.into()),
-        }
-    }
+    Ok(strata_fdpass::send(socket, &doc, &raw, MsgFlags::MSG_NOSIGNAL)?)
 }
 
 /// Receives one message and its descriptors; `None` when the other side closed the socket.
 pub fn recv<T: DeserializeOwned>(socket: BorrowedFd<'_>) -> Result<Option<(T, Vec<OwnedFd>)>, ProtoError> {
     let mut buf = vec![0u8; MAX_MESSAGE + 1];
-    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
-    let (len, flags, fds) = loop {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        match recvmsg::<()>(socket.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
-            Ok(msg) => {
-                let mut fds = Vec::new();
-                for c in msg.cmsgs().map_err(|e| ProtoError::Malformed(e.to_string()))? {
-                    if let ControlMessageOwned::ScmRights(list) = c {
-                        for fd in list {
-                            // SAFETY: SCM_RIGHTS installed these descriptors in our table just now; nothing
-                            // else owns them.
-                            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
-                        }
-                    }
-                }
-                break (msg.bytes, msg.flags, fds);
-            }
-            Err(Errno::EINTR) => continue,
-            Err(errno) => return Err(errno.into()),
-        }
-    };
-    if flags.contains(MsgFlags::MSG_TRUNC) || flags.contains(MsgFlags::MSG_CTRUNC) || len > MAX_MESSAGE {
+    let received = strata_fdpass::recv::<MAX_FDS>(socket, &mut buf)?;
+    let (len, fds) = (received.len, received.fds);
+    if received.truncated || len > MAX_MESSAGE {
         return Err(ProtoError::Malformed("message too large".into()));
     }
     if len == 0 && fds.is_empty() {

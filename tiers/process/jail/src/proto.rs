@@ -9,13 +9,13 @@
 //! The host writes [`HostFrame`]s and reads [`JailFrame`]s. Neither side trusts the other's sizes: a message is
 //! read into a bounded buffer, a truncated one is an error, and a spilled document is capped at [`MAX_SPILL`].
 
-use std::io::{IoSlice, IoSliceMut, Read, Seek, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::io::{Read, Seek, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 
 use nix::errno::Errno;
 use nix::sys::memfd::{MFdFlags, memfd_create};
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use nix::sys::socket::MsgFlags;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// The protocol version; [`Setup::version`] must equal it.
@@ -575,17 +575,8 @@ fn send_with<T: Serialize>(
     if raw.len() > MAX_FDS + 1 {
         return Err(ProtoError::Malformed(format!("{} descriptors in one message", raw.len())));
     }
-    let iov = [IoSlice::new(payload)];
-    let cmsgs = [ControlMessage::ScmRights(&raw)];
-    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
     let flags = if wait { MsgFlags::MSG_NOSIGNAL } else { MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT };
-    loop {
-        match sendmsg::<()>(socket.as_raw_fd(), &iov, cmsgs, flags, None) {
-            Ok(_) => return Ok(()),
-            Err(Errno::EINTR) => continue,
-            Err(errno) => return Err(errno.into()),
-        }
-    }
+    Ok(strata_fdpass::send(socket, payload, &raw, flags)?)
 }
 
 fn spill_to_memfd(doc: &[u8]) -> Result<OwnedFd, ProtoError> {
@@ -598,28 +589,9 @@ fn spill_to_memfd(doc: &[u8]) -> Result<OwnedFd, ProtoError> {
 /// Receives one frame and the descriptors beside it; `Ok(None)` when the peer closed the socket.
 pub fn recv<T: DeserializeOwned>(socket: BorrowedFd<'_>) -> Result<Option<(T, Vec<OwnedFd>)>, ProtoError> {
     let mut buf = vec![0u8; MAX_INLINE + 1];
-    let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS + 1]);
-    let (len, flags, mut fds) = loop {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        match recvmsg::<()>(socket.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
-            Ok(msg) => {
-                let mut fds = Vec::new();
-                for c in msg.cmsgs().map_err(|e| ProtoError::Malformed(e.to_string()))? {
-                    if let ControlMessageOwned::ScmRights(list) = c {
-                        for fd in list {
-                            // SAFETY: SCM_RIGHTS installed these descriptors in our table just now; nothing
-                            // else owns them.
-                            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
-                        }
-                    }
-                }
-                break (msg.bytes, msg.flags, fds);
-            }
-            Err(Errno::EINTR) => continue,
-            Err(errno) => return Err(errno.into()),
-        }
-    };
-    if flags.contains(MsgFlags::MSG_TRUNC) || flags.contains(MsgFlags::MSG_CTRUNC) || len > MAX_INLINE {
+    let received = strata_fdpass::recv::<{ MAX_FDS + 1 }>(socket, &mut buf)?;
+    let (len, mut fds) = (received.len, received.fds);
+    if received.truncated || len > MAX_INLINE {
         return Err(ProtoError::Malformed("message too large".into()));
     }
     if len == 0 && fds.is_empty() {

@@ -14,13 +14,13 @@
 //! PID 1 block: the sockets are non-blocking, a message is at most [`MAX_REQUEST`] bytes with at most three
 //! descriptors and never spills into a file, and at most [`MAX_CLIENTS`] clients are served at once.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags};
 use nix::sys::socket::{
-    AddressFamily, Backlog, ControlMessageOwned, MsgFlags, SockFlag, SockType, UnixAddr, accept4, bind, getsockopt,
-    listen, recvmsg, send, socket, sockopt,
+    AddressFamily, Backlog, MsgFlags, SockFlag, SockType, UnixAddr, accept4, bind, getsockopt, listen, send, socket,
+    sockopt,
 };
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
@@ -151,24 +151,8 @@ impl Sudo {
     pub fn read(&self, index: usize) -> Incoming {
         let socket = self.clients[index].socket.as_fd();
         let mut buf = vec![0u8; MAX_REQUEST + 1];
-        let mut cmsg = nix::cmsg_space!([RawFd; 4]);
-        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-        let flags = MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT;
-        let (len, truncated, fds) = match recvmsg::<()>(socket.as_raw_fd(), &mut iov, Some(&mut cmsg), flags) {
-            Ok(msg) => {
-                let mut fds = Vec::new();
-                if let Ok(cmsgs) = msg.cmsgs() {
-                    for c in cmsgs {
-                        if let ControlMessageOwned::ScmRights(list) = c {
-                            // SAFETY: SCM_RIGHTS installed these descriptors in our table just now; nothing else
-                            // owns them.
-                            fds.extend(list.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
-                        }
-                    }
-                }
-                let truncated = msg.flags.intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
-                (msg.bytes, truncated, fds)
-            }
+        let (len, truncated, fds) = match strata_fdpass::recv_with::<4>(socket, &mut buf, MsgFlags::MSG_DONTWAIT) {
+            Ok(received) => (received.len, received.truncated, received.fds),
             Err(Errno::EAGAIN | Errno::EINTR) => return Incoming::Nothing,
             Err(_) => return Incoming::Gone,
         };

@@ -44,7 +44,7 @@ use nix::errno::Errno;
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 use nix::sched::{CloneFlags, setns};
 use nix::sys::signal::{Signal, kill};
-use nix::sys::socket::{AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, recvmsg, sendmsg, socketpair};
+use nix::sys::socket::{AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, sendmsg, socketpair};
 use nix::sys::wait::waitpid;
 use nix::unistd::{ForkResult, Pid, chdir, fork, pipe2, pivot_root, sethostname};
 use seccompiler::BpfProgram;
@@ -635,28 +635,11 @@ fn send_fds(channel: &OwnedFd, fds: &[BorrowedFd<'_>]) -> Result<(), JailFrame> 
 /// Throws away whatever is queued for the zygote's end of the channel.
 fn drain(peer: &OwnedFd) {
     let mut buf = [0u8; 16];
-    let mut cmsg = nix::cmsg_space!([RawFd; 16]);
-    loop {
-        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-        match recvmsg::<()>(
-            peer.as_raw_fd(),
-            &mut iov,
-            Some(&mut cmsg),
-            MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_CMSG_CLOEXEC,
-        ) {
-            Ok(msg) => {
-                for c in msg.cmsgs().into_iter().flatten() {
-                    if let nix::sys::socket::ControlMessageOwned::ScmRights(fds) = c {
-                        for fd in fds {
-                            // SAFETY: received with the message; nothing else owns it.
-                            drop(unsafe { OwnedFd::from_raw_fd(fd) });
-                        }
-                    }
-                }
-            }
-            Err(_) => return,
-        }
-    }
+    // Each message's descriptors are owned as received, and closed as they are dropped.
+    // A closed peer reads as an empty message without descriptors: nothing more is queued.
+    while strata_fdpass::recv_with::<0>(peer.as_fd(), &mut buf, MsgFlags::MSG_DONTWAIT)
+        .is_ok_and(|received| received.len > 0 || !received.fds.is_empty())
+    {}
 }
 
 /// The most cgroup files a fork request carries (one per cgroup v1 hierarchy).
