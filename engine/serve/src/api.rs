@@ -53,6 +53,8 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/v1/sandboxes/{id}/pause", post(pause_sandbox))
         .route("/v1/sandboxes/{id}/resume", post(resume_sandbox))
         .route("/v1/sandboxes/{id}/metrics", get(metrics))
+        .route("/v1/sandboxes/{id}/jobs", get(jobs))
+        .route("/v1/images", get(list_images))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshot))
         .route("/v1/sandboxes/{id}/ports/{port}", any(port))
         .route("/v1/sandboxes/{id}/ports/{port}/", any(port))
@@ -161,6 +163,13 @@ pub struct SandboxInfo {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub service: Option<strata_core::ServiceStatus>,
+    /// Its memory limit, in bytes.
+    pub memory_limit: u64,
+    /// Its virtual CPUs.
+    pub vcpus: u32,
+    /// Its last resource sample (taken every few seconds), if one was taken.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::usage::UsageSample>,
 }
 
 impl SandboxInfo {
@@ -175,6 +184,9 @@ impl SandboxInfo {
             concurrent: entry.is_concurrent(),
             cpus: entry.cpus.clone(),
             service: None,
+            memory_limit: entry.limits.memory.0,
+            vcpus: entry.limits.vcpus,
+            usage: entry.usage.latest(),
         }
     }
 }
@@ -330,13 +342,14 @@ pub struct OutcomeDoc {
     paths(
         create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, read_file, write_file, set_timeout, set_network,
         pause_sandbox, resume_sandbox,
-        snapshot, list_snapshots, delete_snapshot, fork, snapshot_manifest, snapshot_file, run, fork_live, list_files, port, metrics, crate::pty::create,
+        snapshot, list_snapshots, delete_snapshot, fork, snapshot_manifest, snapshot_file, run, fork_live, jobs,
+        list_images, list_files, port, metrics, crate::pty::create,
         crate::pty::list, crate::pty::resize, crate::pty::kill, crate::pty::attach
     ),
     components(schemas(
         CapabilitiesRequest, CreateSandboxRequest, JobRequest, RunRequest, SandboxInfo, SandboxList, TimeoutRequest,
         SnapshotInfo, SnapshotList, ForkRequest, ForkResponse, OutcomeDoc, ErrorBody, crate::error::ErrorDetail,
-        LiveForkResponse, FileEntry, FileList, MetricsList, crate::usage::UsageSample, crate::pty::PtyRequest, crate::pty::PtyInfo, crate::pty::PtyList,
+        LiveForkResponse, FileEntry, FileList, MetricsList, JobList, crate::jobs::JobRecord, ImageList, ImageInfo, crate::usage::UsageSample, crate::pty::PtyRequest, crate::pty::PtyInfo, crate::pty::PtyList,
         crate::pty::ResizeRequest, NetworkRequest, PausedInfo, ResumeRequest, EgressSecretRequest
     )),
     modifiers(&BearerAuth, &BodyLimits),
@@ -782,6 +795,69 @@ async fn fork_live(
     let forks = fork_sandboxes(&state, &principal, snapshot, TierChoice::Auto, req.count, limits, ttl).await?;
     let sandboxes = forks.iter().map(|e| SandboxInfo::of(e)).collect();
     Ok((StatusCode::CREATED, Json(LiveForkResponse { snapshot: info, sandboxes })))
+}
+
+/// `GET /v1/sandboxes/{id}/jobs`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct JobList {
+    /// The sandbox's last jobs (at most 50), oldest first, with the ends of their output and their egress.
+    pub jobs: Vec<crate::jobs::JobRecord>,
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/jobs", tag = "sandboxes",
+    responses((status = 200, body = JobList), (status = 404, body = ErrorBody)))]
+async fn jobs(
+    State(state): Shared,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<JobList>, ApiError> {
+    let entry = sandbox(&state, &principal, &id)?;
+    Ok(Json(JobList { jobs: entry.jobs.list() }))
+}
+
+/// One image of the server's store, or a template naming one.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ImageInfo {
+    /// Its name (what `image` in a create names).
+    pub name: String,
+    /// Where it came from (`dockerfile`, `oci`, …), as the store records it.
+    #[schema(value_type = Object)]
+    pub source: serde_json::Value,
+    /// When it was made (RFC 3339).
+    pub created: String,
+    /// Its layers.
+    pub layers: usize,
+    /// The E2B template names that stand for it (`--template NAME=IMAGE`).
+    pub templates: Vec<String>,
+}
+
+/// `GET /v1/images`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ImageList {
+    /// The images of the server's store, by name.
+    pub images: Vec<ImageInfo>,
+}
+
+#[utoipa::path(get, path = "/v1/images", tag = "images", responses((status = 200, body = ImageList)))]
+async fn list_images(State(state): Shared) -> Result<Json<ImageList>, ApiError> {
+    let templates = state.templates.clone();
+    let engine = state.engine.clone();
+    let records = blocking(move || {
+        let store = engine.image_store().map_err(ApiError::from)?;
+        store.list().map_err(|e| ApiError::internal(format!("listing the images: {e}")))
+    })
+    .await?;
+    let images = records
+        .into_iter()
+        .map(|record| ImageInfo {
+            name: record.name.to_string(),
+            source: serde_json::to_value(&record.source).unwrap_or_default(),
+            created: record.created.clone(),
+            layers: record.layers.len(),
+            templates: templates.iter().filter(|(_, image)| **image == record.name).map(|(t, _)| t.clone()).collect(),
+        })
+        .collect();
+    Ok(Json(ImageList { images }))
 }
 
 /// One entry of a directory listing.

@@ -154,21 +154,36 @@ impl KeyStore {
         let key = presented_key(headers).ok_or_else(|| {
             ApiError::unauthorized("missing API key: send Authorization: Bearer KEY or X-API-Key: KEY")
         })?;
-        self.by_hash.get(&hash_key(key)).cloned().ok_or_else(|| ApiError::unauthorized("unknown API key"))
+        self.by_hash.get(&hash_key(&key)).cloned().ok_or_else(|| ApiError::unauthorized("unknown API key"))
     }
 }
 
-/// The key a request presents, if any.
-fn presented_key(headers: &HeaderMap) -> Option<&str> {
+/// The WebSocket subprotocol a browser offers beside [`KEY_PROTOCOL_PREFIX`]`…` (a browser's WebSocket cannot
+/// send headers); the server selects it.
+pub const WS_PROTOCOL: &str = "strata";
+
+/// A WebSocket subprotocol carrying the key, base64url without padding: `strata.key.BASE64URL`.
+pub const KEY_PROTOCOL_PREFIX: &str = "strata.key.";
+
+/// The key a request presents, if any: `Authorization: Bearer KEY`, `X-API-Key: KEY`, or (a browser's WebSocket)
+/// the subprotocol `strata.key.BASE64URL(KEY)` — never a URL, which logs and histories keep.
+fn presented_key(headers: &HeaderMap) -> Option<std::borrow::Cow<'_, str>> {
+    use base64::Engine as _;
     if let Some(value) = headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
         let mut parts = value.splitn(2, ' ');
         if let (Some(scheme), Some(token)) = (parts.next(), parts.next())
             && scheme.eq_ignore_ascii_case("bearer")
         {
-            return Some(token.trim());
+            return Some(token.trim().into());
         }
     }
-    headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim)
+    if let Some(key) = headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
+        return Some(key.trim().into());
+    }
+    let protocols = headers.get(axum::http::header::SEC_WEBSOCKET_PROTOCOL).and_then(|v| v.to_str().ok())?;
+    let encoded = protocols.split(',').find_map(|p| p.trim().strip_prefix(KEY_PROTOCOL_PREFIX))?;
+    let key = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(encoded).ok()?;
+    String::from_utf8(key).ok().map(Into::into)
 }
 
 #[cfg(test)]
@@ -191,6 +206,12 @@ mod tests {
         headers.insert("x-api-key", "wrong".parse().expect("header"));
         assert_eq!(store.authenticate(&headers).map_err(|e| e.code), Err("unauthorized"));
         assert_eq!(store.authenticate(&HeaderMap::new()).map_err(|e| e.code), Err("unauthorized"));
+        // A browser's WebSocket: the key as a subprotocol beside the one the server selects.
+        let mut headers = HeaderMap::new();
+        headers.insert("sec-websocket-protocol", "strata, strata.key.czNjcmV0".parse().expect("header"));
+        assert_eq!(store.authenticate(&headers).map(|p| p.name), Ok("alice".to_owned()));
+        headers.insert("sec-websocket-protocol", "strata, strata.key.d3Jvbmc".parse().expect("header"));
+        assert_eq!(store.authenticate(&headers).map_err(|e| e.code), Err("unauthorized"));
     }
 
     #[test]

@@ -374,6 +374,7 @@ pub(crate) async fn attach(
     let entry = sandbox(&state, &principal, &id)?;
     let pty = state.ptys.get(&entry.id, &pty)?;
     let upgrade = upgrade.map_err(|r| ApiError::bad_request("websocket_required", r.body_text()))?;
+    let upgrade = upgrade.protocols([crate::auth::WS_PROTOCOL]);
     Ok(upgrade.on_upgrade(move |socket| session(pty, socket)).into_response())
 }
 

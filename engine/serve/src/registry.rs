@@ -194,6 +194,8 @@ pub struct SandboxEntry {
     pub port_connections: PortConnections,
     /// Its resource use over time ([`crate::usage`]).
     pub usage: crate::usage::UsageLog,
+    /// Its recent jobs ([`crate::jobs`]).
+    pub jobs: crate::jobs::JobLog,
 }
 
 impl std::fmt::Debug for SandboxEntry {
@@ -227,6 +229,7 @@ impl SandboxEntry {
             on_kill: Mutex::new(Vec::new()),
             port_connections: PortConnections::default(),
             usage: crate::usage::UsageLog::default(),
+            jobs: crate::jobs::JobLog::default(),
         }
     }
 
@@ -340,8 +343,10 @@ impl SandboxEntry {
         if self.killed.load(Ordering::SeqCst) {
             token.cancel();
         }
+        let started = SystemTime::now();
         let outcome = self.call(|sandbox| sandbox.exec(job, opts));
         lock(&self.running).remove(&number);
+        self.jobs.record(job, started, &outcome);
         outcome
     }
 

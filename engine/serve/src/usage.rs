@@ -63,6 +63,12 @@ impl UsageLog {
         }
     }
 
+    /// The last sample taken, if any.
+    pub fn latest(&self) -> Option<UsageSample> {
+        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+        self.between(None, Some(now + 1.0)).pop()
+    }
+
     /// The samples taken from `start` to `end` (seconds since the epoch; either open).
     pub fn between(&self, start: Option<f64>, end: Option<f64>) -> Vec<UsageSample> {
         lock(&self.0)

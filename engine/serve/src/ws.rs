@@ -47,6 +47,7 @@ async fn exec_ws(
     state.admit()?;
     let entry = crate::service::sandbox(&state, &principal, &id)?;
     let upgrade = upgrade.map_err(|r| ApiError::bad_request("websocket_required", r.body_text()))?;
+    let upgrade = upgrade.protocols([crate::auth::WS_PROTOCOL]);
     Ok(upgrade.on_upgrade(move |socket| session(state, entry, socket)).into_response())
 }
 
