@@ -42,9 +42,11 @@ pub mod auth;
 pub mod cache;
 pub mod capacity;
 pub mod connections;
+pub mod console;
 pub mod e2b;
 pub mod error;
 pub mod fleet;
+pub mod jobs;
 pub mod metrics;
 pub mod paused;
 pub mod ports;
@@ -331,6 +333,11 @@ impl Server {
         if config.keys.is_none() {
             tracing::warn!("no API keys (--keys): every request is served as `anonymous`, on loopback only");
         }
+        if !console::built() {
+            tracing::info!(
+                "the console (/ui/) is not built into this server: npm ci && npm run build in engine/serve/ui, then build strata again"
+            );
+        }
         let host = capacity::HostCapacity::host(
             config.cpu_overcommit,
             config.min_free_memory.unwrap_or_else(capacity::default_min_free_memory),
@@ -542,6 +549,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/openapi.json", axum::routing::get(api::openapi))
         .route("/metrics", axum::routing::get(metrics_text))
         .route("/health", axum::routing::get(e2b::health))
+        .merge(console::routes())
         .fallback(unknown_route)
         .layer(axum::extract::DefaultBodyLimit::max(state.connections.limits().max_body))
         .layer(axum::middleware::from_fn(e2b_errors))
