@@ -163,6 +163,9 @@ pub struct SandboxInfo {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub service: Option<strata_core::ServiceStatus>,
+    /// The image it was created from, when its request named one (else its tier's default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
     /// Its memory limit, in bytes.
     pub memory_limit: u64,
     /// Its virtual CPUs.
@@ -184,6 +187,7 @@ impl SandboxInfo {
             concurrent: entry.is_concurrent(),
             cpus: entry.cpus.clone(),
             service: None,
+            image: entry.image.clone(),
             memory_limit: entry.limits.memory.0,
             vcpus: entry.limits.vcpus,
             usage: entry.usage.latest(),

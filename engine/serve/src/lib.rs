@@ -596,6 +596,13 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         state.registry.vcpus_committed(),
         state.registry.host_slots(),
     );
+    if let Some(budget) = state.registry.memory_budget() {
+        text.push_str(
+            "# HELP strata_memory_budget_bytes The most memory the server's sandboxes may commit (--memory-budget).\n\
+             # TYPE strata_memory_budget_bytes gauge\n",
+        );
+        text.push_str(&format!("strata_memory_budget_bytes {budget}\n"));
+    }
     state.connections.render_metrics(&mut text);
     if let Some(fleet) = &state.fleet {
         fleet.render_metrics(&mut text);

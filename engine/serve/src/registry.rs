@@ -196,6 +196,8 @@ pub struct SandboxEntry {
     pub usage: crate::usage::UsageLog,
     /// Its recent jobs ([`crate::jobs`]).
     pub jobs: crate::jobs::JobLog,
+    /// The image it was created from, when the request named one (`None`: its tier's default).
+    pub image: Option<String>,
 }
 
 impl std::fmt::Debug for SandboxEntry {
@@ -230,7 +232,14 @@ impl SandboxEntry {
             port_connections: PortConnections::default(),
             usage: crate::usage::UsageLog::default(),
             jobs: crate::jobs::JobLog::default(),
+            image: None,
         }
+    }
+
+    /// The entry, noting the image it was created from.
+    pub fn with_image(mut self, image: Option<String>) -> SandboxEntry {
+        self.image = image;
+        self
     }
 
     /// Samples what the sandbox uses now into its log ([`crate::usage`]); `Unsupported` on a tier that cannot tell.
@@ -717,6 +726,11 @@ impl Registry {
     /// Takes the copy of snapshot `id` out (its original is gone); the caller removes its directory.
     pub fn remove_copy(&self, id: &str) -> Option<Arc<SnapshotEntry>> {
         lock(&self.inner).copies.remove(id)
+    }
+
+    /// The most memory the sandboxes may commit, if there is a budget.
+    pub fn memory_budget(&self) -> Option<u64> {
+        self.memory_budget
     }
 
     /// The snapshots of `owner`, oldest first.

@@ -235,6 +235,7 @@ pub(crate) async fn start_sandbox(
     let started = Instant::now();
     let engine = state.engine.clone();
     let sandbox_limits = limits.clone();
+    let image = caps.image.as_ref().map(ToString::to_string);
     let sandbox = match blocking(move || engine.start(choice, &caps, &sandbox_limits).map_err(ApiError::from)).await {
         Ok(sandbox) => sandbox,
         Err(err) => {
@@ -243,7 +244,8 @@ pub(crate) async fn start_sandbox(
         }
     };
     let tier = sandbox.tier();
-    let entry = reservation.commit(SandboxEntry::new(id, principal.name.clone(), sandbox, limits, ttl));
+    let entry =
+        reservation.commit(SandboxEntry::new(id, principal.name.clone(), sandbox, limits, ttl).with_image(image));
     fleet_follow(state, &entry);
     state.metrics.sandbox_created(tier);
     state.metrics.latency(tier.as_str(), "create", started.elapsed());

@@ -186,6 +186,7 @@ interface Usage {
 interface SandboxInfo {
   id: string
   tier: string
+  image?: string
   created_at: number
   expires_at: number
   jobs_running: number
@@ -211,6 +212,7 @@ function sandboxesPage(main: HTMLElement): void {
     const rows = shown.map((s) => [
       el('a', { href: `#/sandbox/${s.id}`, 'data-sandbox': s.id }, s.id),
       text(s.tier),
+      text(s.image ?? (s.tier === 'wasm' ? '–' : 'default')),
       text(duration(now() - s.created_at)),
       text(duration(s.expires_at - now())),
       text(s.jobs_running),
@@ -235,7 +237,7 @@ function sandboxesPage(main: HTMLElement): void {
       ),
     ])
     list.replaceChildren(
-      table(['id', 'tier', 'age', 'TTL left', 'jobs', 'CPU', 'memory (used / limit)', ''], rows, 'No sandboxes.'),
+      table(['id', 'tier', 'image', 'age', 'TTL left', 'jobs', 'CPU', 'memory (used / limit)', ''], rows, 'No sandboxes.'),
     )
   }
   const refresh = async () => {
