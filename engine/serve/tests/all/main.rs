@@ -2,6 +2,7 @@
 
 mod api;
 mod cache;
+mod console;
 mod e2b;
 mod e2b_files;
 mod e2b_secrets;
