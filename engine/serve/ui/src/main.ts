@@ -533,7 +533,11 @@ function nodesPage(main: HTMLElement): void {
   main.append(el('h1', {}, 'Nodes'), list)
   every(POLL_MS, async () => {
     try {
-      const fleet = await api<{ node: string; nodes: { name: string; state: string; advertise: string; cpus: number; memory: number; sandboxes: number }[] }>('GET', '/v1/nodes')
+      const fleet = await api<{ node: string | null; nodes: { name: string; state: string; advertise: string; cpus: number; memory: number; sandboxes: number }[] }>('GET', '/v1/nodes')
+      if (fleet.node === null) {
+        list.replaceChildren(el('p', { class: 'dim' }, 'This server is not a node of a fleet (strata serve --cluster …).'))
+        return
+      }
       list.replaceChildren(
         el('p', { class: 'dim' }, `This node: ${fleet.node}`),
         table(

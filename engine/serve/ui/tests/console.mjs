@@ -70,6 +70,7 @@ try {
       await page.goto(`${url}/ui/#/${name}`)
       await page.locator('main h1').waitFor({ timeout: 15_000 })
       if (name === 'health') await page.locator('#health-stats .card').first().waitFor({ timeout: 15_000 })
+      if (name === 'nodes') await page.locator('main', { hasText: 'not a node of a fleet' }).waitFor({ timeout: 15_000 })
       await page.waitForTimeout(name === 'health' ? 4500 : 500)
       await page.screenshot({ path: join(shots, `${name}.png`), fullPage: true })
     })
