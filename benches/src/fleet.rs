@@ -17,23 +17,32 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
+/// The head of one HTTP/1.1 request with a JSON body of `len` bytes, on a connection it closes.
+fn head(addr: &str, method: &str, path: &str, len: usize) -> String {
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\
+         Connection: close\r\n\r\n"
+    )
+}
+
+/// A whole response's status, and its body as JSON (`null` when empty or not JSON).
+fn parse(response: &[u8]) -> (u16, Value) {
+    let response = String::from_utf8_lossy(response);
+    let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
 /// One HTTP/1.1 request on a fresh connection: the status and the body as JSON (`null` when empty or not JSON).
 pub fn request(addr: &str, method: &str, path: &str, body: &Value) -> (u16, Value) {
     let body = if body.is_null() { String::new() } else { body.to_string() };
     let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
     stream.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
-         Connection: close\r\n\r\n",
-        body.len()
-    );
+    let head = head(addr, method, path, body.len());
     stream.write_all(head.as_bytes()).and_then(|()| stream.write_all(body.as_bytes())).expect("send");
     let mut response = Vec::new();
     let _ = stream.read_to_end(&mut response);
-    let response = String::from_utf8_lossy(&response);
-    let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    parse(&response)
 }
 
 /// A certificate and its key, as files.
@@ -165,20 +174,13 @@ pub fn request_tls(addr: &str, ca: &Path, method: &str, path: &str, body: &Value
     tcp.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
     let mut stream = rustls::StreamOwned::new(connection, tcp);
     let body = if body.is_null() { String::new() } else { body.to_string() };
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
-         Connection: close\r\n\r\n",
-        body.len()
-    );
+    let head = head(addr, method, path, body.len());
     if stream.write_all(head.as_bytes()).and_then(|()| stream.write_all(body.as_bytes())).is_err() {
         return (0, Value::Null);
     }
     let mut response = Vec::new();
     let _ = stream.read_to_end(&mut response);
-    let response = String::from_utf8_lossy(&response);
-    let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    parse(&response)
 }
 
 /// A request with `curl` (for TLS): the status and the body as JSON; status 0 and curl's error as a JSON string

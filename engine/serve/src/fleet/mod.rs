@@ -585,14 +585,8 @@ impl Fleet {
         {
             return Ok(Owner::Remote { advertise: advertise.clone() });
         }
-        let mut kvs: Vec<strata_fleet::KeyValue> =
-            self.store().get(&self.protocol.sandbox_key(id)).await?.into_iter().collect();
-        let view = self.protocol.view(&kvs);
-        if let Some(entry) = view.catalog.get(id) {
-            kvs.extend(self.store().get(&self.protocol.node_key(&entry.value.node)).await?);
-        }
-        let view = self.protocol.view(&kvs);
         // A malformed entry is nobody's: the request is answered here (not found).
+        let view = self.entry_and_node(&self.protocol.sandbox_key(id)).await?;
         let owner = self.protocol.lookup(&view, &self.config.node, id).unwrap_or(Owner::Unknown);
         if let Owner::Remote { advertise } = &owner {
             let mut owners = self.owners();
@@ -629,14 +623,19 @@ impl Fleet {
         if !valid_name(id) {
             return Ok(Owner::Unknown);
         }
-        let mut kvs: Vec<strata_fleet::KeyValue> =
-            self.store().get(&self.protocol.snapshot_key(id)).await?.into_iter().collect();
-        let view = self.protocol.view(&kvs);
-        if let Some(entry) = view.snapshots.get(id) {
-            kvs.extend(self.store().get(&self.protocol.node_key(&entry.value.node)).await?);
-        }
-        let view = self.protocol.view(&kvs);
+        let view = self.entry_and_node(&self.protocol.snapshot_key(id)).await?;
         Ok(self.protocol.lookup_snapshot(&view, &self.config.node, id).unwrap_or(Owner::Unknown))
+    }
+
+    /// The catalog entry at `key` (a sandbox's or a snapshot's) and the record of the node it names, as a view.
+    async fn entry_and_node(&self, key: &str) -> Result<View, FleetError> {
+        let mut kvs: Vec<strata_fleet::KeyValue> = self.store().get(key).await?.into_iter().collect();
+        let view = self.protocol.view(&kvs);
+        let node = view.catalog.values().chain(view.snapshots.values()).next().map(|e| e.value.node.clone());
+        if let Some(node) = node {
+            kvs.extend(self.store().get(&self.protocol.node_key(&node)).await?);
+        }
+        Ok(self.protocol.view(&kvs))
     }
 
     /// Forgets the owner of `id` (forwarding to it failed: look it up again).
