@@ -172,6 +172,8 @@ pub fn request_tls(addr: &str, ca: &Path, method: &str, path: &str, body: &Value
     let connection = rustls::ClientConnection::new(std::sync::Arc::new(config), name).expect("a TLS client");
     let Ok(tcp) = TcpStream::connect(addr) else { return (0, Value::Null) };
     tcp.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    // The head and the body are two TLS records: without this, the second waits for the server's delayed ACK.
+    tcp.set_nodelay(true).expect("nodelay");
     let mut stream = rustls::StreamOwned::new(connection, tcp);
     let body = if body.is_null() { String::new() } else { body.to_string() };
     let head = head(addr, method, path, body.len());
