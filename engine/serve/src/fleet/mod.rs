@@ -195,6 +195,8 @@ pub struct Fleet {
     store: std::sync::RwLock<Store>,
     /// The node's TLS (`None`: a loopback fleet in plain HTTP), and the generation the store was made with.
     tls: Option<Arc<Tls>>,
+    /// Idle connections to other nodes ([`proxy::Pool`]).
+    pool: Arc<proxy::Pool>,
     store_generation: AtomicU64,
     capacity: Capacity,
     /// The current registration: its incarnation and lease (0 while not registered).
@@ -276,6 +278,7 @@ impl Fleet {
             protocol: Protocol::new(&config.prefix),
             store: std::sync::RwLock::new(store),
             tls,
+            pool: Arc::default(),
             store_generation: AtomicU64::new(generation),
             capacity,
             incarnation: AtomicU64::new(0),
@@ -347,7 +350,7 @@ impl Fleet {
         request: axum::extract::Request,
     ) -> Result<axum::response::Response, crate::ApiError> {
         let connector = self.tls.as_ref().and_then(|tls| tls.connector());
-        proxy::forward(&self.config.node, advertise, connector.as_ref(), request).await
+        proxy::forward(&self.config.node, advertise, connector.as_ref(), Some(&self.pool), request).await
     }
 
     /// The current incarnation and lease; [`FleetError::NotRegistered`] while the node is out.

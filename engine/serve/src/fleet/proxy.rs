@@ -6,12 +6,14 @@
 //! [`PLACED`] (the reserved sandbox id): the receiving node confirms that reservation in etcd before it creates
 //! anything, so a header alone places nothing.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 
 use crate::ApiError;
@@ -64,14 +66,74 @@ impl NodeUrl {
     }
 }
 
+/// Idle connections to other nodes, by URL: a forwarded request that is not an upgrade reuses one (no new TCP or
+/// TLS handshake) and gives it back once its answer is done. A connection idle for [`IDLE_MAX`] (well below a
+/// node's keep-alive timeout) or closed by its node is dropped; a request a pooled connection could not send is
+/// sent on the next one or a new one, so a connection closed meanwhile costs no request.
+#[derive(Default)]
+pub struct Pool {
+    idle: std::sync::Mutex<Idle>,
+}
+
+/// Idle connections by node URL, each with the time it became idle.
+type Idle = std::collections::HashMap<String, Vec<(SendRequest<Body>, Instant)>>;
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("nodes", &self.lock().len()).finish()
+    }
+}
+
+/// How long a connection to another node stays in the pool unused.
+const IDLE_MAX: Duration = Duration::from_secs(15);
+
+/// Idle connections kept per node.
+const IDLE_PER_NODE: usize = 16;
+
+impl Pool {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
+        self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// An idle connection to `node` that may take a request now.
+    fn take(&self, node: &str) -> Option<SendRequest<Body>> {
+        let mut idle = self.lock();
+        let list = idle.get_mut(node)?;
+        while let Some((sender, since)) = list.pop() {
+            if since.elapsed() < IDLE_MAX && sender.is_ready() {
+                return Some(sender);
+            }
+        }
+        None
+    }
+
+    /// Gives `sender` back once its exchange is done (its answer read to the end), unless its node closed it.
+    fn give_back(self: &Arc<Self>, node: String, mut sender: SendRequest<Body>) {
+        let pool = self.clone();
+        tokio::spawn(async move {
+            if sender.ready().await.is_err() {
+                return;
+            }
+            let mut idle = pool.lock();
+            let list = idle.entry(node).or_default();
+            list.retain(|(s, since)| since.elapsed() < IDLE_MAX && !s.is_closed());
+            if list.len() < IDLE_PER_NODE {
+                list.push((sender, Instant::now()));
+            }
+        });
+    }
+}
+
 /// Sends `request` to the node at `advertise` as it is (its path, query, headers and body), marked with [`HOP`],
 /// and returns the node's answer unchanged; an upgrade (`101`) joins the two connections until either closes.
 /// An `https://` node is reached over mutual TLS with `tls` (its certificate verified against the fleet CA, this
-/// node's presented); without `tls` only `http://` nodes are reached.
+/// node's presented); without `tls` only `http://` nodes are reached. With a `pool`, a request that is not an
+/// upgrade goes over an idle connection to that node when there is one.
 pub async fn forward(
     from: &str,
     advertise: &str,
     tls: Option<&tokio_rustls::TlsConnector>,
+    pool: Option<&Arc<Pool>>,
     mut request: Request,
 ) -> Result<Response, ApiError> {
     let unreachable =
@@ -82,6 +144,23 @@ pub async fn forward(
     if let Ok(value) = HeaderValue::from_str(from) {
         request.headers_mut().insert(HOP, value);
     }
+    let upgrading = request.headers().get(header::UPGRADE).is_some();
+    let pool = pool.filter(|_| !upgrading);
+    if let Some(pool) = pool {
+        while let Some(mut sender) = pool.take(advertise) {
+            match sender.try_send_request(request).await {
+                Ok(response) => {
+                    pool.give_back(advertise.to_owned(), sender);
+                    return Ok(response.map(Body::new).into_response());
+                }
+                // Not sent (the node closed the connection meanwhile): the next connection takes it.
+                Err(mut err) => match err.take_message() {
+                    Some(unsent) => request = unsent,
+                    None => return Err(unreachable(err.error().to_string())),
+                },
+            }
+        }
+    }
     let connect = async {
         let stream = tokio::net::TcpStream::connect(&url.authority).await.map_err(|e| e.to_string())?;
         let _ = stream.set_nodelay(true);
@@ -91,8 +170,8 @@ pub async fn forward(
         .await
         .map_err(|_| unreachable("no connection".into()))?
         .map_err(unreachable)?;
-    match (url.tls, tls) {
-        (false, _) => send(stream, request).await.map_err(unreachable),
+    let sender = match (url.tls, tls) {
+        (false, _) => handshake(stream).await.map_err(unreachable)?,
         (true, Some(connector)) => {
             let name = rustls::pki_types::ServerName::try_from(url.host.clone())
                 .map_err(|e| unreachable(format!("{}: {e}", url.host)))?;
@@ -100,24 +179,35 @@ pub async fn forward(
                 .await
                 .map_err(|_| unreachable("no TLS handshake".into()))?
                 .map_err(|e| unreachable(format!("TLS: {e}")))?;
-            send(stream, request).await.map_err(unreachable)
+            handshake(stream).await.map_err(unreachable)?
         }
-        (true, None) => Err(unreachable("an https:// node, and this node has no fleet certificate".into())),
-    }
+        (true, None) => return Err(unreachable("an https:// node, and this node has no fleet certificate".into())),
+    };
+    send(sender, request, pool.map(|pool| (pool, advertise))).await.map_err(unreachable)
 }
 
-/// Sends `request` over `io` (one HTTP/1 connection) and returns the answer; an upgrade joins the connections.
-async fn send<S>(io: S, mut request: Request) -> Result<Response, String>
+/// One HTTP/1 connection over `io`, driven on its own task (upgrades included).
+async fn handshake<S>(io: S) -> Result<SendRequest<Body>, String>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (mut sender, connection) = hyper::client::conn::http1::Builder::new()
+    let (sender, connection) = hyper::client::conn::http1::Builder::new()
         .handshake::<_, Body>(TokioIo::new(io))
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(async move {
         let _ = connection.with_upgrades().await;
     });
+    Ok(sender)
+}
+
+/// Sends `request` on a new connection and returns the answer; an upgrade joins the connections. A connection
+/// that took no upgrade goes to `pool` once its answer is done.
+async fn send(
+    mut sender: SendRequest<Body>,
+    mut request: Request,
+    pool: Option<(&Arc<Pool>, &str)>,
+) -> Result<Response, String> {
     let upgrading = request.headers().get(header::UPGRADE).is_some();
     let client_side = upgrading.then(|| hyper::upgrade::on(&mut request));
     let mut response = sender.send_request(request).await.map_err(|e| e.to_string())?;
@@ -130,6 +220,8 @@ where
                 let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(node)).await;
             }
         });
+    } else if let Some((pool, node)) = pool {
+        pool.give_back(node.to_owned(), sender);
     }
     Ok(response.map(Body::new).into_response())
 }

@@ -106,7 +106,7 @@ async fn a_node_forwards_only_to_a_server_whose_certificate_chains_to_the_fleet_
         let server = TestServer::with(move |config| config.tls = Some(files(&identity, ca))).await;
         let advertise = server.base.replace("http://", "https://");
         let request = Request::get("/health").body(Body::empty()).expect("request");
-        let answer = proxy::forward("n1", &advertise, Some(&connector), request).await;
+        let answer = proxy::forward("n1", &advertise, Some(&connector), None, request).await;
         match (answer, is_node) {
             (Ok(response), true) => assert_eq!(response.status(), 204),
             (Err(err), false) => assert!(err.to_string().contains("TLS"), "{err}"),
@@ -115,7 +115,7 @@ async fn a_node_forwards_only_to_a_server_whose_certificate_chains_to_the_fleet_
         }
         // Plain HTTP is not forwarded to an https:// node without a connector.
         let request = Request::get("/health").body(Body::empty()).expect("request");
-        assert!(proxy::forward("n1", &advertise, None, request).await.is_err());
+        assert!(proxy::forward("n1", &advertise, None, None, request).await.is_err());
         server.stop().await;
     }
 }
