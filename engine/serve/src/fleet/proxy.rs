@@ -80,7 +80,7 @@ type Idle = std::collections::HashMap<String, Vec<(SendRequest<Body>, Instant)>>
 
 impl std::fmt::Debug for Pool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool").field("nodes", &self.lock().len()).finish()
+        f.debug_struct("Pool").field("idle", &self.idle_connections()).finish()
     }
 }
 
@@ -93,6 +93,11 @@ const IDLE_PER_NODE: usize = 16;
 impl Pool {
     fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
         self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The idle connections held, to every node.
+    pub fn idle_connections(&self) -> usize {
+        self.lock().values().map(Vec::len).sum()
     }
 
     /// An idle connection to `node` that may take a request now.

@@ -196,3 +196,31 @@ async fn a_reservation_nobody_confirms_is_released_by_its_node() {
     n2.stop().await;
     drop(etcd);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_requests_reuse_an_idle_connection_to_their_node() {
+    let server = TestServer::start().await;
+    let pool = std::sync::Arc::new(proxy::Pool::default());
+    let open = || server.state.connections.open();
+    for round in 0..5 {
+        let request = Request::get("/health").body(Body::empty()).expect("request");
+        let answer = proxy::forward("n1", &server.base, None, Some(&pool), request).await.expect("forwarded");
+        assert_eq!(answer.status(), 204);
+        // The connection goes back to the pool once its answer is done.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while pool.idle_connections() != 1 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(open(), 1, "round {round}: one connection, reused");
+    }
+    // Without a pool, each request has a connection of its own, closed after it.
+    let request = Request::get("/health").body(Body::empty()).expect("request");
+    proxy::forward("n1", &server.base, None, None, request).await.expect("forwarded");
+    drop(pool);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while open() != 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(open(), 0, "dropping the pool closes its connections");
+    server.stop().await;
+}
