@@ -150,6 +150,15 @@ pub async fn forward(
         request.headers_mut().insert(HOP, value);
     }
     let upgrading = request.headers().get(header::UPGRADE).is_some();
+    if !upgrading {
+        // Hop-by-hop headers are the client's connection's business, not the next hop's: a client's
+        // `Connection: close` would close the pooled connection to the node after every request.
+        for name in [header::CONNECTION, header::TE, header::TRAILER, header::PROXY_AUTHORIZATION] {
+            request.headers_mut().remove(name);
+        }
+        request.headers_mut().remove("keep-alive");
+        request.headers_mut().remove("proxy-connection");
+    }
     let pool = pool.filter(|_| !upgrading);
     if let Some(pool) = pool {
         while let Some(mut sender) = pool.take(advertise) {

@@ -203,7 +203,8 @@ async fn forwarded_requests_reuse_an_idle_connection_to_their_node() {
     let pool = std::sync::Arc::new(proxy::Pool::default());
     let open = || server.state.connections.open();
     for round in 0..5 {
-        let request = Request::get("/health").body(Body::empty()).expect("request");
+        // A client's `Connection: close` is its own connection's: the node's connection stays open.
+        let request = Request::get("/health").header("connection", "close").body(Body::empty()).expect("request");
         let answer = proxy::forward("n1", &server.base, None, Some(&pool), request).await.expect("forwarded");
         assert_eq!(answer.status(), 204);
         // The connection goes back to the pool once its answer is done.
