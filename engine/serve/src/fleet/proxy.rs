@@ -67,7 +67,7 @@ impl NodeUrl {
 }
 
 /// Idle connections to other nodes, by URL: a forwarded request that is not an upgrade reuses one (no new TCP or
-/// TLS handshake) and gives it back once its answer is done. A connection idle for [`IDLE_MAX`] (well below a
+/// TLS handshake) and gives it back once its answer is done. A connection idle for 15 s (well below a
 /// node's keep-alive timeout) or closed by its node is dropped; a request a pooled connection could not send is
 /// sent on the next one or a new one, so a connection closed meanwhile costs no request.
 #[derive(Default)]

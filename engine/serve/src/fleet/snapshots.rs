@@ -4,7 +4,7 @@
 //! [`strata_fleet::Protocol::hold_snapshot`]); every node finds it there, and a request for it (delete, fork,
 //! manifest, files) through another node is forwarded to the holder like a sandbox's ([`super::route`]). A fork
 //! goes to the holder first (no copy needed). When the holder has no room for it (`503`), the node asked fetches
-//! the snapshot ([`fetch`]): its manifest first, checked against this node's snapshot bounds before a byte of its
+//! the snapshot (`fetch`): its manifest first, checked against this node's snapshot bounds before a byte of its
 //! files is fetched, then each file, streamed to disk within its listed size, over the fleet's connection (mutual
 //! TLS in a fleet with TLS) with the client's own credentials (the holder checks the snapshot is theirs). The copy
 //! is sealed with this node's key only if its files are exactly the manifest's — names, sizes, sha256
