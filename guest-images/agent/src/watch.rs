@@ -18,6 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fs;
 use std::os::fd::{AsFd, OwnedFd};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
@@ -74,7 +75,8 @@ pub fn prepare(path: &str, recursive: bool) -> Result<Prepared, FileError> {
         trimmed => trimmed.to_owned(),
     };
     let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).map_err(|e| errno(path, e))?;
-    let mut tree = Tree { inotify, root: None, dirs: HashMap::new(), recursive, overflowed: false, moved: Vec::new() };
+    let mut tree =
+        Tree { inotify, root: None, dirs: HashMap::new(), recursive, overflowed: false, moved: Vec::new(), last: None };
     let wd = match tree.add(&root, None) {
         Ok(wd) => wd,
         Err(Errno::ENOSPC) => {
@@ -128,7 +130,13 @@ struct Tree {
     overflowed: bool,
     /// Directories moved away in this read, by the rename's cookie, until they show up in the watch again.
     moved: Vec<(u32, String)>,
+    /// The last event sent and when: a write (or permission change) run split across two reads of the inotify
+    /// queue (the kernel may deliver a file's `IN_MODIFY` and `IN_CLOSE_WRITE` in separate reads) stays one event.
+    last: Option<(WatchEvent, Instant)>,
 }
+
+/// How close after the last event sent a repeat of it continues the same run.
+const RUN_GAP: Duration = Duration::from_millis(50);
 
 impl Tree {
     /// Watches `top` and, when recursive, the directories below it; with `announce`, a Create for each entry
@@ -303,6 +311,16 @@ impl Tree {
             for (_, old) in std::mem::take(&mut self.moved) {
                 self.forget(&old);
             }
+            if let (Some(first), Some((last, at))) = (events.first(), &self.last)
+                && matches!(first.kind, WatchKind::Write | WatchKind::Chmod)
+                && first == last
+                && at.elapsed() < RUN_GAP
+            {
+                events.remove(0);
+            }
+            if let Some(last) = events.last() {
+                self.last = Some((last.clone(), Instant::now()));
+            }
             for batch in events.chunks(MAX_WATCH_BATCH) {
                 let overflowed = std::mem::take(&mut self.overflowed);
                 if !send(GuestMessage::WatchEvents { id, events: batch.to_vec(), overflowed }) {
@@ -370,6 +388,23 @@ mod tests {
         let events = until(&rx, |e| has(e, WatchKind::Remove, &file));
         let kinds: Vec<WatchKind> = events.iter().filter(|e| e.path == file).map(|e| e.kind).collect();
         assert_eq!(kinds, [WatchKind::Create, WatchKind::Write, WatchKind::Remove], "{events:?}");
+        watch.stop();
+    }
+
+    #[test]
+    fn writes_apart_in_time_are_each_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().to_str().expect("utf-8");
+        let file = format!("{root}/twice");
+        fs::write(&file, b"0").expect("write");
+        let (watch, rx) = watching(root, false);
+        fs::write(&file, b"1").expect("write");
+        std::thread::sleep(RUN_GAP * 4);
+        fs::write(&file, b"2").expect("write");
+        fs::remove_file(&file).expect("remove");
+        let events = until(&rx, |e| has(e, WatchKind::Remove, &file));
+        let writes = events.iter().filter(|e| e.path == file && e.kind == WatchKind::Write).count();
+        assert_eq!(writes, 2, "{events:?}");
         watch.stop();
     }
 
