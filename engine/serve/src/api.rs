@@ -804,7 +804,7 @@ async fn fork_live(
 /// `GET /v1/sandboxes/{id}/jobs`.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct JobList {
-    /// The sandbox's last jobs (at most 50), oldest first, with the ends of their output and their egress.
+    /// The sandbox's last jobs (at most 32), oldest first, with the ends of their output and their egress.
     pub jobs: Vec<crate::jobs::JobRecord>,
 }
 

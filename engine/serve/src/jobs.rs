@@ -13,13 +13,13 @@ use utoipa::ToSchema;
 use strata_core::sync::lock;
 
 /// Jobs kept per sandbox.
-pub const MAX_JOBS_KEPT: usize = 50;
+pub const MAX_JOBS_KEPT: usize = 32;
 
 /// Bytes kept of the end of each output stream.
-pub const MAX_TAIL: usize = 4096;
+pub const MAX_TAIL: usize = 2048;
 
 /// Egress entries kept per job.
-pub const MAX_EGRESS_KEPT: usize = 64;
+pub const MAX_EGRESS_KEPT: usize = 32;
 
 /// The most characters of a job's description.
 const MAX_DESCRIPTION: usize = 200;
@@ -42,7 +42,7 @@ pub struct JobRecord {
     pub stdout_tail: String,
     /// The last bytes of its stderr (UTF-8, lossy).
     pub stderr_tail: String,
-    /// The connections it made or tried through the egress proxy (the outcome's `egress`, at most 64).
+    /// The connections it made or tried through the egress proxy (the outcome's `egress`, at most 32).
     #[schema(value_type = Vec<Object>)]
     pub egress: Vec<serde_json::Value>,
 }
