@@ -128,6 +128,14 @@ fn creates(request: &Request) -> bool {
     request.method() == Method::POST && matches!(request.uri().path(), "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes")
 }
 
+/// `err` in the shape of the route asked: the native API's, or E2B's.
+fn answer(err: ApiError, path: &str, headers: &axum::http::HeaderMap) -> Response {
+    if crate::native_path(path) {
+        return err.into_response();
+    }
+    crate::e2b::E2bError::from(err).answer_to(path, headers)
+}
+
 /// The answer for a sandbox whose node is gone from the fleet.
 fn lost(fleet: &Fleet, path: &str, headers: &axum::http::HeaderMap, id: &str, node: &str) -> Response {
     fleet.counters.lost.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -136,10 +144,7 @@ fn lost(fleet: &Fleet, path: &str, headers: &axum::http::HeaderMap, id: &str, no
         "sandbox_lost",
         format!("sandbox {id} was on node {node}, which left the fleet (its lease expired); the sandbox is lost"),
     );
-    if crate::native_path(path) {
-        return err.into_response();
-    }
-    crate::e2b::E2bError::from(err).answer_to(path, headers)
+    answer(err, path, headers)
 }
 
 /// The fleet's middleware: forwards requests for sandboxes other nodes hold, answers `sandbox_lost` for those of
@@ -157,10 +162,7 @@ pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: N
             "not_a_node",
             format!("{HOP} and {PLACED} are accepted only from the fleet's nodes (over mutual TLS)"),
         );
-        if crate::native_path(request.uri().path()) {
-            return err.into_response();
-        }
-        return crate::e2b::E2bError::from(err).answer_to(request.uri().path(), request.headers());
+        return answer(err, request.uri().path(), request.headers());
     }
     if request.headers().contains_key(HOP) {
         let placed = request.headers().get(PLACED).and_then(|v| v.to_str().ok()).map(str::to_owned);
@@ -205,10 +207,7 @@ pub async fn route(State(state): State<Arc<AppState>>, request: Request, next: N
                 "fleet_unavailable",
                 format!("cannot tell which node holds sandbox {id}: {err}"),
             );
-            if crate::native_path(request.uri().path()) {
-                return err.into_response();
-            }
-            crate::e2b::E2bError::from(err).answer_to(request.uri().path(), request.headers())
+            answer(err, request.uri().path(), request.headers())
         }
     }
 }
