@@ -349,3 +349,90 @@ fn matplotlib_renders_with_its_data_files() {
     );
     assert_eq!(stdout(&outcome), "b'\\x89PNG'\n", "{}", stderr(&outcome));
 }
+
+/// A one-shot job run in an instance primed ahead of it (`WasmTier::prestart_python`, what a warm daemon's Python
+/// spare does) gives exactly the outcome it gives in an instance made for it: its own arguments, stdin, grants and
+/// scratch `/tmp`, not the priming's; exceptions, exit codes, `atexit`, `-m` and scripts as usual; the
+/// interpreter's own names in `__main__` as usual. A job with an environment of its own does not take the instance
+/// (the interpreter read the priming's at its first turn), nor one whose memory limit is below what the instance
+/// holds. Each case runs unprimed, then primed, in an engine of the test's own (a primed instance is left to its
+/// process's exit after its job, one pool slot each).
+#[test]
+fn a_job_in_a_primed_instance_gives_the_outcome_of_a_fresh_one() {
+    use strata_core::EnvVar;
+    use strata_engine::{Engine, EngineConfig};
+
+    let home = strata_engine::strata_home().expect("STRATA_HOME or HOME");
+    let engine = Engine::new(EngineConfig { home: Some(home), ..EngineConfig::default() }).expect("engine");
+    let data = tempfile::tempdir().expect("tempdir");
+    std::fs::write(data.path().join("input.txt"), "granted\n").expect("write");
+    let script = data.path().join("script.py");
+    std::fs::write(&script, "import sys\nprint('script', __file__, sys.argv[1:])\n").expect("write");
+    let caps = Capabilities {
+        grants: vec![Grant::new(data.path(), "/data", GrantMode::Ro).expect("grant")],
+        ..Capabilities::default()
+    };
+    let with_env =
+        Capabilities { env: vec![EnvVar { name: "GREETING".into(), value: "hello".into() }], ..caps.clone() };
+    let probe = "import os, sys\n\
+                 print(os.environ.get('GREETING'), os.environ['HOME'], sorted(os.listdir('/data')))\n\
+                 print(open('/data/input.txt').read().strip(), sys.argv, sys.stdin.read().strip(), os.listdir('/tmp'))\n\
+                 open('/tmp/mine', 'w').write('x')\n\
+                 print(sorted(n for n in dir() if n.startswith('__strata')))";
+    let probe_job = Job::Python { source: PythonSource::Code(probe.into()), args: vec!["a".into(), "b c".into()] };
+    let cases: Vec<(Job, Option<&[u8]>)> = vec![
+        (probe_job.clone(), Some(b"in\n")),
+        (code("print(1)"), None),
+        (code("import sys\nprint('out')\nsys.exit(3)"), None),
+        (code("def f():\n    raise ValueError('boom')\nf()"), None),
+        (code("import atexit\natexit.register(lambda: print('bye'))\nprint(__name__)"), None),
+        (Job::Python { source: PythonSource::Module("json.tool".into()), args: Vec::new() }, Some(b"{\"b\": [1, 2]}")),
+        (Job::Python { source: PythonSource::File(script.clone()), args: vec!["x".into()] }, None),
+    ];
+    let run = |job: &Job, caps: &Capabilities, stdin: Option<&[u8]>| {
+        let mut request =
+            RunRequest::new(job).caps(caps).limits(Limits::default()).tier(TierChoice::Tier(TierKind::Wasm));
+        if let Some(bytes) = stdin {
+            request = request.stdin(bytes.to_vec());
+        }
+        engine.execute(request).expect("job")
+    };
+    let wasm = engine.wasm();
+    for (index, (job, stdin)) in cases.iter().enumerate() {
+        let fresh = run(job, &caps, *stdin);
+        wasm.prestart_python(&Limits::default()).expect("prestart");
+        assert!(wasm.python_primed());
+        if index % 2 == 1 {
+            // As a daemon's spare does: its memory made resident first.
+            wasm.make_primed_python_resident();
+        }
+        let primed = run(job, &caps, *stdin);
+        assert!(!wasm.python_primed(), "the job took the primed instance: {job:?}");
+        assert_eq!(
+            (&primed.status, stdout(&primed), stderr(&primed)),
+            (&fresh.status, stdout(&fresh), stderr(&fresh)),
+            "{job:?}"
+        );
+    }
+    wasm.prestart_python(&Limits::default()).expect("prestart");
+    let primed = run(&probe_job, &caps, Some(b"in\n"));
+    assert_eq!(
+        stdout(&primed),
+        "None /tmp ['input.txt', 'script.py']\ngranted ['-c', 'a', 'b c'] in []\n['__strata_exit', '__strata_job']\n"
+    );
+    // Its own environment: not in the primed instance, which waits for the next job.
+    wasm.prestart_python(&Limits::default()).expect("prestart");
+    let own_env = run(&probe_job, &with_env, Some(b"in\n"));
+    assert!(stdout(&own_env).starts_with("hello /tmp "), "{}", stdout(&own_env));
+    assert!(wasm.python_primed());
+    // A memory limit below what the primed instance holds: it is left unused, and the job meets the limit as
+    // a fresh instance does.
+    let small = limits("memory = \"16MiB\"");
+    let outcome = engine
+        .execute(RunRequest::new(&code("print(1)")).limits(small).tier(TierChoice::Tier(TierKind::Wasm)))
+        .expect("job");
+    assert_eq!(outcome.status, Status::LimitExceeded { limit: LimitKind::Memory });
+    let after = run(&code("print(2)"), &caps, None);
+    assert_eq!((&after.status, stdout(&after)), (&Status::Exited { code: 0 }, "2\n".to_owned()));
+    assert!(!wasm.python_primed());
+}

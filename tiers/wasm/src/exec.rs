@@ -142,6 +142,11 @@ impl Meter {
         self.peak_memory = self.peak_memory.max(self.memory_now);
     }
 
+    /// Whether the memory already in use is within the armed cap.
+    pub(crate) fn fits(&self) -> bool {
+        self.memory_now <= self.memory_cap
+    }
+
     /// Checked at every epoch tick while the guest runs.
     fn check(&self) -> Option<Stop> {
         if self.cancel.as_ref().is_some_and(CancelToken::is_cancelled) {
@@ -464,7 +469,7 @@ impl Captures {
         self.stderr.restart(limits.output.0, sink);
     }
 
-    fn finish(&self) -> (Captured, Captured) {
+    pub(crate) fn finish(&self) -> (Captured, Captured) {
         (self.stdout.finish(), self.stderr.finish())
     }
 }

@@ -184,6 +184,8 @@ pub(crate) struct TierInner {
     /// The snapshot-ready form of each Python runtime met so far (by its sha256), or why it has none.
     ready: Mutex<HashMap<Digest, Result<ReadyRuntime, String>>>,
     files: Mutex<HashMap<PathBuf, (FileStamp, Digest, Format)>>,
+    /// A Python instance made ahead of the next one-shot Python job ([`WasmTier::prestart_python`]).
+    primed: Mutex<Option<python::PrimedPython>>,
 }
 
 /// The Python runtime's files, its module prepared for one engine, and where the compiled code came from.
@@ -211,6 +213,7 @@ impl WasmTier {
                 mapped_metered: OnceLock::new(),
                 ready: Mutex::new(HashMap::new()),
                 files: Mutex::new(HashMap::new()),
+                primed: Mutex::new(None),
             }),
         }
     }
@@ -227,6 +230,39 @@ impl WasmTier {
     pub fn prepare_python(&self, limits: &Limits) -> Result<Option<CacheOutcome>, TierError> {
         let runtime = self.inner.runtime(limits.fuel.limit().is_some())?;
         self.inner.python(runtime).map(|(_, _, outcome)| outcome)
+    }
+
+    /// Does ahead of the next one-shot Python job (of `limits`' fuel mode) what its start would do: the runtime
+    /// loaded and an instance made, with the job-independent part of a one-shot job's code already run in it. For
+    /// a process that forks a child per job (a warm daemon), which runs no guest code itself: the priming starts
+    /// no thread (the process stays single-threaded, as forking needs), and each child takes its own copy of the
+    /// instance. The next one-shot Python job in a process runs in the instance, exactly as it would in one made
+    /// for it (`tests/all/python.rs` compares the two), and leaves it to that process's exit rather than reset
+    /// its pool slot: the process that takes it runs one job and exits. A job with its own environment (`env`,
+    /// `secrets`: the interpreter reads its environment at its first turn), inputs to reproduce (`--seed`,
+    /// `--record`, replay), or a memory limit below what the instance holds (~40 MiB) makes its own instance, as
+    /// without it.
+    pub fn prestart_python(&self, limits: &Limits) -> Result<(), TierError> {
+        let metered = limits.fuel.limit().is_some();
+        let runtime = self.inner.runtime(metered)?;
+        let (artifacts, prepared, _) = self.inner.python(runtime)?;
+        let primed = python::prime(runtime, &prepared, &artifacts, limits)?;
+        *lock(&self.inner.primed) = Some(primed);
+        Ok(())
+    }
+
+    /// Makes the memory of the instance [`WasmTier::prestart_python`] made resident and this process's own (in a
+    /// forked child: its copy, ~40 MiB), so that the job takes no page faults in the interpreter's heap. For a
+    /// child forked ahead of its job (a warm daemon's spare). Does nothing when no instance waits.
+    pub fn make_primed_python_resident(&self) {
+        if let Some(primed) = lock(&self.inner.primed).as_mut() {
+            primed.make_resident();
+        }
+    }
+
+    /// Whether a Python instance made by [`WasmTier::prestart_python`] waits for its job.
+    pub fn python_primed(&self) -> bool {
+        lock(&self.inner.primed).is_some()
     }
 
     /// Prepares what Python sessions (and their snapshots and forks) run for `limits`' fuel mode: the
@@ -516,7 +552,11 @@ impl TierInner {
                 // Before the runtime is loaded (possibly fetched): it would be refused anyway.
                 exec::refuse_net(caps, exec::PYTHON)?;
                 let (artifacts, prepared, _) = self.python(runtime)?;
-                python::run_once(runtime, &prepared, &artifacts, source, args, context(self.tools(caps)?))
+                let primed = match inputs {
+                    None => lock(&self.primed).take_if(|primed| primed.serves(&prepared, caps)),
+                    Some(_) => None,
+                };
+                python::run_once(runtime, &prepared, &artifacts, source, args, context(self.tools(caps)?), primed)
             }
             other => Err(TierError::WrongJob { tier: TierKind::Wasm, job: other.kind() }),
         }

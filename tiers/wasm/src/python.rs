@@ -24,6 +24,7 @@ use bytes::Bytes;
 use strata_core::{Capabilities, ExecOptions, Limits, Outcome, PythonSource, Status, TierError, TierKind};
 use strata_wasi_shims::{StdinSource, StreamedStdin};
 use wasmtime::{Extern, Store, TypedFunc};
+use wasmtime_wasi::WasiCtxBuilder;
 
 use crate::error::internal_from;
 use crate::exec::{
@@ -163,50 +164,32 @@ const EXIT: &str = "def __strata_exit():
             pass
 ";
 
-/// The turn code that ends a session's interpreter as [`one_shot_code`] ends its program, after its last job.
+/// The turn code that ends a session's interpreter as a one-shot job ([`JOB`]) ends its program, after its last job.
 fn exit_turn_code() -> String {
     format!("{EXIT}try:\n    __strata_exit()\nfinally:\n    del __strata_exit\n")
 }
 
-/// The turn code of a one-shot job: the program run as `python -c`/`python FILE`/`python -m` would run it.
-fn one_shot_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> String {
-    let (argv0, body) = match source {
-        PythonSource::Code(_) | PythonSource::File(_) => {
-            let filename = match source {
-                PythonSource::File(path) => path.display().to_string(),
-                _ => "<string>".to_owned(),
-            };
-            let file_line = match source {
-                PythonSource::File(_) => format!("main['__file__'] = {}", py_str(&filename)),
-                _ => "main.pop('__file__', None)".to_owned(),
-            };
-            let argv0 = if matches!(source, PythonSource::Code(_)) { "-c".to_owned() } else { filename.clone() };
-            let body = format!(
-                "source = {src}\n            \
-                 import linecache\n            \
-                 linecache.cache[{name}] = (len(source), None, source.splitlines(True), {name})\n            \
-                 code = compile(source, {name}, 'exec')\n            \
-                 {file_line}\n            \
-                 exec(code, main)",
-                src = py_str(code.unwrap_or_default()),
-                name = py_str(&filename),
-            );
-            (argv0, body)
-        }
-        PythonSource::Module(module) => {
-            (module.clone(), format!("import runpy\n            runpy._run_module_as_main({})", py_str(module)))
-        }
-    };
-    let mut argv = vec![argv0];
-    argv.extend(args.iter().cloned());
-    format!(
-        "{SOCKET_SHIM}{EXIT}def __strata_job():
+/// What runs a one-shot job's program as `python -c`/`python FILE`/`python -m` would: `sys.argv` set, the program
+/// run in `__main__` (`__file__` for a script, `runpy` for a module), an uncaught exception's traceback printed
+/// without this function's frame and the job ended with 1, and the program's clean exit (`__strata_exit`) run.
+const JOB: &str = "def __strata_job(argv, mode, source, name):
     import sys
-    sys.argv = {argv}
+    sys.argv = argv
     main = sys.modules['__main__'].__dict__
     try:
         try:
-            {body}
+            if mode == 'm':
+                import runpy
+                runpy._run_module_as_main(source)
+            else:
+                import linecache
+                linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+                code = compile(source, name, 'exec')
+                if mode == 'f':
+                    main['__file__'] = name
+                else:
+                    main.pop('__file__', None)
+                exec(code, main)
         except SystemExit:
             raise
         except BaseException as error:
@@ -217,12 +200,32 @@ fn one_shot_code(source: &PythonSource, code: Option<&str>, args: &[String]) -> 
             raise SystemExit(1) from None
     finally:
         __strata_exit()
-try:
-    __strata_job()
-finally:
-    del __strata_job, __strata_exit
-",
+";
+
+/// The part of a one-shot job's turn code that is the same for every job: the socket shim, then `__strata_exit`
+/// and `__strata_job` defined in `__main__` (the job's own part deletes them at its end). A primed instance runs
+/// it as a turn of its own before its job arrives ([`prime`]); otherwise it starts the job's one turn.
+fn one_shot_prelude() -> String {
+    format!("{SOCKET_SHIM}{EXIT}{JOB}")
+}
+
+/// The job's own part of a one-shot job's turn code: its program, run by `__strata_job`.
+fn one_shot_call(source: &PythonSource, code: Option<&str>, args: &[String]) -> String {
+    let (argv0, mode, text, name) = match source {
+        PythonSource::Code(_) => ("-c".to_owned(), "c", code.unwrap_or_default().to_owned(), "<string>".to_owned()),
+        PythonSource::File(path) => {
+            let name = path.display().to_string();
+            (name.clone(), "f", code.unwrap_or_default().to_owned(), name)
+        }
+        PythonSource::Module(module) => (module.clone(), "m", module.clone(), String::new()),
+    };
+    let mut argv = vec![argv0];
+    argv.extend(args.iter().cloned());
+    format!(
+        "try:\n    __strata_job({argv}, '{mode}', {text}, {name})\nfinally:\n    del __strata_job, __strata_exit\n",
         argv = py_list(&argv),
+        text = py_str(&text),
+        name = py_str(&name),
     )
 }
 
@@ -312,7 +315,172 @@ fn base_env() -> Vec<(&'static str, String)> {
     vec![("TMPDIR", "/tmp".into()), ("HOME", "/tmp".into()), ("PYTHONTZPATH", String::new())]
 }
 
-/// Runs a one-shot Python job in a fresh instance of the snapshot.
+/// An instance of the Python runtime made before its job arrived ([`crate::WasmTier::prestart_python`]), with the
+/// job-independent part of a one-shot job's turn code ([`one_shot_prelude`]) already run as a turn of its own under a context like a default job's (the standard
+/// library and a scratch `/tmp` at the same guest paths). A job that takes it gives its store the job's WASI
+/// context, tools and limits, as a store made for the job would have, and runs only its own part
+/// ([`one_shot_call`]): the interpreter is where the one turn of an unprimed job would be at that point. The
+/// process that runs a job in it exits after that job (a warm daemon's child): the instance is left to that exit.
+///
+/// The interpreter takes its `os.environ` from the WASI environment at its first turn, so a primed instance has
+/// the priming's: only a job whose environment is that one (no `env` or `secrets` in its capabilities) takes it.
+pub(crate) struct PrimedPython {
+    store: Store<JobState>,
+    exports: PythonExports,
+    /// The runtime it was made in: a job takes it only in the same one.
+    prepared: Arc<Prepared<JobState>>,
+    /// The runs of pages of its memory, and of the module's code, mapped when it was made (offsets from the
+    /// start of the first page of each).
+    hot_memory: Vec<std::ops::Range<usize>>,
+    hot_code: Vec<std::ops::Range<usize>>,
+}
+
+impl PrimedPython {
+    /// Whether a job of `prepared` (the same module in the same engine) with `caps` may run in it.
+    pub(crate) fn serves(&self, prepared: &Arc<Prepared<JobState>>, caps: &Capabilities) -> bool {
+        Arc::ptr_eq(&self.prepared, prepared) && caps.guest_env().next().is_none()
+    }
+
+    /// Maps ahead, in this process's page tables, what a job will touch first: the pages of the instance's
+    /// memory the priming touched, made this process's own (in a forked child, its copies), and the pages of
+    /// compiled code a job ran then. A forked child inherits neither (a file mapping's entries are not copied
+    /// by fork, and a copy-on-write page is copied at the first write), so without this a job faults them in.
+    pub(crate) fn make_resident(&mut self) {
+        let memory = self.exports.memory.data_ptr(&self.store).cast_const();
+        let text = self.prepared.pre.module().text().as_ptr();
+        for (base, runs, advice) in [
+            (memory, &self.hot_memory, nix::sys::mman::MmapAdvise::MADV_POPULATE_WRITE),
+            (text, &self.hot_code, nix::sys::mman::MmapAdvise::MADV_POPULATE_READ),
+        ] {
+            let floor = page_floor(base);
+            for run in runs {
+                let start = floor.wrapping_add(run.start).cast_mut().cast::<std::ffi::c_void>();
+                let Some(start) = std::ptr::NonNull::new(start) else { continue };
+                // SAFETY: each run lies in this instance's linear memory or in its module's code, both mapped for
+                // as long as the store (which holds the module) lives; MADV_POPULATE_WRITE/READ only fault the
+                // pages in as a write or a read would (a write copying a copy-on-write page) and never change
+                // what they hold. A kernel without them (before 5.14) answers EINVAL and nothing is mapped ahead.
+                if let Err(err) = unsafe { nix::sys::mman::madvise(start, run.len(), advice) } {
+                    log::debug!("pages of the primed Python instance stay lazily faulted: {err}");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The start of the page `ptr` is in.
+fn page_floor(ptr: *const u8) -> *const u8 {
+    ptr.wrapping_sub(ptr.addr() % PAGE)
+}
+
+const PAGE: usize = 4096;
+
+/// Makes a [`PrimedPython`] of `prepared` (the Python runtime) under `limits`. First a throwaway instance runs a
+/// whole one-shot job (`print(1)`, its output dropped), so that the code a job runs is paged in; the pages of
+/// code and of the kept instance's memory this process then has mapped are what [`PrimedPython::make_resident`]
+/// maps ahead in a forked child.
+pub(crate) fn prime(
+    runtime: &Runtime<JobState>,
+    prepared: &Arc<Prepared<JobState>>,
+    artifacts: &PythonArtifacts,
+    limits: &Limits,
+) -> Result<PrimedPython, TierError> {
+    let print = PythonSource::Code("print(1)".into());
+    let warm_up = format!("{}{}", one_shot_prelude(), one_shot_call(&print, Some("print(1)"), &[]));
+    let (store, exports, value, out) = host_turn(runtime, prepared, artifacts, limits, &warm_up)?;
+    if decode_turn(value) != (Status::Exited { code: 0 }, false) || out != 2 {
+        return Err(internal_from("cannot prime the Python runtime", format!("a throwaway job returned {value}")));
+    }
+    drop((store, exports));
+    let (store, exports, value, out) = host_turn(runtime, prepared, artifacts, limits, &one_shot_prelude())?;
+    if decode_turn(value) != (Status::Exited { code: 0 }, false) || out != 0 {
+        return Err(internal_from("cannot prime the Python runtime", format!("its first turn returned {value}")));
+    }
+    let hot_memory = resident_runs(exports.memory.data_ptr(&store).cast_const(), exports.memory.data_size(&store))
+        .unwrap_or_default();
+    let text = prepared.pre.module().text();
+    let hot_code = resident_runs(text.as_ptr(), text.len()).unwrap_or_default();
+    Ok(PrimedPython { store, exports, prepared: prepared.clone(), hot_memory, hot_code })
+}
+
+/// Instantiates `prepared` in a store of its own and runs `code` (the host's own) as its first turn, under a
+/// context like a default job's (the standard library and a scratch `/tmp`, removed after; output captured);
+/// returns the store, the exports, the turn's value and the bytes written to stdout and stderr. Without the epoch
+/// ticker, whose thread would stay: a process that forks (a warm daemon) primes too, and must stay
+/// single-threaded. The code ends by itself; the wall deadline still bounds it.
+fn host_turn(
+    runtime: &Runtime<JobState>,
+    prepared: &Arc<Prepared<JobState>>,
+    artifacts: &PythonArtifacts,
+    limits: &Limits,
+    code: &str,
+) -> Result<(Store<JobState>, PythonExports, i32, u64), TierError> {
+    let caps = Capabilities::default();
+    let scratch = scratch(&caps)?;
+    let captures = Captures::new(&caps, limits, None);
+    let opts = ExecOptions::default();
+    let spec = WasiSpec {
+        args: vec![PYTHON_EXECUTABLE.into()],
+        base_env: base_env(),
+        caps: &caps,
+        stdin: exec::GuestStdin::of(&opts),
+        preopens: preopens(artifacts, &caps, scratch.as_ref().map(|d| d.path()))?,
+        clock: None,
+        net: None,
+        inputs: None,
+    };
+    let wasi = exec::wasi_ctx(spec, &captures)?;
+    let meter = Meter::new(limits, None);
+    let mut store = new_store(runtime, JobState { wasi, meter, tools: ToolHost::default(), net: None });
+    set_fuel(runtime, &mut store, limits)?;
+    store.set_epoch_deadline(1);
+    let wall_deadline = store.data().meter.wall_deadline;
+    let ended = guarded(
+        async {
+            let instance = prepared.pre.instantiate_async(&mut store).await?;
+            let exports = exports(&mut store, &instance)?;
+            let value = call_turn(&mut store, &exports, code).await?;
+            Ok((exports, value))
+        },
+        wall_deadline,
+        None,
+    )?;
+    let (exports, value) = match ended {
+        exec::Ended::Returned(Ok(pair)) => pair,
+        exec::Ended::Returned(Err(err)) => return Err(internal_from("cannot prime the Python runtime", err)),
+        _ => return Err(internal_from("cannot prime the Python runtime", "its turn did not end in time")),
+    };
+    let (out, err) = captures.finish();
+    drop(scratch);
+    Ok((store, exports, value, out.written + err.written))
+}
+
+/// The runs of pages of `base..base + len` that this process has mapped now (present or swapped in
+/// `/proc/self/pagemap`), as offsets from the start of `base`'s page.
+fn resident_runs(base: *const u8, len: usize) -> std::io::Result<Vec<std::ops::Range<usize>>> {
+    use std::os::unix::fs::FileExt;
+    let first = base.addr() / PAGE;
+    let pages = (base.addr() + len).div_ceil(PAGE).saturating_sub(first);
+    let mut entries = vec![0u8; pages * 8];
+    std::fs::File::open("/proc/self/pagemap")?.read_exact_at(&mut entries, (first * 8) as u64)?;
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    for (index, entry) in entries.chunks_exact(8).enumerate() {
+        let entry = u64::from_le_bytes(entry.try_into().unwrap_or_default());
+        if entry >> 62 == 0 {
+            continue;
+        }
+        let offset = index * PAGE;
+        match runs.last_mut() {
+            Some(run) if run.end == offset => run.end = offset + PAGE,
+            _ => runs.push(offset..offset + PAGE),
+        }
+    }
+    Ok(runs)
+}
+
+/// Runs a one-shot Python job in a fresh instance of the snapshot: `primed`, when one was made ahead for this
+/// runtime and the job's memory limit admits what it already holds, else one instantiated now.
 pub(crate) fn run_once(
     runtime: &Runtime<JobState>,
     prepared: &Prepared<JobState>,
@@ -320,13 +488,14 @@ pub(crate) fn run_once(
     source: &PythonSource,
     args: &[String],
     job: JobContext<'_>,
+    primed: Option<PrimedPython>,
 ) -> Result<Outcome, TierError> {
     exec::refuse_net(job.caps, exec::PYTHON)?;
     let text = match &job.inputs {
         Some(inputs) => inputs.python_source(source, || read_source(source))?,
         None => read_source(source)?,
     };
-    let code = one_shot_code(source, text.as_deref(), args);
+    let call = one_shot_call(source, text.as_deref(), args);
     let scratch = scratch(job.caps)?;
     let captures = Captures::new(job.caps, job.limits, job.sink.clone());
     let spec = WasiSpec {
@@ -340,6 +509,37 @@ pub(crate) fn run_once(
         inputs: job.inputs.clone(),
     };
     let wasi = exec::wasi_ctx(spec, &captures)?;
+    if let Some(PrimedPython { mut store, exports, .. }) = primed {
+        let running = runtime.ticker.enter().map_err(|e| internal_from("cannot start the epoch thread", e))?;
+        let state = store.data_mut();
+        state.meter.arm(job.limits, job.cancel.clone());
+        // What a store made now would have refused at instantiation, this one refuses too: by not being used.
+        if state.meter.fits() {
+            state.wasi = wasi;
+            state.tools = job.tools;
+            state.net = None;
+            let fuel_budget = set_fuel(runtime, &mut store, job.limits)?;
+            store.set_epoch_deadline(1);
+            let measured = Measured::start(&store, fuel_budget);
+            let wall_deadline = store.data().meter.wall_deadline;
+            let ended = guarded(call_turn(&mut store, &exports, &call), wall_deadline, job.cancel.as_ref());
+            drop(running);
+            let outcome = ended.and_then(|ended| {
+                let status = status_of(ended, store.data().meter.stop, |value| decode_turn(value).0)?;
+                let tools = store.data_mut().tools.take_records();
+                Ok(measured.outcome(status, &mut store, &captures, tools))
+            });
+            // The job's context goes now (its descriptors closed, its pipes ended); the instance is left to the
+            // exit of this process, which was made for this one job: resetting its pool slot for a next job
+            // would copy back every page of the memory made resident (~10 ms) for nothing. The store holds the
+            // engine, so the pool it came from is never dropped with a slot still taken.
+            store.data_mut().wasi = WasiCtxBuilder::new().build_p1();
+            store.data_mut().tools = ToolHost::default();
+            std::mem::forget(store);
+            return outcome;
+        }
+    }
+    let code = format!("{}{call}", one_shot_prelude());
     let ArmedStore { mut store, measured, wall_deadline, _running } =
         arm_store(runtime, wasi, job.limits, job.cancel.clone(), job.tools)?;
 
