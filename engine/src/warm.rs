@@ -4,7 +4,10 @@
 //! daemon forks a child that runs that command exactly as the `strata` process would have, from the warm
 //! state, and reports how it ended. A zygote, as the process tier's numpy zygote and Android's are. With
 //! [`Daemon::with_spares`] the children are forked ahead of their commands and prepare, while they wait, what a
-//! command of the default configuration does first (the CLI: its jail).
+//! command of the default configuration does first (the CLI: a jail for a Linux command; for one-shot Python, the
+//! pages of the interpreter the daemon primed, `WasmTier::prestart_python`, made the child's own). A child tells
+//! the client how its job ended as soon as the job is over (its descriptors given back, its output flushed),
+//! before its own exit unmaps its memory; the daemon reaps it.
 //!
 //! What the child runs is the command-line tool's own code with the client's arguments, in the client's working
 //! directory and umask, writing to and reading from the client's own descriptors (passed with `SCM_RIGHTS`):
@@ -30,6 +33,7 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::socket::{
     AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, connect, getsockopt, listen, setsockopt, socket,
     sockopt,
@@ -345,31 +349,38 @@ pub fn run_through(path: &Path, argv: &[std::ffi::OsString]) -> Option<Result<En
     Some(wait_for_job(fd))
 }
 
-/// Passes the client's signals to the job until it ends, and returns how it ended.
+/// Passes the client's signals to the job until it ends, and returns how it ended. One thread waits for both,
+/// the reply on the socket and the signals (blocked, read from a signalfd): a second thread would be one more to
+/// wake, often on the other CPU, before this process could end.
 fn wait_for_job(fd: OwnedFd) -> Result<Ended, WarmError> {
     let mut signals = SigSet::empty();
     for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT] {
         signals.add(signal);
     }
-    // Blocked here, before the forwarding thread starts (it inherits the mask), so that every thread has them
-    // blocked and only that thread's `sigwait` takes them.
     signals.thread_block().map_err(|e| WarmError::io("cannot block signals", e))?;
-    let forward = fd.try_clone().map_err(|e| WarmError::io("cannot clone the daemon's socket", e))?;
-    std::thread::Builder::new()
-        .name("strata-signals".into())
-        .spawn(move || {
-            while let Ok(signal) = signals.wait() {
-                if proto::send(forward.as_fd(), &Request::Signal { signal: signal as i32 }, &[]).is_err() {
-                    return;
-                }
+    let signal_fd = SignalFd::with_flags(&signals, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+        .map_err(|e| WarmError::io("cannot read signals", e))?;
+    loop {
+        let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN), PollFd::new(signal_fd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(err) => return Err(WarmError::io("poll", err)),
+        }
+        let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
+        if ready(&fds[1]) {
+            while let Ok(Some(info)) = signal_fd.read_signal() {
+                let signal = i32::try_from(info.ssi_signo).unwrap_or(0);
+                let _ = proto::send(fd.as_fd(), &Request::Signal { signal }, &[]);
             }
-        })
-        .map_err(|e| WarmError::io("cannot start the signal thread", e))?;
-    match recv_reply(fd.as_fd())? {
-        Some(Reply::Exited { code }) => Ok(Ended::Exited(code)),
-        Some(Reply::Signaled { signal }) => Ok(Ended::Signaled(signal)),
-        None => Err(WarmError::Protocol("the daemon ended before the job did".into())),
-        Some(other) => Err(WarmError::Protocol(format!("expected how the job ended, got {other:?}"))),
+        }
+        if ready(&fds[0]) {
+            return match recv_reply(fd.as_fd())? {
+                Some(Reply::Exited { code }) => Ok(Ended::Exited(code)),
+                Some(Reply::Signaled { signal }) => Ok(Ended::Signaled(signal)),
+                None => Err(WarmError::Protocol("the daemon ended before the job did".into())),
+                Some(other) => Err(WarmError::Protocol(format!("expected how the job ended, got {other:?}"))),
+            };
+        }
     }
 }
 
@@ -438,6 +449,18 @@ pub type Prepare = fn(&Engine);
 /// forked for it ([`Daemon::with_spares`]).
 pub type Suits = fn(&[String]) -> bool;
 
+/// One kind of spare child ([`Daemon::with_spares`]): how many to keep, what each prepares, and which command lines
+/// what it prepared serves.
+#[derive(Debug, Clone, Copy)]
+pub struct SparePlan {
+    /// How many to keep forked and prepared.
+    pub count: usize,
+    /// What each does with its copy of the engine while it waits.
+    pub prepare: Prepare,
+    /// The command lines it takes.
+    pub suits: Suits,
+}
+
 /// Spare children that died before a command reached them, in a row, after which the daemon makes no more
 /// spares (and forks a child per command, as without them).
 const SPARE_FAILURES: u32 = 3;
@@ -450,6 +473,8 @@ struct Spare {
     pid: i32,
     pidfd: OwnedFd,
     channel: OwnedFd,
+    /// Its kind: an index into the daemon's plans.
+    plan: usize,
 }
 
 /// A job the daemon runs.
@@ -472,10 +497,8 @@ pub struct Daemon {
     confinement: Vec<(String, String)>,
     engine: Option<Engine>,
     handler: Handler,
-    /// How many spare children to keep, and how each prepares.
-    spare_target: usize,
-    prepare: Option<Prepare>,
-    suits: Option<Suits>,
+    /// The kinds of spare children to keep.
+    plans: Vec<SparePlan>,
     spares: Vec<Spare>,
     /// Spares that died before their command, in a row.
     spare_failures: u32,
@@ -537,9 +560,7 @@ impl Daemon {
             confinement: confinement("self").map_err(|e| WarmError::io("/proc/self", e))?,
             engine: Some(engine),
             handler,
-            spare_target: 0,
-            prepare: None,
-            suits: None,
+            plans: Vec::new(),
             spares: Vec::new(),
             spare_failures: 0,
             idle,
@@ -550,17 +571,16 @@ impl Daemon {
         })
     }
 
-    /// Keeps `count` children forked ahead of their commands, each of which runs `prepare` on its copy of the
-    /// engine and then waits: a command then starts in a child that has already done, off the command's path,
-    /// what every command of the default configuration does first (the CLI builds the jail a default process-tier
-    /// run would need: [`crate::Engine::process`] and `ProcessTier::prestart`). A child is still a fresh copy of
-    /// the warm state, used once; what it prepared is closed with it when the daemon exits unused. Only command
-    /// lines `suits` accepts go to a spare (what it prepared would serve them); the others to a child forked
-    /// for them, as without spares, so that they never pay for closing what they do not use.
-    pub fn with_spares(mut self, count: usize, prepare: Prepare, suits: Suits) -> Daemon {
-        self.spare_target = count;
-        self.prepare = Some(prepare);
-        self.suits = Some(suits);
+    /// Keeps children forked ahead of their commands, `count` of each plan, each of which runs its plan's
+    /// `prepare` on its copy of the engine and then waits: a command then starts in a child that has already done,
+    /// off the command's path, what every command of a default configuration does first (the CLI: the jail a
+    /// default process-tier run needs, [`crate::Engine::process`] and `ProcessTier::prestart`; or a Python
+    /// instance, `WasmTier::prestart_python`). A child is still a fresh copy of the warm state, used once; what it
+    /// prepared is closed with it when the daemon exits unused. A command line goes to a spare of the first plan
+    /// whose `suits` accepts it (what it prepared would serve it); the others to a child forked for them, as
+    /// without spares, so that they never pay for closing what they do not use.
+    pub fn with_spares(mut self, plans: Vec<SparePlan>) -> Daemon {
+        self.plans = plans;
         self
     }
 
@@ -636,24 +656,28 @@ impl Daemon {
         Ok(())
     }
 
-    /// Forks spare children up to the target (none after [`SPARE_FAILURES`] died unused in a row).
+    /// Forks spare children up to each plan's count (none after [`SPARE_FAILURES`] died unused in a row).
     fn replenish(&mut self, jobs: &mut Vec<Job>) {
-        let Some(prepare) = self.prepare else { return };
-        while self.spares.len() < self.spare_target && self.spare_failures < SPARE_FAILURES {
-            match self.fork_spare(prepare, jobs) {
-                Ok(spare) => self.spares.push(spare),
-                Err(err) => {
-                    self.spare_failures += 1;
-                    log::warn!("cannot fork a spare child: {err}");
-                    return;
+        for plan in 0..self.plans.len() {
+            let SparePlan { count, prepare, .. } = self.plans[plan];
+            while self.spares.iter().filter(|spare| spare.plan == plan).count() < count
+                && self.spare_failures < SPARE_FAILURES
+            {
+                match self.fork_spare(plan, prepare, jobs) {
+                    Ok(spare) => self.spares.push(spare),
+                    Err(err) => {
+                        self.spare_failures += 1;
+                        log::warn!("cannot fork a spare child: {err}");
+                        return;
+                    }
                 }
             }
         }
     }
 
-    /// Forks one spare child: it prepares, then waits for its command (a [`RunRequest`] and the client's three
-    /// streams) on its end of a socket pair; the daemon closing that end ends it.
-    fn fork_spare(&mut self, prepare: Prepare, jobs: &mut Vec<Job>) -> Result<Spare, WarmError> {
+    /// Forks one spare child of `plan`: it prepares, then waits for its command (a [`RunRequest`], the client's
+    /// three streams and its connection) on its end of a socket pair; the daemon closing that end ends it.
+    fn fork_spare(&mut self, plan: usize, prepare: Prepare, jobs: &mut Vec<Job>) -> Result<Spare, WarmError> {
         let (ours, theirs) =
             nix::sys::socket::socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(|e| WarmError::io("socketpair", e))?;
@@ -670,9 +694,11 @@ impl Daemon {
             let (Some(engine), Some(theirs)) = (engine, theirs.take()) else { return 125 };
             prepare(&engine);
             match proto::recv::<RunRequest>(theirs.as_fd()) {
-                Ok(Some((run, fds))) if fds.len() == 3 => {
+                // The client's three streams, then its connection (to report the end on).
+                Ok(Some((run, mut fds))) if fds.len() == 4 => {
                     drop(theirs);
-                    run_job(handler, run, fds, engine)
+                    let report = fds.pop();
+                    run_job(handler, run, fds, engine, report)
                 }
                 // The daemon is exiting (or sent something else): close what was prepared.
                 _ => {
@@ -684,7 +710,7 @@ impl Daemon {
         drop(theirs.take());
         let channel = ours.take().ok_or_else(|| WarmError::Protocol("the spare's socket went missing".into()))?;
         match pidfd_open(pid) {
-            Ok(pidfd) => Ok(Spare { pid, pidfd, channel }),
+            Ok(pidfd) => Ok(Spare { pid, pidfd, channel, plan }),
             Err(err) => {
                 let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
                 let _ = waitpid(Pid::from_raw(pid), None);
@@ -699,7 +725,7 @@ impl Daemon {
         let spares = std::mem::take(&mut self.spares);
         let deadline = Instant::now() + SPARE_EXIT_TIMEOUT;
         let mut waiting = Vec::new();
-        for Spare { pid, pidfd, channel } in spares {
+        for Spare { pid, pidfd, channel, .. } in spares {
             drop(channel);
             waiting.push((pid, pidfd));
         }
@@ -805,11 +831,14 @@ impl Daemon {
         connection: &mut Option<OwnedFd>,
         jobs: &mut Vec<Job>,
     ) -> Result<(i32, OwnedFd), WarmError> {
-        // The oldest spare has had the longest to prepare.
-        let suits = self.suits.is_some_and(|suits| suits(&run.argv));
-        while suits && !self.spares.is_empty() {
-            let spare = self.spares.remove(0);
-            let fds_ref: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+        // The oldest spare of the plan has had the longest to prepare.
+        let plan = self.plans.iter().position(|plan| (plan.suits)(&run.argv));
+        while let Some(index) = plan.and_then(|plan| self.spares.iter().position(|spare| spare.plan == plan)) {
+            let spare = self.spares.remove(index);
+            let mut fds_ref: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+            if let Some(connection) = connection.as_ref() {
+                fds_ref.push(connection.as_fd());
+            }
             match proto::send(spare.channel.as_fd(), &run, &fds_ref) {
                 Ok(()) => {
                     self.spare_failures = 0;
@@ -831,10 +860,10 @@ impl Daemon {
             let engine = self.engine.take();
             self.listener = None;
             self.spares.clear();
-            *connection = None;
+            let report = connection.take();
             jobs.clear();
             match engine {
-                Some(engine) => run_job(handler, run, fds, engine),
+                Some(engine) => run_job(handler, run, fds, engine, report),
                 None => 125,
             }
         })?;
@@ -865,8 +894,11 @@ impl Daemon {
 }
 
 /// In a job's child: the client's streams as its own, its working directory and umask, then the handler with
-/// the warm engine; the job's exit code.
-fn run_job(handler: Handler, run: RunRequest, fds: Vec<OwnedFd>, engine: Engine) -> i32 {
+/// the warm engine; the job's exit code. Once the handler has returned (everything the job opened or started is
+/// closed and its output flushed), the child lets go of the client's streams and tells the client on `report`
+/// how the job ended, before this process's exit unmaps its memory (milliseconds for the Python runtime's
+/// mappings), which is no longer the job's.
+fn run_job(handler: Handler, run: RunRequest, fds: Vec<OwnedFd>, engine: Engine, report: Option<OwnedFd>) -> i32 {
     let setup = nix::unistd::dup2_stdin(&fds[0])
         .and_then(|()| nix::unistd::dup2_stdout(&fds[1]))
         .and_then(|()| nix::unistd::dup2_stderr(&fds[2]));
@@ -882,6 +914,19 @@ fn run_job(handler: Handler, run: RunRequest, fds: Vec<OwnedFd>, engine: Engine)
     let code = handler(run.argv, engine);
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
+    if let Some(report) = report {
+        // A reader of the client's output sees its end when the client exits, not when this copy of it closes.
+        let released = std::fs::File::open("/dev/null").is_ok_and(|null| {
+            nix::unistd::dup2_stdin(&null)
+                .and_then(|()| nix::unistd::dup2_stdout(&null))
+                .and_then(|()| nix::unistd::dup2_stderr(&null))
+                .is_ok()
+        });
+        // What `waitpid` will say: the low byte of the code this process exits with.
+        if released {
+            let _ = proto::send_nowait(report.as_fd(), &Reply::Exited { code: code & 0xff });
+        }
+    }
     code
 }
 
