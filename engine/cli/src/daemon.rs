@@ -7,7 +7,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
-use strata_engine::warm::{self, Daemon, DaemonStatus};
+use strata_engine::warm::{self, Daemon, DaemonStatus, SparePlan};
 use strata_engine::{Engine, Policy, strata_home};
 
 use crate::Failure;
@@ -40,8 +40,9 @@ struct StartArgs {
     /// Serve in this process instead of the background (for a service manager); logs go to stderr.
     #[arg(long)]
     foreground: bool,
-    /// Children kept forked ahead of their commands, each holding the jail a default Linux command runs in
-    /// (0: fork one per command, when it arrives).
+    /// Children kept forked ahead of their commands, of each kind: holding the jail a default Linux command runs
+    /// in, and holding a fresh Python instance for one-shot Python (~40 MiB each) (0: fork one per command, when
+    /// it arrives).
     #[arg(long, default_value_t = SPARES)]
     spares: usize,
 }
@@ -120,19 +121,19 @@ fn print_status(path: &std::path::Path, status: Option<&DaemonStatus>, json: boo
     }
 }
 
-/// Children the daemon keeps forked and prepared ahead of their commands: two, so that while one command runs the
-/// next child is ready and the one after prepares.
+/// Children of each kind the daemon keeps forked and prepared ahead of their commands: two, so that while one
+/// command runs the next child is ready and the one after prepares.
 const SPARES: usize = 2;
 
 /// `start --foreground`: warms an engine of `strata run`'s default configuration and serves until stopped.
 fn serve(path: PathBuf, idle: Duration, spares: usize) -> Result<i32, Failure> {
     let engine = Engine::new(crate::run::engine_config(Policy::default(), None)?)?;
     engine.warm()?;
-    let daemon = Daemon::bind(&path, engine, run_in_child, idle).map_err(failure)?.with_spares(
-        spares,
-        crate::run::prestart,
-        crate::run::suits_spare,
-    );
+    crate::run::prestart_python(&engine);
+    let daemon = Daemon::bind(&path, engine, run_in_child, idle).map_err(failure)?.with_spares(vec![
+        SparePlan { count: spares, prepare: crate::run::prestart, suits: crate::run::suits_spare },
+        SparePlan { count: spares, prepare: crate::run::python_resident, suits: crate::run::suits_python },
+    ]);
     log::info!("daemon ready on {} (pid {})", path.display(), std::process::id());
     daemon.serve().map_err(failure)?;
     Ok(0)

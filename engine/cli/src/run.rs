@@ -378,6 +378,43 @@ pub(crate) fn suits_spare(argv: &[String]) -> bool {
         && matches!(run.tier, TierChoice::Auto | TierChoice::Tier(TierKind::Process))
 }
 
+/// Whether a command line is Python a warm daemon's Python spare ([`python_resident`]) serves: one-shot Python
+/// (`--python`, `-c`, `-m`, a `.py` file) that may run on the wasm tier, not from a snapshot, without a fuel budget
+/// (fuel runs other compiled code), a policy file or an image (either may send it elsewhere), an environment of
+/// its own (which the primed interpreter does not have), or inputs to reproduce.
+pub(crate) fn suits_python(argv: &[String]) -> bool {
+    let Ok(cli) = <crate::Cli as clap::Parser>::try_parse_from(argv) else { return false };
+    let crate::Command::Run(command) = cli.command else { return false };
+    let run = &command.run;
+    let script =
+        run.file.as_ref().is_some_and(|file| file.extension().is_some_and(|ext| ext.eq_ignore_ascii_case("py")));
+    (run.python || run.code.is_some() || run.module.is_some() || script)
+        && run.snapshot.is_none()
+        && run.policy.is_none()
+        && run.image.is_none()
+        && run.fuel.is_none()
+        && run.env.is_empty()
+        && run.secrets.is_empty()
+        && command.repro.seed.is_none()
+        && command.repro.record.is_none()
+        && matches!(run.tier, TierChoice::Auto | TierChoice::Tier(TierKind::Wasm))
+}
+
+/// What a warm daemon does once, before it serves: a Python instance made for a one-shot job of the default
+/// configuration, which every child it forks inherits a copy of (`WasmTier::prestart_python`). A failure leaves
+/// jobs to make their own, as without it.
+pub(crate) fn prestart_python(engine: &Engine) {
+    if let Err(err) = engine.wasm().prestart_python(engine.default_limits()) {
+        log::warn!("no Python instance prepared ahead: {err}");
+    }
+}
+
+/// What a warm daemon's Python spare child prepares before its command arrives: its copy of the daemon's Python
+/// instance made resident and its own ([`suits_python`]).
+pub(crate) fn python_resident(engine: &Engine) {
+    engine.wasm().make_primed_python_resident();
+}
+
 /// What a warm daemon's spare child prepares before its command arrives: the jail a command of the default
 /// configuration (`strata run -- COMMAND`, `--tier process`: no flag that changes the jail) runs in. A command
 /// whose jail would differ builds its own, so this only ever saves time. Failures are left for the command to

@@ -159,6 +159,9 @@ fn a_run_through_the_daemon_answers_as_a_run_without_it() {
         (vec!["run", "--python", "-c", "import sys; print('to stderr', file=sys.stderr); 1/0"], b""),
         (vec!["run", "--dir", ".:/work", "--python", "-c", "print(open('/work/input.txt').read(), end='')"], b""),
         (vec!["run", "--python", "-c", "import numpy as np; print(np.arange(10**6).sum())"], b""),
+        // An environment of its own: not the daemon's primed interpreter (whose environment is the default).
+        (vec!["run", "--env", "GREETING=hi", "--python", "-c", "import os; print(os.environ['GREETING'])"], b""),
+        (vec!["run", "-m", "json.tool"], b"{\"b\": [1, 2]}"),
         (vec!["run", programs::HELLO, "--", "daemon"], b""),
         (vec!["run", "--timeout", "200ms", programs::SPIN], b""),
         (vec!["run", "--python"], b""),
@@ -380,8 +383,9 @@ fn spare_children_prepare_the_default_jail_and_a_run_of_another_jail_builds_its_
     let pid = daemon.status()["pid"].as_i64().expect("pid");
     let ready = |daemon: &Daemon| {
         let deadline = Instant::now() + Duration::from_secs(60);
-        while daemon.status()["spares"].as_u64() != Some(2) {
-            assert!(Instant::now() < deadline, "the daemon keeps two spares: {}", daemon.status());
+        // Two of each kind: jails, and Python instances.
+        while daemon.status()["spares"].as_u64() != Some(4) {
+            assert!(Instant::now() < deadline, "the daemon keeps four spares: {}", daemon.status());
             std::thread::sleep(Duration::from_millis(50));
         }
         // Each spare has built its jail once a jail process runs beside it.
