@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::Context;
-use strata_benches::{Figures, find_strata, latency, process, ratio, strata_home};
+use strata_benches::{Contender, Figures, find_strata, interleaved, latency, process, ratio, strata_home};
 use strata_core::{Capabilities, ExecOptions, Job, Limits, PythonSource, Status, TierKind};
 use strata_engine::{Engine, EngineConfig, RunRequest, TierChoice};
 
@@ -71,6 +71,19 @@ fn peer_inproc(
     Ok(figures)
 }
 
+/// The interpreter binary `python3` on the PATH runs (`sys.executable`), else `python3` itself.
+fn real_python3() -> PathBuf {
+    Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .and_then(|out| String::from_utf8(out.stdout).ok())
+        .map(|path| PathBuf::from(path.trim()))
+        .filter(|path| path.is_absolute())
+        .unwrap_or_else(|| PathBuf::from("python3"))
+}
+
 fn ok(out: &Output) -> anyhow::Result<()> {
     anyhow::ensure!(out.status.success(), "{:?}", out.status);
     Ok(())
@@ -98,7 +111,9 @@ fn three(name: &str, ours: (&Figures, TierKind), native: Option<&Figures>, wasi:
 /// run is left out). The snapshot is made once; after it settles, the first (untimed) run verifies it in full and
 /// records its stamps, and the timed runs find the record.
 /// `print(1)` as a whole `strata run` process handed to a warm daemon (`strata daemon`, on a socket of the
-/// bench's own), beside native `python -c` and the same command without the daemon (`cold`).
+/// bench's own), taking turns with native `python -c` ([`interleaved`]), beside the same command without the
+/// daemon (`cold`): back to back, then paced (a 50 ms `sleep` process before each run, as commands typed or sent
+/// by an agent arrive; the daemon's spares have prepared by then).
 fn print1_daemon(strata: &Path, home: &Path, native: &Path, cold: &Figures, scale: usize) -> anyhow::Result<()> {
     const NAME: &str = "print1_daemon";
     let dir = tempfile::tempdir()?;
@@ -115,33 +130,60 @@ fn print1_daemon(strata: &Path, home: &Path, native: &Path, cold: &Figures, scal
         let status: serde_json::Value = serde_json::from_slice(&out.stdout)?;
         Ok(status["served"].as_u64().unwrap_or(0))
     };
+    let native_run = || {
+        let mut c = Command::new(native);
+        c.args(["-c", PRINT1]);
+        c
+    };
+    let ours_run = || command(&["run", "--tier", "wasm", "--python", "-c", PRINT1]);
+    let pause = || {
+        let mut c = Command::new("sleep");
+        c.arg("0.05");
+        c
+    };
     let before = served()?;
-    let iters = 100 / scale;
-    let ours = process(NAME, iters, 5, &mut || command(&["run", "--tier", "wasm", "--python", "-c", PRINT1]), &ok);
+    let (iters, paced_iters) = (100 / scale, 50 / scale);
+    let back_to_back = interleaved(
+        iters,
+        5,
+        &mut [
+            Contender { name: NAME, cmd: &mut { ours_run } },
+            Contender { name: "print1_daemon_native", cmd: &mut { native_run } },
+        ],
+        &ok,
+    );
+    let paced = back_to_back.and_then(|back_to_back| {
+        let paced = interleaved(
+            paced_iters,
+            3,
+            &mut [
+                Contender { name: "pause", cmd: &mut { pause } },
+                Contender { name: "print1_daemon_paced", cmd: &mut { ours_run } },
+                Contender { name: "pause", cmd: &mut { pause } },
+                Contender { name: "print1_daemon_paced_native", cmd: &mut { native_run } },
+            ],
+            &ok,
+        )?;
+        Ok((back_to_back, paced))
+    });
     let after = served()?;
     let _ = command(&["daemon", "stop"]).output();
-    let ours = ours?;
+    let (back_to_back, paced) = paced?;
     anyhow::ensure!(
-        after - before == (iters + 5) as u64,
+        after - before == (iters + 5 + paced_iters + 3) as u64,
         "{NAME}: only {} of {} runs went through the daemon",
         after - before,
-        iters + 5
+        iters + 5 + paced_iters + 3
     );
-    ours.print("strata (wasm tier, warm daemon)");
-    ratio(NAME, &ours, cold, "strata without the daemon");
-    let figures = process(
-        NAME,
-        50 / scale,
-        3,
-        &mut || {
-            let mut c = Command::new(native);
-            c.args(["-c", PRINT1]);
-            c
-        },
-        &ok,
-    )?;
-    figures.print("native python");
-    ratio(NAME, &ours, &figures, "native");
+    let [ours, native_figures] = &back_to_back[..] else { anyhow::bail!("{NAME}: two contenders expected") };
+    ours.print("strata (wasm tier, warm daemon), back to back");
+    ratio(NAME, ours, cold, "strata without the daemon");
+    native_figures.print("native python, back to back");
+    ratio(NAME, ours, native_figures, "native");
+    let [_, ours, _, native_figures] = &paced[..] else { anyhow::bail!("{NAME}: four contenders expected") };
+    ours.print("strata (wasm tier, warm daemon), paced");
+    native_figures.print("native python, paced");
+    ratio("print1_daemon_paced", ours, native_figures, "native");
     Ok(())
 }
 
@@ -270,7 +312,8 @@ fn main() -> anyhow::Result<()> {
                 (None, None)
             };
             three("print1_process", (&ours, TierKind::Wasm), native.as_ref(), wasi.as_ref());
-            let native = if peers { venv_python.clone() } else { PathBuf::from("python3") };
+            // Without the venv, the interpreter `python3` runs, not `python3` itself (often a shim script).
+            let native = if peers { venv_python.clone() } else { real_python3() };
             print1_snapshot(&strata, &home, &native, scale)?;
             print1_daemon(&strata, &home, &native, &ours, scale)?;
         }
