@@ -915,7 +915,8 @@ fn run_job(handler: Handler, run: RunRequest, fds: Vec<OwnedFd>, engine: Engine,
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     if let Some(report) = report {
-        // A reader of the client's output sees its end when the client exits, not when this copy of it closes.
+        // This process's copies of the client's descriptors would hold them open until its exit: a reader of the
+        // client's output then sees its end when the client exits.
         let released = std::fs::File::open("/dev/null").is_ok_and(|null| {
             nix::unistd::dup2_stdin(&null)
                 .and_then(|()| nix::unistd::dup2_stdout(&null))

@@ -376,7 +376,8 @@ fn a_job_in_a_primed_instance_gives_the_outcome_of_a_fresh_one() {
         Capabilities { env: vec![EnvVar { name: "GREETING".into(), value: "hello".into() }], ..caps.clone() };
     let probe = "import os, sys\n\
                  print(os.environ.get('GREETING'), os.environ['HOME'], sorted(os.listdir('/data')))\n\
-                 print(open('/data/input.txt').read().strip(), sys.argv, sys.stdin.read().strip(), os.listdir('/tmp'))\n\
+                 print(open('/data/input.txt').read().strip(), sys.argv, sys.stdin.read().strip(),\n\
+                       os.listdir('/tmp'))\n\
                  open('/tmp/mine', 'w').write('x')\n\
                  print(sorted(n for n in dir() if n.startswith('__strata')))";
     let probe_job = Job::Python { source: PythonSource::Code(probe.into()), args: vec!["a".into(), "b c".into()] };

@@ -122,7 +122,8 @@ fn py_list(items: &[String]) -> String {
 /// becomes a function that raises that, on `_socket` and on `socket` if it is already imported (`socket` takes
 /// `_socket`'s names when it is first imported). Run before every one-shot job and as a fresh session's first
 /// turn; the names it binds in `__main__` are deleted at its end. Terse on purpose: CPython in wasm compiles
-/// about a microsecond per byte of source, and this is compiled once per job (~0.2 ms; docs/python-runtime.md).
+/// about a microsecond per byte of source, and this is compiled once per job (~0.2 ms; docs/python-runtime.md)
+/// unless a primed instance ran it ahead ([`PrimedPython`]).
 const SOCKET_SHIM: &str = "import _socket as _s,errno as _e,sys as _y
 def _u(*a,_c=_e.ENOTSUP,**k):raise OSError(_c,'Not supported')
 for _m in(_s,_y.modules.get('socket')):
@@ -316,8 +317,8 @@ fn base_env() -> Vec<(&'static str, String)> {
 }
 
 /// An instance of the Python runtime made before its job arrived ([`crate::WasmTier::prestart_python`]), with the
-/// job-independent part of a one-shot job's turn code ([`one_shot_prelude`]) already run as a turn of its own under a context like a default job's (the standard
-/// library and a scratch `/tmp` at the same guest paths). A job that takes it gives its store the job's WASI
+/// job-independent part of a one-shot job's turn code ([`one_shot_prelude`]) already run as a turn of its own,
+/// under a context like a default job's (the standard library and a scratch `/tmp` at the same guest paths). A job that takes it gives its store the job's WASI
 /// context, tools and limits, as a store made for the job would have, and runs only its own part
 /// ([`one_shot_call`]): the interpreter is where the one turn of an unprimed job would be at that point. The
 /// process that runs a job in it exits after that job (a warm daemon's child): the instance is left to that exit.
