@@ -5,7 +5,8 @@
 //! **Counted** (everything else under the home — `run/`, `keys/`, `logs/`, cargo's target directories of the test
 //! scripts — is neither counted nor touched):
 //!
-//! - **modules** (`modules/<key>.cwasm` + `.sum` + `.lock`, `<id>.image` + `.image.sum`): compiled code, evicted
+//! - **modules** (`modules/<key>.cwasm` + `.sum` + `.lock`, `<id>.image` + `.image.sum`: the snapshot-ready
+//!   runtime's memory image, or a kept private copy of snapshot memory): compiled code and images, evicted
 //!   least recently used first, and only past a budget. Removed always: an orphan half of an entry, a lock without
 //!   its entry, a temporary of a writer that is gone.
 //! - **python** (`python/<name>-<version>/`, `python/wasm-modules-<digest>.txt`): the pinned version's are kept;

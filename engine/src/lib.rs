@@ -236,18 +236,20 @@ pub enum EngineError {
         /// Why no native tier runs it: the policy's, or the host's.
         native: String,
     },
-    /// A grant of a directory that holds the snapshot key: a job could read it and seal snapshots of its own.
+    /// A grant that holds or lies in a directory of the host's own state: the snapshot key's (a job could read it
+    /// and seal snapshots of its own), or under the home what the host maps into itself.
     #[error(
-        "the grant of {} would expose the snapshot key in {} (a job that reads it can forge snapshots); grant a \
-         directory that does not hold $STRATA_HOME/keys",
+        "the grant of {} would expose {} ({what}); grant a directory that neither holds nor lies in it",
         grant.display(),
-        keys.display()
+        dir.display()
     )]
-    GrantExposesKey {
+    GrantExposesHostState {
         /// The grant's host directory.
         grant: PathBuf,
-        /// The key's directory.
-        keys: PathBuf,
+        /// The directory it would expose.
+        dir: PathBuf,
+        /// What that directory holds.
+        what: &'static str,
     },
 }
 
@@ -270,7 +272,7 @@ impl EngineError {
             EngineError::SnapshotTier { .. } => "snapshot_tier",
             EngineError::ForkCapabilities => "invalid_capability",
             EngineError::NoHome(_) => "no_home",
-            EngineError::GrantExposesKey { .. } => "invalid_capability",
+            EngineError::GrantExposesHostState { .. } => "invalid_capability",
         }
     }
 }
@@ -460,9 +462,9 @@ impl Engine {
             None => None,
         };
         let snapshots = match (&config.snapshot_key, &config.home) {
-            (Some(key), Some(home)) => {
-                SnapshotTrust::new(key.clone()).with_copies_in(home.join(strata_core::snapshot::COPIES_DIR))
-            }
+            (Some(key), Some(home)) => SnapshotTrust::new(key.clone())
+                .with_copies_in(home.join(strata_core::snapshot::COPIES_DIR))
+                .with_kept_copies_in(home.join(strata_core::snapshot::KEPT_DIR)),
             (Some(key), None) => SnapshotTrust::new(key.clone()),
             (None, Some(home)) => SnapshotTrust::in_home(home),
             (None, None) => SnapshotTrust::process_local(),
@@ -617,25 +619,40 @@ impl Engine {
         &self.snapshots
     }
 
-    /// Refuses capabilities whose grants hold the directory of the snapshot key ([`EngineError::GrantExposesKey`]):
-    /// the key is what makes a snapshot's recorded capabilities trusted, so no job may read or replace it.
-    fn check_key_not_granted(&self, caps: &Capabilities) -> Result<(), EngineError> {
-        // Most jobs have no grant: resolving the key's directory costs a few system calls, a third of a trivial
+    /// Refuses capabilities whose grants hold or lie in a directory of the host's own state
+    /// ([`EngineError::GrantExposesHostState`]): the snapshot key (what makes a snapshot's recorded capabilities
+    /// trusted, so no job may read or replace it) and, under the home, the compiled code, memory images and kept
+    /// snapshot copies the host maps into itself, and its records of verified snapshot files.
+    fn check_host_state_not_granted(&self, caps: &Capabilities) -> Result<(), EngineError> {
+        // Most jobs have no grant: resolving the directories costs a few system calls, a third of a trivial
         // wasm job's time.
         if caps.grants.is_empty() {
             return Ok(());
         }
-        let Some(keys) = self.snapshots.key_file().and_then(Path::parent) else { return Ok(()) };
-        // The key's directory as it resolves (it may not exist yet: then its home's, or the path as given).
-        let resolved = keys
-            .canonicalize()
-            .or_else(|_| keys.parent().unwrap_or(keys).canonicalize().map(|home| home.join("keys")))
-            .unwrap_or_else(|_| keys.to_owned());
-        for grant in &caps.grants {
-            // A grant that does not resolve is the tier's to refuse (it names no directory).
-            let Ok(host) = grant.host.canonicalize() else { continue };
-            if resolved.starts_with(&host) {
-                return Err(EngineError::GrantExposesKey { grant: grant.host.clone(), keys: resolved });
+        let mut protected: Vec<(PathBuf, &'static str)> = Vec::new();
+        if let Some(keys) = self.snapshots.key_file().and_then(Path::parent) {
+            protected.push((keys.to_owned(), "the snapshot key: a job that reads it can forge snapshots"));
+        }
+        if let Some(home) = self.home() {
+            let mapped = "compiled code, memory images and kept snapshot copies the host maps into itself";
+            protected.push((home.join(strata_core::snapshot::KEPT_DIR), mapped));
+            protected.push((home.join(strata_core::snapshot::COPIES_DIR), "private copies of snapshot memory"));
+            protected.push((home.join(strata_core::snapshot::VERIFIED_DIR), "records of verified snapshot files"));
+        }
+        for (dir, what) in protected {
+            // The directory as it resolves (it may not exist yet: then its parent's, or the path as given).
+            let resolved = dir.canonicalize().unwrap_or_else(|_| {
+                match (dir.parent().and_then(|parent| parent.canonicalize().ok()), dir.file_name()) {
+                    (Some(parent), Some(name)) => parent.join(name),
+                    _ => dir.clone(),
+                }
+            });
+            for grant in &caps.grants {
+                // A grant that does not resolve is the tier's to refuse (it names no directory).
+                let Ok(host) = grant.host.canonicalize() else { continue };
+                if resolved.starts_with(&host) || host.starts_with(&resolved) {
+                    return Err(EngineError::GrantExposesHostState { grant: grant.host.clone(), dir: resolved, what });
+                }
             }
         }
         Ok(())
@@ -731,7 +748,7 @@ impl Engine {
         limits: &Limits,
         opts: &ExecOptions,
     ) -> Result<Route, EngineError> {
-        self.check_key_not_granted(caps)?;
+        self.check_host_state_not_granted(caps)?;
         self.check_image(caps)?;
         let user = opts.user.as_ref().or(caps.user.as_ref()).filter(|user| !user.is_root());
         let python = || match job {
@@ -1139,7 +1156,7 @@ impl Engine {
         caps: &Capabilities,
         limits: &Limits,
     ) -> Result<Box<dyn Sandbox>, EngineError> {
-        self.check_key_not_granted(caps)?;
+        self.check_host_state_not_granted(caps)?;
         self.check_image(caps)?;
         let tier = match choice {
             // An image is a root filesystem: the process tier's.

@@ -27,13 +27,15 @@ use std::ffi::CStr;
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, SealFlag, copy_file_range, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::statfs::{FsType, fstatfs};
 use nix::unistd::{Whence, lseek};
+
+use crate::file_stamp::FileStamp;
 
 /// The unit in which zero pages are skipped.
 const PAGE: usize = 4096;
@@ -57,6 +59,8 @@ pub enum Backing {
     Unnamed,
     /// A sealed memfd.
     SealedMemfd,
+    /// A file the host keeps for later processes ([`PrivateCopy::keep`]), in a directory only the host writes.
+    Kept,
 }
 
 /// A file's bytes copied where no other process can change them, fixed in size and content for as long as it
@@ -192,6 +196,59 @@ impl PrivateCopy {
     /// Where it lives.
     pub fn backing(&self) -> Backing {
         self.backing
+    }
+
+    /// A copy an earlier process kept at `path` ([`PrivateCopy::keep`]), if it is a regular file of `len` bytes
+    /// (never reached through a link) and `stamp` (what the keeper recorded) is its [`FileStamp`]: a write,
+    /// truncation, `chmod` or replacement since changes the stamp, and a user process cannot set a change time
+    /// back. Whoever can write where kept copies live can make the host map anything: that must be the host
+    /// alone (a grant of it is refused).
+    pub fn open_kept(path: &Path, len: u64, stamp: &FileStamp) -> Option<PrivateCopy> {
+        let flags = nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK | nix::libc::O_NOCTTY | nix::libc::O_CLOEXEC;
+        let file = std::fs::OpenOptions::new().read(true).custom_flags(flags).open(path).ok()?;
+        let meta = file.metadata().ok()?;
+        (meta.is_file() && meta.len() == len && FileStamp::of_metadata(&meta) == *stamp).then_some(PrivateCopy {
+            file,
+            len,
+            backing: Backing::Kept,
+        })
+    }
+
+    /// Keeps this copy (an unnamed file) at `path`, in a directory on its filesystem, for later processes
+    /// ([`PrivateCopy::open_kept`]): its data made durable first (so a crash can never leave a kept file whose
+    /// stamp vouches for blocks that were not written), then linked under a temporary name (`.NAME.PID.N.tmp`,
+    /// swept like the module cache's if the process dies) and renamed into place. Returns the stamp it has there,
+    /// which the caller records. Read-only for its owner; from now on [`Backing::Kept`].
+    pub fn keep(&mut self, path: &Path) -> io::Result<FileStamp> {
+        use std::os::fd::AsRawFd;
+        if self.backing != Backing::Unnamed {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, "only an unnamed file can be kept"));
+        }
+        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a kept copy needs a directory and a name"));
+        };
+        self.file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o400))?;
+        self.file.sync_data()?;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let temporary = dir.join(format!(".{}.{}.{n}.tmp", name.to_string_lossy(), std::process::id()));
+        // An unnamed file gets a name through its descriptor's link in /proc (linkat with AT_EMPTY_PATH would
+        // need CAP_DAC_READ_SEARCH).
+        let own = PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()));
+        nix::unistd::linkat(
+            nix::fcntl::AT_FDCWD,
+            own.as_path(),
+            nix::fcntl::AT_FDCWD,
+            temporary.as_path(),
+            nix::fcntl::AtFlags::AT_SYMLINK_FOLLOW,
+        )?;
+        if let Err(err) = std::fs::rename(&temporary, path) {
+            let _ = std::fs::remove_file(&temporary);
+            return Err(err);
+        }
+        self.backing = Backing::Kept;
+        // After the link and the rename, which change the change time.
+        Ok(FileStamp::of_metadata(&self.file.metadata()?))
     }
 }
 
@@ -343,6 +400,7 @@ mod tests {
             }
             // The temporary directory is not on a disk filesystem here: the memfd is used, as it should be.
             Backing::SealedMemfd => eprintln!("skipped: {} is not on a disk filesystem", dir.path().display()),
+            Backing::Kept => panic!("a new copy is never a kept one"),
         }
     }
 

@@ -81,6 +81,10 @@ const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 
 /// Where, under a home, the unnamed files of private copies are made ([`Snapshot::private_copy`]).
 pub const COPIES_DIR: &str = "run/copies";
+/// Where, under a home, private copies are kept for later processes ([`Snapshot::private_copy`]): beside the
+/// compiled code and memory images the host maps (`<key>.image` + `<key>.image.sum`), which only the host may
+/// write and `strata images prune` evicts least recently used first.
+pub const KEPT_DIR: &str = "modules";
 
 /// Where, under a home, the sealed records of the stamps snapshots were verified with are kept
 /// ([`SnapshotTrust::with_verified_in`]).
@@ -385,6 +389,8 @@ type ByContent = Arc<Mutex<HashMap<(String, u64), Weak<PrivateCopy>>>>;
 struct CopyPlace {
     /// The directory of their unnamed files (see [`crate::private_copy`]); `None`: sealed memfds.
     dir: Option<PathBuf>,
+    /// Where copies are kept for later processes ([`KEPT_DIR`] under a home), if anywhere.
+    kept: Option<PathBuf>,
     by_content: ByContent,
 }
 
@@ -476,7 +482,9 @@ impl Snapshot {
     /// This, not the file, is what a tier maps: nothing done to the snapshot directory afterwards (truncating the
     /// file, rewriting it) reaches a mapping of the copy. The copy is made
     /// once per content: this snapshot keeps it, and every snapshot of the same trust asking for the same bytes
-    /// while it lives gets the same one.
+    /// while it lives gets the same one. A trust that keeps copies ([`SnapshotTrust::with_kept_copies_in`]) keeps
+    /// it for later processes too, which take the kept file (checked by its recorded stamp) instead of copying:
+    /// the bytes it holds are the ones the manifest's sha256 names, whatever the snapshot's file holds by then.
     pub fn private_copy(&self, name: &str) -> Result<Arc<PrivateCopy>, SnapshotError> {
         let path = self.file(name);
         let listed = self.listed(name).ok_or_else(|| SnapshotError::MissingFile(path.clone()))?;
@@ -490,43 +498,19 @@ impl Snapshot {
         let copy = match shared {
             Some(copy) => copy,
             None => {
-                let file = self.open_file(name)?;
-                // Settled, the verified stamp vouches for the bytes as long as it holds (checked after the copy);
-                // otherwise a write in the clock tick of the verification could hide behind it: hash them.
-                let mut hasher = (!self.settled).then(Sha256::new);
-                if let Some(dir) = &place.dir {
-                    // Best effort: without it the copy is a memfd.
-                    let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir);
-                }
-                let label = c"strata-snapshot-file";
-                let mut hash = |chunk: &[u8]| {
-                    if let Some(hasher) = &mut hasher {
-                        hasher.update(chunk);
+                let kept = place.kept.as_deref().map(|dir| kept_paths(dir, &listed.sha256, listed.size));
+                let found = kept.as_ref().and_then(|(file, sum)| open_kept(file, sum, &listed.sha256, listed.size));
+                let copy = match found {
+                    Some(copy) => copy,
+                    None => {
+                        let mut copy = self.copy_verified(name, listed)?;
+                        if let Some((file, sum)) = &kept {
+                            // Best effort: without it, the next process copies again.
+                            let _ = keep(&mut copy, file, sum, &listed.sha256);
+                        }
+                        copy
                     }
                 };
-                let inspect: Option<crate::private_copy::Inspect<'_>> =
-                    if self.settled { None } else { Some(&mut hash) };
-                let copy = PrivateCopy::copy_file(place.dir.as_deref(), label, &file, listed.size, inspect).map_err(
-                    |source| match source.kind() {
-                        io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
-                            SnapshotError::Changed(path.clone())
-                        }
-                        _ => SnapshotError::Io { path: path.clone(), source },
-                    },
-                )?;
-                match hasher {
-                    Some(hasher) => {
-                        if strata_image_util::hex(&hasher.finalize()) != listed.sha256 {
-                            return Err(SnapshotError::Checksum(path));
-                        }
-                    }
-                    None => {
-                        let after = fstat(&file).map_err(errno_error(&path))?;
-                        if self.stamp_of(name) != Some(&FileStamp::of_stat(&after)) {
-                            return Err(SnapshotError::Changed(path));
-                        }
-                    }
-                }
                 let copy = Arc::new(copy);
                 let mut by_content = place.by_content.lock().unwrap_or_else(|p| p.into_inner());
                 by_content.retain(|_, weak| weak.strong_count() > 0);
@@ -535,6 +519,48 @@ impl Snapshot {
             }
         };
         held.insert(name.to_owned(), copy.clone());
+        Ok(copy)
+    }
+
+    /// A new private copy of the listed file `name`, checked as [`Snapshot::private_copy`] says.
+    fn copy_verified(&self, name: &str, listed: &ManifestFile) -> Result<PrivateCopy, SnapshotError> {
+        let path = self.file(name);
+        let place = &self.copies.place;
+        let file = self.open_file(name)?;
+        // Settled, the verified stamp vouches for the bytes as long as it holds (checked after the copy);
+        // otherwise a write in the clock tick of the verification could hide behind it: hash them.
+        let mut hasher = (!self.settled).then(Sha256::new);
+        if let Some(dir) = &place.dir {
+            // Best effort: without it the copy is a memfd.
+            let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir);
+        }
+        let label = c"strata-snapshot-file";
+        let mut hash = |chunk: &[u8]| {
+            if let Some(hasher) = &mut hasher {
+                hasher.update(chunk);
+            }
+        };
+        let inspect: Option<crate::private_copy::Inspect<'_>> = if self.settled { None } else { Some(&mut hash) };
+        let copy =
+            PrivateCopy::copy_file(place.dir.as_deref(), label, &file, listed.size, inspect).map_err(|source| {
+                match source.kind() {
+                    io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => SnapshotError::Changed(path.clone()),
+                    _ => SnapshotError::Io { path: path.clone(), source },
+                }
+            })?;
+        match hasher {
+            Some(hasher) => {
+                if strata_image_util::hex(&hasher.finalize()) != listed.sha256 {
+                    return Err(SnapshotError::Checksum(path));
+                }
+            }
+            None => {
+                let after = fstat(&file).map_err(errno_error(&path))?;
+                if self.stamp_of(name) != Some(&FileStamp::of_stat(&after)) {
+                    return Err(SnapshotError::Changed(path));
+                }
+            }
+        }
         Ok(copy)
     }
 }
@@ -589,8 +615,11 @@ impl SnapshotTrust {
     /// created on first use), and keeps its records of verified stamps there ([`VERIFIED_DIR`]).
     pub fn in_home(home: &Path) -> SnapshotTrust {
         let path = home.join(crate::snapshot_key::KEY_FILE);
-        SnapshotTrust::with_key(KeySource::Home { path, loaded: Mutex::new(None) }, Some(home.join(COPIES_DIR)))
-            .with_verified_in(home.join(VERIFIED_DIR))
+        let mut trust =
+            SnapshotTrust::with_key(KeySource::Home { path, loaded: Mutex::new(None) }, Some(home.join(COPIES_DIR)))
+                .with_verified_in(home.join(VERIFIED_DIR));
+        trust.copies.kept = Some(home.join(KEPT_DIR));
+        trust
     }
 
     /// Trusts snapshots sealed in this process only ([`SnapshotKey::process_local`]).
@@ -599,7 +628,7 @@ impl SnapshotTrust {
     }
 
     fn with_key(key: KeySource, copies: Option<PathBuf>) -> SnapshotTrust {
-        let copies = CopyPlace { dir: copies, by_content: ByContent::default() };
+        let copies = CopyPlace { dir: copies, kept: None, by_content: ByContent::default() };
         SnapshotTrust {
             key: Arc::new(key),
             bounds: SnapshotBounds::default(),
@@ -639,6 +668,15 @@ impl SnapshotTrust {
     /// the temporary directory otherwise.
     pub fn with_copies_in(mut self, dir: PathBuf) -> SnapshotTrust {
         self.copies.dir = Some(dir);
+        self
+    }
+
+    /// The same trust keeping the private copies it makes in `dir` (created, mode 0700, when missing) for later
+    /// processes, which then map the kept file instead of copying again (see [`Snapshot::private_copy`];
+    /// [`KEPT_DIR`] under the home for [`SnapshotTrust::in_home`]). `dir` must be on the filesystem of the
+    /// copies' directory, and the host's alone: whoever can write there can make the host map anything.
+    pub fn with_kept_copies_in(mut self, dir: PathBuf) -> SnapshotTrust {
+        self.copies.kept = Some(dir);
         self
     }
 
@@ -767,6 +805,77 @@ impl SnapshotTrust {
 /// The record of verified stamps for the manifest sealed `sealed`, from `record`: its seal checked with `key`
 /// before anything else of it is believed. `None` when there is none, or it is not one for this manifest and
 /// `files` files sealed with this key.
+/// The kept copy of the content `sha256` of `size` bytes, and its record, in `dir`.
+fn kept_paths(dir: &Path, sha256: &str, size: u64) -> (PathBuf, PathBuf) {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(KEPT_TAG.as_bytes());
+    hasher.update(&[0]);
+    hasher.update(sha256.as_bytes());
+    hasher.update(&size.to_le_bytes());
+    let key = hasher.finalize().to_hex();
+    (dir.join(format!("{key}.image")), dir.join(format!("{key}.image.sum")))
+}
+
+/// What a kept copy's record starts with.
+const KEPT_TAG: &str = "strata kept snapshot file v1";
+
+/// The kept copy `file` of the content `sha256` of `size` bytes, if its record `sum` (`sha256 HEX LEN` and
+/// `stamp …`, at most 4 KiB read) names that content and the file still has the stamp it was kept with.
+fn open_kept(file: &Path, sum: &Path, sha256: &str, size: u64) -> Option<PrivateCopy> {
+    let record = File::options().read(true).custom_flags(READ_FLAGS.bits()).open(sum).ok()?;
+    let meta = record.metadata().ok()?;
+    if !meta.is_file() || meta.len() > 4096 {
+        return None;
+    }
+    let mut text = String::new();
+    (&record).take(4096).read_to_string(&mut text).ok()?;
+    let mut lines = text.lines();
+    if lines.next()? != format!("sha256 {sha256} {size}") {
+        return None;
+    }
+    let stamp = FileStamp::parse(lines.next()?.strip_prefix("stamp ")?)?;
+    let copy = PrivateCopy::open_kept(file, size, &stamp)?;
+    record_use(&record, &meta);
+    Some(copy)
+}
+
+/// Keeps `copy` (of the content `sha256`) at `file` and records it in `sum`, written to a temporary and renamed
+/// into place after the file is.
+fn keep(copy: &mut PrivateCopy, file: &Path, sum: &Path, sha256: &str) -> io::Result<()> {
+    let dir = file.parent().ok_or_else(|| io::Error::other("a kept copy needs a directory"))?;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    let stamp = copy.keep(file)?;
+    let text = format!("sha256 {sha256} {}\nstamp {}\n", copy.len(), stamp.render());
+    let name = sum.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    // `.NAME.PID.N.tmp`, as the module cache names its temporaries: a prune sweeps those of dead processes.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let temporary = dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
+    let written = File::options()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(OFlag::O_NOFOLLOW.bits())
+        .open(&temporary)
+        .and_then(|mut out| out.write_all(text.as_bytes()).and_then(|()| out.sync_data()))
+        .and_then(|()| std::fs::rename(&temporary, sum));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written
+}
+
+/// Records a use of a kept copy for `strata images prune`'s least-recently-used order: its record's modification
+/// time, set at most once an hour.
+fn record_use(record: &File, meta: &std::fs::Metadata) {
+    let now = SystemTime::now();
+    let recent = meta.modified().ok().and_then(|t| now.duration_since(t).ok()).is_some_and(|age| age.as_secs() < 3600);
+    if !recent {
+        // The owner may set a file's times through a read-only descriptor.
+        let _ = record.set_modified(now);
+    }
+}
+
 fn read_verified(record: &Path, sealed: &blake3::Hash, files: usize, key: &SnapshotKey) -> Option<Vec<FileStamp>> {
     let max = 256 + 128 * u64::try_from(files).ok()?;
     let file = File::options()
@@ -1802,6 +1911,74 @@ mod tests {
         let refused = fresh.private_copy("memory").expect_err("changed");
         assert!(matches!(refused, SnapshotError::Changed(_) | SnapshotError::Checksum(_)), "{refused}");
         assert!(matches!(fresh.private_copy("absent"), Err(SnapshotError::MissingFile(_))));
+    }
+
+    #[test]
+    fn a_kept_copy_serves_later_processes_until_anything_changes_it() {
+        use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+        let root = tempfile::tempdir().expect("tempdir");
+        let (copies, kept) = (root.path().join("copies"), root.path().join("kept"));
+        // A new trust is a later process: nothing in memory is shared with the one before.
+        let host = || trust().with_copies_in(copies.clone()).with_kept_copies_in(kept.clone());
+        std::fs::create_dir(&copies).expect("mkdir");
+        let made = snapshot(root.path(), &host());
+        let bytes = |copy: &PrivateCopy| {
+            let mut read = vec![0u8; 10_000];
+            copy.file().read_exact_at(&mut read, 0).expect("read the copy");
+            read
+        };
+        let first = made.private_copy("memory").expect("copy");
+        if first.backing() == crate::private_copy::Backing::SealedMemfd {
+            eprintln!("skipped: {} is not on a disk filesystem", copies.display());
+            return;
+        }
+        assert_eq!(first.backing(), crate::private_copy::Backing::Kept);
+        let ino = first.file().metadata().expect("stat").ino();
+        let listing = || {
+            let mut names: Vec<String> = std::fs::read_dir(&kept)
+                .expect("ls")
+                .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            names
+        };
+        let names = listing();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(names[0].ends_with(".image") && names[1].ends_with(".image.sum"), "{names:?}");
+        let image = kept.join(&names[0]);
+        assert_eq!(std::fs::metadata(&image).expect("stat").mode() & 0o7777, 0o400);
+        drop(first);
+        // A later process maps the kept file: no copy.
+        let later = host().open(&made.dir).expect("open").private_copy("memory").expect("kept");
+        assert_eq!(later.file().metadata().expect("stat").ino(), ino);
+        assert_eq!(bytes(&later), [7u8; 10_000]);
+        drop(later);
+        // Rewritten in place (the same size): its stamp moved, so it is not used; a new copy replaces it.
+        std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        std::fs::OpenOptions::new().write(true).open(&image).expect("open").write_all_at(&[1; 100], 0).expect("w");
+        let third = host().open(&made.dir).expect("open").private_copy("memory").expect("copied again");
+        let ino = third.file().metadata().expect("stat").ino();
+        assert_eq!(bytes(&third), [7u8; 10_000]);
+        assert_eq!(std::fs::metadata(&image).expect("stat").ino(), ino, "kept in its place");
+        drop(third);
+        // A link in its place is not followed.
+        std::fs::remove_file(&image).expect("rm");
+        std::os::unix::fs::symlink(made.dir.join("memory"), &image).expect("symlink");
+        let fourth = host().open(&made.dir).expect("open").private_copy("memory").expect("copied again");
+        let target = std::fs::metadata(made.dir.join("memory")).expect("stat").ino();
+        assert_ne!(fourth.file().metadata().expect("stat").ino(), target, "the link's target is not mapped");
+        assert!(std::fs::symlink_metadata(&image).expect("stat").is_file(), "replaced by a kept copy");
+        drop(fourth);
+        // A record that names other bytes is not believed.
+        let sum = kept.join(&names[1]);
+        let text = std::fs::read_to_string(&sum).expect("record");
+        let forged = format!("sha256 {} 10000\n{}", "0".repeat(64), text.lines().nth(1).expect("stamp"));
+        std::fs::write(&sum, forged).expect("forge");
+        let fifth = host().open(&made.dir).expect("open").private_copy("memory").expect("copied again");
+        assert_eq!(bytes(&fifth), [7u8; 10_000]);
+        let rewritten = std::fs::read_to_string(&sum).expect("record");
+        assert_eq!(rewritten.lines().next(), text.lines().next(), "recorded again, with the bytes' own sha256");
+        assert_eq!(listing(), names, "no temporaries are left");
     }
 
     /// A trust keeping verified stamps in `record`, for files however recently changed.

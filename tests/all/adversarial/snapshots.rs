@@ -266,26 +266,45 @@ fn no_job_is_granted_the_directory_of_the_snapshot_key() {
             if !dir.exists() {
                 continue;
             }
-            let caps = Capabilities {
-                grants: vec![Grant::new(dir, "/h", GrantMode::Ro).expect("grant")],
-                ..Capabilities::default()
-            };
-            let err = engine.start(strata_engine::TierChoice::Auto, &caps, &Limits::default()).err().expect("refused");
-            assert_eq!(err.code(), "invalid_capability", "{err}");
-            assert!(err.to_string().contains("snapshot key"), "{err}");
-            let job = job(programs::HELLO, &[]);
-            let err = engine.execute(RunRequest::new(&job).caps(&caps).limits(Limits::default())).expect_err("refused");
-            assert_eq!(err.code(), "invalid_capability", "{err}");
+            let err = refused_grant(&engine, dir);
+            assert!(err.contains("snapshot key"), "{err}");
         }
     }
-    // A directory beside the key is fine.
-    let data = home.path().join("data");
-    std::fs::create_dir(&data).expect("mkdir");
-    let caps = Capabilities {
-        grants: vec![Grant::new(&data, "/h", GrantMode::Rw).expect("grant")],
-        ..Capabilities::default()
-    };
-    engine.start(strata_engine::TierChoice::Auto, &caps, &Limits::default()).expect("a grant beside the key");
+    // What the host maps into itself (compiled code, memory images, kept snapshot copies) and its records of
+    // verified snapshots: neither the directories nor anything in them.
+    for (dir, what) in
+        [("modules", "maps into itself"), ("run/copies", "snapshot memory"), ("run/verified", "verified")]
+    {
+        let dir = home.path().join(dir);
+        std::fs::create_dir_all(dir.join("inside")).expect("mkdir");
+        for granted in [dir.clone(), dir.join("inside")] {
+            let err = refused_grant(&engine, &granted);
+            assert!(err.contains(what), "{err}");
+        }
+    }
+    // A directory beside them is fine (the E2B server's sandbox homes live in run/serve).
+    for beside in ["data", "run/serve/sandbox"] {
+        let data = home.path().join(beside);
+        std::fs::create_dir_all(&data).expect("mkdir");
+        let caps = Capabilities {
+            grants: vec![Grant::new(&data, "/h", GrantMode::Rw).expect("grant")],
+            ..Capabilities::default()
+        };
+        engine.start(strata_engine::TierChoice::Auto, &caps, &Limits::default()).expect("a grant beside the key");
+    }
+}
+
+/// Grants `dir` to a sandbox and to a job of `engine`; both must be refused as `invalid_capability`. Returns the
+/// message.
+fn refused_grant(engine: &Engine, dir: &Path) -> String {
+    let caps =
+        Capabilities { grants: vec![Grant::new(dir, "/h", GrantMode::Ro).expect("grant")], ..Capabilities::default() };
+    let err = engine.start(strata_engine::TierChoice::Auto, &caps, &Limits::default()).err().expect("refused");
+    assert_eq!(err.code(), "invalid_capability", "{err}");
+    let job = job(programs::HELLO, &[]);
+    let refused = engine.execute(RunRequest::new(&job).caps(&caps).limits(Limits::default())).expect_err("refused");
+    assert_eq!(refused.code(), "invalid_capability", "{refused}");
+    err.to_string()
 }
 
 #[test]
