@@ -102,6 +102,8 @@ fn every_monitor_thread_is_jailed_and_filtered() {
     assert!(tasks.len() >= 4, "threads: {names:?}");
     assert!(names.iter().any(|n| n.starts_with("strata-vcpu")), "{names:?}");
     assert!(names.iter().any(|n| n.starts_with("strata-virtio")), "{names:?}");
+    // The main thread by its name, not the descriptor it was started through (`/proc/self/fd/N`).
+    assert!(names.contains("strata-vmm"), "{names:?}");
     let me = std::process::id().to_string();
     for kind in ["mnt", "pid", "net", "ipc", "uts", "user", "cgroup"] {
         assert_ne!(namespace(&pid, kind), namespace(&me, kind), "the monitor shares our {kind} namespace");

@@ -37,6 +37,8 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 /// The binary's entry: the keeper, which forks the monitor.
 pub fn main() -> ! {
+    // Started as `/proc/self/fd/N`, the process would be named `N` in `ps` and `/proc/PID/comm`; best effort.
+    let _ = nix::sys::prctl::set_name(c"strata-vmm");
     // SAFETY: the engine starts this binary with the control socket as standard input; nothing else in this
     // process owns descriptor 0.
     let ctl = unsafe { OwnedFd::from_raw_fd(0) };
