@@ -851,16 +851,22 @@ fn keep(copy: &mut PrivateCopy, file: &Path, sum: &Path, sha256: &str) -> io::Re
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let temporary = dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
+    replace_file(&temporary, sum, text.as_bytes())
+}
+
+/// Writes `text` (synced) to the new file `temporary` (mode 0600, never through a link) and renames it to `path`;
+/// the temporary is removed if anything fails.
+fn replace_file(temporary: &Path, path: &Path, text: &[u8]) -> io::Result<()> {
     let written = File::options()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .custom_flags(OFlag::O_NOFOLLOW.bits())
-        .open(&temporary)
-        .and_then(|mut out| out.write_all(text.as_bytes()).and_then(|()| out.sync_data()))
-        .and_then(|()| std::fs::rename(&temporary, sum));
+        .open(temporary)
+        .and_then(|mut file| file.write_all(text).and_then(|()| file.sync_data()))
+        .and_then(|()| std::fs::rename(temporary, path));
     if written.is_err() {
-        let _ = std::fs::remove_file(&temporary);
+        let _ = std::fs::remove_file(temporary);
     }
     written
 }
@@ -914,18 +920,7 @@ fn write_verified(record: &Path, sealed: &blake3::Hash, stamps: &[FileStamp], ke
     let text = format!("{body}seal {}\n", key.seal_stamps(body.as_bytes()).to_hex());
     let path = record.join(sealed.to_hex().as_str());
     let temporary = record.join(format!(".{}.{}.{}.tmp", sealed.to_hex(), std::process::id(), random_hex(4)));
-    let written = File::options()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(OFlag::O_NOFOLLOW.bits())
-        .open(&temporary)
-        .and_then(|mut file| file.write_all(text.as_bytes()))
-        .and_then(|()| std::fs::rename(&temporary, &path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&temporary);
-    }
-    written
+    replace_file(&temporary, &path, text.as_bytes())
 }
 
 /// Opens a snapshot directory (the path itself may be a link; nothing below it is followed).
