@@ -229,9 +229,7 @@ impl PrivateCopy {
         };
         self.file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o400))?;
         self.file.sync_data()?;
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let temporary = dir.join(format!(".{}.{}.{n}.tmp", name.to_string_lossy(), std::process::id()));
+        let temporary = temporary_beside(dir, &name.to_string_lossy());
         // An unnamed file gets a name through its descriptor's link in /proc (linkat with AT_EMPTY_PATH would
         // need CAP_DAC_READ_SEARCH).
         let own = PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()));
@@ -250,6 +248,14 @@ impl PrivateCopy {
         // After the link and the rename, which change the change time.
         Ok(FileStamp::of_metadata(&self.file.metadata()?))
     }
+}
+
+/// A temporary name for `name` in `dir`: `.NAME.PID.N.tmp`, as the module cache names its temporaries, so that a
+/// prune sweeps those of processes that died.
+pub(crate) fn temporary_beside(dir: &Path, name: &str) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()))
 }
 
 /// A new file of `len` bytes (all a hole) for a copy: unnamed in `dir` if it can be, else a memfd.

@@ -847,10 +847,7 @@ fn keep(copy: &mut PrivateCopy, file: &Path, sum: &Path, sha256: &str) -> io::Re
     let stamp = copy.keep(file)?;
     let text = format!("sha256 {sha256} {}\nstamp {}\n", copy.len(), stamp.render());
     let name = sum.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    // `.NAME.PID.N.tmp`, as the module cache names its temporaries: a prune sweeps those of dead processes.
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let temporary = dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
+    let temporary = crate::private_copy::temporary_beside(dir, &name);
     replace_file(&temporary, sum, text.as_bytes())
 }
 
